@@ -1,0 +1,143 @@
+"""The four invariants of the architecture, checked over any store or snapshot file.
+
+1. Exactly once: every prompt the sampler handed out (every sampler position below the
+   cursor) is in the ledger once or in the spare pool, never both, never missing; a
+   group is trained or discarded, never both (one state column) and never twice
+   (UNIQUE (epoch, prompt_id)).
+2. A group is in the replay buffer or in flight, never both: replay rows belong to
+   `published` groups only, every published group holds one permit below capacity, and
+   no group in replay has a running attempt.
+3. Every payload row is referenced by a live ledger row (samples, chunks, episodes,
+   finalizer results of groups that are neither trained nor discarded).
+4. The sampler cursor covers every saved group and spare prompt.
+
+Plain SQL over a sqlite3 connection, so `verify` can run it on a read-only file. With
+no-ledger dispatch the ledger is empty by design and 1, 3 and 4 only check the pool.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from dataclasses import dataclass, field
+
+# Each check: (invariant number, description, SQL returning offending rows as text).
+_LEDGER_CHECKS: list[tuple[int, str, str]] = [
+    (
+        1,
+        "sampler positions handed out but neither in the ledger nor in the spare pool",
+        """SELECT 'missing ' || (c.next_seq - h.n) || ' of ' || c.next_seq || ' positions'
+           FROM sampler_state c,
+                (SELECT count(*) AS n FROM (SELECT sample_seq FROM prompt_groups
+                                            UNION SELECT sample_seq FROM spare_prompts)) h
+           WHERE h.n < c.next_seq""",
+    ),
+    (
+        1,
+        "prompts both in the ledger and in the spare pool",
+        """SELECT 'epoch ' || s.epoch || ' prompt ' || s.prompt_id FROM spare_prompts s
+           JOIN prompt_groups g ON g.epoch = s.epoch AND g.prompt_id = s.prompt_id""",
+    ),
+    (
+        2,
+        "replay rows whose group is not published",
+        """SELECT 'group ' || r.group_id || ' is ' || coalesce(g.state, 'missing') FROM replay_groups r
+           LEFT JOIN prompt_groups g ON g.group_id = r.group_id
+           WHERE g.state IS NOT 'published'""",
+    ),
+    (
+        2,
+        "published groups without a replay permit",
+        """SELECT 'group ' || g.group_id FROM prompt_groups g
+           WHERE g.state = 'published' AND g.group_id NOT IN (SELECT group_id FROM replay_groups)""",
+    ),
+    (
+        2,
+        "groups in replay that still have a running attempt",
+        """SELECT DISTINCT 'group ' || r.group_id FROM replay_groups r
+           JOIN rollouts a ON a.group_id = r.group_id WHERE a.state = 'running'""",
+    ),
+    (
+        3,
+        "samples of no live group",
+        """SELECT 'sample ' || s.sample_id || ' (group ' || s.group_id || ')' FROM samples s
+           LEFT JOIN prompt_groups g ON g.group_id = s.group_id
+           WHERE g.state IS NULL OR g.state IN ('trained', 'discarded', 'reserved')""",
+    ),
+    (
+        3,
+        "finalizer results of no live group",
+        """SELECT 'finalizer ' || f.group_id FROM finalizer_results f
+           LEFT JOIN prompt_groups g ON g.group_id = f.group_id
+           WHERE g.state IS NULL OR g.state IN ('trained', 'discarded')""",
+    ),
+    (
+        3,
+        "token chunks of no running attempt",
+        """SELECT 'chunk ' || c.chunk_id FROM token_chunks c
+           LEFT JOIN rollouts a ON a.attempt_id = c.attempt_id
+           WHERE a.state IS NOT 'running'""",
+    ),
+    (
+        3,
+        "environment episodes of no running attempt",
+        """SELECT 'episode ' || e.episode_key FROM env_episodes e
+           LEFT JOIN rollouts a ON a.attempt_id = e.attempt_id
+           WHERE a.state IS NOT 'running'""",
+    ),
+    (
+        4,
+        "ledger groups beyond the sampler cursor",
+        """SELECT 'group ' || group_id || ' at sample_seq ' || sample_seq FROM prompt_groups
+           WHERE sample_seq >= (SELECT next_seq FROM sampler_state)""",
+    ),
+]
+
+_ALWAYS_CHECKS: list[tuple[int, str, str]] = [
+    (
+        4,
+        "spare prompts beyond the sampler cursor",
+        """SELECT 'sample_seq ' || sample_seq FROM spare_prompts
+           WHERE sample_seq >= (SELECT next_seq FROM sampler_state)""",
+    ),
+    (
+        2,
+        "replay permits at or above capacity",
+        """SELECT 'permit ' || permit || ' of group ' || group_id FROM replay_groups
+           WHERE permit >= (SELECT replay_capacity FROM run_meta)""",
+    ),
+    (
+        0,
+        "foreign keys that point nowhere",
+        "SELECT \"table\" || ' rowid ' || rowid || ' -> ' || parent FROM pragma_foreign_key_check",
+    ),
+]
+
+MAX_EXAMPLES = 5
+
+
+@dataclass
+class InvariantReport:
+    counts: dict[str, int]
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def check_invariants(conn: sqlite3.Connection) -> InvariantReport:
+    """Run every check; each failing one adds a line with its count and examples."""
+    ledger = bool(conn.execute("SELECT ledger_dispatch FROM run_meta").fetchone()[0])
+    counts = dict(conn.execute("SELECT state, count(*) FROM prompt_groups GROUP BY state").fetchall())
+    counts["spare"] = conn.execute("SELECT count(*) FROM spare_prompts").fetchone()[0]
+    counts["replay"] = conn.execute("SELECT count(*) FROM replay_groups").fetchone()[0]
+    counts["cursor"] = conn.execute("SELECT next_seq FROM sampler_state").fetchone()[0]
+    report = InvariantReport(counts=counts)
+    checks = (_LEDGER_CHECKS if ledger else []) + _ALWAYS_CHECKS
+    for number, what, sql in checks:
+        rows = [r[0] for r in conn.execute(sql).fetchall()]
+        if rows:
+            label = f"invariant {number}" if number else "integrity"
+            examples = ", ".join(rows[:MAX_EXAMPLES]) + (", ..." if len(rows) > MAX_EXAMPLES else "")
+            report.problems.append(f"{label}: {len(rows)} {what}: {examples}")
+    return report

@@ -1,0 +1,367 @@
+"""The recovery ledger's transitions, as functions over an open transaction.
+
+Each function takes the connection `Store.atomic()` yields, so a pump can compose several
+transitions into one cut. All of them are SQLAlchemy Core with executemany on the hot
+paths. A transition that finds a row in the wrong state raises `IllegalTransition`
+naming the group (or attempt) and both states, and the enclosing transaction rolls back.
+
+Group states:    reserved -> dispatched -> sealed -> published -> trained
+                 any state before trained -> discarded (with a reason)
+Rollout states:  running -> finished | abandoned (restart, deadline, error)
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from sqlalchemy import Connection, bindparam, delete, func, insert, or_, select, update
+
+from .codec import encode_logprobs, encode_tokens, encode_version_counts
+from .errors import IllegalTransition, ReplayFullError
+from .schema import ABANDON_REASONS, T
+
+groups = T["prompt_groups"]
+rollouts = T["rollouts"]
+samples = T["samples"]
+replay = T["replay_groups"]
+finalizers = T["finalizer_results"]
+chunks = T["token_chunks"]
+episodes = T["env_episodes"]
+run_meta = T["run_meta"]
+
+# Which states each target state may be entered from.
+GROUP_SOURCES = {
+    "dispatched": ("reserved",),
+    "sealed": ("dispatched",),
+    "published": ("sealed",),
+    "trained": ("published",),
+    "discarded": ("reserved", "dispatched", "sealed", "published"),
+}
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """A prompt the sampler handed out: its place in sampler order and dataset identity."""
+
+    sample_seq: int
+    epoch: int
+    prompt_id: int
+
+
+@dataclass(frozen=True)
+class FinishedGeneration:
+    """A finished call's payload, written as one `samples` row."""
+
+    token_ids: Sequence[int]
+    logprobs: Sequence[float]
+    reward: float
+    # [(policy_version, token_count), ...] in decode order; see codec.version_runs.
+    version_token_counts: Sequence[tuple[int, int]]
+
+
+def _move_groups(conn: Connection, group_ids: Sequence[int], target: str, **values) -> None:
+    """Move every group in `group_ids` to `target`, or raise naming the first misfit."""
+    if not group_ids:
+        return
+    sources = GROUP_SOURCES[target]
+    stmt = (
+        update(groups)
+        .where(groups.c.group_id == bindparam("gid"), or_(*(groups.c.state == s for s in sources)))
+        .values(state=target, updated_at=time.time(), **values)
+    )
+    result = conn.execute(stmt, [{"gid": g} for g in group_ids])
+    if result.rowcount != len(group_ids):
+        _raise_group_misfit(conn, group_ids, target)
+
+
+def _raise_group_misfit(conn: Connection, group_ids: Sequence[int], target: str) -> None:
+    found = dict(
+        conn.execute(
+            select(groups.c.group_id, groups.c.state).where(groups.c.group_id.in_(group_ids))
+        ).all()
+    )
+    for g in group_ids:
+        state = found.get(g)
+        if state is None:
+            raise IllegalTransition(f"group {g}: no such group in the ledger (asked to become {target})")
+        if state not in GROUP_SOURCES[target]:
+            raise IllegalTransition(f"group {g}: cannot go from {state} to {target}")
+    raise IllegalTransition(f"groups {list(group_ids)}: a group id is listed twice (asked to become {target})")
+
+
+def group_states(conn: Connection, group_ids: Iterable[int]) -> dict[int, str]:
+    ids = list(group_ids)
+    return dict(conn.execute(select(groups.c.group_id, groups.c.state).where(groups.c.group_id.in_(ids))).all())
+
+
+def reserve_groups(
+    conn: Connection,
+    reservations: Sequence[Reservation],
+    *,
+    num_generations: int,
+    target_step: int | None,
+) -> list[int]:
+    """Record prompts handed out by the sampler as `reserved` groups; returns group ids
+    in the same order. A prompt already in the ledger (same epoch and prompt id) is
+    refused by the UNIQUE constraint: that is invariant 1 enforced by the schema."""
+    if not reservations:
+        return []
+    now = time.time()
+    rows = [
+        {
+            "sample_seq": r.sample_seq,
+            "epoch": r.epoch,
+            "prompt_id": r.prompt_id,
+            "num_generations": num_generations,
+            "target_step": target_step,
+            "state": "reserved",
+            "created_at": now,
+            "updated_at": now,
+        }
+        for r in reservations
+    ]
+    conn.execute(insert(groups), rows)
+    seqs = [r.sample_seq for r in reservations]
+    by_seq = dict(conn.execute(select(groups.c.sample_seq, groups.c.group_id).where(groups.c.sample_seq.in_(seqs))).all())
+    return [by_seq[s] for s in seqs]
+
+
+def dispatch_groups(conn: Connection, group_ids: Sequence[int], *, policy_version: int) -> list[int]:
+    """reserved -> dispatched, with one running attempt (attempt 0) per generation.
+    Returns the attempt ids, group by group, generation by generation."""
+    _move_groups(conn, group_ids, "dispatched", policy_version=policy_version)
+    n_by_group = dict(
+        conn.execute(
+            select(groups.c.group_id, groups.c.num_generations).where(groups.c.group_id.in_(group_ids))
+        ).all()
+    )
+    wanted = [(g, i) for g in group_ids for i in range(n_by_group[g])]
+    return start_attempts(conn, wanted, policy_version=policy_version)
+
+
+def start_attempts(conn: Connection, generations: Sequence[tuple[int, int]], *, policy_version: int) -> list[int]:
+    """A new running attempt for each (group id, generation index): attempt 0 the first
+    time, one more than the last attempt after an abandon. Returns attempt ids in order."""
+    if not generations:
+        return []
+    gids = sorted({g for g, _ in generations})
+    last = {
+        (g, i): a
+        for g, i, a in conn.execute(
+            select(rollouts.c.group_id, rollouts.c.generation_index, func.max(rollouts.c.attempt))
+            .where(rollouts.c.group_id.in_(gids))
+            .group_by(rollouts.c.group_id, rollouts.c.generation_index)
+        ).all()
+    }
+    live = set(
+        conn.execute(
+            select(rollouts.c.group_id, rollouts.c.generation_index).where(
+                rollouts.c.group_id.in_(gids), rollouts.c.state != "abandoned"
+            )
+        ).all()
+    )
+    states = group_states(conn, gids)
+    now = time.time()
+    rows = []
+    for g, i in generations:
+        if states.get(g) != "dispatched":
+            raise IllegalTransition(f"group {g}: cannot start an attempt while {states.get(g, 'missing')} (needs dispatched)")
+        if (g, i) in live:
+            raise IllegalTransition(f"group {g} generation {i}: already has a running or finished attempt")
+        rows.append(
+            {
+                "group_id": g,
+                "generation_index": i,
+                "attempt": last.get((g, i), -1) + 1,
+                "state": "running",
+                "policy_version": policy_version,
+                "dispatched_at": now,
+            }
+        )
+    conn.execute(insert(rollouts), rows)
+    keys = {(r["group_id"], r["generation_index"], r["attempt"]) for r in rows}
+    found = {
+        (g, i, a): aid
+        for aid, g, i, a in conn.execute(
+            select(rollouts.c.attempt_id, rollouts.c.group_id, rollouts.c.generation_index, rollouts.c.attempt).where(
+                rollouts.c.group_id.in_(gids), rollouts.c.state == "running"
+            )
+        ).all()
+        if (g, i, a) in keys
+    }
+    return [found[(r["group_id"], r["generation_index"], r["attempt"])] for r in rows]
+
+
+def _end_attempts(conn: Connection, attempt_ids: Sequence[int], state: str, reason: str | None) -> None:
+    stmt = (
+        update(rollouts)
+        .where(rollouts.c.attempt_id == bindparam("aid"), rollouts.c.state == "running")
+        .values(state=state, abandon_reason=reason, ended_at=time.time())
+    )
+    result = conn.execute(stmt, [{"aid": a} for a in attempt_ids])
+    if result.rowcount != len(attempt_ids):
+        found = dict(
+            conn.execute(select(rollouts.c.attempt_id, rollouts.c.state).where(rollouts.c.attempt_id.in_(attempt_ids))).all()
+        )
+        for a in attempt_ids:
+            if found.get(a) != "running":
+                raise IllegalTransition(f"attempt {a}: cannot go from {found.get(a, 'missing')} to {state}")
+        raise IllegalTransition(f"attempts {list(attempt_ids)}: an attempt id is listed twice")
+
+
+def finish_attempts(conn: Connection, finished: Sequence[tuple[int, FinishedGeneration]]) -> None:
+    """running -> finished, writing each generation's sample row in the same cut."""
+    if not finished:
+        return
+    ids = [a for a, _ in finished]
+    _end_attempts(conn, ids, "finished", None)
+    info = {
+        aid: (g, i, pid)
+        for aid, g, i, pid in conn.execute(
+            select(rollouts.c.attempt_id, rollouts.c.group_id, rollouts.c.generation_index, groups.c.prompt_id)
+            .join(groups, groups.c.group_id == rollouts.c.group_id)
+            .where(rollouts.c.attempt_id.in_(ids))
+        ).all()
+    }
+    write_samples(conn, [(info[a][0], info[a][1], info[a][2], gen) for a, gen in finished])
+    # A finished call's prefix chunks are no longer needed.
+    conn.execute(delete(chunks).where(chunks.c.attempt_id.in_(ids)))
+
+
+def write_samples(conn: Connection, rows: Sequence[tuple[int, int, int, FinishedGeneration]]) -> None:
+    """Insert `samples` rows: (group id, generation index, prompt id, generation).
+    Used directly by no-ledger dispatch, where there are no attempt rows."""
+    now = time.time()
+    conn.execute(
+        insert(samples),
+        [
+            {
+                "group_id": g,
+                "generation_index": i,
+                "prompt_id": pid,
+                "num_tokens": len(gen.token_ids),
+                "token_ids": encode_tokens(gen.token_ids),
+                "logprobs": encode_logprobs(gen.logprobs),
+                "reward": float(gen.reward),
+                "policy_version": gen.version_token_counts[0][0] if gen.version_token_counts else 0,
+                "version_token_counts": encode_version_counts(gen.version_token_counts),
+                "created_at": now,
+            }
+            for g, i, pid, gen in rows
+        ],
+    )
+
+
+def abandon_attempts(conn: Connection, attempt_ids: Sequence[int], reason: str) -> None:
+    """running -> abandoned(reason). The group stays dispatched; start a new attempt."""
+    if reason not in ABANDON_REASONS:
+        raise ValueError(f"abandon reason {reason!r} unknown; use one of {', '.join(ABANDON_REASONS)}")
+    if attempt_ids:
+        _end_attempts(conn, attempt_ids, "abandoned", reason)
+        conn.execute(delete(episodes).where(episodes.c.attempt_id.in_(attempt_ids)))
+
+
+def seal_groups(conn: Connection, group_ids: Sequence[int]) -> None:
+    """dispatched -> sealed, only once every generation has a finished attempt."""
+    if not group_ids:
+        return
+    done = dict(
+        conn.execute(
+            select(rollouts.c.group_id, func.count())
+            .where(rollouts.c.group_id.in_(group_ids), rollouts.c.state == "finished")
+            .group_by(rollouts.c.group_id)
+        ).all()
+    )
+    need = dict(conn.execute(select(groups.c.group_id, groups.c.num_generations).where(groups.c.group_id.in_(group_ids))).all())
+    for g in group_ids:
+        if g in need and done.get(g, 0) != need[g]:
+            raise IllegalTransition(f"group {g}: cannot seal with {done.get(g, 0)} of {need[g]} generations finished")
+    _move_groups(conn, group_ids, "sealed")
+
+
+def _free_permits(conn: Connection, n: int) -> list[int]:
+    capacity = conn.execute(select(run_meta.c.replay_capacity)).scalar_one()
+    taken = set(conn.execute(select(replay.c.permit)).scalars())
+    free = [p for p in range(capacity) if p not in taken][:n]
+    if len(free) < n:
+        raise ReplayFullError(
+            f"replay buffer full: {len(taken)} of {capacity} permits taken; train or discard a group first"
+        )
+    return free
+
+
+def publish_groups(conn: Connection, group_ids: Sequence[int]) -> list[int]:
+    """sealed -> published: each group enters the replay buffer holding one capacity
+    permit. Returns the permits."""
+    if not group_ids:
+        return []
+    _move_groups(conn, group_ids, "published")
+    info = {
+        g: (e, p, s)
+        for g, e, p, s in conn.execute(
+            select(groups.c.group_id, groups.c.epoch, groups.c.prompt_id, groups.c.target_step).where(
+                groups.c.group_id.in_(group_ids)
+            )
+        ).all()
+    }
+    tokens = dict(
+        conn.execute(
+            select(samples.c.group_id, func.sum(samples.c.num_tokens)).where(samples.c.group_id.in_(group_ids)).group_by(samples.c.group_id)
+        ).all()
+    )
+    return insert_replay(conn, [(g, *info[g], tokens.get(g, 0)) for g in group_ids])
+
+
+def insert_replay(conn: Connection, rows: Sequence[tuple[int, int, int, int | None, int]]) -> list[int]:
+    """Add (group id, epoch, prompt id, target step, tokens) to the replay buffer, one
+    permit each. Used directly by no-ledger dispatch."""
+    permits = _free_permits(conn, len(rows))
+    now = time.time()
+    conn.execute(
+        insert(replay),
+        [
+            {"group_id": g, "permit": p, "epoch": e, "prompt_id": pid, "target_step": s, "num_tokens": n, "published_at": now}
+            for (g, e, pid, s, n), p in zip(rows, permits)
+        ],
+    )
+    return permits
+
+
+def _drop_payloads(conn: Connection, group_ids: Sequence[int]) -> None:
+    conn.execute(delete(replay).where(replay.c.group_id.in_(group_ids)))
+    conn.execute(delete(samples).where(samples.c.group_id.in_(group_ids)))
+    conn.execute(delete(finalizers).where(finalizers.c.group_id.in_(group_ids)))
+    attempts = select(rollouts.c.attempt_id).where(rollouts.c.group_id.in_(group_ids)).scalar_subquery()
+    conn.execute(delete(chunks).where(chunks.c.attempt_id.in_(attempts)))
+    conn.execute(delete(episodes).where(episodes.c.attempt_id.in_(attempts)))
+
+
+def mark_trained(conn: Connection, group_ids: Sequence[int], *, step: int) -> None:
+    """published -> trained: releases the replay permits and drops the payloads."""
+    if not group_ids:
+        return
+    _move_groups(conn, group_ids, "trained", trained_step=step)
+    _drop_payloads(conn, group_ids)
+
+
+def release_replay(conn: Connection, group_ids: Sequence[int]) -> None:
+    """No-ledger counterpart of `mark_trained`: drop replay rows and payloads."""
+    _drop_payloads(conn, group_ids)
+
+
+def discard_groups(conn: Connection, group_ids: Sequence[int], *, reason: str) -> None:
+    """Any state before trained -> discarded(reason): running attempts are abandoned
+    with reason `error`, payloads dropped and the replay permit released."""
+    if not group_ids:
+        return
+    if not reason:
+        raise ValueError("a discard needs a reason, e.g. 'zero_reward_variance'")
+    _move_groups(conn, group_ids, "discarded", discard_reason=reason)
+    conn.execute(
+        update(rollouts)
+        .where(rollouts.c.group_id.in_(group_ids), rollouts.c.state == "running")
+        .values(state="abandoned", abandon_reason="error", ended_at=time.time())
+    )
+    _drop_payloads(conn, group_ids)

@@ -1,0 +1,207 @@
+"""Runtime state beside the ledger: sampler cursor, spare-prompt pool, per-step shortfall,
+finalizer results, prefix chunks and environment episodes. Functions over an open
+transaction, like `ledger.py`."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from sqlalchemy import Connection, delete, func, insert, select, update
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+
+from .codec import decode_tokens, encode_tokens
+from .errors import IllegalTransition
+from .ledger import Reservation
+from .schema import T
+
+sampler = T["sampler_state"]
+spare = T["spare_prompts"]
+shortfall = T["step_shortfall"]
+finalizers = T["finalizer_results"]
+chunks = T["token_chunks"]
+episodes = T["env_episodes"]
+rollouts = T["rollouts"]
+
+
+# ---------------------------------------------------------------- sampler cursor
+
+
+@dataclass(frozen=True)
+class Cursor:
+    next_seq: int
+    epoch: int
+    seed: int
+    stamping: str
+
+
+def read_cursor(conn: Connection) -> Cursor:
+    row = conn.execute(select(sampler.c.next_seq, sampler.c.epoch, sampler.c.seed, sampler.c.stamping)).one()
+    return Cursor(*row)
+
+
+def advance_cursor(conn: Connection, next_seq: int, epoch: int) -> None:
+    """Record that the sampler has handed out every prompt below `next_seq`. The cursor
+    never moves back: a restore relies on it covering every saved group."""
+    current = read_cursor(conn)
+    if next_seq < current.next_seq:
+        raise IllegalTransition(f"sampler cursor: cannot move back from {current.next_seq} to {next_seq}")
+    conn.execute(update(sampler).values(next_seq=next_seq, epoch=epoch))
+
+
+# ---------------------------------------------------------------- spare pool
+
+
+def push_spare(conn: Connection, prompts: Sequence[Reservation]) -> None:
+    if prompts:
+        now = time.time()
+        conn.execute(
+            insert(spare),
+            [{"sample_seq": p.sample_seq, "epoch": p.epoch, "prompt_id": p.prompt_id, "added_at": now} for p in prompts],
+        )
+
+
+def pop_spare(conn: Connection, n: int) -> list[Reservation]:
+    """Take up to `n` spare prompts, oldest (lowest sampler position) first."""
+    rows = conn.execute(
+        select(spare.c.sample_seq, spare.c.epoch, spare.c.prompt_id).order_by(spare.c.sample_seq).limit(n)
+    ).all()
+    if rows:
+        conn.execute(delete(spare).where(spare.c.sample_seq.in_([r[0] for r in rows])))
+    return [Reservation(*r) for r in rows]
+
+
+def spare_count(conn: Connection) -> int:
+    return conn.execute(select(func.count()).select_from(spare)).scalar_one()
+
+
+# ---------------------------------------------------------------- shortfall
+
+
+def set_shortfall(conn: Connection, step: int, needed: int) -> None:
+    """Set how many groups `step` still needs; 0 removes the row."""
+    if needed < 0:
+        raise ValueError(f"step {step}: shortfall cannot be negative ({needed})")
+    if needed == 0:
+        conn.execute(delete(shortfall).where(shortfall.c.step == step))
+        return
+    stmt = sqlite_insert(shortfall).values(step=step, needed=needed)
+    conn.execute(stmt.on_conflict_do_update(index_elements=["step"], set_={"needed": needed}))
+
+
+def add_shortfall(conn: Connection, step: int, delta: int) -> int:
+    """Change a step's shortfall by `delta`; returns the new value."""
+    new = get_shortfall(conn).get(step, 0) + delta
+    set_shortfall(conn, step, new)
+    return new
+
+
+def get_shortfall(conn: Connection) -> dict[int, int]:
+    return dict(conn.execute(select(shortfall.c.step, shortfall.c.needed)).all())
+
+
+# ---------------------------------------------------------------- finalizer results
+
+
+def put_finalizer_result(conn: Connection, group_id: int, payload: dict) -> None:
+    stmt = sqlite_insert(finalizers).values(group_id=group_id, payload=json.dumps(payload), created_at=time.time())
+    conn.execute(stmt.on_conflict_do_update(index_elements=["group_id"], set_={"payload": stmt.excluded.payload}))
+
+
+def get_finalizer_result(conn: Connection, group_id: int) -> dict | None:
+    text = conn.execute(select(finalizers.c.payload).where(finalizers.c.group_id == group_id)).scalar()
+    return None if text is None else json.loads(text)
+
+
+# ---------------------------------------------------------------- prefix chunks
+
+
+@dataclass(frozen=True)
+class Chunk:
+    attempt_id: int
+    chunk_index: int
+    prefix_count: int
+    token_ids: list[int]
+    max_tokens: int
+    min_tokens: int
+    policy_version: int
+
+
+def add_chunk(
+    conn: Connection,
+    attempt_id: int,
+    token_ids: Sequence[int],
+    *,
+    prefix_count: int,
+    max_tokens: int,
+    min_tokens: int,
+    policy_version: int,
+) -> int:
+    """Save the tokens a running call decoded since its last chunk. `prefix_count` is
+    how many tokens earlier chunks hold; max/min tokens are the call's original limits."""
+    index = conn.execute(select(chunks.c.chunk_index).where(chunks.c.attempt_id == attempt_id).order_by(chunks.c.chunk_index.desc()).limit(1)).scalar()
+    index = 0 if index is None else index + 1
+    conn.execute(
+        insert(chunks).values(
+            attempt_id=attempt_id,
+            chunk_index=index,
+            prefix_count=prefix_count,
+            token_ids=encode_tokens(token_ids),
+            max_tokens=max_tokens,
+            min_tokens=min_tokens,
+            policy_version=policy_version,
+            created_at=time.time(),
+        )
+    )
+    return index
+
+
+def read_chunks(conn: Connection, attempt_id: int) -> list[Chunk]:
+    rows = conn.execute(
+        select(
+            chunks.c.attempt_id, chunks.c.chunk_index, chunks.c.prefix_count, chunks.c.token_ids,
+            chunks.c.max_tokens, chunks.c.min_tokens, chunks.c.policy_version,
+        )
+        .where(chunks.c.attempt_id == attempt_id)
+        .order_by(chunks.c.chunk_index)
+    ).all()
+    return [Chunk(a, i, p, decode_tokens(t).tolist(), mx, mn, v) for a, i, p, t, mx, mn, v in rows]
+
+
+def delete_chunks(conn: Connection, attempt_ids: Sequence[int]) -> None:
+    conn.execute(delete(chunks).where(chunks.c.attempt_id.in_(list(attempt_ids))))
+
+
+# ---------------------------------------------------------------- environment episodes
+
+
+def episode_key(group_id: int, generation_index: int, attempt: int) -> str:
+    """The backend-neutral row key of an environment episode: `<rollout id>-a<attempt>`."""
+    return f"{group_id}.{generation_index}-a{attempt}"
+
+
+def put_episode(conn: Connection, attempt_id: int, *, turn: int, state: dict) -> str:
+    g, i, a = conn.execute(
+        select(rollouts.c.group_id, rollouts.c.generation_index, rollouts.c.attempt).where(rollouts.c.attempt_id == attempt_id)
+    ).one()
+    key = episode_key(g, i, a)
+    stmt = sqlite_insert(episodes).values(
+        episode_key=key, attempt_id=attempt_id, turn=turn, state=json.dumps(state), updated_at=time.time()
+    )
+    conn.execute(
+        stmt.on_conflict_do_update(
+            index_elements=["episode_key"],
+            set_={"turn": stmt.excluded.turn, "state": stmt.excluded.state, "updated_at": stmt.excluded.updated_at},
+        )
+    )
+    return key
+
+
+def read_episodes(conn: Connection) -> dict[str, tuple[int, int, dict]]:
+    """episode key -> (attempt id, turn, state)."""
+    return {
+        k: (a, t, json.loads(s))
+        for k, a, t, s in conn.execute(select(episodes.c.episode_key, episodes.c.attempt_id, episodes.c.turn, episodes.c.state)).all()
+    }

@@ -1,0 +1,276 @@
+"""The schema at head, as SQLAlchemy 2 typed models.
+
+These classes *define* the schema and serve inspection; the pumps' hot paths use the
+`Table` objects behind them through SQLAlchemy Core (see `ledger.py`). Files are never
+created from this metadata: they are created by running the Alembic migrations, and
+`tests/test_migrations.py` checks that the migrated schema equals this metadata.
+
+Payloads (token ids, logprobs) are BLOBs of a fixed little-endian dtype (see
+`codec.py`); nothing here is ever pickled.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import (
+    CheckConstraint,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    LargeBinary,
+    MetaData,
+    String,
+    Text,
+    UniqueConstraint,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+# Group states, in the order a group moves through them. `discarded` is terminal too.
+GROUP_STATES = ("reserved", "dispatched", "sealed", "published", "trained", "discarded")
+ROLLOUT_STATES = ("running", "finished", "abandoned")
+ABANDON_REASONS = ("restart", "deadline", "error")
+SNAPSHOT_OUTCOMES = (
+    "published",
+    "skipped_unchanged",
+    "skipped_commit",
+    "skipped_not_durable",
+    "aborted_commit",
+    "failed",
+)
+
+# Stable constraint names, so batch-mode migrations and compare_metadata agree.
+NAMING = {
+    "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+
+def _in(column: str, values: tuple[str, ...]) -> str:
+    return f"{column} IN ({', '.join(repr(v) for v in values)})"
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING)
+
+
+class RunMeta(Base):
+    """One row: who this store belongs to and the settings a restore must match."""
+
+    __tablename__ = "run_meta"
+    __table_args__ = (CheckConstraint("id = 1", name="single_row"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    run_id: Mapped[str] = mapped_column(String(64))
+    created_at: Mapped[float] = mapped_column(Float)
+    config_fingerprint: Mapped[str] = mapped_column(String(64))
+    dataset_fingerprint: Mapped[str] = mapped_column(String(64))
+    # JSON object; a restore refuses a snapshot whose settings differ from the run's.
+    forest_training: Mapped[str] = mapped_column(Text)
+    ledger_dispatch: Mapped[int] = mapped_column(Integer)
+    replay_capacity: Mapped[int] = mapped_column(Integer)
+    # Bumped by every write transaction; a snapshotter compares it to skip no-op cuts.
+    mutation_counter: Mapped[int] = mapped_column(Integer)
+
+
+class SamplerState(Base):
+    """One row: the dataloader cursor. Every prompt handed out has a `sample_seq` below
+    `next_seq`, which is what invariant 4 (cursor covers restored work) checks."""
+
+    __tablename__ = "sampler_state"
+    __table_args__ = (
+        CheckConstraint("id = 1", name="single_row"),
+        CheckConstraint(_in("stamping", ("target_step", "none")), name="stamping"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    next_seq: Mapped[int] = mapped_column(Integer)
+    epoch: Mapped[int] = mapped_column(Integer)
+    seed: Mapped[int] = mapped_column(Integer)
+    stamping: Mapped[str] = mapped_column(String(16))
+
+
+class PromptGroup(Base):
+    """The recovery ledger: one row per prompt group the sampler handed out."""
+
+    __tablename__ = "prompt_groups"
+    __table_args__ = (
+        UniqueConstraint("epoch", "prompt_id"),
+        CheckConstraint(_in("state", GROUP_STATES), name="state"),
+        CheckConstraint(
+            "(state = 'discarded') = (discard_reason IS NOT NULL)", name="discard_reason"
+        ),
+        Index(None, "state"),
+    )
+
+    group_id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    sample_seq: Mapped[int] = mapped_column(Integer, unique=True)
+    epoch: Mapped[int] = mapped_column(Integer)
+    prompt_id: Mapped[int] = mapped_column(Integer)
+    num_generations: Mapped[int] = mapped_column(Integer)
+    target_step: Mapped[int | None] = mapped_column(Integer)
+    state: Mapped[str] = mapped_column(String(16))
+    discard_reason: Mapped[str | None] = mapped_column(String(64))
+    policy_version: Mapped[int | None] = mapped_column(Integer)
+    trained_step: Mapped[int | None] = mapped_column(Integer)
+    created_at: Mapped[float] = mapped_column(Float)
+    updated_at: Mapped[float] = mapped_column(Float)
+
+
+class Rollout(Base):
+    """One row per generation of a group and per attempt at it."""
+
+    __tablename__ = "rollouts"
+    __table_args__ = (
+        UniqueConstraint("group_id", "generation_index", "attempt"),
+        CheckConstraint(_in("state", ROLLOUT_STATES), name="state"),
+        CheckConstraint(
+            "(state = 'abandoned') = (abandon_reason IS NOT NULL)", name="abandon_reason"
+        ),
+        CheckConstraint(
+            f"abandon_reason IS NULL OR {_in('abandon_reason', ABANDON_REASONS)}",
+            name="abandon_reason_known",
+        ),
+        Index(None, "state"),
+    )
+
+    attempt_id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    group_id: Mapped[int] = mapped_column(
+        ForeignKey("prompt_groups.group_id", ondelete="CASCADE"), index=True
+    )
+    generation_index: Mapped[int] = mapped_column(Integer)
+    attempt: Mapped[int] = mapped_column(Integer)
+    state: Mapped[str] = mapped_column(String(16))
+    abandon_reason: Mapped[str | None] = mapped_column(String(16))
+    policy_version: Mapped[int] = mapped_column(Integer)
+    dispatched_at: Mapped[float] = mapped_column(Float)
+    ended_at: Mapped[float | None] = mapped_column(Float)
+
+
+class TokenChunk(Base):
+    """Prefix capture: tokens a running call had decoded at a cut, with the limits the
+    call was started with, so a resumed call can continue exactly."""
+
+    __tablename__ = "token_chunks"
+    __table_args__ = (UniqueConstraint("attempt_id", "chunk_index"),)
+
+    chunk_id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    attempt_id: Mapped[int] = mapped_column(
+        ForeignKey("rollouts.attempt_id", ondelete="CASCADE")
+    )
+    chunk_index: Mapped[int] = mapped_column(Integer)
+    prefix_count: Mapped[int] = mapped_column(Integer)
+    token_ids: Mapped[bytes] = mapped_column(LargeBinary)
+    max_tokens: Mapped[int] = mapped_column(Integer)
+    min_tokens: Mapped[int] = mapped_column(Integer)
+    policy_version: Mapped[int] = mapped_column(Integer)
+    created_at: Mapped[float] = mapped_column(Float)
+
+
+class Sample(Base):
+    """A finished generation. Keyed by group id but with no foreign key to the ledger:
+    without ledger dispatch the data plane still holds samples (see invariant 3)."""
+
+    __tablename__ = "samples"
+    __table_args__ = (UniqueConstraint("group_id", "generation_index"),)
+
+    sample_id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    group_id: Mapped[int] = mapped_column(Integer)
+    generation_index: Mapped[int] = mapped_column(Integer)
+    prompt_id: Mapped[int] = mapped_column(Integer)
+    num_tokens: Mapped[int] = mapped_column(Integer)
+    token_ids: Mapped[bytes] = mapped_column(LargeBinary)  # int32 little-endian
+    logprobs: Mapped[bytes] = mapped_column(LargeBinary)  # float32 little-endian
+    reward: Mapped[float] = mapped_column(Float)
+    policy_version: Mapped[int] = mapped_column(Integer)  # version the call began on
+    # JSON list of [policy_version, token_count] runs (revision v1_1_a); batch age
+    # weighs each token by the version that produced it.
+    version_token_counts: Mapped[str] = mapped_column(Text)
+    created_at: Mapped[float] = mapped_column(Float)
+
+
+class ReplayGroup(Base):
+    """A sealed group waiting to be trained. `permit` is its replay-capacity slot:
+    unique, and below run_meta.replay_capacity."""
+
+    __tablename__ = "replay_groups"
+
+    group_id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    permit: Mapped[int] = mapped_column(Integer, unique=True)
+    epoch: Mapped[int] = mapped_column(Integer)
+    prompt_id: Mapped[int] = mapped_column(Integer)
+    target_step: Mapped[int | None] = mapped_column(Integer, index=True)
+    num_tokens: Mapped[int] = mapped_column(Integer)
+    published_at: Mapped[float] = mapped_column(Float)
+
+
+class FinalizerResult(Base):
+    """Per-group finalizer output (JSON), kept until the group is trained."""
+
+    __tablename__ = "finalizer_results"
+
+    group_id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    payload: Mapped[str] = mapped_column(Text)
+    created_at: Mapped[float] = mapped_column(Float)
+
+
+class SparePrompt(Base):
+    """Prompts read from the dataloader and not yet dispatched."""
+
+    __tablename__ = "spare_prompts"
+    __table_args__ = (UniqueConstraint("epoch", "prompt_id"),)
+
+    sample_seq: Mapped[int] = mapped_column(Integer, primary_key=True)
+    epoch: Mapped[int] = mapped_column(Integer)
+    prompt_id: Mapped[int] = mapped_column(Integer)
+    added_at: Mapped[float] = mapped_column(Float)
+
+
+class StepShortfall(Base):
+    """Per stamped train step, how many groups it still needs."""
+
+    __tablename__ = "step_shortfall"
+    __table_args__ = (CheckConstraint("needed >= 0", name="needed_nonnegative"),)
+
+    step: Mapped[int] = mapped_column(Integer, primary_key=True)
+    needed: Mapped[int] = mapped_column(Integer)
+
+
+class EnvEpisode(Base):
+    """Turn-level environment state exported at the last cut. `episode_key` is
+    `<group_id>.<generation_index>-a<attempt>`."""
+
+    __tablename__ = "env_episodes"
+
+    episode_key: Mapped[str] = mapped_column(String(64), primary_key=True)
+    attempt_id: Mapped[int] = mapped_column(
+        ForeignKey("rollouts.attempt_id", ondelete="CASCADE"), unique=True
+    )
+    turn: Mapped[int] = mapped_column(Integer)
+    state: Mapped[str] = mapped_column(Text)  # JSON
+    updated_at: Mapped[float] = mapped_column(Float)
+
+
+class SnapshotAttempt(Base):
+    """Every snapshot attempt and its outcome; phase timings when published."""
+
+    __tablename__ = "snapshot_attempts"
+    __table_args__ = (CheckConstraint(_in("outcome", SNAPSHOT_OUTCOMES), name="outcome"),)
+
+    attempt_seq: Mapped[int] = mapped_column(Integer, primary_key=True)
+    started_at: Mapped[float] = mapped_column(Float)
+    outcome: Mapped[str] = mapped_column(String(32))
+    anchor: Mapped[str | None] = mapped_column(String(64))
+    snapshot_seq: Mapped[int | None] = mapped_column(Integer)
+    mutation_counter: Mapped[int] = mapped_column(Integer)
+    timings: Mapped[str | None] = mapped_column(Text)  # JSON {phase: seconds}
+    error: Mapped[str | None] = mapped_column(Text)
+
+
+metadata = Base.metadata
+T = metadata.tables  # Core tables for the hot paths: T["prompt_groups"], ...
+
+# Tables whose rows are in-flight work, in the order `inspect` lists them.
+STATE_TABLES = tuple(T)

@@ -1,0 +1,203 @@
+"""`Store`: the live rollout state of one run, in one SQLite file.
+
+The pumps change it only through `Store.atomic()` (one ``BEGIN IMMEDIATE`` transaction, a
+mutation cut) and the transition functions of `ledger` and `pools`, which take the
+connection it yields:
+
+    with store.atomic() as tx:
+        ids = ledger.reserve_groups(tx, reservations, num_generations=4, target_step=3)
+        pools.advance_cursor(tx, next_seq=120, epoch=0)
+
+The one-call methods below wrap the common single transitions. Every committed mutation
+bumps `run_meta.mutation_counter`, so a snapshotter can tell that nothing changed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sqlite3
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+from sqlalchemy import Connection, insert, select, update
+
+from . import ledger, pools
+from .capture import Capture, capture_snapshot
+from .db import Database
+from .invariants import InvariantReport, check_invariants
+from .ledger import FinishedGeneration, Reservation
+from .revision import check_sqlite_file, create_store_file, file_revision, require_head
+from .schema import T
+
+_BUMP = update(T["run_meta"]).values(mutation_counter=T["run_meta"].c.mutation_counter + 1)
+
+
+class Store:
+    """A handle on a live store file. Thread-safe: one writer connection under a lock."""
+
+    def __init__(self, db: Database):
+        self.db = db
+        self.path = db.path
+
+    # ------------------------------------------------------------ lifecycle
+
+    @classmethod
+    def create(
+        cls,
+        path: str | Path,
+        *,
+        run_id: str | None = None,
+        config_fingerprint: str = "",
+        dataset_fingerprint: str = "",
+        forest_training: dict | None = None,
+        ledger_dispatch: bool = True,
+        replay_capacity: int = 1024,
+        seed: int = 0,
+        stamping: str = "target_step",
+        synchronous: str = "NORMAL",
+    ) -> Store:
+        """Create a new store at head by running the migrations, and fill its
+        single-row tables."""
+        create_store_file(path)
+        store = cls(Database(path, synchronous=synchronous))
+        with store.db.atomic() as tx:
+            tx.execute(
+                insert(T["run_meta"]).values(
+                    id=1,
+                    run_id=run_id or uuid.uuid4().hex,
+                    created_at=time.time(),
+                    config_fingerprint=config_fingerprint,
+                    dataset_fingerprint=dataset_fingerprint,
+                    forest_training=json.dumps(forest_training or {}, sort_keys=True),
+                    ledger_dispatch=int(ledger_dispatch),
+                    replay_capacity=replay_capacity,
+                    mutation_counter=0,
+                )
+            )
+            tx.execute(insert(T["sampler_state"]).values(id=1, next_seq=0, epoch=0, seed=seed, stamping=stamping))
+        return store
+
+    @classmethod
+    def open(cls, path: str | Path, *, synchronous: str = "NORMAL") -> Store:
+        """Open an existing store; refuses a file that is not at head (old files are
+        upgraded with `rolloutdb upgrade`, newer ones need a newer rolloutdb)."""
+        path = check_sqlite_file(path)
+        with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as conn:
+            require_head(path, file_revision(conn))
+        return cls(Database(path, synchronous=synchronous))
+
+    def close(self) -> None:
+        self.db.close()
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------ transactions
+
+    @contextlib.contextmanager
+    def atomic(self, *, mutation: bool = True) -> Iterator[Connection]:
+        """The one way to change the store. `mutation=False` is for bookkeeping that a
+        snapshot need not capture (snapshot-attempt outcomes)."""
+        with self.db.atomic() as tx:
+            yield tx
+            if mutation:
+                tx.execute(_BUMP)
+
+    def read(self):
+        """A consistent read transaction on its own connection (see `Database.read`)."""
+        return self.db.read()
+
+    @property
+    def mutation_counter(self) -> int:
+        with self.db.atomic() as tx:
+            return tx.execute(select(T["run_meta"].c.mutation_counter)).scalar_one()
+
+    def run_meta(self) -> dict:
+        with self.db.atomic() as tx:
+            row = tx.execute(select(T["run_meta"])).mappings().one()
+        meta = dict(row)
+        meta["forest_training"] = json.loads(meta["forest_training"])
+        return meta
+
+    # ------------------------------------------------------------ single transitions
+
+    def reserve(self, reservations: Sequence[Reservation], *, num_generations: int, target_step: int | None) -> list[int]:
+        with self.atomic() as tx:
+            ids = ledger.reserve_groups(tx, reservations, num_generations=num_generations, target_step=target_step)
+            top = max(r.sample_seq for r in reservations) + 1
+            if top > pools.read_cursor(tx).next_seq:
+                pools.advance_cursor(tx, top, reservations[-1].epoch)
+            return ids
+
+    def dispatch(self, group_ids: Sequence[int], *, policy_version: int) -> list[int]:
+        with self.atomic() as tx:
+            return ledger.dispatch_groups(tx, group_ids, policy_version=policy_version)
+
+    def finish(self, attempt_id: int, generation: FinishedGeneration) -> None:
+        with self.atomic() as tx:
+            ledger.finish_attempts(tx, [(attempt_id, generation)])
+
+    def abandon(self, attempt_ids: Sequence[int], reason: str) -> None:
+        with self.atomic() as tx:
+            ledger.abandon_attempts(tx, attempt_ids, reason)
+
+    def seal(self, group_ids: Sequence[int]) -> None:
+        with self.atomic() as tx:
+            ledger.seal_groups(tx, group_ids)
+
+    def publish(self, group_ids: Sequence[int]) -> list[int]:
+        with self.atomic() as tx:
+            return ledger.publish_groups(tx, group_ids)
+
+    def mark_trained(self, group_ids: Sequence[int], *, step: int) -> None:
+        with self.atomic() as tx:
+            ledger.mark_trained(tx, group_ids, step=step)
+
+    def discard(self, group_ids: Sequence[int], *, reason: str) -> None:
+        with self.atomic() as tx:
+            ledger.discard_groups(tx, group_ids, reason=reason)
+
+    # ------------------------------------------------------------ snapshots and checks
+
+    def record_snapshot_attempt(
+        self,
+        outcome: str,
+        *,
+        anchor: str | None = None,
+        snapshot_seq: int | None = None,
+        mutation_counter: int | None = None,
+        timings: dict | None = None,
+        error: str | None = None,
+    ) -> None:
+        """Log a snapshot attempt's outcome. Not a mutation: recording that a snapshot
+        was skipped must not make the next attempt think something changed."""
+        with self.atomic(mutation=False) as tx:
+            counter = mutation_counter
+            if counter is None:
+                counter = tx.execute(select(T["run_meta"].c.mutation_counter)).scalar_one()
+            tx.execute(
+                insert(T["snapshot_attempts"]).values(
+                    started_at=time.time(),
+                    outcome=outcome,
+                    anchor=anchor,
+                    snapshot_seq=snapshot_seq,
+                    mutation_counter=counter,
+                    timings=json.dumps(timings) if timings is not None else None,
+                    error=error,
+                )
+            )
+
+    def capture(self, dst: str | Path, *, at_cut=None) -> Capture:
+        """A consistent copy of the store at one read cut (see `capture.py`)."""
+        return capture_snapshot(self.path, dst, at_cut=at_cut)
+
+    def check_invariants(self) -> InvariantReport:
+        with contextlib.closing(sqlite3.connect(self.path)) as conn:
+            conn.execute("BEGIN")
+            return check_invariants(conn)
