@@ -1,0 +1,39 @@
+"""Shared fixtures. Tests run against real SQLite files in tmp_path; persisted state is
+checked through a second connection, never through the handle that wrote it."""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
+REPO = Path(__file__).resolve().parents[1]
+FIXTURES = REPO / "tests" / "fixtures"
+
+
+@pytest.fixture
+def store(tmp_path):
+    from rolloutdb.store import Store
+
+    s = Store.create(tmp_path / "live.sqlite", replay_capacity=16)
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def second_connection():
+    """Open a fresh read connection on a store file: what another process would see."""
+    opened = []
+
+    def _open(path) -> sqlite3.Connection:
+        conn = sqlite3.connect(path)
+        opened.append(conn)
+        return conn
+
+    yield _open
+    for conn in opened:
+        conn.close()
