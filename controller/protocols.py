@@ -1,0 +1,98 @@
+"""The seams of the controller: what a trainer, an environment and a dataset must offer.
+Small on purpose, so another trainer can implement them. The generation engine's
+protocol lives in `rolloutdb.gpu_capture.protocol`."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+
+@dataclass
+class Completion:
+    """One finished generation of a group, as the trainer receives it."""
+
+    prompt_ids: list[int]
+    token_ids: list[int]  # the policy's output tokens (all turns, concatenated)
+    logprobs: list[float]  # generating policy's log-probabilities of token_ids
+    token_versions: list[int]  # policy version that produced each token
+    reward: float
+    # 1 where the policy produced the token, 0 where the environment did (multi-turn).
+    loss_mask: list[int] | None = None
+
+
+@dataclass
+class TrainGroup:
+    group_id: int
+    prompt_id: int
+    completions: list[Completion]
+
+
+@runtime_checkable
+class Trainer(Protocol):
+    """Trains the policy on batches of finished groups."""
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps completed so far (0 before the first)."""
+        ...
+
+    def train_step(self, groups: Sequence[TrainGroup]) -> dict[str, float]:
+        """One optimizer step on these groups; returns metrics (loss, ...)."""
+        ...
+
+    def export_weights(self) -> Mapping[str, Any]:
+        """The policy weights to push to the engine at a refit."""
+        ...
+
+    def save_checkpoint(self, directory: Path) -> list[Path]:
+        """Write the trainer's state (weights in safetensors, the rest as JSON) into an
+        existing empty directory; return the files written. Publication (temporary
+        directory, fsync, rename) is the caller's job."""
+        ...
+
+    def load_checkpoint(self, directory: Path) -> None:
+        """Restore from a directory written by save_checkpoint. Never unpickles."""
+        ...
+
+
+@dataclass
+class Turn:
+    """What the environment says after a policy turn."""
+
+    observation_ids: list[int]  # tokens to append before the policy's next turn
+    done: bool
+    info: dict = field(default_factory=dict)
+
+
+@runtime_checkable
+class Environment(Protocol):
+    """A (possibly multi-turn) task with a reward computed by code. Episode state is a
+    JSON-able dict so it can be exported at a cut and restored."""
+
+    max_turns: int
+
+    def start(self, prompt_id: int) -> tuple[list[int], dict]:
+        """Begin an episode for a dataset prompt: (prompt token ids, episode state)."""
+        ...
+
+    def step(self, state: dict, reply_ids: Sequence[int]) -> tuple[Turn, dict]:
+        """Take the policy's reply; return the environment's turn and the new state."""
+        ...
+
+    def score(self, state: dict) -> float:
+        """The episode's reward, once done (or at max_turns)."""
+        ...
+
+
+@runtime_checkable
+class PromptDataset(Protocol):
+    """Prompts addressed by dataset index; the sampler decides the order."""
+
+    def __len__(self) -> int: ...
+
+    def fingerprint(self) -> str:
+        """A stable hash of the dataset's content; a restore refuses a different one."""
+        ...

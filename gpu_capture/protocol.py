@@ -1,0 +1,82 @@
+"""The generation-engine seam. The controller talks to any engine (the CPU reference
+engine on torch, vLLM) only through `GenerationEngine`.
+
+Prefix recovery needs two things from an engine beyond generating: to report, under the
+lock around its output step, the tokens each running call has decoded so far
+(`running_tokens`), and to continue a call from such a prefix exactly as if it had never
+stopped (`GenerationRequest.prefix_ids`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-call sampling settings. `seed` makes a call reproducible on its own, whatever
+    else is in the batch; `stop` strings end the call when they appear in its text."""
+
+    max_tokens: int
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One model call. `prefix_ids` are output tokens an earlier attempt of this same
+    call already decoded (saved at a cut); the engine continues after them, and counts
+    them as output for limits, penalties and stop strings."""
+
+    request_id: str
+    prompt_ids: Sequence[int]
+    params: SamplingParams
+    prefix_ids: Sequence[int] = ()
+    prefix_versions: Sequence[int] = ()  # policy version of each prefix token
+
+
+@dataclass
+class GenerationResult:
+    request_id: str
+    token_ids: list[int]  # the whole output, prefix included
+    logprobs: list[float]  # log-probability of each output token under its policy
+    token_versions: list[int]  # policy version that produced each output token
+    finish_reason: str  # "stop" (stop string or EOS), "length", or "abort"
+    text: str = ""
+    extra: dict = field(default_factory=dict)
+
+
+@runtime_checkable
+class GenerationEngine(Protocol):
+    """What the controller needs from an inference engine."""
+
+    @property
+    def policy_version(self) -> int:
+        """Version of the weights the engine generates with now."""
+        ...
+
+    def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
+        """Run the calls (batched as the engine likes) and return one result per
+        request, in order. Blocks until all have finished or were aborted."""
+        ...
+
+    def load_weights(self, state_dict: Mapping[str, object], version: int) -> None:
+        """Refit: install new policy weights; tokens decoded from now on carry
+        `version`. Calls in progress continue under the new weights."""
+        ...
+
+    def running_tokens(self) -> dict[str, list[int]]:
+        """request id -> output tokens decoded so far, for every call in progress, read
+        atomically with respect to the engine's output step."""
+        ...
+
+    def abort(self, request_ids: Sequence[str]) -> None:
+        """End these calls at their next step with finish_reason "abort"."""
+        ...
