@@ -1,0 +1,123 @@
+"""Ledger and no-ledger dispatch: the only place the two modes differ.
+
+The rollout pump has one loop for both. It calls these few methods, each inside a store
+transaction the pump opens:
+
+- with ledger dispatch every prompt group is a `prompt_groups` row moving through its
+  states and every attempt a `rollouts` row, so a restore knows what was in flight;
+- without it, nothing is recorded in the ledger: group ids are minted here, finished
+  samples and replay entries are still written (the data plane), and a restore can only
+  bring back the replay buffer and the pools.
+
+Neither mode ever waits on a snapshot: a snapshot cut is a read transaction (WAL), so
+there is no exclusive data-plane lock to wait for.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from sqlalchemy import Connection, func, select
+
+from rolloutdb.store import FinishedGeneration, Reservation, ledger
+from rolloutdb.store.schema import T
+
+
+@dataclass
+class GroupHandle:
+    """A group the rollout pump is working on."""
+
+    group_id: int
+    reservation: Reservation
+    target_step: int
+    num_generations: int
+    policy_version: int = -1
+    # attempt id per generation index (ledger dispatch); None without the ledger
+    attempts: dict[int, int | None] | None = None
+
+
+class LedgerDispatch:
+    records_groups = True
+
+    def reserve(self, tx: Connection, prompts: Sequence[Reservation], *, step: int, num_generations: int) -> list[GroupHandle]:
+        ids = ledger.reserve_groups(tx, prompts, num_generations=num_generations, target_step=step)
+        return [GroupHandle(g, p, step, num_generations) for g, p in zip(ids, prompts)]
+
+    def dispatch(self, tx: Connection, groups: Sequence[GroupHandle], *, policy_version: int) -> None:
+        attempt_ids = iter(ledger.dispatch_groups(tx, [g.group_id for g in groups], policy_version=policy_version))
+        for g in groups:
+            g.policy_version = policy_version
+            g.attempts = {i: next(attempt_ids) for i in range(g.num_generations)}
+
+    def redispatch(self, tx: Connection, group: GroupHandle, generations: Sequence[int], *, policy_version: int) -> None:
+        """New attempts for the generations of a restored group that did not finish."""
+        ids = ledger.start_attempts(tx, [(group.group_id, i) for i in generations], policy_version=policy_version)
+        group.attempts = {**(group.attempts or {}), **dict(zip(generations, ids))}
+        group.policy_version = policy_version
+
+    def finish(self, tx: Connection, group: GroupHandle, finished: dict[int, FinishedGeneration]) -> None:
+        ledger.finish_attempts(tx, [(group.attempts[i], gen) for i, gen in finished.items()])
+
+    def publish(self, tx: Connection, groups: Sequence[GroupHandle]) -> None:
+        ids = [g.group_id for g in groups]
+        ledger.seal_groups(tx, ids)
+        ledger.publish_groups(tx, ids)
+
+    def discard(self, tx: Connection, groups: Sequence[GroupHandle], *, reason: str) -> None:
+        ledger.discard_groups(tx, [g.group_id for g in groups], reason=reason)
+
+    def trained(self, tx: Connection, group_ids: Sequence[int], *, step: int) -> None:
+        ledger.mark_trained(tx, group_ids, step=step)
+
+
+class NoLedgerDispatch:
+    records_groups = False
+
+    def __init__(self, first_group_id: int = 1):
+        self._ids = itertools.count(first_group_id)
+
+    @classmethod
+    def resuming(cls, tx: Connection) -> NoLedgerDispatch:
+        """Mint ids above any group id still in the replay buffer or the samples."""
+        top = max(
+            tx.execute(select(func.max(T["replay_groups"].c.group_id))).scalar() or 0,
+            tx.execute(select(func.max(T["samples"].c.group_id))).scalar() or 0,
+        )
+        return cls(top + 1)
+
+    def reserve(self, tx: Connection, prompts: Sequence[Reservation], *, step: int, num_generations: int) -> list[GroupHandle]:
+        return [GroupHandle(next(self._ids), p, step, num_generations) for p in prompts]
+
+    def dispatch(self, tx: Connection, groups: Sequence[GroupHandle], *, policy_version: int) -> None:
+        for g in groups:
+            g.policy_version = policy_version
+            g.attempts = {i: None for i in range(g.num_generations)}
+
+    def redispatch(self, tx: Connection, group: GroupHandle, generations: Sequence[int], *, policy_version: int) -> None:
+        raise RuntimeError("no-ledger dispatch has no restored in-flight groups to redispatch")
+
+    def finish(self, tx: Connection, group: GroupHandle, finished: dict[int, FinishedGeneration]) -> None:
+        ledger.write_samples(
+            tx, [(group.group_id, i, group.reservation.prompt_id, gen) for i, gen in finished.items()]
+        )
+
+    def publish(self, tx: Connection, groups: Sequence[GroupHandle]) -> None:
+        tokens = dict(
+            tx.execute(
+                select(T["samples"].c.group_id, func.sum(T["samples"].c.num_tokens))
+                .where(T["samples"].c.group_id.in_([g.group_id for g in groups]))
+                .group_by(T["samples"].c.group_id)
+            ).all()
+        )
+        ledger.insert_replay(
+            tx,
+            [(g.group_id, g.reservation.epoch, g.reservation.prompt_id, g.target_step, tokens.get(g.group_id, 0)) for g in groups],
+        )
+
+    def discard(self, tx: Connection, groups: Sequence[GroupHandle], *, reason: str) -> None:
+        ledger.release_replay(tx, [g.group_id for g in groups])
+
+    def trained(self, tx: Connection, group_ids: Sequence[int], *, step: int) -> None:
+        ledger.release_replay(tx, group_ids)

@@ -1,0 +1,108 @@
+"""What a run shows a person: metrics as JSONL, a progress line, a reward-curve PNG and
+a one-line summary."""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+from pathlib import Path
+
+
+class MetricsLog:
+    """Append-only JSONL, one object per line, flushed per event so a killed run keeps
+    everything it logged. Thread-safe: both pumps log."""
+
+    def __init__(self, path: Path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        self._f = open(path, "a", encoding="utf-8")
+        self._lock = threading.Lock()
+
+    def write(self, event: dict) -> None:
+        line = json.dumps(event, separators=(",", ":"))
+        with self._lock:
+            self._f.write(line + "\n")
+            self._f.flush()
+
+    def close(self) -> None:
+        with self._lock:
+            self._f.close()
+
+
+def read_metrics(path: Path, kind: str | None = None) -> list[dict]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            event = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line cut by a kill
+        if kind is None or event.get("kind") == kind:
+            out.append(event)
+    return out
+
+
+class ProgressBar:
+    """One line on stderr: step, mean reward, staleness and throughput."""
+
+    def __init__(self, total_steps: int, *, enabled: bool, start_step: int = 0):
+        self.total = total_steps
+        self.enabled = enabled and sys.stderr.isatty()
+        self.plain = enabled and not sys.stderr.isatty()
+        self.t0 = time.time()
+        self.start_step = start_step
+        self.tokens = 0
+
+    def update(self, event: dict) -> None:
+        if not (self.enabled or self.plain):
+            return
+        self.tokens += event.get("policy_tokens", 0)
+        step = event["step"]
+        done = step / self.total
+        elapsed = max(time.time() - self.t0, 1e-9)
+        bar = "#" * int(done * 24)
+        text = (
+            f"step {step}/{self.total} [{bar:<24}] reward {event['reward_mean']:.3f} "
+            f"staleness {event['staleness_mean']:.2f} {self.tokens / elapsed:.0f} tok/s"
+        )
+        if self.enabled:
+            sys.stderr.write("\r" + text)
+            if step == self.total:
+                sys.stderr.write("\n")
+        elif step == self.total or step % max(1, self.total // 10) == 0 or step == self.start_step + 1:
+            sys.stderr.write(text + "\n")
+        sys.stderr.flush()
+
+
+def plot_rewards(steps: list[dict], out: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    xs = [e["step"] for e in steps]
+    ys = [e["reward_mean"] for e in steps]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(xs, ys, marker="o", markersize=3)
+    ax.set_xlabel("train step")
+    ax.set_ylabel("mean reward")
+    ax.set_title("reward per step")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
+def summary_line(steps: list[dict]) -> str:
+    ordered = sorted(steps, key=lambda e: e["step"])
+    if not ordered:
+        return "no train steps completed"
+    first = [e["reward_mean"] for e in ordered[:5]]
+    last = [e["reward_mean"] for e in ordered[-5:]]
+    f, l = sum(first) / len(first), sum(last) / len(last)
+    return f"steps={ordered[-1]['step']} reward first5={f:.3f} last5={l:.3f} gain={l - f:+.3f}"

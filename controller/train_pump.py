@@ -1,0 +1,131 @@
+"""The train pump: for each step, wait for the groups stamped for it, train, release
+their replay permits, refit the engine and publish trainer checkpoints.
+
+Batch age is computed here from the samples' per-version token counts: for step k
+(trained on policy version k-1) each policy token produced by version v is k-1-v
+updates old. Environment tokens (version -1) are not the policy's and do not count.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import numpy as np
+from sqlalchemy import select
+
+from rolloutdb.controller.episodes import ENV_TOKEN_VERSION
+from rolloutdb.controller.parts import RolloutParts
+from rolloutdb.controller.protocols import Completion, TrainGroup
+from rolloutdb.store import codec
+from rolloutdb.store.schema import T
+
+POLL_S = 0.5
+
+
+def batch_age(step: int, version_runs: list[list[tuple[int, int]]]) -> float:
+    """Token-weighted policy updates between generating each token and training on it."""
+    trained_on = step - 1
+    weighted = total = 0
+    for runs in version_runs:
+        for version, count in runs:
+            if version == ENV_TOKEN_VERSION:
+                continue
+            weighted += (trained_on - version) * count
+            total += count
+    return weighted / total if total else 0.0
+
+
+class TrainPump:
+    def __init__(
+        self,
+        parts: RolloutParts,
+        *,
+        on_step_done: Callable[[int], None] | None = None,
+    ):
+        self.p = parts
+        self.on_step_done = on_step_done or (lambda step: None)
+
+    def run(self) -> None:
+        total = self.p.bound.total_steps
+        while self.p.trainer.step < total and not self.p.runtime.stop.is_set():
+            self.train_one(self.p.trainer.step + 1)
+
+    def _wait_for_groups(self, step: int) -> list[int] | None:
+        need = self.p.config.algorithm.groups_per_step
+        replay = T["replay_groups"]
+        while not self.p.runtime.stop.is_set():
+            with self.p.store.atomic(mutation=False) as tx:
+                ids = list(tx.execute(select(replay.c.group_id).where(replay.c.target_step == step).order_by(replay.c.group_id)).scalars())
+            if len(ids) >= need:
+                return ids[:need]
+            self.p.runtime.wait(POLL_S)
+        return None
+
+    def _load_groups(self, group_ids: list[int]) -> tuple[list[TrainGroup], dict]:
+        s = T["samples"]
+        with self.p.store.atomic(mutation=False) as tx:
+            rows = tx.execute(
+                select(s.c.group_id, s.c.generation_index, s.c.prompt_id, s.c.token_ids, s.c.logprobs, s.c.reward, s.c.version_token_counts)
+                .where(s.c.group_id.in_(group_ids))
+                .order_by(s.c.group_id, s.c.generation_index)
+            ).all()
+        groups: dict[int, TrainGroup] = {}
+        runs_all, rewards, dispatch_versions = [], [], []
+        prompts: dict[int, list[int]] = {}
+        for gid, _i, pid, tok, lp, reward, vtc in rows:
+            runs = codec.decode_version_counts(vtc)
+            versions = [v for v, n in runs for _ in range(n)]
+            if pid not in prompts:
+                prompts[pid] = list(self.p.env.start(pid)[0])  # start() is deterministic
+            completion = Completion(
+                prompt_ids=prompts[pid],
+                token_ids=codec.decode_tokens(tok).tolist(),
+                logprobs=codec.decode_logprobs(lp).tolist(),
+                token_versions=versions,
+                reward=float(reward),
+                loss_mask=[0 if v == ENV_TOKEN_VERSION else 1 for v in versions],
+            )
+            groups.setdefault(gid, TrainGroup(group_id=gid, prompt_id=pid, completions=[])).completions.append(completion)
+            runs_all.append(runs)
+            rewards.append(float(reward))
+            policy = [v for v in versions if v != ENV_TOKEN_VERSION]
+            if policy:
+                dispatch_versions.append(policy[0])
+        stats = {"runs": runs_all, "rewards": rewards, "first_versions": dispatch_versions}
+        return [groups[g] for g in group_ids if g in groups], stats
+
+    def train_one(self, step: int) -> None:
+        ids = self._wait_for_groups(step)
+        if ids is None:
+            return
+        t0 = time.time()
+        groups, stats = self._load_groups(ids)
+        metrics = self.p.trainer.train_step(groups)
+        with self.p.store.atomic() as tx:
+            self.p.dispatcher.trained(tx, ids, step=step)
+        self.p.engine.load_weights(self.p.trainer.export_weights(), step)
+        t1 = time.time()
+        self.p.runtime.notify()
+        age = batch_age(step, stats["runs"])
+        staleness = [(step - 1) - v for v in stats["first_versions"]]
+        tokens = sum(n for runs in stats["runs"] for v, n in runs if v != ENV_TOKEN_VERSION)
+        if self.p.tracer is not None:
+            self.p.tracer.emit("refit", old_version=step - 1, new_version=step)
+            self.p.tracer.emit("train_step", step=step, group_ids=ids, batch_age=age)
+        self.p.log_event(
+            {
+                "kind": "train_step",
+                "step": step,
+                "t_start": t0,
+                "t_end": t1,
+                "reward_mean": float(np.mean(stats["rewards"])),
+                "staleness_mean": float(np.mean(staleness)) if staleness else 0.0,
+                "staleness_max": int(max(staleness)) if staleness else 0,
+                "batch_age": age,
+                "policy_tokens": int(tokens),
+                "groups": len(ids),
+                **{k: float(v) for k, v in metrics.items()},
+            }
+        )
+        self.on_step_done(step)
