@@ -1,0 +1,266 @@
+"""Ledger transitions per second through the store API, next to raw sqlite3 in the same run.
+
+Two ways a pump changes the ledger:
+
+* batched: B groups per transaction, one transaction per step of the life cycle
+  (reserve -> dispatch -> finish every attempt -> seal -> publish -> trained), each step
+  one `Store.atomic()` around the ledger function (executemany inside);
+* single: one transition per `Store.atomic()` transaction (the one-call `Store` methods),
+  with the latency of every transaction recorded.
+
+The floor is raw sqlite3 on the same file with the same pragmas: B single-row UPDATEs of
+the ledger per transaction (batched), and one single-row UPDATE per transaction
+(single). Store and floor run in alternating blocks so that load from other users of a
+shared machine falls on both; the figures that matter are the ratios.
+
+A *group transition* is one group changing state (reserve counts as entering
+`reserved`); attempt starts and finishes are counted separately, so the batched figure
+in group transitions is the conservative one.
+
+    python bench/bench_transitions.py            # full size (about a minute)
+    python bench/bench_transitions.py --quick    # a few seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import tempfile
+import time
+from pathlib import Path
+
+import benchlib
+from benchlib import fmt_latency, latency_summary, say
+
+from rolloutdb.store import FinishedGeneration, Reservation, Store, ledger, pools
+
+BATCH_STEPS = ("reserve", "dispatch", "finish", "seal", "publish", "trained")
+GROUP_GOAL_PER_S = 20_000
+SINGLE_P99_GOAL_MS = 1.0
+
+
+class Sequencer:
+    """Hands out fresh sampler positions (prompt id = position, one epoch)."""
+
+    def __init__(self, start: int):
+        self.next = start
+
+    def take(self, n: int) -> list[Reservation]:
+        out = [Reservation(s, 0, s) for s in range(self.next, self.next + n)]
+        self.next += n
+        return out
+
+
+def prefill_ledger(store: Store, rows: int, seq: Sequencer) -> list[int]:
+    """`rows` trained groups, so indexes and pages have a realistic size; returns their
+    ids (the raw floor updates these rows)."""
+    now = time.time()
+    chunk = 50_000
+    ids: list[int] = []
+    while rows > 0:
+        n = min(chunk, rows)
+        res = seq.take(n)
+        with store.atomic() as tx:
+            tx.exec_driver_sql(
+                "INSERT INTO prompt_groups (sample_seq, epoch, prompt_id, num_generations, target_step, state,"
+                " policy_version, trained_step, created_at, updated_at) VALUES (?, ?, ?, 4, 0, 'trained', 0, 0, ?, ?)",
+                [(r.sample_seq, r.epoch, r.prompt_id, now, now) for r in res],
+            )
+            pools.advance_cursor(tx, seq.next, 0)
+            first = res[0].sample_seq
+            ids += [
+                g
+                for (g,) in tx.exec_driver_sql(
+                    "SELECT group_id FROM prompt_groups WHERE sample_seq >= ? ORDER BY sample_seq", (first,)
+                )
+            ]
+        rows -= n
+    return ids
+
+
+def generation(tokens: int) -> FinishedGeneration:
+    return FinishedGeneration(list(range(tokens)), [-0.25] * tokens, 1.0, [(0, tokens)])
+
+
+# ---------------------------------------------------------------------- batched
+
+
+def store_batched_round(store: Store, seq: Sequencer, batch: int, gens: int, gen: FinishedGeneration, times: dict) -> None:
+    """One batch of groups through the whole life cycle: six transactions."""
+    res = seq.take(batch)
+
+    def timed(step, fn):
+        t0 = time.perf_counter()
+        with store.atomic() as tx:
+            out = fn(tx)
+        times[step] += time.perf_counter() - t0
+        return out
+
+    def reserve(tx):
+        ids = ledger.reserve_groups(tx, res, num_generations=gens, target_step=1)
+        pools.advance_cursor(tx, seq.next, 0)
+        return ids
+
+    ids = timed("reserve", reserve)
+    attempts = timed("dispatch", lambda tx: ledger.dispatch_groups(tx, ids, policy_version=0))
+    timed("finish", lambda tx: ledger.finish_attempts(tx, [(a, gen) for a in attempts]))
+    timed("seal", lambda tx: ledger.seal_groups(tx, ids))
+    timed("publish", lambda tx: ledger.publish_groups(tx, ids))
+    timed("trained", lambda tx: ledger.mark_trained(tx, ids, step=1))
+
+
+def raw_batched_round(raw, ids: list[int], batch: int) -> float:
+    """The floor for one store round: six transactions of `batch` single-row UPDATEs."""
+    t0 = time.perf_counter()
+    for _ in BATCH_STEPS:
+        pick = random.sample(ids, batch)
+        now = time.time()
+        raw.execute("BEGIN IMMEDIATE")
+        raw.executemany("UPDATE prompt_groups SET updated_at = ? WHERE group_id = ?", [(now, g) for g in pick])
+        raw.execute("COMMIT")
+    return time.perf_counter() - t0
+
+
+# ---------------------------------------------------------------------- single
+
+
+def store_single_group(store: Store, seq: Sequencer, gen: FinishedGeneration, lat: dict) -> None:
+    """One group, one generation, one transition per transaction (six transactions)."""
+
+    def timed(step, fn):
+        t0 = time.perf_counter()
+        out = fn()
+        lat[step].append(time.perf_counter() - t0)
+        return out
+
+    (gid,) = timed("reserve", lambda: store.reserve(seq.take(1), num_generations=1, target_step=1))
+    (aid,) = timed("dispatch", lambda: store.dispatch([gid], policy_version=0))
+    timed("finish", lambda: store.finish(aid, gen))
+    timed("seal", lambda: store.seal([gid]))
+    timed("publish", lambda: store.publish([gid]))
+    timed("trained", lambda: store.mark_trained([gid], step=1))
+
+
+def raw_single(raw, ids: list[int], n: int, lat: list[float]) -> None:
+    for _ in range(n):
+        g = random.choice(ids)
+        t0 = time.perf_counter()
+        raw.execute("BEGIN IMMEDIATE")
+        raw.execute("UPDATE prompt_groups SET updated_at = ? WHERE group_id = ?", (time.time(), g))
+        raw.execute("COMMIT")
+        lat.append(time.perf_counter() - t0)
+
+
+# ---------------------------------------------------------------------- driver
+
+
+def run(args) -> dict:
+    random.seed(0)
+    with tempfile.TemporaryDirectory(prefix="bench-transitions-", dir=args.dir) as tmp:
+        store = Store.create(Path(tmp) / "live.sqlite", replay_capacity=max(64, 2 * args.batch))
+        raw = benchlib.raw_connection(store.path)
+        try:
+            seq = Sequencer(0)
+            prefilled = prefill_ledger(store, args.ledger_rows, seq)
+            gen = generation(args.tokens)
+            # Warm both paths (statement caches, pages) before measuring.
+            store_batched_round(store, seq, min(args.batch, 50), args.generations, gen, dict.fromkeys(BATCH_STEPS, 0.0))
+            raw_batched_round(raw, prefilled, min(args.batch, 50))
+
+            step_time = dict.fromkeys(BATCH_STEPS, 0.0)
+            store_batched_s = raw_batched_s = 0.0
+            single_lat = {k: [] for k in BATCH_STEPS}
+            raw_lat: list[float] = []
+            for _ in range(args.blocks):
+                for _ in range(args.batched_rounds):
+                    t0 = time.perf_counter()
+                    store_batched_round(store, seq, args.batch, args.generations, gen, step_time)
+                    store_batched_s += time.perf_counter() - t0
+                    raw_batched_s += raw_batched_round(raw, prefilled, args.batch)
+                for _ in range(args.single_groups):
+                    store_single_group(store, seq, gen, single_lat)
+                raw_single(raw, prefilled, args.single_groups * len(BATCH_STEPS), raw_lat)
+            report = store.check_invariants()
+        finally:
+            raw.close()
+            store.close()
+
+    rounds = args.blocks * args.batched_rounds
+    group_transitions = rounds * args.batch * 5  # reserve, dispatch, seal, publish, trained
+    attempt_transitions = rounds * args.batch * args.generations * 2  # start, finish
+    store_group_rate = group_transitions / store_batched_s
+    store_all_rate = (group_transitions + attempt_transitions) / store_batched_s
+    raw_rate = rounds * args.batch * len(BATCH_STEPS) / raw_batched_s
+    all_single = [x for v in single_lat.values() for x in v]
+    single = latency_summary(all_single)
+    raw_single_summary = latency_summary(raw_lat)
+    result = {
+        "machine": benchlib.machine_line(),
+        "args": vars(args),
+        "invariants_ok": report.ok if hasattr(report, "ok") else None,
+        "batched": {
+            "groups_per_tx": args.batch,
+            "generations": args.generations,
+            "group_transitions_per_s": store_group_rate,
+            "all_state_changes_per_s": store_all_rate,
+            "raw_single_row_updates_per_s": raw_rate,
+            "ratio_store_group_vs_raw": store_group_rate / raw_rate,
+            "ms_per_tx_by_step": {k: v / rounds * 1e3 for k, v in step_time.items()},
+            "goal_group_transitions_per_s": GROUP_GOAL_PER_S,
+        },
+        "single": {
+            "store": single,
+            "store_by_step": {k: latency_summary(v) for k, v in single_lat.items()},
+            "store_tx_per_s": len(all_single) / sum(all_single),
+            "raw": raw_single_summary,
+            "raw_tx_per_s": len(raw_lat) / sum(raw_lat),
+            "ratio_p50": single["p50_ms"] / raw_single_summary["p50_ms"],
+            "ratio_p99": single["p99_ms"] / raw_single_summary["p99_ms"],
+            "goal_p99_ms": SINGLE_P99_GOAL_MS,
+        },
+    }
+    return result
+
+
+def print_report(r: dict) -> None:
+    b, s = r["batched"], r["single"]
+    say(f"machine: {r['machine']}")
+    say(f"\nbatched: {b['groups_per_tx']} groups per transaction, {b['generations']} generations each")
+    say(f"  store  {b['group_transitions_per_s']:>10,.0f} group transitions/s"
+        f"   ({b['all_state_changes_per_s']:,.0f}/s counting attempt starts and finishes)")
+    say(f"  raw    {b['raw_single_row_updates_per_s']:>10,.0f} single-row UPDATEs/s (executemany)")
+    say(f"  ratio  store/raw = {b['ratio_store_group_vs_raw']:.3f}   goal >= {b['goal_group_transitions_per_s']:,}/s: "
+        f"{'met' if b['group_transitions_per_s'] >= b['goal_group_transitions_per_s'] else 'MISSED'}")
+    say("  ms per transaction: " + ", ".join(f"{k} {v:.2f}" for k, v in b["ms_per_tx_by_step"].items()))
+    say("\nsingle: one transition per Store.atomic() transaction")
+    say(f"  store  {fmt_latency(s['store'])}   {s['store_tx_per_s']:,.0f} tx/s")
+    for k, v in s["store_by_step"].items():
+        say(f"    {k:<9}{fmt_latency(v)}")
+    say(f"  raw    {fmt_latency(s['raw'])}   {s['raw_tx_per_s']:,.0f} tx/s")
+    say(f"  ratio  p50 {s['ratio_p50']:.1f}x  p99 {s['ratio_p99']:.1f}x   goal p99 <= {s['goal_p99_ms']} ms: "
+        f"{'met' if s['store']['p99_ms'] <= s['goal_p99_ms'] else 'MISSED'}")
+    say(f"\ninvariants after the run: {'ok' if r['invariants_ok'] else r['invariants_ok']}")
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--batch", type=int, default=500, help="groups per transaction in the batched case")
+    p.add_argument("--generations", type=int, default=4, help="generations (attempts) per group, batched case")
+    p.add_argument("--tokens", type=int, default=64, help="tokens per finished generation (sample payload)")
+    p.add_argument("--ledger-rows", type=int, default=100_000, help="trained groups already in the ledger")
+    p.add_argument("--blocks", type=int, default=5, help="alternating store/raw blocks")
+    p.add_argument("--batched-rounds", type=int, default=4, help="batched rounds per block")
+    p.add_argument("--single-groups", type=int, default=400, help="groups taken through one at a time per block")
+    p.add_argument("--dir", default=None, help="where the temporary store goes (default: system temp)")
+    p.add_argument("--json", default=None, help="also write the figures as JSON here")
+    p.add_argument("--quick", action="store_true", help="tiny sizes, for a smoke run")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.batch, args.ledger_rows, args.blocks, args.batched_rounds, args.single_groups = 50, 1000, 1, 1, 10
+    r = run(args)
+    print_report(r)
+    benchlib.write_json(args.json, r)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,68 @@
+"""Small helpers shared by the store benchmarks: latency summaries, the machine line,
+and a raw sqlite3 connection with the store's own pragmas (the floor every store figure
+is divided by, measured in the same run)."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sqlite3
+import sys
+from pathlib import Path
+
+from rolloutdb.store.db import BUSY_TIMEOUT_MS, JOURNAL_SIZE_LIMIT
+
+
+def percentile(sorted_values: list[float], q: float) -> float:
+    """Nearest-rank percentile of an already sorted list (q in 0..100)."""
+    if not sorted_values:
+        return float("nan")
+    rank = max(0, min(len(sorted_values) - 1, int(round(q / 100 * len(sorted_values) + 0.5)) - 1))
+    return sorted_values[rank]
+
+
+def latency_summary(seconds: list[float]) -> dict[str, float]:
+    """p50/p99/max in milliseconds, plus the count."""
+    s = sorted(seconds)
+    return {
+        "n": len(s),
+        "p50_ms": percentile(s, 50) * 1e3,
+        "p99_ms": percentile(s, 99) * 1e3,
+        "max_ms": (s[-1] if s else float("nan")) * 1e3,
+    }
+
+
+def fmt_latency(summary: dict[str, float]) -> str:
+    return f"p50 {summary['p50_ms']:.3f} ms  p99 {summary['p99_ms']:.3f} ms  max {summary['max_ms']:.2f} ms  (n={summary['n']})"
+
+
+def machine_line() -> str:
+    return (
+        f"{os.cpu_count()} cpu(s) visible, load {os.getloadavg()[0]:.2f}, Python {platform.python_version()}, "
+        f"SQLite {sqlite3.sqlite_version}"
+    )
+
+
+def raw_connection(path: str | Path, *, synchronous: str = "NORMAL", writer: bool = True) -> sqlite3.Connection:
+    """A plain sqlite3 connection set up like the store's writer: WAL, the same
+    synchronous level, foreign keys, busy timeout, explicit transactions."""
+    conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
+    conn.execute("PRAGMA journal_mode = WAL")
+    conn.execute(f"PRAGMA synchronous = {synchronous}")
+    conn.execute("PRAGMA foreign_keys = ON")
+    conn.execute(f"PRAGMA journal_size_limit = {JOURNAL_SIZE_LIMIT}")
+    if writer:
+        conn.execute("PRAGMA wal_autocheckpoint = 0")
+    return conn
+
+
+def write_json(path: str | None, result: dict) -> None:
+    if path:
+        Path(path).write_text(json.dumps(result, indent=2, sort_keys=True))
+
+
+def say(*parts) -> None:
+    print(*parts, flush=True)
+    sys.stdout.flush()
