@@ -9,7 +9,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from sqlalchemy import Connection, delete, func, insert, select, update
+from sqlalchemy import Connection, bindparam, delete, func, insert, select, update
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
 from .codec import decode_tokens, encode_tokens
@@ -25,6 +25,11 @@ chunks = T["token_chunks"]
 episodes = T["env_episodes"]
 rollouts = T["rollouts"]
 
+# Built once: the cursor is read and advanced in every reserve transaction, and building
+# a Core statement per call costs more than running it (see ledger.py).
+_READ_CURSOR = select(sampler.c.next_seq, sampler.c.epoch, sampler.c.seed, sampler.c.stamping)
+_ADVANCE_CURSOR = update(sampler).values(next_seq=bindparam("to_seq"), epoch=bindparam("to_epoch"))
+
 
 # ---------------------------------------------------------------- sampler cursor
 
@@ -38,7 +43,7 @@ class Cursor:
 
 
 def read_cursor(conn: Connection) -> Cursor:
-    row = conn.execute(select(sampler.c.next_seq, sampler.c.epoch, sampler.c.seed, sampler.c.stamping)).one()
+    row = conn.execute(_READ_CURSOR).one()
     return Cursor(*row)
 
 
@@ -48,7 +53,7 @@ def advance_cursor(conn: Connection, next_seq: int, epoch: int) -> None:
     current = read_cursor(conn)
     if next_seq < current.next_seq:
         raise IllegalTransition(f"sampler cursor: cannot move back from {current.next_seq} to {next_seq}")
-    conn.execute(update(sampler).values(next_seq=next_seq, epoch=epoch))
+    conn.execute(_ADVANCE_CURSOR, {"to_seq": next_seq, "to_epoch": epoch})
 
 
 # ---------------------------------------------------------------- spare pool
