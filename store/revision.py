@@ -7,6 +7,8 @@ as from a checkout. Files are only ever created by running the migrations.
 from __future__ import annotations
 
 import contextlib
+import os
+import shutil
 import sqlite3
 from pathlib import Path
 
@@ -138,39 +140,73 @@ def create_store_file(path: str | Path) -> Path:
     return path
 
 
+def check_readable_store(path: str | Path) -> str | None:
+    """Refuse a file that is missing, not SQLite, truncated or damaged; return its
+    revision. Opens it read-only (no side files, no change to its bytes) and runs
+    ``PRAGMA integrity_check``, so a bit-flipped page is refused before anything reads
+    rows from it."""
+    from .readonly import open_readonly  # readonly imports this module
+
+    path = check_sqlite_file(path)
+    conn = open_readonly(path)
+    try:
+        problems = [row[0] for row in conn.execute("PRAGMA integrity_check").fetchall()]
+        if problems != ["ok"]:
+            first = " ".join(problems[0].replace("*** in database main ***", "").split())
+            raise NotAStoreError(
+                f"{path}: damaged (integrity_check: {first}); restore it from another snapshot"
+            )
+        return file_revision(conn)
+    except sqlite3.DatabaseError as e:
+        raise NotAStoreError(f"{path}: unreadable SQLite file ({e}); restore it from another snapshot") from e
+    finally:
+        conn.close()
+
+
 def upgrade_file(path: str | Path) -> tuple[str, str]:
     """Migrate `path` to head through a copy and put the copy in its place atomically.
 
     Returns (old revision, new revision); equal when the file was up to date (then
-    nothing was written). The copy is taken with the backup API so a WAL's content is
-    included; the source's WAL is folded back first so no stale WAL outlives the swap.
+    nothing was written). Every refusal (damaged file, unknown or newer revision, file
+    in use) happens before anything is written, so a refused file keeps its bytes.
+    The copy is taken with the backup API so a WAL's content is included; the source's
+    WAL is folded back first so no stale WAL outlives the swap. A symlink is followed:
+    the file it points to is replaced, the link stays.
     """
-    path = check_sqlite_file(path)
-    with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as ro:
-        try:
-            old = file_revision(ro)
-            journal_mode = ro.execute("PRAGMA journal_mode").fetchone()[0]
-        except sqlite3.DatabaseError as e:
-            raise NotAStoreError(f"{path}: unreadable SQLite file ({e}); restore it from another snapshot") from e
+    path = Path(path)
+    old = check_readable_store(path)
     if classify_revision(path, old) == "head":
         return old, old
-    tmp = temp_path_beside(path, "upgrade")
+    target = Path(os.path.realpath(path))
+    tmp = temp_path_beside(target, "upgrade")
     try:
-        with contextlib.closing(sqlite3.connect(path, isolation_level=None)) as src:
-            src.execute("PRAGMA busy_timeout = 2000")
-            busy = src.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()[0]
-            if busy:
-                raise NotAStoreError(f"{path}: in use by another process; stop the run, then upgrade")
-            with contextlib.closing(sqlite3.connect(tmp)) as dst:
-                src.backup(dst)
-        run_migrations(tmp)
+        try:
+            with contextlib.closing(sqlite3.connect(target, isolation_level=None)) as src:
+                src.execute("PRAGMA busy_timeout = 2000")
+                journal_mode = src.execute("PRAGMA journal_mode").fetchone()[0]
+                busy = src.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()[0]
+                if busy:
+                    raise NotAStoreError(f"{path}: in use by another process; stop the run, then upgrade")
+                with contextlib.closing(sqlite3.connect(tmp)) as dst:
+                    src.backup(dst)
+        except sqlite3.OperationalError as e:
+            raise NotAStoreError(f"{path}: cannot read it for the upgrade ({e}); stop the run, then upgrade") from e
+        try:
+            run_migrations(tmp)
+        except Exception as e:  # noqa: BLE001 - any failure leaves the original as is
+            raise NotAStoreError(
+                f"{path}: migrating a copy from {old} to {head_revision()} failed "
+                f"({type(e).__name__}: {e}); original left as is"
+            ) from e
         with contextlib.closing(sqlite3.connect(tmp, isolation_level=None)) as conn:
             if conn.execute("PRAGMA integrity_check").fetchone()[0] != "ok":
                 raise NotAStoreError(f"{path}: the upgraded copy failed integrity_check; original left as is")
             conn.execute(f"PRAGMA journal_mode = {journal_mode}")
-        replace_file(tmp, path)
+        shutil.copymode(target, tmp)
+        replace_file(tmp, target)
     finally:
         tmp.unlink(missing_ok=True)
+        Path(f"{tmp}-journal").unlink(missing_ok=True)
     for suffix in ("-wal", "-shm"):
-        Path(f"{path}{suffix}").unlink(missing_ok=True)
+        Path(f"{target}{suffix}").unlink(missing_ok=True)
     return old, head_revision()

@@ -1,0 +1,350 @@
+"""Schema versions: every committed fixture upgrades to head, keeps its data and resumes a
+run; head files are left alone; the migrated schema is the ORM's; downgrade works.
+
+Every fixture is a real store file made at its revision by tests/fixtures/make_fixture.py.
+Each test works on a copy in tmp_path and reads results through fresh connections.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib.util
+import json
+import re
+import shutil
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from alembic.autogenerate import compare_metadata
+from alembic.migration import MigrationContext
+from sqlalchemy import create_engine
+from sqlalchemy.pool import NullPool
+
+from rolloutdb.store import FinishedGeneration, Reservation, Store, codec
+from rolloutdb.store.invariants import check_invariants
+from rolloutdb.store.revision import head_revision, known_revisions, run_migrations, upgrade_file
+from rolloutdb.store.schema import metadata
+
+REPO = Path(__file__).resolve().parents[1]
+FIXTURES = REPO / "tests" / "fixtures"
+REVISIONS = known_revisions()
+HEAD = head_revision()
+
+
+def fixture_path(revision: str) -> Path:
+    return FIXTURES / f"store_{revision}.sqlite"
+
+
+@pytest.fixture(params=REVISIONS)
+def fixture_copy(request, tmp_path) -> tuple[str, Path]:
+    """A copy of the committed fixture of one revision. Fails (does not skip) when a
+    revision has no fixture: every new revision must commit one."""
+    revision = request.param
+    src = fixture_path(revision)
+    assert src.is_file(), (
+        f"revision {revision} has no fixture; run "
+        f"`python tests/fixtures/make_fixture.py {revision} {src.relative_to(REPO)}` and commit it"
+    )
+    dst = tmp_path / "store" / src.name
+    dst.parent.mkdir()
+    shutil.copyfile(src, dst)
+    return revision, dst
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@contextlib.contextmanager
+def _connect(path: Path):
+    with contextlib.closing(sqlite3.connect(path)) as conn:
+        yield conn
+
+
+def _tables(conn: sqlite3.Connection) -> list[str]:
+    return [r[0] for r in conn.execute(
+        "SELECT name FROM sqlite_master WHERE type = 'table' AND name NOT LIKE 'sqlite_%' ORDER BY name")]
+
+
+def _columns(conn: sqlite3.Connection, table: str) -> list[str]:
+    return [r[1] for r in conn.execute(f"PRAGMA table_info({table})")]
+
+
+def _content(conn: sqlite3.Connection, table: str, columns: list[str]) -> list[tuple]:
+    cols = ", ".join(columns)
+    return conn.execute(f"SELECT {cols} FROM {table} ORDER BY {cols}").fetchall()
+
+
+def _invariant_problems(path: Path) -> list[str]:
+    with _connect(path) as conn:
+        conn.execute("BEGIN")
+        return check_invariants(conn).problems
+
+
+def _load_make_fixture():
+    spec = importlib.util.spec_from_file_location("make_fixture", FIXTURES / "make_fixture.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# ----------------------------------------------------------------------------- fixtures
+
+
+def test_every_known_revision_has_a_committed_fixture_and_no_fixture_is_stray():
+    on_disk = {p.name for p in FIXTURES.glob("store_*.sqlite")}
+    assert on_disk == {fixture_path(r).name for r in REVISIONS}
+
+
+def test_each_fixture_is_at_its_own_revision_sound_and_standalone(fixture_copy):
+    revision, path = fixture_copy
+    with _connect(path) as conn:
+        assert conn.execute("SELECT version_num FROM alembic_version").fetchall() == [(revision,)]
+        assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+        assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "delete"
+        states = dict(conn.execute("SELECT state, count(*) FROM prompt_groups GROUP BY state"))
+        reasons = {r for (r,) in conn.execute("SELECT DISTINCT abandon_reason FROM rollouts WHERE abandon_reason IS NOT NULL")}
+        for table in ("samples", "replay_groups", "finalizer_results", "spare_prompts", "step_shortfall",
+                      "token_chunks", "env_episodes", "snapshot_attempts", "run_meta", "sampler_state"):
+            assert conn.execute(f"SELECT count(*) FROM {table}").fetchone()[0] > 0, table
+    assert set(states) == {"reserved", "dispatched", "sealed", "published", "trained", "discarded"}
+    assert reasons == {"restart", "deadline", "error"}
+    assert _invariant_problems(path) == []
+    assert path.stat().st_size < 512 * 1024
+
+
+def test_each_committed_fixture_equals_a_fresh_run_of_its_generator(fixture_copy, tmp_path):
+    """The generator and its frozen writers still make exactly the committed file's content
+    (compared as SQL, sorted: SQLAlchemy creates a table's indexes in set order)."""
+    revision, path = fixture_copy
+    fresh = _load_make_fixture().make_fixture(revision, tmp_path / "fresh.sqlite")
+    with _connect(path) as committed, _connect(fresh) as regenerated:
+        assert sorted(regenerated.iterdump()) == sorted(committed.iterdump())
+
+
+# ----------------------------------------------------------------------------- upgrade
+
+
+def test_each_fixture_upgrades_to_head_keeping_every_row(fixture_copy):
+    revision, path = fixture_copy
+    with _connect(path) as before:
+        tables = _tables(before)
+        old = {t: (_columns(before, t), _content(before, t, _columns(before, t))) for t in tables}
+        counts = {t: before.execute(f"SELECT count(*) FROM {t}").fetchone()[0] for t in tables}
+        blobs = before.execute("SELECT sample_id, token_ids, logprobs FROM samples ORDER BY sample_id").fetchall()
+
+    assert upgrade_file(path) == (revision, HEAD)
+    assert sorted(p.name for p in path.parent.iterdir()) == [path.name]  # no tmp, -wal, -shm
+
+    with _connect(path) as after:
+        assert after.execute("SELECT version_num FROM alembic_version").fetchall() == [(HEAD,)]
+        assert after.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+        assert set(_tables(after)) >= set(tables)
+        for table, (columns, rows) in old.items():
+            if table == "alembic_version":
+                continue
+            assert after.execute(f"SELECT count(*) FROM {table}").fetchone()[0] == counts[table], table
+            assert _content(after, table, columns) == rows, table
+        assert counts["samples"] > 0
+        for sample_id, tokens, logprobs in blobs:
+            t2, l2 = after.execute("SELECT token_ids, logprobs FROM samples WHERE sample_id = ?", (sample_id,)).fetchone()
+            assert codec.decode_tokens(t2).tolist() == codec.decode_tokens(tokens).tolist()
+            assert codec.decode_logprobs(l2).tobytes() == codec.decode_logprobs(logprobs).tobytes()
+        runs = after.execute("SELECT policy_version, num_tokens, version_token_counts FROM samples").fetchall()
+    if "version_token_counts" not in old["samples"][0]:
+        # The data migration: every old sample's tokens all count under its one version.
+        assert all(json.loads(vtc) == [[v, n]] for v, n, vtc in runs)
+    assert all(sum(n for _, n in json.loads(vtc)) == total for _, total, vtc in runs)
+    assert _invariant_problems(path) == []
+
+
+def test_a_run_resumes_from_each_upgraded_fixture(fixture_copy):
+    """Open the upgraded file as a live store and drive every transition through the API:
+    sealed groups enter replay, replay groups are trained, an in-flight group finishes
+    its running attempts (their prefix chunks go) and is sealed and published, in-flight
+    groups holding environment episodes are discarded, a reserved group goes all the way
+    to replay, and the sampler hands out a new prompt."""
+    _, path = fixture_copy
+    upgrade_file(path)
+    with _connect(path) as conn:
+        by_state: dict[str, list[int]] = {}
+        for gid, state in conn.execute("SELECT group_id, state FROM prompt_groups ORDER BY group_id"):
+            by_state.setdefault(state, []).append(gid)
+        with_episodes = {g for (g,) in conn.execute(
+            "SELECT DISTINCT a.group_id FROM env_episodes e JOIN rollouts a USING (attempt_id)")}
+        in_flight = [g for g in by_state["dispatched"] if g not in with_episodes]
+        running = [a for (a,) in conn.execute(
+            f"SELECT attempt_id FROM rollouts WHERE state = 'running' AND group_id IN ({','.join(map(str, in_flight))})")]
+        cursor, epoch = conn.execute("SELECT next_seq, epoch FROM sampler_state").fetchone()
+        taken = {p for (p,) in conn.execute(
+            "SELECT prompt_id FROM prompt_groups WHERE epoch = ?1 UNION SELECT prompt_id FROM spare_prompts WHERE epoch = ?1",
+            (epoch,))}
+        counter = conn.execute("SELECT mutation_counter FROM run_meta").fetchone()[0]
+        replay_before = conn.execute("SELECT count(*) FROM replay_groups").fetchone()[0]
+    assert in_flight and running and with_episodes, "the fixture lacks in-flight work to resume"
+
+    gen = FinishedGeneration([5, 6, 7], [-0.25, -0.5, -1.0], 1.0, [(5, 2), (6, 1)])
+    reserved = by_state["reserved"][:1]
+    with Store.open(path) as store:
+        store.publish(by_state["sealed"])
+        store.mark_trained(by_state["published"], step=6)
+        for attempt_id in running:
+            store.finish(attempt_id, gen)
+        store.seal(in_flight)
+        store.publish(in_flight)
+        store.discard(sorted(with_episodes), reason="resume_check")
+        for attempt_id in store.dispatch(reserved, policy_version=6):
+            store.finish(attempt_id, gen)
+        store.seal(reserved)
+        store.publish(reserved)
+        new_prompt = min(set(range(10_000)) - taken)
+        (new_gid,) = store.reserve([Reservation(cursor, epoch, new_prompt)], num_generations=2, target_step=9)
+
+    with _connect(path) as conn:
+        states = dict(conn.execute("SELECT group_id, state FROM prompt_groups"))
+        assert {states[g] for g in by_state["published"]} == {"trained"}
+        assert {states[g] for g in by_state["sealed"] + in_flight + reserved} == {"published"}
+        assert {states[g] for g in with_episodes} == {"discarded"}
+        assert states[new_gid] == "reserved"
+        assert conn.execute("SELECT next_seq FROM sampler_state").fetchone()[0] == cursor + 1
+        assert conn.execute("SELECT mutation_counter FROM run_meta").fetchone()[0] > counter
+        replay_after = conn.execute("SELECT count(*) FROM replay_groups").fetchone()[0]
+        assert replay_after == replay_before - len(by_state["published"]) + len(by_state["sealed"] + in_flight + reserved)
+        assert conn.execute("SELECT count(*) FROM token_chunks WHERE attempt_id IN "
+                            f"({','.join(map(str, running))})").fetchone()[0] == 0
+    assert _invariant_problems(path) == []
+
+
+def test_upgrading_a_file_already_at_head_changes_nothing(tmp_path):
+    path = tmp_path / "head.sqlite"
+    shutil.copyfile(fixture_path(HEAD), path)
+    digest = _sha256(path)
+    assert upgrade_file(path) == (HEAD, HEAD)
+    assert _sha256(path) == digest
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]
+
+
+def test_upgrading_an_upgraded_file_again_changes_nothing(tmp_path):
+    path = tmp_path / "old.sqlite"
+    shutil.copyfile(fixture_path(REVISIONS[0]), path)
+    upgrade_file(path)
+    digest = _sha256(path)
+    assert upgrade_file(path) == (HEAD, HEAD)
+    assert _sha256(path) == digest
+
+
+# ----------------------------------------------------------------------------- schema
+
+
+def _diff_with_metadata(path: Path) -> list:
+    engine = create_engine(f"sqlite:///{path}", poolclass=NullPool)
+    try:
+        with engine.connect() as conn:
+            ctx = MigrationContext.configure(conn, opts={"compare_type": True, "compare_server_default": True})
+            return compare_metadata(ctx, metadata)
+    finally:
+        engine.dispose()
+
+
+def _split_top_level(body: str) -> list[str]:
+    parts, depth, current = [], 0, []
+    for ch in body:
+        if ch == "(":
+            depth += 1
+        elif ch == ")":
+            depth -= 1
+        if ch == "," and depth == 0:
+            parts.append("".join(current).strip())
+            current = []
+        else:
+            current.append(ch)
+    parts.append("".join(current).strip())
+    return parts
+
+
+def _normalised_schema(path: Path) -> dict[tuple[str, str], object]:
+    """sqlite_master DDL with quoting and whitespace normalised; a table's columns and
+    constraints compared as a set (batch migrations append columns at the end)."""
+    out = {}
+    with _connect(path) as conn:
+        for kind, name, sql in conn.execute("SELECT type, name, sql FROM sqlite_master WHERE tbl_name != 'alembic_version'"):
+            if sql is None:  # automatic indexes of UNIQUE / PRIMARY KEY: named by position
+                out[(kind, name)] = None
+                continue
+            sql = re.sub(r"\s+", " ", sql.replace('"', "")).strip()
+            if kind == "table":
+                head, body = sql.split("(", 1)
+                out[(kind, name)] = (head.strip(), frozenset(_split_top_level(body.rsplit(")", 1)[0])))
+            else:
+                out[(kind, name)] = sql
+    return out
+
+
+def test_a_freshly_migrated_file_matches_the_orm_metadata(tmp_path):
+    path = tmp_path / "migrated.sqlite"
+    run_migrations(path)
+    assert _diff_with_metadata(path) == []
+
+
+def test_the_migrated_ddl_equals_the_orm_ddl_including_check_constraints(tmp_path):
+    """compare_metadata ignores CHECK constraints; compare the DDL SQLite stores."""
+    migrated, built = tmp_path / "migrated.sqlite", tmp_path / "built.sqlite"
+    run_migrations(migrated)
+    engine = create_engine(f"sqlite:///{built}", poolclass=NullPool)
+    metadata.create_all(engine)
+    engine.dispose()
+    a, b = _normalised_schema(migrated), _normalised_schema(built)
+    assert sorted(a) == sorted(b)
+    for key in a:
+        assert a[key] == b[key], key
+    assert any("CHECK" in clause for _, clauses in (v for k, v in a.items() if k[0] == "table") for clause in clauses)
+
+
+def test_an_upgraded_fixture_matches_the_orm_metadata(fixture_copy):
+    _, path = fixture_copy
+    upgrade_file(path)
+    assert _diff_with_metadata(path) == []
+
+
+def test_downgrade_to_base_leaves_only_alembic_version_and_upgrade_works_again(fixture_copy):
+    _, path = fixture_copy
+    upgrade_file(path)
+    run_migrations(path, "base", downgrade=True)
+    with _connect(path) as conn:
+        names = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE name NOT LIKE 'sqlite_autoindex_alembic%'")}
+        assert names == {"alembic_version"}
+        assert conn.execute("SELECT count(*) FROM alembic_version").fetchone()[0] == 0
+    run_migrations(path)
+    with _connect(path) as conn:
+        assert conn.execute("SELECT version_num FROM alembic_version").fetchall() == [(HEAD,)]
+        assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+    assert _diff_with_metadata(path) == []
+
+
+def test_each_step_down_and_up_again_keeps_the_schema_equal_to_head(tmp_path):
+    path = tmp_path / "steps.sqlite"
+    run_migrations(path)
+    for revision in reversed(REVISIONS[:-1]):
+        run_migrations(path, revision, downgrade=True)
+        with _connect(path) as conn:
+            assert conn.execute("SELECT version_num FROM alembic_version").fetchall() == [(revision,)]
+    run_migrations(path)
+    assert _diff_with_metadata(path) == []
+
+
+def test_the_alembic_command_line_upgrades_a_copy_of_the_oldest_fixture(tmp_path):
+    path = tmp_path / "cli.sqlite"
+    shutil.copyfile(fixture_path(REVISIONS[0]), path)
+    result = subprocess.run(
+        [sys.executable, "-m", "alembic", "-x", f"db={path}", "upgrade", "head"],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    with _connect(path) as conn:
+        assert conn.execute("SELECT version_num FROM alembic_version").fetchall() == [(HEAD,)]
+        assert conn.execute("SELECT count(*) FROM samples WHERE version_token_counts IS NULL").fetchone()[0] == 0
+    assert _invariant_problems(path) == []
