@@ -1,0 +1,7 @@
+"""`python -m rolloutdb ...` runs the `rolloutdb` command."""
+
+import sys
+
+from rolloutdb.cli import main
+
+sys.exit(main())
