@@ -1,0 +1,294 @@
+"""The trace analysis as named SQL: read these to write your own queries.
+
+Every statement runs unchanged in DuckDB (what `rolloutdb trace` uses) and in SQLite
+3.40+. They read three base views, which `rolloutdb.store.analysis` builds by stacking
+the trace files it was given (``UNION ALL``):
+
+    events(job, src, seq, t, run_id, event, prompt_id, generation_index, group_id,
+           attempt, step, policy_version, reason, fields)
+    version_tokens(job, src, seq, policy_version, tokens)   -- per-version token counts
+    event_groups(job, src, seq, group_id)                    -- a train step's groups
+
+``job`` is 'run' for the traces under analysis (one job, however many times it was
+stopped and resumed, in one or several files) and 'baseline' for a run of the same job
+that never stopped. ``src`` numbers the files of a job; (job, src, seq) names an event.
+docs/trace.md describes every event and field.
+
+`VIEWS` build on each other in order (create them as views, in that order); `QUERIES`
+are the figures `rolloutdb trace` prints. Times are seconds.
+"""
+
+from __future__ import annotations
+
+# --------------------------------------------------------------------------- views
+
+RUNS = """
+-- One row per run (process) of a job, in the order the runs started.
+--   downtime_before: from the previous run's last event to this run's first (0 for
+--     the first run, and 0 if the two overlap);
+--   downtime_until: all downtime of the job up to this run.
+-- A job's *effective* time of an event in this run is
+--   t - job_started - downtime_until,
+-- the time the job would show had it never been down.
+WITH spans AS (
+    SELECT job, run_id, min(t) AS started, max(t) AS ended
+    FROM events
+    GROUP BY job, run_id
+), ordered AS (
+    SELECT job, run_id, started, ended,
+           row_number() OVER (PARTITION BY job ORDER BY started, run_id) AS run_no,
+           lag(ended) OVER (PARTITION BY job ORDER BY started, run_id) AS previous_ended
+    FROM spans
+), gaps AS (
+    SELECT job, run_id, started, ended, run_no,
+           CASE WHEN previous_ended IS NULL OR started <= previous_ended THEN 0.0
+                ELSE started - previous_ended END AS downtime_before
+    FROM ordered
+)
+SELECT job, run_id, run_no, started, ended, downtime_before,
+       sum(downtime_before) OVER (PARTITION BY job ORDER BY run_no) AS downtime_until,
+       min(started) OVER (PARTITION BY job) AS job_started
+FROM gaps
+"""
+
+STOPS = """
+-- One row per stop: the boundary between run stop_no (killed or stopped) and the run
+-- after it, which resumed the job.
+--   stopped_at: the stopped run's last event (the stop, as far as the trace knows);
+--   snapshot_seq, cut_time: the snapshot the resumed run restored (its first
+--     restore_done event); NULL when it restored none;
+--   cut: cut_time, or stopped_at when no snapshot was restored. What happened after
+--     the cut was lost with the stop and had to be done again.
+SELECT s.job, s.run_no AS stop_no, s.run_id AS stopped_run, r.run_id AS resumed_run,
+       s.ended AS stopped_at, r.started AS resumed_at, r.downtime_before AS downtime,
+       rd.t AS restored_at, rd.snapshot_seq, rd.cut_time,
+       coalesce(rd.cut_time, s.ended) AS cut
+FROM runs s
+JOIN runs r ON r.job = s.job AND r.run_no = s.run_no + 1
+LEFT JOIN (
+    SELECT job, run_id, t,
+           CAST(fields ->> '$.snapshot_seq' AS BIGINT) AS snapshot_seq,
+           CAST(fields ->> '$.cut_time' AS DOUBLE) AS cut_time,
+           row_number() OVER (PARTITION BY job, run_id ORDER BY t, seq) AS nth
+    FROM events
+    WHERE event = 'restore_done'
+) rd ON rd.job = r.job AND rd.run_id = r.run_id AND rd.nth = 1
+"""
+
+TIMELINE = """
+-- Every event with its run number, its effective time (downtime removed) and whether
+-- it was *kept*: it happened in the last run, or before the cut of the snapshot that
+-- the next run restored. An event that was not kept (a group sealed after the cut,
+-- say) was lost with the stop and happened again later.
+SELECT e.job, e.src, e.seq, e.t, e.run_id, e.event, e.prompt_id, e.generation_index,
+       e.group_id, e.attempt, e.step, e.policy_version, e.reason,
+       ru.run_no,
+       e.t - ru.job_started - ru.downtime_until AS effective_t,
+       CASE WHEN st.stop_no IS NULL OR e.t <= st.cut THEN 1 ELSE 0 END AS kept
+FROM events e
+JOIN runs ru ON ru.job = e.job AND ru.run_id = e.run_id
+LEFT JOIN stops st ON st.job = e.job AND st.stop_no = ru.run_no
+"""
+
+THROWN_AWAY_ATTEMPTS = """
+-- Thrown-away time, one row per attempt abandoned with reason 'restart': from the
+-- attempt's last attempt_dispatched (same prompt_id, generation_index, attempt) to the
+-- cut_time of the snapshot that the resumed run restored. The attempt had been working
+-- since its dispatch; the restored state knows nothing of that work.
+-- The abandonment belongs to the first stop, at or after the run that recorded it,
+-- whose resumed run restored a snapshot (normally the run that restored is the run
+-- that recorded it).
+WITH abandoned AS (
+    SELECT e.job, e.prompt_id, e.generation_index, e.attempt, e.group_id, ru.run_no
+    FROM events e
+    JOIN runs ru ON ru.job = e.job AND ru.run_id = e.run_id
+    WHERE e.event = 'attempt_abandoned' AND e.reason = 'restart'
+), assigned AS (
+    SELECT a.*,
+           (SELECT min(st.stop_no) FROM stops st
+            WHERE st.job = a.job AND st.cut_time IS NOT NULL AND st.stop_no >= a.run_no - 1) AS stop_no
+    FROM abandoned a
+)
+SELECT x.job, x.stop_no, x.prompt_id, x.generation_index, x.attempt, x.group_id,
+       max(d.t) AS dispatched_at, st.cut_time,
+       st.cut_time - max(d.t) AS thrown_away_s
+FROM assigned x
+JOIN stops st ON st.job = x.job AND st.stop_no = x.stop_no
+LEFT JOIN events d
+       ON d.job = x.job AND d.event = 'attempt_dispatched'
+      AND d.prompt_id = x.prompt_id AND d.generation_index = x.generation_index
+      AND d.attempt = x.attempt AND d.t <= st.cut_time
+GROUP BY x.job, x.stop_no, x.prompt_id, x.generation_index, x.attempt, x.group_id, st.cut_time
+"""
+
+LOST_PROGRESS_GROUPS = """
+-- Lost progress, one row per (stop, prompt) that was running at the stop: how much
+-- later, on the job's effective timeline, the prompt's group was sealed than the same
+-- prompt's group in the baseline on the baseline's effective timeline.
+-- Running at a stop: the prompt's latest group_reserved before the stop (kept, or in
+-- the stopped run itself) is not followed by a kept group_sealed up to the cut.
+-- Sealed after the stop: its first kept group_sealed in a later run.
+-- A prompt sealed several times (epochs) is matched occurrence by occurrence: the n-th
+-- kept seal of the prompt in the run against the n-th seal in the baseline.
+WITH reserved AS (
+    SELECT prompt_id, t, run_no, kept FROM timeline
+    WHERE job = 'run' AND event = 'group_reserved'
+), seals AS (
+    SELECT job, prompt_id, t, run_no, effective_t,
+           row_number() OVER (PARTITION BY job, prompt_id ORDER BY t, src, seq) AS occurrence
+    FROM timeline
+    WHERE event = 'group_sealed' AND kept = 1
+), latest AS (
+    SELECT st.stop_no, st.cut, r.prompt_id, max(r.t) AS reserved_at
+    FROM stops st
+    JOIN reserved r ON r.run_no <= st.stop_no AND (r.run_no = st.stop_no OR r.kept = 1)
+    WHERE st.job = 'run'
+    GROUP BY st.stop_no, st.cut, r.prompt_id
+), sealed_before AS (
+    SELECT st.stop_no, s.prompt_id, max(s.t) AS sealed_at
+    FROM stops st
+    JOIN seals s ON s.job = 'run' AND s.run_no <= st.stop_no AND s.t <= st.cut
+    WHERE st.job = 'run'
+    GROUP BY st.stop_no, s.prompt_id
+), running AS (
+    SELECT l.stop_no, l.prompt_id, l.reserved_at
+    FROM latest l
+    LEFT JOIN sealed_before b ON b.stop_no = l.stop_no AND b.prompt_id = l.prompt_id
+    WHERE b.sealed_at IS NULL OR b.sealed_at < l.reserved_at
+), sealed_after AS (
+    SELECT r.stop_no, r.prompt_id, s.occurrence, s.effective_t,
+           row_number() OVER (PARTITION BY r.stop_no, r.prompt_id ORDER BY s.t) AS nth
+    FROM running r
+    JOIN seals s ON s.job = 'run' AND s.prompt_id = r.prompt_id AND s.run_no > r.stop_no
+)
+SELECT r.stop_no, r.prompt_id, a.occurrence,
+       a.effective_t AS sealed_effective_t,
+       b.effective_t AS baseline_sealed_effective_t,
+       a.effective_t - b.effective_t AS lost_s
+FROM running r
+LEFT JOIN sealed_after a ON a.stop_no = r.stop_no AND a.prompt_id = r.prompt_id AND a.nth = 1
+LEFT JOIN seals b ON b.job = 'baseline' AND b.prompt_id = r.prompt_id AND b.occurrence = a.occurrence
+"""
+
+BATCH_AGE_STEPS = """
+-- Batch age, one row per train_step event: the token-weighted number of policy updates
+-- between generating each token and training on it,
+--   sum over tokens of (trained_version - version that produced the token) / tokens,
+-- where trained_version is the train step's policy_version (the version before the
+-- step's update; step - 1 when the event has none). A group's tokens are the
+-- version_token_counts of its latest group_published before the step, so a call that ran
+-- across a refit counts each token under the version that produced it. Environment
+-- tokens (negative versions) do not count. logged_batch_age is what the trainer logged
+-- in the same event; the two must agree.
+WITH steps AS (
+    SELECT ts.job, ts.src, ts.seq, ts.t, ts.run_id, ts.step,
+           coalesce(ts.policy_version, ts.step - 1) AS trained_version,
+           CAST(ts.fields ->> '$.batch_age' AS DOUBLE) AS logged_batch_age
+    FROM events ts
+    WHERE ts.event = 'train_step'
+), trained AS (
+    SELECT s.job, s.src, s.seq, s.t, s.trained_version, g.group_id
+    FROM steps s
+    JOIN event_groups g ON g.job = s.job AND g.src = s.src AND g.seq = s.seq
+), publishes AS (
+    SELECT tr.job, tr.src, tr.seq, tr.trained_version, p.src AS p_src, p.seq AS p_seq,
+           row_number() OVER (PARTITION BY tr.job, tr.src, tr.seq, tr.group_id
+                              ORDER BY p.t DESC, p.src DESC, p.seq DESC) AS nth
+    FROM trained tr
+    JOIN events p ON p.job = tr.job AND p.event = 'group_published'
+                 AND p.group_id = tr.group_id AND p.t <= tr.t
+), weighted AS (
+    SELECT pu.job, pu.src, pu.seq,
+           sum(v.tokens) AS tokens,
+           sum((pu.trained_version - v.policy_version) * v.tokens) AS weighted_age
+    FROM publishes pu
+    JOIN version_tokens v ON v.job = pu.job AND v.src = pu.p_src AND v.seq = pu.p_seq
+    WHERE pu.nth = 1 AND v.policy_version >= 0
+    GROUP BY pu.job, pu.src, pu.seq
+), group_counts AS (
+    SELECT job, src, seq, count(*) AS groups FROM trained GROUP BY job, src, seq
+)
+SELECT s.job, ru.run_no, s.run_id, s.step, s.t, s.trained_version,
+       coalesce(gc.groups, 0) AS groups,
+       coalesce(w.tokens, 0) AS tokens,
+       CASE WHEN w.tokens > 0 THEN w.weighted_age * 1.0 / w.tokens END AS batch_age,
+       s.logged_batch_age
+FROM steps s
+JOIN runs ru ON ru.job = s.job AND ru.run_id = s.run_id
+LEFT JOIN weighted w ON w.job = s.job AND w.src = s.src AND w.seq = s.seq
+LEFT JOIN group_counts gc ON gc.job = s.job AND gc.src = s.src AND gc.seq = s.seq
+"""
+
+# Name -> SELECT, in the order they must be created (each may use the ones before it).
+VIEWS: dict[str, str] = {
+    "runs": RUNS,
+    "stops": STOPS,
+    "timeline": TIMELINE,
+    "thrown_away_attempts": THROWN_AWAY_ATTEMPTS,
+    "lost_progress_groups": LOST_PROGRESS_GROUPS,
+    "batch_age_steps": BATCH_AGE_STEPS,
+}
+
+# --------------------------------------------------------------------------- figures
+
+THROWN_AWAY_PER_STOP = """
+-- Figure 1, per stop of the analysed job: attempts abandoned with reason 'restart' and
+-- their thrown-away time in total (see thrown_away_attempts), with the stop's downtime
+-- and the snapshot the resumed run restored.
+SELECT st.stop_no, st.stopped_run, st.resumed_run, st.downtime, st.snapshot_seq, st.cut_time,
+       count(a.prompt_id) AS attempts,
+       coalesce(sum(a.thrown_away_s), 0.0) AS thrown_away_s
+FROM stops st
+LEFT JOIN thrown_away_attempts a ON a.job = st.job AND a.stop_no = st.stop_no
+WHERE st.job = 'run'
+GROUP BY st.stop_no, st.stopped_run, st.resumed_run, st.downtime, st.snapshot_seq, st.cut_time
+ORDER BY st.stop_no
+"""
+
+THROWN_AWAY_BY_ATTEMPT = """
+-- Figure 1, one row per abandoned attempt.
+SELECT stop_no, prompt_id, generation_index, attempt, group_id, dispatched_at, cut_time, thrown_away_s
+FROM thrown_away_attempts
+WHERE job = 'run'
+ORDER BY stop_no, prompt_id, generation_index, attempt
+"""
+
+LOST_PROGRESS_PER_STOP = """
+-- Figure 2, per stop: the groups running at the stop, how many were matched with the
+-- baseline (sealed in both), and their lost progress in total, on average and at most.
+SELECT st.stop_no,
+       count(g.prompt_id) AS groups_running,
+       count(g.lost_s) AS groups_matched,
+       coalesce(sum(g.lost_s), 0.0) AS lost_s_total,
+       avg(g.lost_s) AS lost_s_mean,
+       max(g.lost_s) AS lost_s_max
+FROM stops st
+LEFT JOIN lost_progress_groups g ON g.stop_no = st.stop_no
+WHERE st.job = 'run'
+GROUP BY st.stop_no
+ORDER BY st.stop_no
+"""
+
+LOST_PROGRESS_BY_GROUP = """
+-- Figure 2, one row per group running at a stop.
+SELECT stop_no, prompt_id, occurrence, sealed_effective_t, baseline_sealed_effective_t, lost_s
+FROM lost_progress_groups
+ORDER BY stop_no, prompt_id, occurrence
+"""
+
+BATCH_AGE_PER_STEP = """
+-- Figure 3, one row per train step of the analysed job, in the order they were trained
+-- (a step trained again after a stop appears once per run that trained it).
+SELECT run_no, step, t, trained_version, groups, tokens, batch_age, logged_batch_age
+FROM batch_age_steps
+WHERE job = 'run'
+ORDER BY t, run_no, step
+"""
+
+QUERIES: dict[str, str] = {
+    "thrown_away_per_stop": THROWN_AWAY_PER_STOP,
+    "thrown_away_by_attempt": THROWN_AWAY_BY_ATTEMPT,
+    "lost_progress_per_stop": LOST_PROGRESS_PER_STOP,
+    "lost_progress_by_group": LOST_PROGRESS_BY_GROUP,
+    "batch_age_per_step": BATCH_AGE_PER_STEP,
+}
