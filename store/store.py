@@ -26,7 +26,7 @@ from sqlalchemy import Connection, insert, select, update
 
 from . import ledger, pools
 from .capture import Capture, capture_snapshot
-from .db import Database
+from .db import BUSY_TIMEOUT_MS, Database
 from .invariants import InvariantReport, check_invariants
 from .ledger import FinishedGeneration, Reservation
 from .revision import check_sqlite_file, create_store_file, file_revision, require_head
@@ -58,11 +58,13 @@ class Store:
         seed: int = 0,
         stamping: str = "target_step",
         synchronous: str = "NORMAL",
+        busy_timeout_ms: int = BUSY_TIMEOUT_MS,
     ) -> Store:
         """Create a new store at head by running the migrations, and fill its
-        single-row tables."""
+        single-row tables. `busy_timeout_ms`: how long a transaction waits for another
+        process's write lock before raising `StoreBusyError`."""
         create_store_file(path)
-        store = cls(Database(path, synchronous=synchronous))
+        store = cls(Database(path, synchronous=synchronous, busy_timeout_ms=busy_timeout_ms))
         with store.db.atomic() as tx:
             tx.execute(
                 insert(T["run_meta"]).values(
@@ -81,13 +83,13 @@ class Store:
         return store
 
     @classmethod
-    def open(cls, path: str | Path, *, synchronous: str = "NORMAL") -> Store:
+    def open(cls, path: str | Path, *, synchronous: str = "NORMAL", busy_timeout_ms: int = BUSY_TIMEOUT_MS) -> Store:
         """Open an existing store; refuses a file that is not at head (old files are
         upgraded with `rolloutdb upgrade`, newer ones need a newer rolloutdb)."""
         path = check_sqlite_file(path)
         with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as conn:
             require_head(path, file_revision(conn))
-        return cls(Database(path, synchronous=synchronous))
+        return cls(Database(path, synchronous=synchronous, busy_timeout_ms=busy_timeout_ms))
 
     def close(self) -> None:
         self.db.close()

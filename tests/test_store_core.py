@@ -1,0 +1,392 @@
+"""The store core beyond single transitions: connection settings, foreign keys, snapshot
+captures under a live writer, the write lock across processes, the invariant checker,
+no-ledger mode, the mutation counter and the WAL's size. Persisted state is read through
+connections of its own, never through the handle that wrote it."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import sqlite3
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+from sqlalchemy import exc, insert
+
+from rolloutdb.store import (
+    FinishedGeneration,
+    IllegalTransition,
+    Reservation,
+    Store,
+    StoreBusyError,
+    check_invariants,
+    ledger,
+    pools,
+)
+from rolloutdb.store.db import JOURNAL_SIZE_LIMIT
+from rolloutdb.store.schema import T
+
+
+def _gen(n=3, reward=1.0, version=0):
+    return FinishedGeneration(list(range(n)), [-0.5] * n, reward, [(version, n)])
+
+
+def _published_group(store, seq, generations=2):
+    (gid,) = store.reserve([Reservation(seq, 0, seq)], num_generations=generations, target_step=1)
+    for attempt in store.dispatch([gid], policy_version=0):
+        store.finish(attempt, _gen())
+    store.seal([gid])
+    store.publish([gid])
+    return gid
+
+
+def _pragmas(conn, names):
+    return {name: conn.exec_driver_sql(f"PRAGMA {name}").scalar() for name in names}
+
+
+# ---------------------------------------------------------------- connections
+
+
+def test_every_connection_carries_wal_foreign_keys_busy_timeout_and_journal_size_limit(tmp_path):
+    names = ["journal_mode", "foreign_keys", "busy_timeout", "journal_size_limit", "wal_autocheckpoint"]
+    with Store.create(tmp_path / "s.sqlite", busy_timeout_ms=1234) as store:
+        with store.db.atomic() as writer:
+            on_writer = _pragmas(writer, names)
+        with store.read() as reader:
+            on_reader = _pragmas(reader, names)
+    for seen in (on_writer, on_reader):
+        assert seen["journal_mode"] == "wal"
+        assert seen["foreign_keys"] == 1
+        assert seen["busy_timeout"] == 1234
+        assert seen["journal_size_limit"] == JOURNAL_SIZE_LIMIT
+    # The writer never checkpoints itself; the background checkpointer does.
+    assert on_writer["wal_autocheckpoint"] == 0
+
+
+def test_a_store_opened_again_keeps_the_busy_timeout_it_is_given(tmp_path):
+    Store.create(tmp_path / "s.sqlite").close()
+    with Store.open(tmp_path / "s.sqlite", busy_timeout_ms=321) as store:
+        with store.db.atomic() as writer:
+            assert writer.exec_driver_sql("PRAGMA busy_timeout").scalar() == 321
+
+
+def test_a_rollout_for_a_missing_group_is_refused_by_the_foreign_key(store, second_connection):
+    before = store.mutation_counter
+    with pytest.raises(exc.IntegrityError, match="FOREIGN KEY"):
+        with store.atomic() as tx:
+            tx.execute(
+                insert(T["rollouts"]).values(
+                    group_id=999, generation_index=0, attempt=0, state="running", policy_version=0, dispatched_at=0.0
+                )
+            )
+    conn = second_connection(store.path)
+    assert conn.execute("SELECT count(*) FROM rollouts").fetchone()[0] == 0
+    assert store.mutation_counter == before
+
+
+def test_a_manual_checkpoint_leaves_the_writer_usable(store, second_connection):
+    with store.atomic() as tx:
+        pools.push_spare(tx, [Reservation(0, 0, 0)])
+    busy, frames, copied = store.db.checkpoint()
+    assert busy == 0 and frames == copied
+    # The checkpoint must not leave a transaction open on the writer connection.
+    with store.atomic() as tx:
+        pools.push_spare(tx, [Reservation(1, 0, 1)])
+    assert second_connection(store.path).execute("SELECT count(*) FROM spare_prompts").fetchone()[0] == 2
+
+
+# ---------------------------------------------------------------- captures under load
+
+
+class _SpareWriter(threading.Thread):
+    """Commits transactions that each add exactly one spare prompt and move the cursor
+    past it, so in any consistent state: spares == cursor == base + mutation counter."""
+
+    def __init__(self, store, start_seq):
+        super().__init__(daemon=True)
+        self.store = store
+        self.seq = start_seq
+        self.stop = threading.Event()
+        self.error = None
+
+    def run(self):
+        try:
+            while not self.stop.is_set():
+                with self.store.atomic() as tx:
+                    pools.push_spare(tx, [Reservation(self.seq, 0, self.seq)])
+                    pools.advance_cursor(tx, self.seq + 1, 0)
+                self.seq += 1
+        except BaseException as e:  # noqa: BLE001 - reported by the test
+            self.error = e
+
+
+@contextlib.contextmanager
+def _writing(store, preload=20_000):
+    # One big transaction first, so a capture has real pages to copy.
+    with store.atomic() as tx:
+        pools.push_spare(tx, [Reservation(s, 0, s) for s in range(preload)])
+        pools.advance_cursor(tx, preload, 0)
+    writer = _SpareWriter(store, preload)
+    writer.start()
+    try:
+        yield writer
+    finally:
+        writer.stop.set()
+        writer.join(10)
+    assert writer.error is None, writer.error
+
+
+def _wait_for_commits(store, at_least):
+    target = store.mutation_counter + at_least
+    while store.mutation_counter < target:
+        time.sleep(0.001)
+
+
+def _snapshot_state(path):
+    with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as conn:
+        integrity = conn.execute("PRAGMA integrity_check").fetchone()[0]
+        spares = conn.execute("SELECT count(*) FROM spare_prompts").fetchone()[0]
+        cursor = conn.execute("SELECT next_seq FROM sampler_state").fetchone()[0]
+        counter = conn.execute("SELECT mutation_counter FROM run_meta").fetchone()[0]
+        conn.execute("BEGIN")
+        report = check_invariants(conn)
+    return integrity, spares, cursor, counter, report
+
+
+def test_captures_taken_while_a_writer_commits_are_consistent(store, tmp_path):
+    preload = 20_000
+    counters = []
+    with _writing(store, preload):
+        for k in range(5):
+            _wait_for_commits(store, 20)
+            cap = store.capture(tmp_path / f"snap{k}.sqlite")
+            integrity, spares, cursor, counter, report = _snapshot_state(cap.path)
+            assert integrity == "ok"
+            assert report.ok, report.problems
+            # The preload was mutation 1, every later mutation added one spare.
+            assert spares == cursor == preload + counter - 1
+            assert counter == cap.mutation_counter
+            assert cap.row_counts["spare_prompts"] == spares
+            counters.append(counter)
+    assert counters == sorted(counters) and len(set(counters)) == 5, "the writer kept committing between captures"
+    assert not list(tmp_path.glob("snap*.sqlite-*")), "a snapshot file stands alone, without -wal or -shm"
+
+
+def test_at_cut_sees_exactly_the_state_that_is_copied(store, tmp_path):
+    def look(conn):
+        counter = conn.execute("SELECT mutation_counter FROM run_meta").fetchone()[0]
+        # Give the writer time to commit more while the cut is held open.
+        _wait_for_commits(store, 10)
+        return counter, conn.execute("SELECT count(*) FROM spare_prompts").fetchone()[0]
+
+    with _writing(store):
+        _wait_for_commits(store, 5)
+        cap = store.capture(tmp_path / "snap.sqlite", at_cut=look)
+        assert store.mutation_counter > cap.check_result[0]
+    _integrity, spares, _cursor, counter, _report = _snapshot_state(cap.path)
+    assert cap.check_result == (counter, spares)
+
+
+def test_an_exception_in_at_cut_leaves_no_file(store, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+
+    def refuse(_conn):
+        raise RuntimeError("the trainer moved")
+
+    with _writing(store, preload=100):
+        with pytest.raises(RuntimeError, match="the trainer moved"):
+            store.capture(out / "snap.sqlite", at_cut=refuse)
+    assert os.listdir(out) == []
+
+
+# ---------------------------------------------------------------- the write lock across processes
+
+_HOLD_WRITE_LOCK = """
+import sqlite3, sys
+conn = sqlite3.connect(sys.argv[1], isolation_level=None)
+conn.execute("BEGIN IMMEDIATE")
+conn.execute("INSERT INTO spare_prompts VALUES (900, 0, 900, 0.0)")
+print("holding", flush=True)
+sys.stdin.readline()
+conn.execute("COMMIT")
+conn.close()
+"""
+
+
+def test_a_second_process_holding_the_write_lock_makes_atomic_raise_store_busy(tmp_path, second_connection):
+    with Store.create(tmp_path / "s.sqlite", busy_timeout_ms=200) as store:
+        before = store.mutation_counter
+        child = subprocess.Popen(
+            [sys.executable, "-c", _HOLD_WRITE_LOCK, str(store.path)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            assert child.stdout.readline().strip() == "holding"
+            with pytest.raises(StoreBusyError, match=r"another writer held the store for more than 200 ms.*second process"):
+                with store.atomic() as tx:
+                    pools.push_spare(tx, [Reservation(0, 0, 0)])
+        finally:
+            child.communicate("go\n", timeout=30)
+        assert child.returncode == 0
+        # The refused transaction left nothing behind and the writer works again.
+        with store.atomic() as tx:
+            pools.push_spare(tx, [Reservation(1, 0, 1)])
+        rows = second_connection(store.path).execute("SELECT sample_seq FROM spare_prompts ORDER BY 1").fetchall()
+        assert rows == [(1,), (900,)]
+        assert store.mutation_counter == before + 1
+
+
+# ---------------------------------------------------------------- invariants
+
+
+def _violate_exactly_once(conn, gid):
+    # The published group's prompt is also waiting in the spare pool: it would run twice.
+    conn.execute("INSERT INTO spare_prompts SELECT 50, epoch, prompt_id, 0.0 FROM prompt_groups WHERE group_id = ?", (gid,))
+
+
+def _violate_replay_xor_in_flight(conn, gid):
+    # A group in the replay buffer gets a running attempt again.
+    conn.execute(
+        "INSERT INTO rollouts (group_id, generation_index, attempt, state, policy_version, dispatched_at) "
+        "VALUES (?, 0, 1, 'running', 0, 0.0)",
+        (gid,),
+    )
+
+
+def _violate_no_orphans(conn, _gid):
+    conn.execute(
+        "INSERT INTO samples (group_id, generation_index, prompt_id, num_tokens, token_ids, logprobs, reward, "
+        "policy_version, version_token_counts, created_at) VALUES (4242, 0, 1, 0, x'', x'', 0.0, 0, '[]', 0.0)"
+    )
+
+
+def _violate_cursor_covers(conn, _gid):
+    conn.execute("UPDATE sampler_state SET next_seq = 1")
+
+
+@pytest.mark.parametrize(
+    "violate, expected",
+    [
+        (_violate_exactly_once, r"invariant 1: 1 prompts both in the ledger and in the spare pool: epoch 0 prompt 1"),
+        (_violate_replay_xor_in_flight, r"invariant 2: 1 groups in replay that still have a running attempt: group \d+"),
+        (_violate_no_orphans, r"invariant 3: 1 samples of no live group: sample \d+ \(group 4242\)"),
+        (_violate_cursor_covers, r"invariant 4: 2 ledger groups beyond the sampler cursor: group \d+ at sample_seq 1"),
+    ],
+    ids=["exactly_once", "replay_xor_in_flight", "no_orphan_payloads", "cursor_covers_groups"],
+)
+def test_each_invariant_broken_behind_the_stores_back_is_reported(store, violate, expected):
+    _published_group(store, 0)
+    gid = _published_group(store, 1)
+    store.reserve([Reservation(2, 0, 2)], num_generations=1, target_step=2)
+    assert store.check_invariants().ok
+    with contextlib.closing(sqlite3.connect(store.path)) as conn:
+        violate(conn, gid)
+        conn.commit()
+    report = store.check_invariants()
+    assert not report.ok
+    assert any(re.match(expected, p) for p in report.problems), report.problems
+
+
+def test_the_invariant_report_counts_groups_spares_replay_and_the_cursor(store):
+    _published_group(store, 0)
+    store.reserve([Reservation(1, 0, 1)], num_generations=1, target_step=2)
+    with store.atomic() as tx:
+        pools.push_spare(tx, [Reservation(2, 0, 2)])
+        pools.advance_cursor(tx, 3, 0)
+    counts = store.check_invariants().counts
+    assert counts == {"published": 1, "reserved": 1, "spare": 1, "replay": 1, "cursor": 3}
+
+
+# ---------------------------------------------------------------- no-ledger dispatch
+
+
+def test_without_ledger_dispatch_samples_and_replay_need_no_ledger_rows(tmp_path, second_connection):
+    with Store.create(tmp_path / "s.sqlite", ledger_dispatch=False, replay_capacity=4) as store:
+        with store.atomic() as tx:
+            pools.advance_cursor(tx, 2, 0)
+            ledger.write_samples(tx, [(7, i, 70, _gen()) for i in range(2)] + [(8, 0, 80, _gen(5))])
+            permits = ledger.insert_replay(tx, [(7, 0, 70, 1, 6), (8, 0, 80, 1, 5)])
+        assert permits == [0, 1]
+        assert store.check_invariants().ok
+        conn = second_connection(store.path)
+        assert conn.execute("SELECT count(*) FROM prompt_groups").fetchone()[0] == 0
+        assert conn.execute("SELECT group_id, permit FROM replay_groups ORDER BY 1").fetchall() == [(7, 0), (8, 1)]
+
+        with store.atomic() as tx:
+            ledger.release_replay(tx, [7])
+        assert store.check_invariants().ok
+        assert conn.execute("SELECT group_id FROM replay_groups").fetchall() == [(8,)]
+        assert conn.execute("SELECT DISTINCT group_id FROM samples").fetchall() == [(8,)]
+        # The released permit is free for the next group.
+        with store.atomic() as tx:
+            assert ledger.insert_replay(tx, [(9, 0, 90, 2, 0)]) == [0]
+
+
+# ---------------------------------------------------------------- the mutation counter
+
+
+def _counter_seen_by_another_connection(path):
+    with contextlib.closing(sqlite3.connect(path)) as conn:
+        return conn.execute("SELECT mutation_counter FROM run_meta").fetchone()[0]
+
+
+def test_the_mutation_counter_moves_on_every_committed_mutation_and_nothing_else(store):
+    seen = [_counter_seen_by_another_connection(store.path)]
+
+    def step(expect_move):
+        now = _counter_seen_by_another_connection(store.path)
+        assert (now > seen[-1]) == expect_move, f"counter went {seen[-1]} -> {now}"
+        seen.append(now)
+
+    (gid,) = store.reserve([Reservation(0, 0, 0)], num_generations=1, target_step=1)
+    step(True)
+    (attempt,) = store.dispatch([gid], policy_version=0)
+    step(True)
+    store.finish(attempt, _gen())
+    step(True)
+    with store.atomic() as tx:
+        pools.set_shortfall(tx, 1, 3)
+    step(True)
+
+    with pytest.raises(RuntimeError):
+        with store.atomic() as tx:
+            pools.push_spare(tx, [Reservation(5, 0, 5)])
+            raise RuntimeError("rolled back")
+    step(False)
+    with pytest.raises(IllegalTransition):
+        store.publish([gid])
+    step(False)
+    store.record_snapshot_attempt("skipped_unchanged", anchor="bootstrap")
+    step(False)
+    _ = store.mutation_counter, store.run_meta(), store.check_invariants()
+    step(False)
+
+    store.seal([gid])
+    step(True)
+    assert seen == sorted(seen)
+
+
+# ---------------------------------------------------------------- the WAL's size
+
+
+def test_the_wal_stays_bounded_under_a_writer_that_never_pauses(store, second_connection):
+    """Each transaction rewrites one 128 KiB random payload (about 33 new WAL frames). With
+    no readers the checkpointer must let the WAL restart, or it grows past any bound."""
+    wal = store.path.with_name(store.path.name + "-wal")
+    payload_bytes = 128 * 1024
+    written = largest = 0
+    while written < 2 * JOURNAL_SIZE_LIMIT:
+        with store.atomic() as tx:
+            pools.put_finalizer_result(tx, 1, {"x": os.urandom(payload_bytes // 2).hex()})
+        written += payload_bytes
+        largest = max(largest, wal.stat().st_size)
+    bound = JOURNAL_SIZE_LIMIT + 32 * 1024 * 1024
+    assert largest < bound, f"WAL reached {largest / 2**20:.0f} MiB after {written / 2**20:.0f} MiB of writes"
+    assert second_connection(store.path).execute("PRAGMA integrity_check").fetchone()[0] == "ok"
