@@ -81,7 +81,11 @@ def check_sqlite_file(path: str | Path) -> Path:
         raise NotAStoreError(f"{path}: not a SQLite database (bad header); is this the right file?")
     page_size = int.from_bytes(header[16:18], "big") or 65536
     pages = int.from_bytes(header[28:32], "big")
-    if path.stat().st_size < page_size * pages:
+    wal = Path(f"{path}-wal")
+    # With a non-empty WAL beside it (a live store, or one killed mid-checkpoint) the
+    # file may legitimately be shorter than its header says: the WAL holds the rest.
+    live_wal = wal.exists() and wal.stat().st_size > 0
+    if not live_wal and path.stat().st_size < page_size * pages:
         raise NotAStoreError(
             f"{path}: truncated ({path.stat().st_size} bytes, header says {page_size * pages}); "
             "restore it from another snapshot"
