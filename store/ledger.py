@@ -259,8 +259,15 @@ def finish_attempts(conn: Connection, finished: Sequence[tuple[int, FinishedGene
     _end_attempts(conn, ids, "finished", None)
     info = {aid: (g, i, pid) for aid, g, i, pid in conn.execute(_SELECT_ATTEMPT_INFO, {"ids": ids}).all()}
     write_samples(conn, [(info[a][0], info[a][1], info[a][2], gen) for a, gen in finished])
-    # A finished call's prefix chunks are no longer needed.
-    conn.execute(_DELETE_CHUNKS_OF_ATTEMPTS, {"ids": ids})
+    _drop_attempt_payloads(conn, ids)
+
+
+def _drop_attempt_payloads(conn: Connection, attempt_ids: list[int]) -> None:
+    """An attempt that is no longer running keeps no prefix chunks and no environment
+    episode (invariant 3). A restart that continues from a prefix reads the chunks
+    before it abandons the attempt."""
+    conn.execute(_DELETE_CHUNKS_OF_ATTEMPTS, {"ids": attempt_ids})
+    conn.execute(_DELETE_EPISODES_OF_ATTEMPTS, {"ids": attempt_ids})
 
 
 def write_samples(conn: Connection, rows: Sequence[tuple[int, int, int, FinishedGeneration]]) -> None:
@@ -293,7 +300,7 @@ def abandon_attempts(conn: Connection, attempt_ids: Sequence[int], reason: str) 
         raise ValueError(f"abandon reason {reason!r} unknown; use one of {', '.join(ABANDON_REASONS)}")
     if attempt_ids:
         _end_attempts(conn, attempt_ids, "abandoned", reason)
-        conn.execute(_DELETE_EPISODES_OF_ATTEMPTS, {"ids": list(attempt_ids)})
+        _drop_attempt_payloads(conn, list(attempt_ids))
 
 
 def seal_groups(conn: Connection, group_ids: Sequence[int]) -> None:

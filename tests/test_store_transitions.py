@@ -89,3 +89,18 @@ def test_invariants_hold_for_a_mixed_ledger_and_catch_a_lost_prompt(store):
     report = store.check_invariants()
     assert not report.ok
     assert any("invariant 1" in p and "missing 3 of 5" in p for p in report.problems)
+
+
+def test_an_attempt_that_ends_keeps_no_chunks_or_episode(store, second_connection):
+    (gid,) = store.reserve([Reservation(0, 0, 0)], num_generations=2, target_step=1)
+    a0, a1 = store.dispatch([gid], policy_version=0)
+    with store.atomic() as tx:
+        for a in (a0, a1):
+            pools.add_chunk(tx, a, [1, 2], prefix_count=0, max_tokens=8, min_tokens=0, policy_version=0)
+            pools.put_episode(tx, a, turn=1, state={"turn": 1})
+    store.finish(a0, _gen())
+    store.abandon([a1], "deadline")
+    conn = second_connection(store.path)
+    assert conn.execute("SELECT count(*) FROM token_chunks").fetchone()[0] == 0
+    assert conn.execute("SELECT count(*) FROM env_episodes").fetchone()[0] == 0
+    assert store.check_invariants().ok
