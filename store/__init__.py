@@ -21,8 +21,61 @@ from .invariants import InvariantReport, check_invariants
 from .ledger import FinishedGeneration, Reservation
 from .revision import head_revision, known_revisions, upgrade_file
 from .store import Store
+from .layout import BOOTSTRAP, Entry, Inventory, anchor_name, scan
+from .manifest import Manifest, ManifestError, read_manifest
+from .publish import (
+    AnchorNotDurable,
+    BackgroundWorkError,
+    Published,
+    PublishError,
+    Publisher,
+    SnapshotStage,
+    publish_bootstrap,
+    publish_rollout_snapshot,
+    publish_trainer_checkpoint,
+    publisher_for,
+)
+from .retention import (
+    KeepNewestSnapshotPerAnchor,
+    KeepNewestSnapshots,
+    KeepNewestTrainerCheckpoints,
+    PruneBootstrap,
+    Retention,
+    default_retention,
+)
+from .selection import NoRestorableSnapshot, Selection, select_for_restore
+from .verification import Report, verify_path
 
 __all__ = [
+    "AnchorNotDurable",
+    "BackgroundWorkError",
+    "BOOTSTRAP",
+    "Entry",
+    "Inventory",
+    "KeepNewestSnapshotPerAnchor",
+    "KeepNewestSnapshots",
+    "KeepNewestTrainerCheckpoints",
+    "Manifest",
+    "ManifestError",
+    "NoRestorableSnapshot",
+    "PruneBootstrap",
+    "Published",
+    "PublishError",
+    "Publisher",
+    "Report",
+    "Retention",
+    "Selection",
+    "SnapshotStage",
+    "anchor_name",
+    "default_retention",
+    "publish_bootstrap",
+    "publish_rollout_snapshot",
+    "publish_trainer_checkpoint",
+    "publisher_for",
+    "read_manifest",
+    "scan",
+    "select_for_restore",
+    "verify_path",
     "Capture",
     "Database",
     "FinishedGeneration",

@@ -1,13 +1,24 @@
 """Durable file operations. The one commit protocol of rolloutdb is built from these:
-write beside the target, fsync, rename into place, fsync the parent directory."""
+write beside the target, fsync, rename into place, fsync the parent directory.
+
+Files go through `replace_file`; directories (checkpoints, snapshots) through
+`rolloutdb.store.publish`, which uses `fsync_tree` and `rename_dir` below. Every write,
+fsync and rename passes a `faults.io` hook so tests can make the disk fail there.
+"""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
+from . import faults
+
+TEMP_SUFFIX = ".tmp"
+TRASH_SUFFIX = ".trash"
+
 
 def fsync_file(path: str | Path) -> None:
+    faults.io("fsync", path)
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -17,6 +28,7 @@ def fsync_file(path: str | Path) -> None:
 
 def fsync_dir(path: str | Path) -> None:
     """Make a rename or a new entry in `path` durable."""
+    faults.io("fsync", path)
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
@@ -24,16 +36,78 @@ def fsync_dir(path: str | Path) -> None:
         os.close(fd)
 
 
+def write_file(path: str | Path, data: bytes) -> None:
+    """Write a new file (no fsync: the commit protocol fsyncs the whole tree once)."""
+    faults.io("write", path)
+    with open(path, "xb") as f:
+        f.write(data)
+
+
+def rename(src: str | Path, dst: str | Path) -> None:
+    """`os.replace` behind the fault hook (same directory or same file system)."""
+    faults.io("rename", dst)
+    os.replace(src, dst)
+
+
 def replace_file(tmp: str | Path, target: str | Path) -> None:
     """Atomically put the finished file `tmp` at `target` (same directory)."""
     tmp, target = Path(tmp), Path(target)
     fsync_file(tmp)
-    os.replace(tmp, target)
+    rename(tmp, target)
     fsync_dir(target.parent)
+
+
+def rename_dir(tmp: str | Path, target: str | Path) -> None:
+    """Move a finished directory into place; never over an existing one. (POSIX
+    rename silently replaces an *empty* target directory, so check first.)"""
+    target = Path(target)
+    if target.exists():
+        raise FileExistsError(f"{target}: already exists; a checkpoint is never overwritten")
+    faults.io("rename", target)
+    os.rename(tmp, target)
+
+
+def fsync_tree(root: str | Path) -> int:
+    """fsync every file and then every directory under `root`, deepest first, so
+    that all contents and all directory entries are durable. Returns bytes covered."""
+    total = 0
+    for dirpath, _dirnames, filenames in os.walk(root, topdown=False):
+        for name in filenames:
+            p = os.path.join(dirpath, name)
+            if os.path.islink(p):
+                continue
+            fsync_file(p)
+            total += os.path.getsize(p)
+        fsync_dir(dirpath)
+    return total
 
 
 def temp_path_beside(target: str | Path, tag: str) -> Path:
     """A name in the target's directory that listing and retention recognise as
     temporary (a leading dot and a `.tmp` suffix)."""
     target = Path(target)
-    return target.with_name(f".{target.name}.{tag}.{os.getpid()}.tmp")
+    return target.with_name(f".{target.name}.{tag}.{os.getpid()}{TEMP_SUFFIX}")
+
+
+def trash_path_beside(target: str | Path) -> Path:
+    """Where a directory is renamed before it is removed, so that a half-deleted
+    directory never looks like a checkpoint."""
+    target = Path(target)
+    return target.with_name(f".{target.name}.{os.getpid()}{TRASH_SUFFIX}")
+
+
+def leftover_kind(name: str) -> str | None:
+    """'temporary', 'trash' or None for a directory entry's name."""
+    if not name.startswith("."):
+        return None
+    if name.endswith(TEMP_SUFFIX):
+        return "temporary"
+    if name.endswith(TRASH_SUFFIX):
+        return "trash"
+    return None
+
+
+def leftover_target_name(name: str) -> str:
+    """The checkpoint name a temporary or trash entry belongs to (`.snapshot_7.publish.12.tmp`
+    -> `snapshot_7`)."""
+    return name[1:].split(".", 1)[0]

@@ -1,0 +1,57 @@
+"""`rolloutdb verify PATH`: check a store or snapshot file, a snapshot directory, a
+trainer checkpoint, or a whole checkpoint directory. Exit 0 when sound; otherwise exit 1
+and one line per problem, each starting with `error:`. Read-only throughout."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from rolloutdb.store.revision import head_revision
+from rolloutdb.store.verification import verify_path
+
+EXIT_PROBLEMS = 1
+
+DESCRIPTION = """\
+Verify what PATH is:
+  a store or snapshot file   PRAGMA integrity_check, a schema revision this rolloutdb
+                             knows (older is fine and said so; newer is an error; head:
+                             {head}), the four invariants, and the checksums of every
+                             file when a manifest.json sits beside it;
+  a snapshot directory       every file against its manifest.json, then the file checks;
+  a trainer checkpoint       (bootstrap/, step_<N>/) its files against its manifest, and
+                             every snapshot under it;
+  a checkpoint directory     every trainer checkpoint and snapshot in it.
+Exit 0 when sound. Otherwise exit 1 and print one line per problem starting with
+"error:" (exit 2 when PATH itself is unusable). Nothing on disk is changed: files are
+opened read-only and no -wal/-shm files are created.
+"""
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "verify", help="check a store file, a snapshot or a checkpoint directory",
+        description=DESCRIPTION.format(head=head_revision()),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("path", metavar="PATH", help="a .sqlite file, a snapshot directory or a checkpoint directory")
+    parser.add_argument("-q", "--quiet", action="store_true", help="print problems only")
+    parser.set_defaults(func=run)
+
+
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+
+def run(args: argparse.Namespace) -> int:
+    report = verify_path(args.path)
+    for problem in report.problems:
+        print(f"error: {_one_line(problem)}", file=sys.stderr)
+    if not args.quiet:
+        for note in report.notes:
+            print(f"note: {_one_line(note)}")
+    if report.problems:
+        return EXIT_PROBLEMS
+    if not args.quiet:
+        print(f"ok: {args.path} ({len(report.checked)} checked)")
+    return 0

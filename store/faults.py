@@ -1,0 +1,141 @@
+"""Named fault points, so tests can kill or fail publication at every step.
+
+Publication and retention call `point(name)` between their steps and `io(op, path)`
+right before each write, fsync and rename. Both do nothing unless a fault is armed:
+the check is one module-global boolean, so production pays nothing.
+
+Two kinds of fault:
+
+* **Kill**: ``ROLLOUTDB_FAULT=<point>`` (or ``<point>@<n>`` for the n-th time the point
+  is reached, counting from 1) makes the process SIGKILL itself there, as a power cut or
+  an OOM kill would. Several, comma separated, are allowed. Read once at import;
+  `arm_from_env()` re-reads it.
+* **I/O error**: `inject_io(op, errno)` (a context manager) makes the next matching
+  write / fsync / rename raise ``OSError(errno)``, in-process, as a full or failing
+  disk would.
+
+`POINTS` lists every kill point in the order publication reaches them; tests iterate
+over it, so a point added to the code must be added here too (a test checks both ways).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno as errno_mod
+import os
+import signal
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+ENV = "ROLLOUTDB_FAULT"
+
+# Every kill point, in the order one save reaches them.
+POINTS: tuple[str, ...] = (
+    # leftovers of an earlier crash are removed at the start of every save
+    "cleanup.after_trash_rename",
+    "cleanup.after_rmtree",
+    # the commit protocol (trainer checkpoints, bootstrap and rollout snapshots)
+    "publish.tmpdir_created",
+    "publish.payload_written",  # capture / trainer files / config / env export
+    "publish.files_fsynced",
+    "publish.manifest_written",
+    "publish.tmpdir_fsynced",
+    "publish.renamed",
+    "publish.parent_fsynced",
+    # retention: rename to a trash name, then rmtree
+    "retention.planned",
+    "retention.after_trash_rename",
+    "retention.mid_rmtree",
+    "retention.after_rmtree",
+)
+
+IO_OPS = ("write", "fsync", "rename")
+
+_armed = False
+_kill_at: dict[str, int] = {}
+_hits: dict[str, int] = {}
+_io: list[_IoFault] = []
+_lock = threading.Lock()
+
+
+@dataclass
+class _IoFault:
+    op: str
+    errno: int
+    times: int
+    skip: int
+    match: str | None
+    fired: int = 0
+
+
+def arm_from_env() -> None:
+    """(Re)read ``ROLLOUTDB_FAULT``."""
+    global _armed
+    _kill_at.clear()
+    _hits.clear()
+    spec = os.environ.get(ENV, "").strip()
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        name, _, nth = item.partition("@")
+        if name not in POINTS:
+            raise ValueError(f"{ENV}={spec!r}: unknown fault point {name!r}; known: {', '.join(POINTS)}")
+        _kill_at[name] = int(nth) if nth else 1
+    _armed = bool(_kill_at or _io)
+
+
+def point(name: str) -> None:
+    """A named step boundary. SIGKILLs the process when armed for this point."""
+    if not _armed:
+        return
+    _point_armed(name)
+
+
+def _point_armed(name: str) -> None:
+    assert name in POINTS, name
+    with _lock:
+        _hits[name] = _hits.get(name, 0) + 1
+        due = _kill_at.get(name) == _hits[name]
+    if due:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def io(op: str, path: object = None) -> None:
+    """Called right before a write, fsync or rename; raises an injected OSError."""
+    if not _armed:
+        return
+    _io_armed(op, path)
+
+
+def _io_armed(op: str, path: object) -> None:
+    with _lock:
+        for f in _io:
+            if f.op != op or (f.match is not None and f.match not in str(path)):
+                continue
+            if f.skip:
+                f.skip -= 1
+                continue
+            if f.fired < f.times:
+                f.fired += 1
+                raise OSError(f.errno, f"{os.strerror(f.errno)} (injected at {op})", str(path) if path else None)
+
+
+@contextlib.contextmanager
+def inject_io(op: str, err: int = errno_mod.EIO, *, times: int = 1, skip: int = 0, match: str | None = None) -> Iterator[_IoFault]:
+    """Make the next `times` matching `op` calls (after `skip` of them) raise
+    ``OSError(err)``. `match` restricts it to paths containing that text."""
+    global _armed
+    if op not in IO_OPS:
+        raise ValueError(f"unknown I/O op {op!r}; known: {', '.join(IO_OPS)}")
+    fault = _IoFault(op, err, times, skip, match)
+    with _lock:
+        _io.append(fault)
+        _armed = True
+    try:
+        yield fault
+    finally:
+        with _lock:
+            _io.remove(fault)
+            _armed = bool(_kill_at or _io)
+
+
+arm_from_env()

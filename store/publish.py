@@ -1,0 +1,461 @@
+"""Publishing checkpoints: the one commit protocol for every directory rolloutdb writes.
+
+1. Write everything into a temporary directory beside the target
+   (``.snapshot_7.publish.<pid>.tmp``).
+2. fsync every file (hashing each for the manifest on the way).
+3. Write ``manifest.json`` last and fsync it; fsync every directory of the tree.
+4. Rename the temporary directory into place (never over an existing one).
+5. fsync the parent, so the rename itself is durable.
+
+A crash before 4 leaves a temporary directory, which listing never shows as a checkpoint
+and the next save removes; a crash after 4 leaves a complete checkpoint. A failed
+attempt raises `PublishError` (with the errno), removes what it can of its temporary
+directory, and leaves every earlier checkpoint as it was.
+
+Rollout snapshots are published in two halves so the controller's cut stays short:
+`Publisher.begin_snapshot` allocates the sequence number and the temporary directory,
+the controller captures the store into `stage.db_path` inside its cut (the capture
+writes without fsync), leaves the cut, and only then calls `stage.publish(...)`, which
+does the fsync work. `publish_rollout_snapshot` does both halves in one call.
+"""
+
+from __future__ import annotations
+
+import errno as errno_mod
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from . import faults
+from .capture import count_rows
+from .errors import NotAStoreError, StoreError
+from .fsio import fsync_dir, fsync_file, rename_dir, replace_file, temp_path_beside, write_file
+from .layout import (
+    BOOTSTRAP, CONFIG_FILE, ENV_EXPORT, SNAPSHOT_DB, SNAPSHOTS_DIR, anchor_dir, anchor_name, scan, snapshot_dir,
+)
+from .manifest import (
+    KIND_SNAPSHOT, KIND_TRAINER, MANIFEST_NAME, FileEntry, Manifest, ManifestError, config_fingerprint,
+    hash_file, read_manifest,
+)
+from .retention import Retention, RetentionReport, apply_retention, default_retention, remove_leftovers, remove_tree
+
+log = logging.getLogger(__name__)
+
+
+class PublishError(StoreError):
+    """An attempt to publish failed; earlier checkpoints are intact. `errno` is set
+    when the cause was an OSError (ENOSPC, EIO, ...)."""
+
+    def __init__(self, message: str, *, errno: int | None = None, step: str | None = None, path: Path | None = None):
+        super().__init__(message)
+        self.errno = errno
+        self.step = step
+        self.path = path
+
+
+class AnchorNotDurable(PublishError):
+    """A snapshot was asked for an anchor that has no published trainer checkpoint."""
+
+
+class BackgroundWorkError(PublishError):
+    """A deferred publish failed; raised once, by the next save, then cleared."""
+
+
+@dataclass
+class Published:
+    kind: str
+    anchor: str
+    path: Path
+    manifest: Manifest
+    sequence: int | None = None
+    timings: dict[str, float] = field(default_factory=dict)
+    cleaned: list[Path] = field(default_factory=list)  # leftovers removed before this save
+    retention: RetentionReport | None = None
+    # Failures of earlier background retention, reported once (never fatal).
+    background_errors: list[str] = field(default_factory=list)
+
+
+def _fail(what: str, target: Path, e: OSError) -> PublishError:
+    name = errno_mod.errorcode.get(e.errno or 0, "EIO")
+    hint = "free disk space" if e.errno == errno_mod.ENOSPC else "check the disk"
+    return PublishError(
+        f"{target}: publishing failed at {what}: {e.strerror or e} [{name}]; "
+        f"earlier checkpoints are intact; {hint} and retry",
+        errno=e.errno, step=what, path=target,
+    )
+
+
+def commit_directory(tmp: Path, target: Path, manifest: Manifest, *, skip_dirs: tuple[str, ...] = ()) -> dict[str, float]:
+    """Steps 2-5 of the protocol for a temporary directory whose payload is written.
+    Fills `manifest.files`. Raises OSError; the caller maps it to PublishError."""
+    t0 = time.perf_counter()
+    faults.point("publish.payload_written")
+    files: list[FileEntry] = []
+    dirs: list[str] = []
+    for dirpath, dirnames, filenames in os.walk(tmp, topdown=True):
+        if Path(dirpath) == tmp:
+            dirnames[:] = [d for d in dirnames if d not in skip_dirs]
+        dirs.append(dirpath)
+        for name in sorted(filenames):
+            p = os.path.join(dirpath, name)
+            if os.path.islink(p):
+                raise OSError(errno_mod.EINVAL, f"symlinks are not published ({p})")
+            size, digest = hash_file(p)
+            fsync_file(p)
+            files.append(FileEntry(Path(p).relative_to(tmp).as_posix(), size, digest))
+    manifest.files = sorted(files, key=lambda f: f.path)
+    t_files = time.perf_counter()
+    faults.point("publish.files_fsynced")
+    write_file(tmp / MANIFEST_NAME, manifest.to_json())
+    fsync_file(tmp / MANIFEST_NAME)
+    faults.point("publish.manifest_written")
+    for d in reversed(dirs):
+        fsync_dir(d)
+    faults.point("publish.tmpdir_fsynced")
+    t_synced = time.perf_counter()
+    rename_dir(tmp, target)
+    faults.point("publish.renamed")
+    fsync_dir(target.parent)
+    faults.point("publish.parent_fsynced")
+    t_done = time.perf_counter()
+    return {"hash_fsync_files": t_files - t0, "manifest_dirs": t_synced - t_files, "rename": t_done - t_synced}
+
+
+def _discard_tmp(tmp: Path) -> None:
+    """Best effort: whatever stays is a leftover that the next save removes."""
+    try:
+        if tmp.exists():
+            remove_tree(tmp, "cleanup")
+    except OSError as e:
+        log.warning("could not remove %s after a failed publish (%s); the next save will", tmp, e)
+
+
+def _read_revision(db_path: Path) -> tuple[str | None, dict[str, int], dict[str, int]]:
+    """Schema revision (from the file's alembic_version) and row counts of a snapshot file."""
+    from .readonly import open_readonly
+    from .revision import file_revision
+
+    conn = open_readonly(db_path)
+    try:
+        return file_revision(conn), *count_rows(conn)
+    finally:
+        conn.close()
+
+
+class SnapshotStage:
+    """A rollout snapshot being made: capture into `db_path`, then `publish()`."""
+
+    def __init__(self, publisher: Publisher, anchor: str, sequence: int, tmp: Path, target: Path, cleaned: list[Path]):
+        self.publisher = publisher
+        self.anchor = anchor
+        self.sequence = sequence
+        self.tmp = tmp
+        self.target = target
+        self.db_path = tmp / SNAPSHOT_DB
+        self.cleaned = cleaned
+        self.done = False
+
+    def publish(self, capture: Any = None, config_text: str | bytes | None = None, env_export: bytes | str | None = None) -> Published:
+        return self.publisher._finish_snapshot(self, capture, config_text, env_export)
+
+    def abort(self) -> None:
+        self.publisher._abort(self)
+
+
+class Publisher:
+    """Publishes into one checkpoint directory. One Publisher per directory and process
+    (`publisher_for` keeps one); it is thread-safe."""
+
+    def __init__(self, checkpoint_dir: str | Path, *, retention: Retention | None = None,
+                 background_retention: bool = False, store: Any = None):
+        self.root = Path(checkpoint_dir)
+        self.retention = retention or default_retention()
+        self.background_retention = background_retention
+        self.store = store  # when set, every snapshot attempt records its outcome row
+        self._lock = threading.RLock()
+        self._busy: set[Path] = set()
+        self._last_sequence = 0
+        self._pending_error: BaseException | None = None
+        self._pending_warnings: list[str] = []
+        self._executor: ThreadPoolExecutor | None = None
+
+    # ------------------------------------------------------------ shared steps
+
+    def _start_save(self) -> tuple[Any, list[Path]]:
+        """Surface a deferred failure once, scan, and remove leftovers of earlier crashes."""
+        if self._pending_error is not None:
+            err, self._pending_error = self._pending_error, None
+            raise BackgroundWorkError(f"{self.root}: an earlier deferred publish failed: {err}",
+                                      errno=getattr(err, "errno", None)) from err
+        self.root.mkdir(parents=True, exist_ok=True)
+        inv = scan(self.root)
+        cleaned = remove_leftovers(inv, busy=self._busy)
+        self._pending_warnings += cleaned.errors
+        return inv, cleaned.deleted
+
+    def _take_warnings(self) -> list[str]:
+        out, self._pending_warnings = self._pending_warnings, []
+        return out
+
+    def _make_tmp(self, target: Path) -> Path:
+        tmp = temp_path_beside(target, "publish")
+        if tmp.exists():  # our own pid's leftover from an attempt that failed to clean up
+            remove_tree(tmp, "cleanup")
+        tmp.mkdir(parents=True)
+        self._busy.add(tmp)
+        faults.point("publish.tmpdir_created")
+        return tmp
+
+    def _retain(self) -> RetentionReport | None:
+        if self.background_retention:
+            self._pool().submit(self._retain_in_background)
+            return None
+        report = apply_retention(self.root, self.retention)
+        return report
+
+    def _retain_in_background(self) -> None:
+        with self._lock:
+            report = apply_retention(self.root, self.retention)
+            self._pending_warnings += report.errors
+
+    def _pool(self) -> ThreadPoolExecutor:
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rolloutdb-publish")
+        return self._executor
+
+    # ------------------------------------------------------------ trainer checkpoints
+
+    def publish_trainer_checkpoint(self, step: int | None, write_fn: Callable[[Path], Any] | None = None) -> Published:
+        """Publish `step_<step>/` (or `bootstrap/` for None): `write_fn(tmpdir)` writes
+        the trainer's files into the temporary directory."""
+        anchor = anchor_name(step)
+        target = anchor_dir(self.root, anchor)
+        with self._lock:
+            inv, cleaned = self._start_save()
+            if target.exists():
+                raise PublishError(f"{target}: already exists; a trainer checkpoint is published once "
+                                   "(use seal_trainer_checkpoint for one the trainer wrote in place)", path=target)
+            tmp = None
+            t0 = time.perf_counter()
+            try:
+                tmp = self._make_tmp(target)
+                if write_fn is not None:
+                    write_fn(tmp)
+                manifest = Manifest(kind=KIND_TRAINER, anchor=anchor, files=[], step=step)
+                timings = commit_directory(tmp, target, manifest, skip_dirs=(SNAPSHOTS_DIR,))
+            except OSError as e:
+                _discard_tmp(tmp) if tmp else None
+                raise _fail("trainer checkpoint", target, e) from e
+            except BaseException:
+                _discard_tmp(tmp) if tmp else None
+                raise
+            finally:
+                self._busy.discard(tmp)
+            timings["total"] = time.perf_counter() - t0
+            retention = self._retain()
+            return Published(KIND_TRAINER, anchor, target, manifest, None, timings, cleaned, retention,
+                             self._take_warnings())
+
+    def publish_bootstrap(self, write_fn: Callable[[Path], Any] | None = None) -> Published:
+        """Publish `bootstrap/`, the anchor of snapshots taken before the first train step."""
+        return self.publish_trainer_checkpoint(None, write_fn)
+
+    def seal_trainer_checkpoint(self, step: int | None) -> Published:
+        """Make durable a trainer checkpoint that the trainer wrote in place (not through
+        `publish_trainer_checkpoint`): fsync its files, then write its manifest atomically."""
+        anchor = anchor_name(step)
+        target = anchor_dir(self.root, anchor)
+        with self._lock:
+            _inv, cleaned = self._start_save()
+            if not target.is_dir():
+                raise PublishError(f"{target}: no such trainer checkpoint directory", path=target)
+            if (target / MANIFEST_NAME).exists():
+                raise PublishError(f"{target}: already sealed (it has a manifest)", path=target)
+            manifest = Manifest(kind=KIND_TRAINER, anchor=anchor, files=[], step=step)
+            tmp_manifest = temp_path_beside(target / MANIFEST_NAME, "seal")
+            try:
+                files = []
+                for dirpath, dirnames, filenames in os.walk(target):
+                    if Path(dirpath) == target:
+                        dirnames[:] = [d for d in dirnames if d != SNAPSHOTS_DIR]
+                    for name in sorted(filenames):
+                        p = os.path.join(dirpath, name)
+                        size, digest = hash_file(p)
+                        fsync_file(p)
+                        files.append(FileEntry(Path(p).relative_to(target).as_posix(), size, digest))
+                    fsync_dir(dirpath)
+                manifest.files = sorted(files, key=lambda f: f.path)
+                faults.point("publish.files_fsynced")
+                tmp_manifest.unlink(missing_ok=True)
+                write_file(tmp_manifest, manifest.to_json())
+                replace_file(tmp_manifest, target / MANIFEST_NAME)
+                faults.point("publish.parent_fsynced")
+            except OSError as e:
+                tmp_manifest.unlink(missing_ok=True)
+                raise _fail("sealing trainer checkpoint", target, e) from e
+            return Published(KIND_TRAINER, anchor, target, manifest, None, {}, cleaned, self._retain(),
+                             self._take_warnings())
+
+    # ------------------------------------------------------------ rollout snapshots
+
+    def begin_snapshot(self, anchor: str) -> SnapshotStage:
+        """First half: sequence number and temporary directory. Capture into
+        `stage.db_path`, then call `stage.publish(...)`."""
+        with self._lock:
+            inv, cleaned = self._start_save()
+            anchor_path = anchor_dir(self.root, anchor)
+            try:
+                read_manifest(anchor_path)
+            except ManifestError as e:
+                raise AnchorNotDurable(f"{anchor_path}: anchor is not a durable trainer checkpoint ({e}); "
+                                       "publish or seal it before taking a snapshot anchored to it", path=anchor_path) from None
+            # Never reuse a number, even one a crashed attempt or retention has removed.
+            sequence = max(inv.max_sequence(), self._last_sequence) + 1
+            self._last_sequence = sequence
+            target = snapshot_dir(self.root, anchor, sequence)
+            try:
+                parent = target.parent
+                if not parent.is_dir():
+                    parent.mkdir()
+                    fsync_dir(anchor_path)
+                tmp = self._make_tmp(target)
+            except OSError as e:
+                raise _fail("creating the temporary directory", target, e) from e
+            return SnapshotStage(self, anchor, sequence, tmp, target, cleaned)
+
+    def _abort(self, stage: SnapshotStage) -> None:
+        with self._lock:
+            _discard_tmp(stage.tmp)
+            self._busy.discard(stage.tmp)
+            stage.done = True
+
+    def _finish_snapshot(self, stage: SnapshotStage, capture: Any, config_text, env_export) -> Published:
+        if stage.done:
+            raise PublishError(f"{stage.target}: this stage was already published or aborted")
+        with self._lock:
+            t0 = time.perf_counter()
+            try:
+                try:
+                    if not stage.db_path.is_file():
+                        raise PublishError(f"{stage.db_path}: nothing was captured into the stage", path=stage.target)
+                    revision, counts, states = _read_revision(stage.db_path)
+                    if config_text is not None:
+                        write_file(stage.tmp / CONFIG_FILE, config_text.encode() if isinstance(config_text, str) else config_text)
+                    if env_export is not None:
+                        write_file(stage.tmp / ENV_EXPORT, env_export.encode() if isinstance(env_export, str) else env_export)
+                    manifest = Manifest(
+                        kind=KIND_SNAPSHOT, anchor=stage.anchor, files=[], sequence=stage.sequence,
+                        schema_revision=revision,
+                        cut_time=getattr(capture, "cut_time", None),
+                        mutation_counter=getattr(capture, "mutation_counter", None),
+                        row_counts=getattr(capture, "row_counts", None) or counts,
+                        group_states=getattr(capture, "group_states", None) or states,
+                        config_fingerprint=config_fingerprint(config_text),
+                        timings=dict(getattr(capture, "timings", None) or {}),
+                    )
+                    timings = commit_directory(stage.tmp, stage.target, manifest)
+                except OSError as e:
+                    raise _fail("rollout snapshot", stage.target, e) from e
+                except NotAStoreError as e:
+                    raise PublishError(f"{stage.target}: the captured file is not a store: {e}", path=stage.target) from e
+            except BaseException as e:
+                _discard_tmp(stage.tmp)
+                self._record("failed", stage, capture, None, str(e))
+                raise
+            finally:
+                self._busy.discard(stage.tmp)
+                stage.done = True
+            timings["publish"] = time.perf_counter() - t0
+            self._record("published", stage, capture, {**manifest.timings, **timings}, None)
+            retention = self._retain()
+            return Published(KIND_SNAPSHOT, stage.anchor, stage.target, manifest, stage.sequence, timings,
+                             stage.cleaned, retention, self._take_warnings())
+
+    def _record(self, outcome: str, stage: SnapshotStage, capture: Any, timings, error) -> None:
+        if self.store is None:
+            return
+        try:
+            self.store.record_snapshot_attempt(
+                outcome, anchor=stage.anchor, snapshot_seq=stage.sequence,
+                mutation_counter=getattr(capture, "mutation_counter", None), timings=timings, error=error)
+        except Exception as e:  # the outcome row is bookkeeping; never mask the real result
+            log.warning("could not record snapshot outcome %s: %s", outcome, e)
+
+    def publish_rollout_snapshot(self, anchor: str, capture_fn: Callable[[Path], Any], config_text=None,
+                                 env_export=None) -> Published:
+        """Both halves in one call: `capture_fn(path)` writes the SQLite file (for
+        example ``lambda p: store.capture(p, at_cut=check)``) and returns its Capture."""
+        stage = self.begin_snapshot(anchor)
+        try:
+            capture = capture_fn(stage.db_path)
+        except OSError as e:
+            stage.abort()
+            self._record("failed", stage, None, None, str(e))
+            raise _fail("capture", stage.target, e) from e
+        except BaseException:
+            stage.abort()
+            raise
+        return stage.publish(capture, config_text, env_export)
+
+    def publish_deferred(self, stage: SnapshotStage, capture: Any = None, config_text=None, env_export=None) -> Future:
+        """Run `stage.publish` on the background thread. Its result is the Published, or
+        None on failure; a failure is raised once by the next save on this Publisher."""
+
+        def job():
+            try:
+                return stage.publish(capture, config_text, env_export)
+            except BaseException as e:  # noqa: BLE001 - surfaced at the next save
+                log.warning("deferred publish of %s failed: %s", stage.target, e)
+                with self._lock:
+                    self._pending_error = e
+                return None
+
+        return self._pool().submit(job)
+
+    def apply_retention(self) -> RetentionReport:
+        with self._lock:
+            return apply_retention(self.root, self.retention)
+
+    def close(self) -> None:
+        """Wait for background work. Its failures still surface at the next save."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
+
+
+_publishers: dict[str, Publisher] = {}
+_publishers_lock = threading.Lock()
+
+
+def publisher_for(checkpoint_dir: str | Path, **kwargs) -> Publisher:
+    """The process's Publisher for a directory (created on first use with `kwargs`)."""
+    key = os.path.realpath(checkpoint_dir)
+    with _publishers_lock:
+        if key not in _publishers:
+            _publishers[key] = Publisher(checkpoint_dir, **kwargs)
+        return _publishers[key]
+
+
+def publish_rollout_snapshot(checkpoint_dir, anchor: str, capture_fn, config_text=None, env_export=None) -> Published:
+    return publisher_for(checkpoint_dir).publish_rollout_snapshot(anchor, capture_fn, config_text, env_export)
+
+
+def publish_trainer_checkpoint(checkpoint_dir, step: int, write_fn) -> Published:
+    return publisher_for(checkpoint_dir).publish_trainer_checkpoint(step, write_fn)
+
+
+def publish_bootstrap(checkpoint_dir, write_fn=None) -> Published:
+    return publisher_for(checkpoint_dir).publish_bootstrap(write_fn)
+
+
+__all__ = [
+    "BOOTSTRAP", "AnchorNotDurable", "BackgroundWorkError", "PublishError", "Published", "Publisher",
+    "SnapshotStage", "commit_directory", "publish_bootstrap", "publish_rollout_snapshot",
+    "publish_trainer_checkpoint", "publisher_for",
+]
