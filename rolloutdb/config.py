@@ -67,8 +67,10 @@ class GenerationSection(Section):
 
 
 class EnvironmentSection(Section):
-    task: str = Field("digits", description="Task name (see docs/config.md for the list).")
-    turns: int = Field(1, ge=1, description="1 = single-turn; more = multi-turn episodes.")
+    task: Literal["digits"] = Field("digits", description="The verifiable digit-string task.")
+    kind: Literal["copy", "successor", "reverse"] = Field("copy", description="What the answer does to the digits.")
+    n_digits: int = Field(3, ge=1, le=12, description="Digits per prompt.")
+    turns: int = Field(1, ge=1, le=8, description="1 = single-turn; more = multi-turn episodes.")
     dataset_size: int = Field(512, ge=1)
 
 

@@ -1,0 +1,93 @@
+"""Build the parts a run needs from its config: policy, task, trainer, engine and the
+trainer-checkpoint publisher. Backend choices (reference engine or vLLM) are made here
+and nowhere else."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from rolloutdb.config import Config
+from rolloutdb.controller.protocols import Trainer
+from rolloutdb.store.publish import Publisher
+
+
+def set_threads(n: int) -> None:
+    """Torch's intra-op pool is process-wide; both pumps share it. One thread each keeps
+    the two pumps from fighting over two cores."""
+    torch.set_num_threads(n)
+
+
+def build_policy(config: Config, dest: Path) -> Path:
+    """The initial policy directory: the configured one, or the tiny Llama built (once)
+    into the run directory."""
+    if config.policy.model_dir:
+        path = Path(config.policy.model_dir)
+        if not (path / "config.json").is_file():
+            raise ValueError(f"policy.model_dir {path} is not a Hugging Face model directory (no config.json)")
+        return path
+    if (dest / "config.json").is_file():
+        return dest
+    from rolloutdb.gpu_capture.tiny_policy import build_tiny_policy
+
+    return build_tiny_policy(
+        dest,
+        seed=config.run.seed,
+        hidden_size=config.policy.hidden_size,
+        num_layers=config.policy.num_layers,
+        num_heads=config.policy.num_heads,
+    )
+
+
+def build_task(config: Config, policy_dir: Path):
+    """(dataset, environment) for the configured task."""
+    from transformers import AutoTokenizer
+
+    from rolloutdb.controller.tasks import DigitPromptDataset, make_environment
+
+    env_cfg = config.environment
+    tokenizer = AutoTokenizer.from_pretrained(policy_dir)
+    dataset = DigitPromptDataset(size=env_cfg.dataset_size, n_digits=env_cfg.n_digits, seed=config.run.seed)
+    name = "digits" if env_cfg.turns == 1 else "digits_multiturn"
+    env = make_environment(name, dataset, tokenizer, kind=env_cfg.kind, turns=env_cfg.turns)
+    return dataset, env
+
+
+def build_trainer(config: Config, policy_dir: Path) -> Trainer:
+    from rolloutdb.controller.grpo import GRPOConfig, GRPOTrainer
+
+    algo = config.algorithm
+    return GRPOTrainer(policy_dir, GRPOConfig(lr=algo.learning_rate, clip_eps=algo.clip_eps, seed=config.run.seed))
+
+
+def build_engine(config: Config, policy_dir: Path):
+    gen = config.generation
+    if gen.backend == "vllm":
+        raise ValueError("generation.backend 'vllm' is not available yet (it lands with the vLLM engine); use 'reference'")
+    from rolloutdb.gpu_capture.reference_engine import ReferenceEngine
+
+    return ReferenceEngine(policy_dir, max_batch_size=gen.max_batch_size, num_threads=config.cluster.torch_threads)
+
+
+class TrainerCheckpoints:
+    """Publishes `bootstrap/` before the first step and `step_<N>/` every
+    `checkpointing.interval_steps`, through the one commit protocol."""
+
+    def __init__(self, config: Config, checkpoint_dir: Path, trainer: Trainer, publisher: Publisher | None = None):
+        self.config = config.checkpointing
+        self.trainer = trainer
+        self.publisher = publisher or Publisher(checkpoint_dir)
+
+    def _write(self, tmp: Path) -> None:
+        self.trainer.save_checkpoint(tmp)
+
+    def publish_bootstrap(self) -> None:
+        if self.config.enabled:
+            self.publisher.publish_bootstrap(self._write)
+
+    def maybe_publish(self, step: int) -> bool:
+        if not self.config.enabled or step % self.config.interval_steps:
+            return False
+        self.publisher.publish_trainer_checkpoint(step, self._write)
+        return True

@@ -1,0 +1,44 @@
+"""`rolloutdb train`: run asynchronous GRPO from a config file."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from rolloutdb.config import ConfigError, load_config
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "train",
+        help="run asynchronous GRPO from a config file",
+        description=(
+            "Run asynchronous GRPO: a rollout pump beside a train pump, all in-flight state "
+            "in SQLite. The run directory holds the live store, checkpoints, logs and plots."
+        ),
+        epilog="example: rolloutdb train --config examples/quickstart.yaml algorithm.total_steps=10",
+    )
+    p.add_argument("--config", required=True, type=Path, help="YAML config file (see docs/config.md)")
+    p.add_argument("--run-dir", type=Path, default=None, help="run directory (default: runs/<config name>)")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted config overrides, e.g. algorithm.total_steps=5")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from rolloutdb.controller.controller import Controller
+    from rolloutdb.controller.run_dir import RunDir
+
+    try:
+        config = load_config(args.config, args.overrides)
+    except ConfigError as e:
+        raise ValueError(str(e)) from None
+    run_dir = args.run_dir or Path("runs") / config.run.name
+    if RunDir(run_dir).has_run():
+        raise ValueError(f"{run_dir} already holds a run; choose another --run-dir or delete it")
+    print(f"rolloutdb: training {config.run.name} in {run_dir}", file=sys.stderr)
+    summary = Controller(config, run_dir).run()
+    if summary.plot is not None:
+        print(f"reward curve: {summary.plot}", file=sys.stderr)
+    print(summary.line)
+    return 0
