@@ -124,13 +124,15 @@ def raw_batched_round(raw, ids: list[int], batch: int) -> float:
 # ---------------------------------------------------------------------- single
 
 
-def store_single_group(store: Store, seq: Sequencer, gen: FinishedGeneration, lat: dict) -> None:
+def store_single_group(store: Store, seq: Sequencer, gen: FinishedGeneration, lat: dict, runq, waits: list) -> None:
     """One group, one generation, one transition per transaction (six transactions)."""
 
     def timed(step, fn):
-        t0 = time.perf_counter()
+        q0, t0 = runq(), time.perf_counter()
         out = fn()
-        lat[step].append(time.perf_counter() - t0)
+        t1, q1 = time.perf_counter(), runq()
+        lat[step].append(t1 - t0)
+        waits.append(q1 - q0)
         return out
 
     (gid,) = timed("reserve", lambda: store.reserve(seq.take(1), num_generations=1, target_step=1))
@@ -141,14 +143,16 @@ def store_single_group(store: Store, seq: Sequencer, gen: FinishedGeneration, la
     timed("trained", lambda: store.mark_trained([gid], step=1))
 
 
-def raw_single(raw, ids: list[int], n: int, lat: list[float]) -> None:
+def raw_single(raw, ids: list[int], n: int, lat: list[float], runq, waits: list) -> None:
     for _ in range(n):
         g = random.choice(ids)
-        t0 = time.perf_counter()
+        q0, t0 = runq(), time.perf_counter()
         raw.execute("BEGIN IMMEDIATE")
         raw.execute("UPDATE prompt_groups SET updated_at = ? WHERE group_id = ?", (time.time(), g))
         raw.execute("COMMIT")
-        lat.append(time.perf_counter() - t0)
+        t1, q1 = time.perf_counter(), runq()
+        lat.append(t1 - t0)
+        waits.append(q1 - q0)
 
 
 # ---------------------------------------------------------------------- driver
@@ -168,20 +172,27 @@ def run(args) -> dict:
             raw_batched_round(raw, prefilled, min(args.batch, 50))
 
             step_time = dict.fromkeys(BATCH_STEPS, 0.0)
-            store_batched_s = raw_batched_s = 0.0
+            store_batched_s = raw_batched_s = store_wait_s = raw_wait_s = 0.0
             single_lat = {k: [] for k in BATCH_STEPS}
             raw_lat: list[float] = []
+            runq = benchlib.RunQueueClock()
+            store_waits: list[float] = []
+            raw_waits: list[float] = []
             for _ in range(args.blocks):
                 for _ in range(args.batched_rounds):
-                    t0 = time.perf_counter()
+                    q0, t0 = runq(), time.perf_counter()
                     store_batched_round(store, seq, args.batch, args.generations, gen, step_time)
-                    store_batched_s += time.perf_counter() - t0
+                    q1, t1 = runq(), time.perf_counter()
                     raw_batched_s += raw_batched_round(raw, prefilled, args.batch)
+                    store_batched_s += t1 - t0
+                    store_wait_s += q1 - q0
+                    raw_wait_s += runq() - q1
                 for _ in range(args.single_groups):
-                    store_single_group(store, seq, gen, single_lat)
-                raw_single(raw, prefilled, args.single_groups * len(BATCH_STEPS), raw_lat)
+                    store_single_group(store, seq, gen, single_lat, runq, store_waits)
+                raw_single(raw, prefilled, args.single_groups * len(BATCH_STEPS), raw_lat, runq, raw_waits)
             report = store.check_invariants()
         finally:
+            runq.close()
             raw.close()
             store.close()
 
@@ -191,6 +202,10 @@ def run(args) -> dict:
     store_group_rate = group_transitions / store_batched_s
     store_all_rate = (group_transitions + attempt_transitions) / store_batched_s
     raw_rate = rounds * args.batch * len(BATCH_STEPS) / raw_batched_s
+    store_free_rate = group_transitions / (store_batched_s - store_wait_s)
+    raw_free_rate = rounds * args.batch * len(BATCH_STEPS) / (raw_batched_s - raw_wait_s)
+    # Transactions in the order they ran, each with its run-queue wait.
+    order = [x for block in zip(*single_lat.values()) for x in block]
     all_single = [x for v in single_lat.values() for x in v]
     single = latency_summary(all_single)
     raw_single_summary = latency_summary(raw_lat)
@@ -205,6 +220,9 @@ def run(args) -> dict:
             "all_state_changes_per_s": store_all_rate,
             "raw_single_row_updates_per_s": raw_rate,
             "ratio_store_group_vs_raw": store_group_rate / raw_rate,
+            "cpu_free_group_transitions_per_s": store_free_rate,
+            "cpu_free_raw_single_row_updates_per_s": raw_free_rate,
+            "run_queue_wait_share": store_wait_s / store_batched_s,
             "ms_per_tx_by_step": {k: v / rounds * 1e3 for k, v in step_time.items()},
             "goal_group_transitions_per_s": GROUP_GOAL_PER_S,
         },
@@ -212,7 +230,9 @@ def run(args) -> dict:
             "store": single,
             "store_by_step": {k: latency_summary(v) for k, v in single_lat.items()},
             "store_tx_per_s": len(all_single) / sum(all_single),
+            "store_cpu_free": latency_summary([max(0.0, t - q) for t, q in zip(order, store_waits)]),
             "raw": raw_single_summary,
+            "raw_cpu_free": latency_summary([max(0.0, t - q) for t, q in zip(raw_lat, raw_waits)]),
             "raw_tx_per_s": len(raw_lat) / sum(raw_lat),
             "ratio_p50": single["p50_ms"] / raw_single_summary["p50_ms"],
             "ratio_p99": single["p99_ms"] / raw_single_summary["p99_ms"],
@@ -231,12 +251,17 @@ def print_report(r: dict) -> None:
     say(f"  raw    {b['raw_single_row_updates_per_s']:>10,.0f} single-row UPDATEs/s (executemany)")
     say(f"  ratio  store/raw = {b['ratio_store_group_vs_raw']:.3f}   goal >= {b['goal_group_transitions_per_s']:,}/s: "
         f"{'met' if b['group_transitions_per_s'] >= b['goal_group_transitions_per_s'] else 'MISSED'}")
+    say(f"  less the time spent waiting for a CPU ({b['run_queue_wait_share']:.0%} of the store's time): "
+        f"store {b['cpu_free_group_transitions_per_s']:,.0f}/s, raw {b['cpu_free_raw_single_row_updates_per_s']:,.0f}/s")
     say("  ms per transaction: " + ", ".join(f"{k} {v:.2f}" for k, v in b["ms_per_tx_by_step"].items()))
     say("\nsingle: one transition per Store.atomic() transaction")
     say(f"  store  {fmt_latency(s['store'])}   {s['store_tx_per_s']:,.0f} tx/s")
     for k, v in s["store_by_step"].items():
         say(f"    {k:<9}{fmt_latency(v)}")
     say(f"  raw    {fmt_latency(s['raw'])}   {s['raw_tx_per_s']:,.0f} tx/s")
+    say(f"  less the time spent waiting for a CPU (other users' load):")
+    say(f"    store  {fmt_latency(s['store_cpu_free'])}")
+    say(f"    raw    {fmt_latency(s['raw_cpu_free'])}")
     say(f"  ratio  p50 {s['ratio_p50']:.1f}x  p99 {s['ratio_p99']:.1f}x   goal p99 <= {s['goal_p99_ms']} ms: "
         f"{'met' if s['store']['p99_ms'] <= s['goal_p99_ms'] else 'MISSED'}")
     say(f"\ninvariants after the run: {'ok' if r['invariants_ok'] else r['invariants_ok']}")

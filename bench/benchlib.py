@@ -58,6 +58,31 @@ def raw_connection(path: str | Path, *, synchronous: str = "NORMAL", writer: boo
     return conn
 
 
+class RunQueueClock:
+    """How long the calling thread has waited for a CPU (Linux schedstat), in seconds.
+
+    On a shared machine a transaction's wall time includes time spent runnable but not
+    running because other people's processes held the cores. Subtracting this wait
+    separates that from time the transaction itself spent (CPU, I/O, SQLite locks).
+    Create it in the thread it measures; reads 0 where schedstat is unavailable."""
+
+    def __init__(self):
+        try:
+            self._fd: int | None = os.open("/proc/thread-self/schedstat", os.O_RDONLY)
+        except OSError:
+            self._fd = None
+
+    def __call__(self) -> float:
+        if self._fd is None:
+            return 0.0
+        return int(os.pread(self._fd, 128, 0).split()[1]) / 1e9
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
 def write_json(path: str | None, result: dict) -> None:
     if path:
         Path(path).write_text(json.dumps(result, indent=2, sort_keys=True))

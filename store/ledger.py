@@ -47,31 +47,29 @@ GROUP_SOURCES = {
 # about three times as much as executing it (measured by bench/bench_transitions.py,
 # where it kept a one-transition transaction above 1 ms at p99).
 _IDS = bindparam("ids", expanding=True)
+_IN_CHUNK = 10_000
 _SELECT_GROUP_STATES = select(groups.c.group_id, groups.c.state).where(groups.c.group_id.in_(_IDS))
-_SELECT_IDS_BY_SEQ = select(groups.c.sample_seq, groups.c.group_id).where(
-    groups.c.sample_seq.in_(bindparam("seqs", expanding=True))
-)
 _SELECT_NUM_GENERATIONS = select(groups.c.group_id, groups.c.num_generations).where(groups.c.group_id.in_(_IDS))
-_SELECT_LAST_ATTEMPTS = (
-    select(rollouts.c.group_id, rollouts.c.generation_index, func.max(rollouts.c.attempt))
+# Per (group, generation): the last attempt number and whether any attempt is not abandoned.
+_SELECT_ATTEMPT_HISTORY = (
+    select(
+        rollouts.c.group_id,
+        rollouts.c.generation_index,
+        func.max(rollouts.c.attempt),
+        func.max(rollouts.c.state != "abandoned"),
+    )
     .where(rollouts.c.group_id.in_(_IDS))
     .group_by(rollouts.c.group_id, rollouts.c.generation_index)
 )
-_SELECT_LIVE_GENERATIONS = select(rollouts.c.group_id, rollouts.c.generation_index).where(
-    rollouts.c.group_id.in_(_IDS), rollouts.c.state != "abandoned"
-)
-_SELECT_RUNNING_ATTEMPTS = select(
-    rollouts.c.attempt_id, rollouts.c.group_id, rollouts.c.generation_index, rollouts.c.attempt
-).where(rollouts.c.group_id.in_(_IDS), rollouts.c.state == "running")
 _SELECT_ATTEMPT_STATES = select(rollouts.c.attempt_id, rollouts.c.state).where(rollouts.c.attempt_id.in_(_IDS))
 _SELECT_ATTEMPT_INFO = (
     select(rollouts.c.attempt_id, rollouts.c.group_id, rollouts.c.generation_index, groups.c.prompt_id)
     .join(groups, groups.c.group_id == rollouts.c.group_id)
     .where(rollouts.c.attempt_id.in_(_IDS))
 )
-_END_ATTEMPT = (
+_END_ATTEMPTS = (
     update(rollouts)
-    .where(rollouts.c.attempt_id == bindparam("aid"), rollouts.c.state == "running")
+    .where(rollouts.c.attempt_id.in_(_IDS), rollouts.c.state == "running")
     .values(state=bindparam("new_state"), abandon_reason=bindparam("reason"), ended_at=bindparam("now"))
 )
 _SELECT_FINISHED_COUNTS = (
@@ -87,8 +85,13 @@ _SELECT_PUBLISH_INFO = select(groups.c.group_id, groups.c.epoch, groups.c.prompt
 _SELECT_GROUP_TOKENS = (
     select(samples.c.group_id, func.sum(samples.c.num_tokens)).where(samples.c.group_id.in_(_IDS)).group_by(samples.c.group_id)
 )
-_INSERT_GROUPS = insert(groups)
-_INSERT_ROLLOUTS = insert(rollouts)
+# RETURNING (SQLite >= 3.35) hands back the new ids with the insert, one statement
+# instead of an INSERT and a SELECT; rows come back in no promised order, so each carries
+# its key.
+_INSERT_GROUPS = insert(groups).returning(groups.c.sample_seq, groups.c.group_id)
+_INSERT_ROLLOUTS = insert(rollouts).returning(
+    rollouts.c.group_id, rollouts.c.generation_index, rollouts.c.attempt, rollouts.c.attempt_id
+)
 _INSERT_SAMPLES = insert(samples)
 _INSERT_REPLAY = insert(replay)
 _ATTEMPTS_OF_GROUPS = select(rollouts.c.attempt_id).where(rollouts.c.group_id.in_(_IDS)).scalar_subquery()
@@ -105,11 +108,11 @@ _DROP_PAYLOADS = (
 
 @lru_cache(maxsize=None)
 def _move_statement(target: str, extra: tuple[str, ...]):
-    """UPDATE moving one group (`gid`) to `target` from its allowed sources, setting
+    """UPDATE moving the groups `ids` to `target` from its allowed sources, setting
     `updated_at` (`now`) and the `extra` columns (bound as `v_<column>`)."""
     return (
         update(groups)
-        .where(groups.c.group_id == bindparam("gid"), or_(*(groups.c.state == s for s in GROUP_SOURCES[target])))
+        .where(groups.c.group_id.in_(_IDS), or_(*(groups.c.state == s for s in GROUP_SOURCES[target])))
         .values(state=target, updated_at=bindparam("now"), **{k: bindparam(f"v_{k}") for k in extra})
     )
 
@@ -140,11 +143,18 @@ def _move_groups(conn: Connection, group_ids: Sequence[int], target: str, **valu
         return
     stmt = _move_statement(target, tuple(sorted(values)))
     common = {"now": time.time(), **{f"v_{k}": v for k, v in values.items()}}
-    params = [{"gid": g, **common} for g in group_ids]
-    # executemany of one row costs twice a plain execute; rowcount is the total either way.
-    result = conn.execute(stmt, params if len(params) > 1 else params[0])
-    if result.rowcount != len(group_ids):
+    if _update_in_chunks(conn, stmt, group_ids, common) != len(group_ids):
         _raise_group_misfit(conn, group_ids, target)
+
+
+def _update_in_chunks(conn: Connection, stmt, ids: Sequence[int], params: dict) -> int:
+    """Run an UPDATE ... WHERE id IN (:ids) over `ids`; returns the rows changed. One
+    statement per chunk rather than an executemany of one row per id (which spent most
+    of a batched transition in per-row parameter handling); chunks stay well below
+    SQLite's limit on bound variables. A repeated id changes its row once, so the
+    count comes up short and the caller names the misfit."""
+    ids = list(ids)
+    return sum(conn.execute(stmt, {"ids": ids[i : i + _IN_CHUNK], **params}).rowcount for i in range(0, len(ids), _IN_CHUNK))
 
 
 def _raise_group_misfit(conn: Connection, group_ids: Sequence[int], target: str) -> None:
@@ -188,10 +198,8 @@ def reserve_groups(
         }
         for r in reservations
     ]
-    conn.execute(_INSERT_GROUPS, rows)
-    seqs = [r.sample_seq for r in reservations]
-    by_seq = dict(conn.execute(_SELECT_IDS_BY_SEQ, {"seqs": seqs}).all())
-    return [by_seq[s] for s in seqs]
+    by_seq = dict(conn.execute(_INSERT_GROUPS, rows).all())
+    return [by_seq[r.sample_seq] for r in reservations]
 
 
 def dispatch_groups(conn: Connection, group_ids: Sequence[int], *, policy_version: int) -> list[int]:
@@ -209,8 +217,9 @@ def start_attempts(conn: Connection, generations: Sequence[tuple[int, int]], *, 
     if not generations:
         return []
     gids = sorted({g for g, _ in generations})
-    last = {(g, i): a for g, i, a in conn.execute(_SELECT_LAST_ATTEMPTS, {"ids": gids}).all()}
-    live = set(conn.execute(_SELECT_LIVE_GENERATIONS, {"ids": gids}).all())
+    history = conn.execute(_SELECT_ATTEMPT_HISTORY, {"ids": gids}).all()
+    last = {(g, i): a for g, i, a, _ in history}
+    live = {(g, i) for g, i, _, not_abandoned in history if not_abandoned}
     states = group_states(conn, gids)
     now = time.time()
     rows = []
@@ -229,21 +238,13 @@ def start_attempts(conn: Connection, generations: Sequence[tuple[int, int]], *, 
                 "dispatched_at": now,
             }
         )
-    conn.execute(_INSERT_ROLLOUTS, rows)
-    keys = {(r["group_id"], r["generation_index"], r["attempt"]) for r in rows}
-    found = {
-        (g, i, a): aid
-        for aid, g, i, a in conn.execute(_SELECT_RUNNING_ATTEMPTS, {"ids": gids}).all()
-        if (g, i, a) in keys
-    }
+    found = {(g, i, a): aid for g, i, a, aid in conn.execute(_INSERT_ROLLOUTS, rows).all()}
     return [found[(r["group_id"], r["generation_index"], r["attempt"])] for r in rows]
 
 
 def _end_attempts(conn: Connection, attempt_ids: Sequence[int], state: str, reason: str | None) -> None:
-    now = time.time()
-    params = [{"aid": a, "new_state": state, "reason": reason, "now": now} for a in attempt_ids]
-    result = conn.execute(_END_ATTEMPT, params if len(params) > 1 else params[0])
-    if result.rowcount != len(attempt_ids):
+    common = {"new_state": state, "reason": reason, "now": time.time()}
+    if _update_in_chunks(conn, _END_ATTEMPTS, attempt_ids, common) != len(attempt_ids):
         found = dict(conn.execute(_SELECT_ATTEMPT_STATES, {"ids": list(attempt_ids)}).all())
         for a in attempt_ids:
             if found.get(a) != "running":
