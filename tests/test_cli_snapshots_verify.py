@@ -1,0 +1,258 @@
+"""`rolloutdb snapshots` and `rolloutdb verify`, run as real subprocesses on real and
+damaged checkpoint directories and store files. Read-only: every test that damages
+something checks that the command left every byte as it found it."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import FIXTURES
+from rolloutdb.store import FinishedGeneration, Publisher, Reservation, Retention, Store
+from rolloutdb.store.layout import SNAPSHOT_DB
+from rolloutdb.store.retention import KeepNewestSnapshots
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "rolloutdb.cli", *map(str, args)], capture_output=True, text=True,
+                          timeout=120)
+
+
+def tree_state(root: Path) -> dict[str, str]:
+    """Every path under root with the sha256 of its bytes (directories as 'dir')."""
+    state = {}
+    paths = [root] if root.is_file() else sorted(root.rglob("*"))
+    for p in paths:
+        state[str(p)] = "dir" if p.is_dir() else hashlib.sha256(p.read_bytes()).hexdigest()
+    if root.is_file():
+        for side in ("-wal", "-shm", "-journal"):
+            state[str(root) + side] = str(Path(str(root) + side).exists())
+    return state
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    """bootstrap with 2 snapshots, step_1 with 1, made through the real publisher."""
+    base = tmp_path_factory.mktemp("ckpt")
+    with Store.create(base / "live.sqlite", replay_capacity=8) as store:
+        pub = Publisher(base / "ckpt", retention=Retention(KeepNewestSnapshots(10)))
+        pub.publish_bootstrap()
+        for seq in range(3):
+            (gid,) = store.reserve([Reservation(seq, 0, seq)], num_generations=1, target_step=1)
+            (a,) = store.dispatch([gid], policy_version=0)
+            store.finish(a, FinishedGeneration([1, 2, 3], [-0.1] * 3, 1.0, [(0, 3)]))
+            if seq == 2:
+                pub.publish_trainer_checkpoint(1, lambda d: (d / "model.safetensors").write_bytes(b"w" * 5000))
+            anchor = "step_1" if seq == 2 else "bootstrap"
+            pub.publish_rollout_snapshot(anchor, lambda p: store.capture(p), "model: tiny\n", env_export=b"{}")
+    return base / "ckpt"
+
+
+@pytest.fixture
+def ckpt(checkpoint, tmp_path) -> Path:
+    """A private copy to damage."""
+    return Path(shutil.copytree(checkpoint, tmp_path / "ckpt"))
+
+
+def _snapshot1(ckpt: Path) -> Path:
+    return ckpt / "bootstrap" / "rollout_snapshots" / "snapshot_1"
+
+
+# ---------------------------------------------------------------- snapshots
+
+
+def test_snapshots_lists_one_row_per_anchor_and_snapshot(ckpt):
+    r = cli("snapshots", ckpt)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0].split() == ["SEQ", "ANCHOR", "KIND", "AGE", "SIZE", "COUNTS", "STATUS"]
+    rows = [line.split()[:3] for line in lines[1:]]
+    assert rows == [["-", "bootstrap", "trainer"], ["1", "bootstrap", "snapshot"], ["2", "bootstrap", "snapshot"],
+                    ["-", "step_1", "trainer"], ["3", "step_1", "snapshot"]]
+    assert all(line.rstrip().endswith("complete") for line in lines[1:])
+    assert "groups=3" in lines[-1]
+
+
+def test_snapshots_json_gives_counts_and_completeness_and_lists_leftovers_as_incomplete(ckpt):
+    leftover = ckpt / "step_1" / "rollout_snapshots" / ".snapshot_4.publish.99.tmp"
+    leftover.mkdir()
+    before = tree_state(ckpt)
+    r = cli("snapshots", ckpt, "--json")
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(r.stdout)
+    snaps = [row for row in rows if row["kind"] == "rollout_snapshot"]
+    assert [(s["sequence"], s["complete"]) for s in snaps] == [(1, True), (2, True), (3, True), (4, False)]
+    assert snaps[-1]["status"].startswith("incomplete")
+    assert snaps[2]["row_counts"]["prompt_groups"] == 3 and snaps[2]["size_bytes"] > 0
+    assert tree_state(ckpt) == before  # listing removes nothing
+
+
+def test_snapshots_of_a_missing_directory_is_one_error_line(tmp_path):
+    r = cli("snapshots", tmp_path / "nope")
+    assert r.returncode != 0
+    assert r.stderr.splitlines() == [r.stderr.strip()] and r.stderr.startswith("error:")
+
+
+# ---------------------------------------------------------------- verify: sound input
+
+
+@pytest.mark.parametrize("which", ["checkpoint", "trainer", "snapshot", "file"])
+def test_verify_passes_a_sound_checkpoint_directory_trainer_checkpoint_snapshot_and_file(ckpt, which):
+    path = {"checkpoint": ckpt, "trainer": ckpt / "step_1", "snapshot": _snapshot1(ckpt),
+            "file": _snapshot1(ckpt) / SNAPSHOT_DB}[which]
+    before = tree_state(ckpt)
+    r = cli("verify", path)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines()[-1].startswith("ok:") and r.stderr == ""
+    assert tree_state(ckpt) == before
+
+
+def test_verify_accepts_an_older_revision_and_says_so(tmp_path):
+    old = tmp_path / "old.sqlite"
+    shutil.copyfile(FIXTURES / "store_v1_0_a.sqlite", old)
+    before = tree_state(old)
+    r = cli("verify", old)
+    assert r.returncode == 0, r.stderr
+    assert "older than head" in r.stdout and "rolloutdb upgrade" in r.stdout
+    assert tree_state(old) == before
+
+
+# ---------------------------------------------------------------- verify: damaged directories
+
+
+def _damage_delete_file(ckpt):
+    (_snapshot1(ckpt) / "config.yaml").unlink()
+    return "config.yaml: missing"
+
+
+def _damage_modify_byte(ckpt):
+    db = _snapshot1(ckpt) / SNAPSHOT_DB
+    data = bytearray(db.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    db.write_bytes(bytes(data))
+    return "sha256 differs"
+
+
+def _damage_manifest(ckpt, path):
+    m = _snapshot1(ckpt) / "manifest.json"
+    d = json.loads(m.read_text())
+    d["files"][0]["path"] = path
+    m.write_text(json.dumps(d))
+
+
+def _damage_dotdot(ckpt):
+    (ckpt / "bootstrap" / "rollout_snapshots" / "x").write_bytes(b"outside")
+    _damage_manifest(ckpt, "../x")
+    return "refuses path '../x'"
+
+
+def _damage_absolute(ckpt):
+    _damage_manifest(ckpt, "/etc/hostname")
+    return "refuses absolute path '/etc/hostname'"
+
+
+def _damage_missing_manifest(ckpt):
+    (_snapshot1(ckpt) / "manifest.json").unlink()
+    return "no manifest"
+
+
+def _damage_trainer_file(ckpt):
+    (ckpt / "step_1" / "model.safetensors").write_bytes(b"v" * 5000)
+    return "model.safetensors: sha256 differs"
+
+
+DAMAGE = {
+    "deleted file": _damage_delete_file,
+    "modified byte": _damage_modify_byte,
+    "manifest with ../x": _damage_dotdot,
+    "manifest with an absolute path": _damage_absolute,
+    "missing manifest": _damage_missing_manifest,
+    "modified trainer file": _damage_trainer_file,
+}
+
+
+@pytest.mark.parametrize("damage", DAMAGE)
+@pytest.mark.parametrize("target", ["checkpoint", "snapshot"])
+def test_verify_reports_each_damage_as_error_lines_and_changes_nothing(ckpt, damage, target):
+    expected = DAMAGE[damage](ckpt)
+    path = ckpt if target == "checkpoint" else (ckpt / "step_1" if "trainer" in damage else _snapshot1(ckpt))
+    before = tree_state(ckpt)
+    r = cli("verify", path)
+    assert r.returncode == 1, (r.stdout, r.stderr)
+    lines = r.stderr.splitlines()
+    assert lines and all(line.startswith("error: ") for line in lines)
+    assert any(expected in line for line in lines), lines
+    assert tree_state(ckpt) == before
+    # The other snapshots are not blamed.
+    assert not any("snapshot_2" in line or "snapshot_3" in line for line in lines)
+
+
+def test_verify_of_a_file_checks_the_manifest_beside_it(ckpt):
+    _damage_delete_file(ckpt)
+    r = cli("verify", _snapshot1(ckpt) / SNAPSHOT_DB)
+    assert r.returncode == 1 and "config.yaml: missing" in r.stderr
+
+
+# ---------------------------------------------------------------- verify: bad single files
+
+
+def _flip_a_bit_in_a_table_page(path: Path) -> None:
+    with sqlite3.connect(path) as conn:
+        page_size = conn.execute("PRAGMA page_size").fetchone()[0]
+        root = conn.execute("SELECT rootpage FROM sqlite_master WHERE name = 'prompt_groups'").fetchone()[0]
+    data = bytearray(path.read_bytes())
+    data[(root - 1) * page_size] ^= 0x01  # the b-tree page type byte
+    path.write_bytes(bytes(data))
+
+
+def _newer_revision(path: Path) -> None:
+    with sqlite3.connect(path) as conn:
+        conn.execute("UPDATE alembic_version SET version_num = 'v9_9_z'")
+
+
+def _bad_file(kind: str, snapshot_file: Path, tmp_path: Path) -> Path:
+    p = tmp_path / "bad.sqlite"
+    if kind == "missing":
+        return p
+    if kind == "not sqlite":
+        p.write_text("model: tiny\n")
+        return p
+    shutil.copyfile(snapshot_file, p)
+    if kind == "truncated":
+        os.truncate(p, p.stat().st_size // 2)
+    elif kind == "bit-flipped":
+        _flip_a_bit_in_a_table_page(p)
+    elif kind == "newer revision":
+        _newer_revision(p)
+    return p
+
+
+@pytest.mark.parametrize("kind", ["missing", "not sqlite", "truncated", "bit-flipped", "newer revision"])
+def test_verify_refuses_a_bad_file_with_one_error_line_and_leaves_it_unchanged(checkpoint, tmp_path, kind):
+    path = _bad_file(kind, _snapshot1(checkpoint) / SNAPSHOT_DB, tmp_path)
+    before = tree_state(tmp_path)
+    r = cli("verify", path)
+    assert r.returncode != 0
+    lines = r.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr
+    assert {"missing": "no such file", "not sqlite": "not a SQLite database", "truncated": "truncated",
+            "bit-flipped": "integrity_check failed", "newer revision": "newer than this rolloutdb"}[kind] in lines[0]
+    assert tree_state(tmp_path) == before  # no bytes changed, no -wal/-shm created
+
+
+def test_verify_reports_a_broken_invariant(checkpoint, tmp_path):
+    p = tmp_path / "s.sqlite"
+    shutil.copyfile(_snapshot1(checkpoint) / SNAPSHOT_DB, p)
+    with sqlite3.connect(p) as conn:
+        conn.execute("UPDATE sampler_state SET next_seq = 0")
+    r = cli("verify", p)
+    assert r.returncode == 1
+    assert "invariant 4" in r.stderr and r.stderr.startswith("error: ")
