@@ -289,7 +289,7 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     if args.quick:
         args.groups, args.payload_gb, args.snapshots = "2000", 0.002, 1
-        args.pause, args.idle, args.settle = 0.1, 0.2, 0.1
+        args.pause, args.idle, args.settle = 0.05, 0.1, 0.05
     say(f"machine: {benchlib.machine_line()}; writer at {args.rate or 'max'} tx/s")
     results = {"machine": benchlib.machine_line(), "args": vars(args), "sizes": {}}
     with tempfile.TemporaryDirectory(prefix="bench-snapshot-", dir=args.dir) as tmp:
