@@ -259,7 +259,7 @@ LOST_PROGRESS_PER_STOP = """
 SELECT st.stop_no,
        count(g.prompt_id) AS groups_running,
        count(g.lost_s) AS groups_matched,
-       coalesce(sum(g.lost_s), 0.0) AS lost_s_total,
+       sum(g.lost_s) AS lost_s_total,
        avg(g.lost_s) AS lost_s_mean,
        max(g.lost_s) AS lost_s_max
 FROM stops st

@@ -1,0 +1,339 @@
+"""The trace figures on a small hand-built job, with every answer worked out by hand.
+
+The job: run A (run_no 1) is killed at t=110 after a snapshot cut at t=106; run B
+(run_no 2) starts at t=200, restores that snapshot and finishes. The baseline is the same
+job run once without a stop, starting at t=1000. Events are written through the real
+Tracer with explicit times (its clock sets the run_started event).
+
+TODO(controller): when the controller lands, add a test on a real quickstart run that was
+SIGKILLed and resumed, against its never-stopped twin (same config and seed).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from rolloutdb.cli import main
+from rolloutdb.store import trace_queries
+from rolloutdb.store.analysis import TraceAnalysis, open_sqlite_analysis, sqlite_query
+from rolloutdb.store.trace import TRACE_FILENAME, TraceError, Tracer
+
+HERE = Path(__file__).resolve().parent
+
+
+def write_run_a(path) -> Tracer:
+    """Run A, t=100..110. Groups g1 (prompt 10), g2 (20), g3 (30) reserved at 100; two
+    generations each. g1 is sealed and published at 105 (30 tokens of version 0); the
+    snapshot is cut at 106; after the cut (all lost with the kill): step 1 is trained,
+    g2 is sealed and published, prompts 40 and 50 are reserved."""
+    tr = Tracer(path, clock=lambda: 100.0)
+    e = tr.emit
+    for g, p in ((1, 10), (2, 20), (3, 30)):
+        e("group_reserved", t=100, group_id=g, prompt_id=p, step=1, policy_version=0)
+    for p, g, gi, a, t in ((10, 1, 0, 0, 101), (10, 1, 1, 0, 101), (20, 2, 0, 0, 102), (20, 2, 1, 0, 102.5),
+                           (30, 3, 0, 0, 103), (30, 3, 1, 0, 103)):
+        e("attempt_dispatched", t=t, group_id=g, prompt_id=p, generation_index=gi, attempt=a, policy_version=0)
+    # A deadline abandonment is not thrown-away time; its generation gets attempt 1.
+    e("attempt_abandoned", t=103.5, group_id=3, prompt_id=30, generation_index=1, attempt=0, reason="deadline")
+    e("attempt_dispatched", t=104, group_id=3, prompt_id=30, generation_index=1, attempt=1, policy_version=0)
+    e("rollout_finished", t=104, group_id=1, prompt_id=10, generation_index=0, attempt=0, tokens=15, version_token_counts={0: 15})
+    e("rollout_finished", t=104, group_id=1, prompt_id=10, generation_index=1, attempt=0, tokens=15, version_token_counts={0: 15})
+    e("group_sealed", t=105, group_id=1, prompt_id=10)
+    e("group_published", t=105, group_id=1, prompt_id=10, version_token_counts={0: 30})
+    e("snapshot_cut", t=106.2, cut_time=106, snapshot_seq=1, anchor="bootstrap")
+    e("train_step", t=107, step=1, policy_version=0, group_ids=[1], batch_age=0.0)
+    e("refit", t=107, step=1, old_version=0, new_version=1, policy_version=1, running=[])
+    e("group_reserved", t=108, group_id=4, prompt_id=40, step=2, policy_version=1)
+    e("attempt_dispatched", t=108.5, group_id=4, prompt_id=40, generation_index=0, attempt=0, policy_version=1)
+    e("group_sealed", t=109, group_id=2, prompt_id=20)
+    e("group_published", t=109, group_id=2, prompt_id=20, version_token_counts={0: 12, 1: 8})
+    e("group_reserved", t=109.5, group_id=6, prompt_id=50, step=2, policy_version=1)
+    e("rollout_finished", t=110, group_id=3, prompt_id=30, generation_index=0, attempt=0, tokens=5)
+    return tr
+
+
+def write_run_b(path) -> Tracer:
+    """Run B, t=200..210: abandons the four attempts that were running at the cut,
+    restores snapshot 1 (cut_time 106), reserves prompt 40 again, seals g2, g3, g5 and
+    trains steps 1, 2, 3."""
+    tr = Tracer(path, clock=lambda: 200.0)
+    e = tr.emit
+    for p, g, gi, a in ((20, 2, 0, 0), (20, 2, 1, 0), (30, 3, 0, 0), (30, 3, 1, 1)):
+        e("attempt_abandoned", t=201, group_id=g, prompt_id=p, generation_index=gi, attempt=a, reason="restart")
+    e("restore_done", t=202, snapshot_seq=1, cut_time=106, anchor="bootstrap", groups_restored=3, replay_restored=1)
+    e("group_reserved", t=203, group_id=5, prompt_id=40, step=2, policy_version=0)
+    for p, g, gi, a in ((20, 2, 0, 1), (20, 2, 1, 1), (30, 3, 0, 1), (30, 3, 1, 2), (40, 5, 0, 0)):
+        e("attempt_dispatched", t=203, group_id=g, prompt_id=p, generation_index=gi, attempt=a, policy_version=0)
+    e("train_step", t=204, step=1, policy_version=0, group_ids=[1], batch_age=0.0)
+    e("refit", t=204, step=1, old_version=0, new_version=1, policy_version=1,
+      running=[{"prompt_id": 20, "generation_index": 0, "attempt": 1, "tokens": 5}])
+    e("group_sealed", t=206, group_id=2, prompt_id=20)
+    e("group_published", t=206, group_id=2, prompt_id=20, version_token_counts={0: 5, 1: 15})
+    e("group_sealed", t=207, group_id=3, prompt_id=30)
+    e("group_published", t=207, group_id=3, prompt_id=30, version_token_counts={1: 20})
+    e("group_sealed", t=208, group_id=5, prompt_id=40)
+    # -1: environment tokens, which have no policy version and do not count.
+    e("group_published", t=208, group_id=5, prompt_id=40, version_token_counts={1: 10, -1: 7})
+    e("train_step", t=209, step=2, policy_version=1, group_ids=[2, 3], batch_age=0.125)
+    e("train_step", t=210, step=3, group_ids=[5], batch_age=1.0)  # no policy_version: step - 1 = 2
+    return tr
+
+
+def write_baseline(path) -> Tracer:
+    """The same prompts, never stopped, from t=1000: sealed at effective times
+    10: 5, 20: 9, 30: 11, 40: 13. Prompt 50 is never sealed."""
+    tr = Tracer(path, clock=lambda: 1000.0)
+    e = tr.emit
+    for g, p in ((1, 10), (2, 20), (3, 30)):
+        e("group_reserved", t=1000, group_id=g, prompt_id=p)
+    e("group_sealed", t=1005, group_id=1, prompt_id=10)
+    e("group_reserved", t=1008, group_id=4, prompt_id=40)
+    e("group_sealed", t=1009, group_id=2, prompt_id=20)
+    e("group_sealed", t=1011, group_id=3, prompt_id=30)
+    e("group_sealed", t=1013, group_id=4, prompt_id=40)
+    return tr
+
+
+@pytest.fixture
+def job(tmp_path):
+    run, base = tmp_path / "run" / "logs" / TRACE_FILENAME, tmp_path / "base" / "logs" / TRACE_FILENAME
+    write_run_a(run).close()
+    write_run_b(run).close()
+    write_baseline(base).close()
+    return run, base
+
+
+def test_runs_are_ordered_and_their_downtime_removed_from_the_effective_timeline(job):
+    run, base = job
+    with TraceAnalysis([run], [base]) as a:
+        got = a.query("SELECT job, run_no, started, ended, downtime_before, downtime_until FROM runs ORDER BY job DESC, run_no").rows
+        # Run B's first event (200) minus run A's last (110): 90 s down.
+        assert got == [("run", 1, 100.0, 110.0, 0.0, 0.0), ("run", 2, 200.0, 210.0, 90.0, 90.0),
+                       ("baseline", 1, 1000.0, 1013.0, 0.0, 0.0)]
+        # Effective time: t - 100 in run A, t - 100 - 90 in run B.
+        sealed = a.query("SELECT t, effective_t, kept FROM timeline WHERE job = 'run' AND event = 'group_sealed' ORDER BY t").rows
+        # g2's seal at 109 came after the cut at 106: lost with the kill, not kept.
+        assert sealed == [(105.0, 5.0, 1), (109.0, 9.0, 0), (206.0, 16.0, 1), (207.0, 17.0, 1), (208.0, 18.0, 1)]
+
+
+def test_thrown_away_time_per_attempt_and_per_stop_match_the_hand_worked_answer(job):
+    run, base = job
+    with TraceAnalysis([run], [base]) as a:
+        attempts = a.query("thrown_away_by_attempt").rows
+        per_stop = a.query("thrown_away_per_stop").as_dicts()
+    # cut_time 106 minus each attempt's last dispatch at or before it:
+    #   prompt 20 gen 0 attempt 0: 106 - 102   = 4
+    #   prompt 20 gen 1 attempt 0: 106 - 102.5 = 3.5
+    #   prompt 30 gen 0 attempt 0: 106 - 103   = 3
+    #   prompt 30 gen 1 attempt 1: 106 - 104   = 2   (attempt 0 ended by deadline: not counted)
+    assert attempts == [
+        (1, 20, 0, 0, 2, 102.0, 106.0, 4.0),
+        (1, 20, 1, 0, 2, 102.5, 106.0, 3.5),
+        (1, 30, 0, 0, 3, 103.0, 106.0, 3.0),
+        (1, 30, 1, 1, 3, 104.0, 106.0, 2.0),
+    ]
+    # One stop: 4 attempts, 4 + 3.5 + 3 + 2 = 12.5 s; downtime 200 - 110 = 90 s.
+    assert len(per_stop) == 1
+    assert {k: per_stop[0][k] for k in ("stop_no", "attempts", "thrown_away_s", "downtime", "snapshot_seq", "cut_time")} == {
+        "stop_no": 1, "attempts": 4, "thrown_away_s": 12.5, "downtime": 90.0, "snapshot_seq": 1, "cut_time": 106.0}
+
+
+def test_lost_progress_against_the_baseline_matches_the_hand_worked_answer(job):
+    run, base = job
+    with TraceAnalysis([run], [base]) as a:
+        groups = a.query("lost_progress_by_group").rows
+        per_stop = a.query("lost_progress_per_stop").rows
+    # Running at the stop (latest reservation in run A not sealed by the cut at 106):
+    # prompts 20, 30 (in flight at the cut; 20's seal at 109 was after it), 40 and 50
+    # (reserved after the cut). Prompt 10 was sealed at 105: not running.
+    # Sealed after the stop on the effective timeline (t - 190): 20 at 206 -> 16,
+    # 30 at 207 -> 17, 40 at 208 -> 18; the baseline (t - 1000): 9, 11, 13.
+    # Lost: 16 - 9 = 7, 17 - 11 = 6, 18 - 13 = 5. Prompt 50 was never sealed: unmatched.
+    assert groups == [
+        (1, 20, 1, 16.0, 9.0, 7.0),
+        (1, 30, 1, 17.0, 11.0, 6.0),
+        (1, 40, 1, 18.0, 13.0, 5.0),
+        (1, 50, None, None, None, None),
+    ]
+    # 4 running, 3 matched, 7 + 6 + 5 = 18 in total, mean 6, largest 7.
+    assert per_stop == [(1, 4, 3, 18.0, 6.0, 7.0)]
+
+
+def test_a_prompt_seen_in_several_epochs_is_matched_occurrence_by_occurrence(tmp_path):
+    run, base = tmp_path / "run.sqlite", tmp_path / "base.sqlite"
+    with Tracer(run, clock=lambda: 0.0) as a:  # epoch 0 of prompt 7 sealed at 2, epoch 1 reserved at 3
+        a.emit("group_reserved", t=1, group_id=1, prompt_id=7, epoch=0)
+        a.emit("group_sealed", t=2, group_id=1, prompt_id=7)
+        a.emit("group_reserved", t=3, group_id=2, prompt_id=7, epoch=1)
+        a.emit("group_reserved", t=4, group_id=3, prompt_id=8, epoch=1)
+    with Tracer(run, clock=lambda: 10.0) as b:  # 6 s down; no snapshot restored: cut = 4
+        b.emit("group_sealed", t=12, group_id=2, prompt_id=7)
+    with Tracer(base, clock=lambda: 0.0) as c:
+        c.emit("group_sealed", t=2, group_id=1, prompt_id=7)
+        c.emit("group_sealed", t=5, group_id=2, prompt_id=7)
+    with TraceAnalysis([run], [base]) as an:
+        # Prompt 7's second seal: effective 12 - 0 - 6 = 6 against the baseline's second, 5.
+        # Prompt 8 is running but never sealed.
+        assert an.query("lost_progress_by_group").rows == [(1, 7, 2, 6.0, 5.0, 1.0), (1, 8, None, None, None, None)]
+        # No restore_done: the stop has no snapshot and no thrown-away attempts.
+        assert an.query("thrown_away_per_stop").rows[0][3:] == (6.0, None, None, 0, 0.0)
+
+
+def test_batch_age_per_step_matches_the_hand_worked_answer_and_the_logged_value(job):
+    run, base = job
+    with TraceAnalysis([run], [base]) as a:
+        steps = a.query("batch_age_per_step").rows
+    # (run_no, step, t, trained_version, groups, tokens, batch_age, logged)
+    # Step 1 (both runs): g1's 30 tokens of version 0, trained with version 0: age 0.
+    # Step 2 (run B): trained with version 1. g2's latest publish before t=209 is run B's
+    #   (v0: 5, v1: 15), not run A's lost one (v0: 12, v1: 8); g3 has v1: 20.
+    #   (1 * 5 + 0 * 15 + 0 * 20) / 40 = 0.125.
+    # Step 3: no policy_version, so step - 1 = 2; g5 has v1: 10 (and 7 environment
+    #   tokens, not counted): (2 - 1) * 10 / 10 = 1.0.
+    assert steps == [
+        (1, 1, 107.0, 0, 1, 30, 0.0, 0.0),
+        (2, 1, 204.0, 0, 1, 30, 0.0, 0.0),
+        (2, 2, 209.0, 1, 2, 40, 0.125, 0.125),
+        (2, 3, 210.0, 2, 1, 10, 1.0, 1.0),
+    ]
+
+
+def test_every_named_query_gives_the_same_answer_in_duckdb_and_in_sqlite(job):
+    run, base = job
+    conn = open_sqlite_analysis([run], [base])
+    try:
+        with TraceAnalysis([run], [base]) as a:
+            for name in trace_queries.QUERIES:
+                assert a.query(name).rows == sqlite_query(conn, name).rows, name
+    finally:
+        conn.close()
+
+
+def test_a_job_resumed_into_another_directory_reads_as_one_job(tmp_path, job):
+    _, base = job
+    first, second = tmp_path / "a" / TRACE_FILENAME, tmp_path / "b" / TRACE_FILENAME
+    write_run_a(first).close()
+    write_run_b(second).close()
+    with TraceAnalysis([first, second], [base]) as a:
+        assert a.query("thrown_away_per_stop").rows[0][-2:] == (4, 12.5)
+        assert a.query("lost_progress_per_stop").rows == [(1, 4, 3, 18.0, 6.0, 7.0)]
+        assert [r[-2] for r in a.query("batch_age_per_step").rows] == [0.0, 0.0, 0.125, 1.0]
+
+
+_ANALYSE = textwrap.dedent(
+    """
+    import sys
+    from rolloutdb.store.analysis import TraceAnalysis
+    with TraceAnalysis([sys.argv[1]], [sys.argv[2]]) as a:
+        print(a.query("thrown_away_per_stop").rows[0][-1])
+    """
+)
+
+
+def test_duckdb_reads_the_traces_offline_without_writing_to_home_or_beside_them(job, tmp_path):
+    run, base = job
+    home, tmp = tmp_path / "home", tmp_path / "tmp"
+    home.mkdir()
+    tmp.mkdir()
+    before = {p: p.read_bytes() for p in (run, base)}
+    listing = sorted(os.listdir(run.parent)), sorted(os.listdir(base.parent))
+    env = {**os.environ, "HOME": str(home), "TMPDIR": str(tmp), "XDG_CACHE_HOME": str(home / ".cache"),
+           "http_proxy": "http://127.0.0.1:9", "https_proxy": "http://127.0.0.1:9"}
+    out = subprocess.run([sys.executable, "-c", _ANALYSE, str(run), str(base)], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "12.5"
+    assert list(home.rglob("*")) == []  # no ~/.duckdb, no extension installed anywhere
+    assert list(tmp.rglob("*")) == []  # its working directory is removed afterwards
+    assert {p: p.read_bytes() for p in (run, base)} == before
+    assert (sorted(os.listdir(run.parent)), sorted(os.listdir(base.parent))) == listing
+
+
+def test_a_file_that_is_not_a_trace_is_refused_in_one_line(tmp_path):
+    bogus = tmp_path / TRACE_FILENAME
+    with contextlib.closing(sqlite3.connect(bogus)) as conn:
+        conn.execute("CREATE TABLE something_else (x)")
+    with pytest.raises(TraceError, match="not a readable trace file"):
+        TraceAnalysis([bogus])
+
+
+# --------------------------------------------------------------------------- the command
+
+_KILLED_RUN_A = textwrap.dedent(
+    """
+    import os, signal, sys
+    sys.path.insert(0, sys.argv[2])
+    from test_trace_analysis import write_run_a
+    tracer = write_run_a(sys.argv[1])
+    tracer.flush()
+    os.kill(os.getpid(), signal.SIGKILL)  # killed, like a preempted run: no close()
+    """
+)
+
+
+def test_rolloutdb_trace_on_a_killed_and_resumed_run_prints_the_figures_and_writes_the_plots(tmp_path, capsys):
+    run_dir, base_dir = tmp_path / "run", tmp_path / "base"
+    trace = run_dir / "logs" / TRACE_FILENAME
+    killed = subprocess.run([sys.executable, "-c", _KILLED_RUN_A, str(trace), str(HERE)], timeout=120)
+    assert killed.returncode == -signal.SIGKILL
+    assert Path(f"{trace}-wal").exists()  # left as a killed run leaves it
+    write_run_b(trace).close()
+    write_baseline(base_dir / "logs" / TRACE_FILENAME).close()
+
+    assert main(["trace", str(run_dir), "--baseline", str(base_dir)]) == 0
+    printed = capsys.readouterr().out
+    assert "Thrown-away time per stop" in printed and "12.500" in printed
+    assert "Lost progress per stop" in printed and "18.000" in printed
+    assert "equal to the logged value at all 4 steps" in printed
+    plots = run_dir / "plots"
+    assert sorted(p.name for p in plots.iterdir()) == sorted([
+        "thrown_away_per_stop.csv", "thrown_away_by_attempt.csv", "lost_progress_per_stop.csv",
+        "lost_progress_by_group.csv", "batch_age_per_step.csv", "trace_report.json",
+        "thrown_away.png", "lost_progress.png", "batch_age.png"])
+    for png in plots.glob("*.png"):
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    report = json.loads((plots / "trace_report.json").read_text())
+    assert report["thrown_away_per_stop"][0]["thrown_away_s"] == 12.5
+    assert report["lost_progress_per_stop"][0]["lost_s_total"] == 18.0
+    assert [r["batch_age"] for r in report["batch_age_per_step"]] == [0.0, 0.0, 0.125, 1.0]
+    assert (plots / "lost_progress_per_stop.csv").read_text().splitlines() == [
+        "stop_no,groups_running,groups_matched,lost_s_total,lost_s_mean,lost_s_max", "1,4,3,18.0,6.0,7.0"]
+
+
+def test_rolloutdb_trace_writes_where_out_says_and_reads_a_log_directory(job, tmp_path, capsys):
+    run, _ = job
+    out = tmp_path / "elsewhere"
+    assert main(["trace", str(run.parent), "--out", str(out)]) == 0
+    assert "pass --baseline RUN_DIR" in capsys.readouterr().out
+    assert (out / "batch_age.png").is_file()
+    assert not (run.parent.parent / "plots").exists()
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["trace", "{tmp}/missing"], "no such directory"),
+        (["trace", "{tmp}/empty"], "no trace file"),
+        (["trace", "{run}", "--baseline", "{tmp}/empty"], "no trace file"),
+        (["trace", "{run}", "--out", "{tmp}/a_file"], "is a file; pass a directory with --out"),
+    ],
+)
+def test_rolloutdb_trace_refuses_bad_input_in_one_line_and_writes_nothing(job, tmp_path, capsys, argv, message):
+    run, _ = job
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "a_file").write_text("x")
+    argv = [a.format(tmp=tmp_path, run=run.parent.parent) for a in argv]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and message in err[0]
+    assert not (run.parent.parent / "plots").exists()
