@@ -17,6 +17,9 @@ def set_threads(n: int) -> None:
     """Torch's intra-op pool is process-wide; both pumps share it. One thread each keeps
     the two pumps from fighting over two cores."""
     torch.set_num_threads(n)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # our progress line is the one a user reads
 
 
 def build_policy(config: Config, dest: Path) -> Path:
@@ -70,24 +73,46 @@ def build_engine(config: Config, policy_dir: Path):
     return ReferenceEngine(policy_dir, max_batch_size=gen.max_batch_size, num_threads=config.cluster.torch_threads)
 
 
+def build_publisher(config: Config, checkpoint_dir: Path) -> Publisher:
+    """The one publisher of the run's checkpoint directory, with retention from config."""
+    from rolloutdb.store.retention import (
+        KeepNewestSnapshotPerAnchor,
+        KeepNewestSnapshots,
+        KeepNewestTrainerCheckpoints,
+        PruneBootstrap,
+        Retention,
+    )
+
+    retention = Retention(
+        KeepNewestSnapshots(config.rollout_checkpointing.keep_last),
+        KeepNewestSnapshotPerAnchor(1),
+        KeepNewestTrainerCheckpoints(config.checkpointing.keep_last),
+        PruneBootstrap(),
+    )
+    return Publisher(checkpoint_dir, retention=retention)
+
+
 class TrainerCheckpoints:
     """Publishes `bootstrap/` before the first step and `step_<N>/` every
-    `checkpointing.interval_steps`, through the one commit protocol."""
+    `checkpointing.interval_steps`, through the one commit protocol, under the save lock
+    that rollout snapshots take too."""
 
-    def __init__(self, config: Config, checkpoint_dir: Path, trainer: Trainer, publisher: Publisher | None = None):
+    def __init__(self, config: Config, trainer: Trainer, publisher: Publisher, save_lock):
         self.config = config.checkpointing
         self.trainer = trainer
-        self.publisher = publisher or Publisher(checkpoint_dir)
+        self.publisher = publisher
+        self.save_lock = save_lock
 
     def _write(self, tmp: Path) -> None:
         self.trainer.save_checkpoint(tmp)
 
     def publish_bootstrap(self) -> None:
-        if self.config.enabled:
+        with self.save_lock:
             self.publisher.publish_bootstrap(self._write)
 
     def maybe_publish(self, step: int) -> bool:
         if not self.config.enabled or step % self.config.interval_steps:
             return False
-        self.publisher.publish_trainer_checkpoint(step, self._write)
+        with self.save_lock:
+            self.publisher.publish_trainer_checkpoint(step, self._write)
         return True

@@ -1,10 +1,10 @@
-"""The single controller: builds the parts, runs the rollout pump beside the train pump.
+"""The single controller: builds the parts, restores once if resuming, then runs the
+rollout pump and the snapshot pump beside the train pump.
 
 Threads, not asyncio: the engine and the trainer are synchronous torch code whose
 kernels release the GIL, and every store call is a short blocking SQLite transaction.
-Two threads (rollout pump, train pump) overlap generation with training on two cores
-without wrapping everything in executors; they coordinate only through the store and
-`RuntimeState`.
+Threads overlap generation with training on two cores without wrapping everything in
+executors; the pumps coordinate only through the store and `RuntimeState`.
 """
 
 from __future__ import annotations
@@ -16,14 +16,16 @@ from pathlib import Path
 
 from rolloutdb.config import Config
 from rolloutdb.controller import components
-from rolloutdb.controller.dispatch import LedgerDispatch, NoLedgerDispatch
+from rolloutdb.controller.dispatch import GroupHandle, LedgerDispatch, NoLedgerDispatch
 from rolloutdb.controller.parts import Progress, RolloutParts, RuntimeState
 from rolloutdb.controller.rollout_pump import RolloutPump
-from rolloutdb.controller.run_log import MetricsLog, ProgressBar, plot_rewards, read_metrics, summary_line
 from rolloutdb.controller.run_dir import RunDir
+from rolloutdb.controller.run_log import MetricsLog, ProgressBar, plot_rewards, read_metrics, summary_line
 from rolloutdb.controller.sampler import PromptOrder, StalenessBound
+from rolloutdb.controller.snapshotter import Snapshotter
 from rolloutdb.controller.train_pump import TrainPump
 from rolloutdb.store import Store
+from rolloutdb.store.trace import open_tracer
 
 
 @dataclass
@@ -36,36 +38,54 @@ class RunSummary:
 
 
 class Controller:
-    def __init__(self, config: Config, run_dir: str | Path):
+    def __init__(self, config: Config, run_dir: str | Path, *, resume: str | None = None):
         self.config = config
         self.dirs = RunDir(Path(run_dir))
+        self.resume = resume
         self.runtime = RuntimeState()
+        self.restored: list[tuple[GroupHandle, list[int]]] = []
+        self.snapshotter: Snapshotter | None = None
 
     def _progress(self) -> Progress:
         return Progress(step=self.trainer.step, policy_version=self.engine.policy_version)
 
+    # ------------------------------------------------------------------ setup
+
     def setup(self) -> None:
         cfg = self.config
         self.dirs.create()
-        self.dirs.write_config(cfg)
+        if not self.resume:
+            self.dirs.write_config(cfg)
         components.set_threads(cfg.cluster.torch_threads)
         policy_dir = components.build_policy(cfg, self.dirs.policy)
         self.dataset, self.env = components.build_task(cfg, policy_dir)
         self.trainer = components.build_trainer(cfg, policy_dir)
         self.engine = components.build_engine(cfg, policy_dir)
-        self.store = Store.create(
-            self.dirs.store,
-            config_fingerprint=cfg.fingerprint(),
-            dataset_fingerprint=self.dataset.fingerprint(),
-            ledger_dispatch=cfg.ledger_dispatch,
-            replay_capacity=cfg.algorithm.replay_capacity,
-            seed=cfg.run.seed,
-        )
-        self.checkpoints = components.TrainerCheckpoints(cfg, self.dirs.checkpoints, self.trainer)
-        self.checkpoints.publish_bootstrap()
+        self.publisher = components.build_publisher(cfg, self.dirs.checkpoints)
+        self.tracer = open_tracer(self.dirs.logs, enabled=cfg.rollout_checkpointing.trace)
         self.metrics = MetricsLog(self.dirs.metrics)
+        if self.resume:
+            from rolloutdb.controller.resume import restore_run
+
+            self.store, self.restored = restore_run(self)
+        else:
+            self.store = Store.create(
+                self.dirs.store,
+                config_fingerprint=cfg.fingerprint(),
+                dataset_fingerprint=self.dataset.fingerprint(),
+                ledger_dispatch=cfg.ledger_dispatch,
+                replay_capacity=cfg.algorithm.replay_capacity,
+                seed=cfg.run.seed,
+            )
+        self.checkpoints = components.TrainerCheckpoints(cfg, self.trainer, self.publisher, self.runtime.save_lock)
+        if not self.resume:
+            self.checkpoints.publish_bootstrap()
         self.bar = ProgressBar(cfg.algorithm.total_steps, enabled=cfg.logging.progress, start_step=self.trainer.step)
-        dispatcher = LedgerDispatch() if cfg.ledger_dispatch else NoLedgerDispatch()
+        if cfg.ledger_dispatch:
+            dispatcher = LedgerDispatch()
+        else:
+            with self.store.atomic(mutation=False) as tx:
+                dispatcher = NoLedgerDispatch.resuming(tx)
         self.parts = RolloutParts(
             config=cfg,
             store=self.store,
@@ -78,7 +98,15 @@ class Controller:
             runtime=self.runtime,
             read_progress=self._progress,
             log_event=self._log,
+            tracer=self.tracer if cfg.rollout_checkpointing.trace else None,
         )
+        if cfg.rollout_checkpointing.enabled:
+            self.snapshotter = Snapshotter(
+                self.parts,
+                self.publisher,
+                interval_s=cfg.rollout_checkpointing.interval_s,
+                config_text=cfg.to_yaml(),
+            )
 
     def _log(self, event: dict) -> None:
         self.metrics.write(event)
@@ -86,22 +114,33 @@ class Controller:
             self.bar.update(event)
 
     def _step_done(self, step: int) -> None:
-        self.checkpoints.maybe_publish(step)
+        if self.checkpoints.maybe_publish(step) and self.snapshotter is not None:
+            self.snapshotter.wake(force=True)  # snapshot anchored to the new checkpoint
+
+    # ------------------------------------------------------------------ run
 
     def run(self) -> RunSummary:
         t0 = time.time()
-        self.setup()
-        rollout = RolloutPump(self.parts)
-        thread = threading.Thread(target=rollout.run, name="rollout-pump", daemon=True)
-        thread.start()
         try:
-            TrainPump(self.parts, on_step_done=self._step_done).run()
-        except BaseException as e:
-            self.runtime.fail(e)
+            self.setup()
+            threads = [threading.Thread(target=RolloutPump(self.parts, self.restored).run, name="rollout-pump", daemon=True)]
+            if self.snapshotter is not None:
+                self.snapshotter.wake(force=True)  # the first snapshot right away
+                threads.append(threading.Thread(target=self.snapshotter.run, name="snapshot-pump", daemon=True))
+            for t in threads:
+                t.start()
+            try:
+                TrainPump(self.parts, on_step_done=self._step_done).run()
+            except BaseException as e:
+                self.runtime.fail(e)
+            finally:
+                self.runtime.stop.set()
+                self.runtime.notify()
+                if self.snapshotter is not None:
+                    self.snapshotter.wake()
+                for t in threads:
+                    t.join(timeout=60)
         finally:
-            self.runtime.stop.set()
-            self.runtime.notify()
-            thread.join(timeout=60)
             self.close()
         if self.runtime.error is not None:
             raise self.runtime.error
@@ -113,6 +152,7 @@ class Controller:
         return RunSummary(self.dirs.root, len(steps), summary_line(steps), plot, wall_s)
 
     def close(self) -> None:
-        for closer in (getattr(self, "metrics", None), getattr(self, "store", None)):
-            if closer is not None:
-                closer.close()
+        for name in ("publisher", "tracer", "metrics", "store"):
+            part = getattr(self, name, None)
+            if part is not None:
+                part.close()

@@ -35,6 +35,11 @@ class RuntimeState:
         self._changed = threading.Condition()
         self.stop = threading.Event()
         self.error: BaseException | None = None
+        # Held by the train pump from the optimizer step until its groups are marked
+        # trained: a snapshot cut must fall entirely before or after a commit.
+        self.commit_lock = threading.Lock()
+        # One save at a time: trainer checkpoints, deferred publication, snapshots.
+        self.save_lock = threading.RLock()
 
     def notify(self) -> None:
         with self._changed:

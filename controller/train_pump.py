@@ -101,9 +101,10 @@ class TrainPump:
             return
         t0 = time.time()
         groups, stats = self._load_groups(ids)
-        metrics = self.p.trainer.train_step(groups)
-        with self.p.store.atomic() as tx:
-            self.p.dispatcher.trained(tx, ids, step=step)
+        with self.p.runtime.commit_lock:  # the optimizer commit: no snapshot cut inside
+            metrics = self.p.trainer.train_step(groups)
+            with self.p.store.atomic() as tx:
+                self.p.dispatcher.trained(tx, ids, step=step)
         self.p.engine.load_weights(self.p.trainer.export_weights(), step)
         t1 = time.time()
         self.p.runtime.notify()

@@ -78,6 +78,7 @@ class CheckpointingSection(Section):
     enabled: bool = True
     interval_steps: int = Field(5, ge=1, description="Publish a trainer checkpoint step_<N>/ every N steps.")
     keep_last: int = Field(2, ge=1, description="Trainer checkpoints kept.")
+    resume: str | None = Field(None, description="null: fresh run; 'latest' or a snapshot directory: resume.")
 
 
 class RolloutRecoverySection(Section):

@@ -1,0 +1,203 @@
+"""Rollout snapshots: the snapshot pump and one attempt's order of work.
+
+An attempt, in order:
+1. take the save lock (shared with trainer checkpoints and deferred publication); skip
+   if the train pump is committing an optimizer step (`skipped_commit`), or if the
+   store's mutation counter has not moved since the last published snapshot
+   (`skipped_unchanged`), unless forced;
+2. resolve the anchor: `bootstrap` before the first step, else `step_<N>`; skip unless
+   that trainer checkpoint is durable (`skipped_not_durable`);
+3. the environment phase (retire, prepare, commit, drain), for backends that hold
+   rollout state; abort if an optimizer commit starts meanwhile (`aborted_commit`);
+4. the cut: take the commit lock without waiting, begin the read transaction, re-check
+   the trainer has not moved and the environment's export against the ledger as of the
+   cut, release the commit lock, and copy the store as of that read mark. The pumps are
+   never stopped: the only exclusive hold is the commit lock, for the time it takes to
+   begin a read transaction;
+5. leave the environment phase (resume) before any fsync;
+6. publish through the one commit protocol (`store.publish`), outside every lock but
+   the save lock.
+
+Every attempt records its outcome in the store (`snapshot_attempts`) and the metrics.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from dataclasses import dataclass, field
+
+from rolloutdb.controller.env_checkpoint import EnvironmentCheckpoint, NoEnvironmentCheckpoint
+from rolloutdb.controller.parts import RolloutParts
+from rolloutdb.store.layout import anchor_name, scan
+from rolloutdb.store.publish import Publisher
+
+
+class AbortedCommit(Exception):
+    """An optimizer commit started between resolving the anchor and the cut."""
+
+
+@dataclass
+class AttemptResult:
+    outcome: str
+    anchor: str | None = None
+    sequence: int | None = None
+    timings: dict[str, float] = field(default_factory=dict)
+    error: str | None = None
+
+
+class Snapshotter:
+    """Reached only through `attempt`, `run`, `wake` and `close`."""
+
+    def __init__(
+        self,
+        parts: RolloutParts,
+        publisher: Publisher,
+        *,
+        interval_s: float,
+        config_text: str,
+        env_checkpoint: EnvironmentCheckpoint | None = None,
+    ):
+        self.p = parts
+        self.publisher = publisher
+        self.interval_s = interval_s
+        self.config_text = config_text
+        self.env = env_checkpoint or NoEnvironmentCheckpoint()
+        self._wake = threading.Event()
+        self._force = False
+        self._last_counter: int | None = None
+        self.results: list[AttemptResult] = []
+
+    # ------------------------------------------------------------ the pump
+
+    def run(self) -> None:
+        rt = self.p.runtime
+        try:
+            while not rt.stop.is_set():
+                self._wake.wait(self.interval_s)
+                self._wake.clear()
+                if rt.stop.is_set():
+                    return
+                force, self._force = self._force, False
+                self.attempt(force=force)
+        except BaseException as e:  # noqa: BLE001 - handed to the controller
+            rt.fail(e)
+
+    def wake(self, *, force: bool = False) -> None:
+        """Take an attempt now (after a trainer checkpoint was published)."""
+        self._force = self._force or force
+        self._wake.set()
+
+    # ------------------------------------------------------------ one attempt
+
+    def attempt(self, *, force: bool = False) -> AttemptResult:
+        rt = self.p.runtime
+        t0 = time.perf_counter()
+        with rt.save_lock:
+            result = self._attempt_locked(force, t0)
+        self.results.append(result)
+        self.p.store.record_snapshot_attempt(
+            result.outcome, anchor=result.anchor, snapshot_seq=result.sequence,
+            timings=result.timings or None, error=result.error,
+        )
+        self.p.log_event({"kind": "snapshot", "outcome": result.outcome, "anchor": result.anchor,
+                          "sequence": result.sequence, "timings": result.timings, "error": result.error,
+                          "t": time.time()})
+        return result
+
+    def _attempt_locked(self, force: bool, t0: float) -> AttemptResult:
+        rt = self.p.runtime
+        if rt.commit_lock.locked():
+            return AttemptResult("skipped_commit")
+        counter = self.p.store.mutation_counter
+        if not force and counter == self._last_counter:
+            return AttemptResult("skipped_unchanged")
+        step = self.p.read_progress().step
+        anchor = anchor_name(step or None)
+        if anchor not in scan(self.publisher.root).durable_anchor_names():
+            return AttemptResult("skipped_not_durable", anchor)
+        timings = {"lock_and_anchor": time.perf_counter() - t0}
+
+        t_env = time.perf_counter()
+        self.env.retire(self._abandoned_episode_keys())
+        self.env.prepare()
+        try:
+            self.env.commit()
+            self.env.drain()
+            timings["environment"] = time.perf_counter() - t_env
+            if rt.commit_lock.locked() or self.p.read_progress().step != step:
+                return AttemptResult("aborted_commit", anchor, timings=timings)
+            stage = self.publisher.begin_snapshot(anchor)
+            try:
+                capture = self._cut(stage.db_path, step)
+            except AbortedCommit:
+                stage.abort()
+                return AttemptResult("aborted_commit", anchor, timings=timings)
+            except BaseException as e:
+                stage.abort()
+                return AttemptResult("failed", anchor, timings=timings, error=f"{type(e).__name__}: {e}")
+        finally:
+            self.env.resume()  # dispatch reopens before any fsync of the snapshot
+        timings.update({f"cut_{k}": v for k, v in capture.timings.items()})
+        export = capture.check_result
+        t_pub = time.perf_counter()
+        try:
+            published = stage.publish(
+                capture, self.config_text, json.dumps(export, sort_keys=True) if export else None
+            )
+        except Exception as e:  # noqa: BLE001 - a failed publish is an outcome, the run goes on
+            return AttemptResult("failed", anchor, stage.sequence, timings, f"{type(e).__name__}: {e}")
+        timings["publish"] = time.perf_counter() - t_pub
+        timings["total"] = time.perf_counter() - t0
+        self._last_counter = capture.mutation_counter
+        if self.p.tracer is not None:
+            self.p.tracer.emit("snapshot_cut", cut_time=capture.cut_time, snapshot_seq=published.sequence, anchor=anchor, step=step)
+        return AttemptResult("published", anchor, published.sequence, timings)
+
+    def _cut(self, db_path, step: int):
+        """Capture at one read mark taken while the commit lock is held."""
+        rt = self.p.runtime
+        if not rt.commit_lock.acquire(blocking=False):
+            raise AbortedCommit()
+        held = [True]
+
+        def at_cut(conn):
+            try:
+                if self.p.read_progress().step != step:
+                    raise AbortedCommit()
+                return self._checked_export(conn)
+            finally:
+                rt.commit_lock.release()
+                held[0] = False
+
+        try:
+            return self.p.store.capture(db_path, at_cut=at_cut)
+        finally:
+            if held[0]:
+                rt.commit_lock.release()
+
+    def _checked_export(self, conn) -> dict[str, dict]:
+        """The environment's export must name only attempts running as of the cut."""
+        export = self.env.export()
+        if not export:
+            return {}
+        running = {
+            f"{g}.{i}-a{a}"
+            for g, i, a in conn.execute(
+                "SELECT group_id, generation_index, attempt FROM rollouts WHERE state = 'running'"
+            )
+        }
+        stray = sorted(set(export) - running)
+        if stray:
+            raise RuntimeError(f"environment export names {len(stray)} episodes the ledger does not run: {stray[:3]}")
+        return export
+
+    def _abandoned_episode_keys(self) -> list[str]:
+        if not self.env.holds_rollout_state:
+            return []
+        with self.p.store.atomic(mutation=False) as tx:
+            rows = tx.exec_driver_sql(
+                "SELECT group_id, generation_index, attempt FROM rollouts WHERE state = 'abandoned'"
+            ).all()
+        return [f"{g}.{i}-a{a}" for g, i, a in rows]
