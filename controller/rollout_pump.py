@@ -170,6 +170,7 @@ class RolloutPump:
                 "groups": len(wave),
                 "discarded": len(drop),
                 "tokens": int(sum(len(r.token_ids) for r in results)),
+                "policy_tokens": int(sum(r.policy_tokens for r in results)),
                 "reward_mean": float(np.mean([r.reward for r in results])) if results else 0.0,
             }
         )

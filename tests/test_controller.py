@@ -1,0 +1,106 @@
+"""The single controller on the embedded default: real tiny Llama, real GRPO, real
+SQLite. Runs are small (a few steps) so the suite stays fast."""
+
+from __future__ import annotations
+
+import sqlite3
+
+import pytest
+
+from rolloutdb.config import config_from_dict
+from rolloutdb.controller.controller import Controller
+from rolloutdb.controller.run_log import read_metrics
+
+SMALL = {
+    "run": {"name": "t", "seed": 3},
+    "algorithm": {"total_steps": 4, "groups_per_step": 3, "group_size": 4, "max_staleness": 1},
+    "generation": {"max_tokens": 4, "max_batch_size": 12},
+    "environment": {"dataset_size": 64, "n_digits": 2},
+    "checkpointing": {"interval_steps": 2},
+    "logging": {"progress": False, "plot": False},
+}
+
+
+def _config(**sections):
+    data = {k: dict(v) for k, v in SMALL.items()}
+    for section, values in sections.items():
+        data.setdefault(section, {}).update(values)
+    return config_from_dict(data)
+
+
+@pytest.fixture(scope="module")
+def ledger_run(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("ledger") / "run"
+    summary = Controller(_config(), run_dir).run()
+    return run_dir, summary
+
+
+def test_a_run_trains_every_step_and_writes_metrics_checkpoints_and_a_summary(ledger_run):
+    run_dir, summary = ledger_run
+    steps = read_metrics(run_dir / "logs" / "metrics.jsonl", "train_step")
+    assert [e["step"] for e in steps] == [1, 2, 3, 4]
+    assert all(e["groups"] == 3 for e in steps)
+    assert (run_dir / "checkpoints" / "step_4" / "manifest.json").is_file()
+    assert (run_dir / "config.yaml").is_file()
+    assert summary.line.startswith("steps=4 reward first5=")
+
+
+def test_every_sampled_prompt_is_trained_once_or_discarded_with_a_reason(ledger_run):
+    run_dir, _ = ledger_run
+    conn = sqlite3.connect(run_dir / "rollout_state.sqlite")
+    states = dict(conn.execute("SELECT state, count(*) FROM prompt_groups GROUP BY state").fetchall())
+    assert set(states) <= {"trained", "discarded"}
+    assert states["trained"] == 4 * 3
+    per_step = conn.execute("SELECT trained_step, count(*) FROM prompt_groups WHERE state = 'trained' GROUP BY 1").fetchall()
+    assert per_step == [(1, 3), (2, 3), (3, 3), (4, 3)]
+    assert conn.execute("SELECT count(*) FROM prompt_groups WHERE state = 'discarded' AND discard_reason IS NULL").fetchone()[0] == 0
+    # No gap in the sampler's order: every position below the cursor is a group or a spare.
+    cursor = conn.execute("SELECT next_seq FROM sampler_state").fetchone()[0]
+    seqs = {r[0] for r in conn.execute("SELECT sample_seq FROM prompt_groups UNION ALL SELECT sample_seq FROM spare_prompts")}
+    assert seqs == set(range(cursor))
+    assert conn.execute("SELECT count(*) FROM replay_groups").fetchone()[0] == 0
+
+
+def test_the_staleness_bound_holds_for_every_trained_group(ledger_run):
+    run_dir, _ = ledger_run
+    conn = sqlite3.connect(run_dir / "rollout_state.sqlite")
+    rows = conn.execute("SELECT trained_step, policy_version FROM prompt_groups WHERE state = 'trained'").fetchall()
+    assert rows and all((step - 1) - version <= 1 for step, version in rows)
+    steps = read_metrics(run_dir / "logs" / "metrics.jsonl", "train_step")
+    assert max(e["staleness_max"] for e in steps) <= 1
+
+
+def test_generation_for_later_steps_overlaps_training(ledger_run):
+    run_dir, _ = ledger_run
+    events = read_metrics(run_dir / "logs" / "metrics.jsonl")
+    trains = [e for e in events if e["kind"] == "train_step"]
+    waves = [e for e in events if e["kind"] == "rollout_wave"]
+    overlapping = [
+        (t["step"], w["steps"])
+        for t in trains
+        for w in waves
+        if max(w["steps"]) > t["step"] and w["t_start"] < t["t_end"] and w["t_end"] > t["t_start"]
+    ]
+    assert overlapping, "no rollout wave for a later step ran while a step trained"
+
+
+def test_no_ledger_dispatch_writes_no_ledger_rows_and_still_trains(tmp_path):
+    run_dir = tmp_path / "run"
+    Controller(_config(rollout_recovery={"target_level": "none"}, algorithm={"total_steps": 2}), run_dir).run()
+    conn = sqlite3.connect(run_dir / "rollout_state.sqlite")
+    assert conn.execute("SELECT count(*) FROM prompt_groups").fetchone()[0] == 0
+    assert conn.execute("SELECT count(*) FROM rollouts").fetchone()[0] == 0
+    assert conn.execute("SELECT ledger_dispatch FROM run_meta").fetchone()[0] == 0
+    steps = read_metrics(run_dir / "logs" / "metrics.jsonl", "train_step")
+    assert [e["step"] for e in steps] == [1, 2]
+
+
+def test_a_multi_turn_run_trains_on_policy_tokens_only(tmp_path):
+    run_dir = tmp_path / "run"
+    Controller(_config(environment={"turns": 2}, algorithm={"total_steps": 2}), run_dir).run()
+    steps = read_metrics(run_dir / "logs" / "metrics.jsonl", "train_step")
+    assert [e["step"] for e in steps] == [1, 2]
+    waves = read_metrics(run_dir / "logs" / "metrics.jsonl", "rollout_wave")
+    # Every episode has two policy turns and the environment's reply between them:
+    # those tokens are in the completions but masked out of the policy's.
+    assert all(w["tokens"] > w["policy_tokens"] > 0 for w in waves)
