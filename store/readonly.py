@@ -1,15 +1,26 @@
 """Opening store files for reading without changing anything on disk.
 
 A WAL-mode file opened with ``mode=ro`` still gets ``-wal`` and ``-shm`` files created
-beside it. When no ``-wal`` exists, no process has the file open in WAL mode (SQLite
-deletes the WAL when the last connection closes), so we open it ``immutable=1``: no
-locks, no side files. When a ``-wal`` exists a writer may be live, and we open ``mode=ro``
-so that its committed WAL content is read too.
+beside it. Which way we open depends on the side files present:
+
+- no ``-wal``: no process has the file open in WAL mode (SQLite deletes the WAL when the
+  last connection closes), so everything committed is in the main file. We open it
+  ``immutable=1``: no locks, no side files, whatever the journal mode in its header.
+- ``-wal`` and ``-shm``: a writer may be live (or was killed). We open ``mode=ro`` so its
+  committed WAL content is read too; a read-only connection never checkpoints, so the
+  WAL is left as it was, and the side files already existed.
+- ``-wal`` without ``-shm``: nobody has it open, but ``mode=ro`` would create ``-shm``.
+  We read a private copy of the file and its WAL in a temporary directory instead.
+
+Every connection refuses writes twice over: ``PRAGMA query_only`` and an authorizer that
+admits only reading actions (so even ``VACUUM INTO`` another file is refused).
 """
 
 from __future__ import annotations
 
+import shutil
 import sqlite3
+import tempfile
 from pathlib import Path
 from urllib.parse import quote
 
@@ -17,15 +28,38 @@ from .errors import NotAStoreError, ReadOnlyViolation
 from .revision import check_sqlite_file
 
 
+class _PrivateCopyConnection(sqlite3.Connection):
+    """A connection on a copy in a temporary directory, removed when it closes."""
+
+    tmpdir: str | None = None
+
+    def close(self) -> None:
+        try:
+            super().close()
+        finally:
+            if self.tmpdir:
+                shutil.rmtree(self.tmpdir, ignore_errors=True)
+                self.tmpdir = None
+
+
+def _uri(path: Path, **params: str) -> str:
+    query = "&".join(f"{k}={v}" for k, v in params.items())
+    return f"file:{quote(str(path.resolve()))}?{query}"
+
+
 def open_readonly(path: str | Path) -> sqlite3.Connection:
     """A read-only connection that leaves the file and its directory as they were.
     Refuses missing files, directories and non-SQLite files with a one-line error."""
     path = check_sqlite_file(path)
-    uri = f"file:{quote(str(path.resolve()))}?mode=ro"
-    if not Path(f"{path}-wal").exists():
-        uri += "&immutable=1"
-    conn = sqlite3.connect(uri, uri=True, isolation_level=None)
+    wal, shm = Path(f"{path}-wal"), Path(f"{path}-shm")
+    if not wal.exists():
+        conn = sqlite3.connect(_uri(path, mode="ro", immutable="1"), uri=True, isolation_level=None)
+    elif shm.exists():
+        conn = sqlite3.connect(_uri(path, mode="ro"), uri=True, isolation_level=None)
+    else:
+        conn = _open_private_copy(path, wal)
     try:
+        conn.execute("PRAGMA query_only = ON")
         conn.execute("SELECT count(*) FROM sqlite_master").fetchone()
     except sqlite3.DatabaseError as e:
         conn.close()
@@ -34,44 +68,89 @@ def open_readonly(path: str | Path) -> sqlite3.Connection:
     return conn
 
 
+def _open_private_copy(path: Path, wal: Path) -> sqlite3.Connection:
+    tmpdir = tempfile.mkdtemp(prefix="rolloutdb-inspect-")
+    try:
+        copy = Path(tmpdir) / "store.sqlite"
+        shutil.copyfile(path, copy)
+        shutil.copyfile(wal, f"{copy}-wal")
+        conn = sqlite3.connect(copy, isolation_level=None, factory=_PrivateCopyConnection)
+    except BaseException:
+        shutil.rmtree(tmpdir, ignore_errors=True)
+        raise
+    conn.tmpdir = tmpdir
+    return conn
+
+
+def quick_check(conn: sqlite3.Connection, path: str | Path) -> None:
+    """Refuse a damaged file (``PRAGMA quick_check``: page structure, not index contents)
+    with one line naming the first problem."""
+    try:
+        problems = [r[0] for r in conn.execute("PRAGMA quick_check(3)").fetchall()]
+    except sqlite3.DatabaseError as e:
+        problems = [str(e)]
+    if problems != ["ok"]:
+        first = " ".join(problems[0].split())
+        raise NotAStoreError(f"{path}: damaged ({first}); run `rolloutdb verify {path}` or restore another snapshot")
+
+
 _READ_ACTIONS = {
     sqlite3.SQLITE_SELECT,
     sqlite3.SQLITE_READ,
     sqlite3.SQLITE_FUNCTION,
     sqlite3.SQLITE_RECURSIVE,
     sqlite3.SQLITE_PRAGMA,
-    sqlite3.SQLITE_TRANSACTION,
+    sqlite3.SQLITE_TRANSACTION,  # BEGIN/COMMIT of a read transaction
 }
-# Pragmas that only read. Anything else (journal_mode = ..., writable_schema) is refused.
-_READ_PRAGMAS = {
-    "integrity_check", "quick_check", "table_info", "table_xinfo", "index_list", "index_info",
-    "foreign_key_list", "foreign_key_check", "page_count", "page_size", "freelist_count",
-    "user_version", "schema_version", "application_id", "database_list", "compile_options",
-    "journal_mode", "encoding", "function_list", "table_list", "data_version",
+# Pragmas that only read, with or without an argument naming a table or index
+# (table_info(x), also as the table-valued pragma_table_info('x')).
+_READ_PRAGMAS_WITH_ARG = {
+    "table_info", "table_xinfo", "index_list", "index_info", "index_xinfo", "foreign_key_list",
+    "foreign_key_check", "integrity_check", "quick_check",
+}
+# Pragmas that read without an argument and *set* something with one (user_version = 3).
+_READ_PRAGMAS_BARE = {
+    "page_count", "page_size", "freelist_count", "user_version", "schema_version", "application_id",
+    "database_list", "compile_options", "journal_mode", "encoding", "function_list", "table_list",
+    "data_version", "collation_list", "module_list", "pragma_list", "foreign_keys", "auto_vacuum",
 }
 
 
 def _deny_writes(action: int, arg1, arg2, _db, _trigger) -> int:  # noqa: ANN001
-    if action in _READ_ACTIONS:
-        if action == sqlite3.SQLITE_PRAGMA and (arg1 not in _READ_PRAGMAS or arg2 is not None):
-            return sqlite3.SQLITE_DENY
+    if action == sqlite3.SQLITE_UPDATE and arg1 == "sqlite_master":
+        # SQLite asks this while it declares a table-valued pragma (pragma_table_info);
+        # a real UPDATE of the schema table is refused anyway ("may not be modified"
+        # without writable_schema, which is refused below, and query_only is on).
         return sqlite3.SQLITE_OK
-    return sqlite3.SQLITE_DENY
+    if action not in _READ_ACTIONS:
+        return sqlite3.SQLITE_DENY
+    if action == sqlite3.SQLITE_PRAGMA:
+        name = (arg1 or "").lower()
+        if name in _READ_PRAGMAS_WITH_ARG or (name in _READ_PRAGMAS_BARE and arg2 is None):
+            return sqlite3.SQLITE_OK
+        return sqlite3.SQLITE_DENY
+    return sqlite3.SQLITE_OK
 
 
 def run_readonly_query(conn: sqlite3.Connection, sql: str) -> tuple[list[str], list[tuple]]:
-    """Run one statement that only reads; returns (column names, rows)."""
+    """Run one statement that only reads; returns (column names, rows). Anything that
+    would write, attach, or run more than one statement raises `ReadOnlyViolation`."""
     sql = sql.strip().rstrip(";").strip()
     if not sql:
         raise ReadOnlyViolation("empty query; pass one SELECT statement with --sql")
     try:
         cur = conn.execute(sql)
+        columns = [d[0] for d in cur.description or []]
+        rows = cur.fetchall()
+    except sqlite3.Warning as e:  # "You can only execute one statement at a time."
+        raise ReadOnlyViolation("pass exactly one SQL statement (found more than one)") from e
     except sqlite3.DatabaseError as e:
-        msg = str(e)
-        if "not authorized" in msg or "readonly" in msg or "read-only" in msg:
-            raise ReadOnlyViolation(f"refused: the statement would change the file; only reading queries are allowed ({msg})") from e
+        msg = " ".join(str(e).split())
         if "one statement at a time" in msg:
-            raise ReadOnlyViolation("pass exactly one SQL statement") from e
+            raise ReadOnlyViolation("pass exactly one SQL statement (found more than one)") from e
+        if any(w in msg for w in ("not authorized", "authorization denied", "readonly", "read-only", "may not be modified")):
+            raise ReadOnlyViolation(
+                f"refused: the statement would change a file or the connection ({msg}); only reading queries are allowed"
+            ) from e
         raise ReadOnlyViolation(f"query failed: {msg}") from e
-    columns = [d[0] for d in cur.description or []]
-    return columns, cur.fetchall()
+    return columns, rows

@@ -1,0 +1,305 @@
+"""`rolloutdb inspect PATH`: look inside a live store or a snapshot file, read-only.
+
+Without ``--sql`` it summarises the file: schema revision, rows per table, ledger groups
+and rollouts per state, replay permits, sampler cursor, mutation counter, and the anchor
+and cut time from a ``manifest.json`` beside the file. With ``--sql`` it runs one reading
+query and prints the rows. ``--json`` makes either machine-readable.
+
+The file is opened through `rolloutdb.store.readonly`: never created, never changed, no
+``-wal``/``-shm`` left behind, writes refused. Old schema revisions are read as they are
+(every query here uses only columns every known revision has); a newer revision is
+refused, since this code cannot know what its tables mean.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sqlite3
+import time
+from pathlib import Path
+from typing import Any
+
+from rolloutdb.store.errors import NotAStoreError
+from rolloutdb.store.readonly import open_readonly, quick_check, run_readonly_query
+from rolloutdb.store.revision import classify_revision, file_revision, head_revision
+from rolloutdb.store.schema import ABANDON_REASONS, GROUP_STATES, ROLLOUT_STATES, STATE_TABLES
+
+MANIFEST_NAME = "manifest.json"
+MAX_CELL = 80  # text tables cut longer cells; --json keeps them whole
+
+DESCRIPTION = """\
+Look inside a rolloutdb store or snapshot file without changing it.
+
+Without --sql, prints a summary: the schema revision (head, or old: then
+`rolloutdb upgrade PATH` migrates it), rows per table, ledger groups per state, rollouts per state
+with abandon reasons, replay permits used of capacity, the sampler cursor and the
+mutation counter; and, when a manifest.json sits beside the file (a snapshot
+directory), its anchor, kind, sequence and cut time.
+
+With --sql "SELECT ...", runs exactly one reading query and prints an aligned table
+(NULL as NULL, BLOBs as <blob N bytes>; select hex(col) to see the bytes). Statements
+that would write (INSERT, UPDATE, DELETE, CREATE, DROP, ATTACH, VACUUM, PRAGMA x = y,
+...) are refused.
+
+The file is opened read-only: its bytes never change and no -wal/-shm files are left
+beside it, also while a live run has it open (then its committed WAL content is read).
+Before reading, PRAGMA quick_check refuses a damaged file (skip with --no-check).
+
+Errors (missing path, a directory, not SQLite, truncated or damaged, a schema newer than
+this rolloutdb, a refused query) print one line starting with "error:" and exit 2.
+
+examples:
+  rolloutdb inspect run/live.sqlite
+  rolloutdb inspect ckpt/step_3/rollout_snapshots/snapshot_7/rollouts.sqlite --json
+  rolloutdb inspect run/live.sqlite --sql "SELECT state, count(*) FROM prompt_groups GROUP BY state"
+"""
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "inspect",
+        help="summarise a store or snapshot file, or run one read-only SQL query on it",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("path", metavar="PATH", help="a store or snapshot .sqlite file")
+    parser.add_argument("--sql", metavar="QUERY", help="one read-only SQL statement (SELECT, WITH, PRAGMA name, ...)")
+    parser.add_argument("--json", action="store_true", help="print machine-readable JSON instead of text")
+    parser.add_argument(
+        "--no-check", action="store_true", help="skip PRAGMA quick_check (faster on very large files)"
+    )
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    path = Path(args.path)
+    try:
+        conn = open_readonly(path)
+    except OSError as e:
+        raise NotAStoreError(f"{path}: cannot read it ({e.strerror or e}); check the path and its permissions") from e
+    try:
+        if not args.no_check:
+            quick_check(conn, path)
+        revision = file_revision(conn)
+        status = classify_revision(path, revision)  # raises for a newer or no revision
+        if args.sql is not None:
+            columns, rows = run_readonly_query(conn, args.sql)
+            _print_query(path, revision, columns, rows, as_json=args.json)
+        else:
+            summary = summarize(conn, path, revision, status)
+            print(json.dumps(summary, indent=2, default=str) if args.json else render_summary(summary))
+    except sqlite3.DatabaseError as e:
+        raise NotAStoreError(f"{path}: unreadable SQLite file ({' '.join(str(e).split())}); "
+                             "run `rolloutdb verify` or restore another snapshot") from e
+    finally:
+        conn.close()
+    return 0
+
+
+# ---------------------------------------------------------------- the summary
+
+
+def _tables(conn: sqlite3.Connection) -> list[str]:
+    present = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    known = [t for t in STATE_TABLES if t in present]
+    others = sorted(t for t in present - set(known) if not t.startswith("sqlite_") and t != "alembic_version")
+    return known + others
+
+
+def _per_state(conn: sqlite3.Connection, sql: str, known: tuple[str, ...]) -> dict[str, int]:
+    """Counts for every known state (0 when none) and any unknown state found."""
+    found = dict(conn.execute(sql).fetchall())
+    counts = {s: found.pop(s, 0) for s in known}
+    counts.update(sorted((str(k), v) for k, v in found.items()))
+    return counts
+
+
+def summarize(conn: sqlite3.Connection, path: Path, revision: str, status: str) -> dict[str, Any]:
+    tables = _tables(conn)
+    head = head_revision()
+    summary: dict[str, Any] = {
+        "path": str(path),
+        "size_bytes": path.stat().st_size,
+        "revision": revision,
+        "revision_status": status,
+        "head_revision": head,
+        "notes": [],
+    }
+    if status == "old":
+        summary["notes"].append(
+            f"schema revision {revision} is older than head {head}; run `rolloutdb upgrade {path}` to migrate it"
+        )
+    meta = conn.execute(
+        "SELECT run_id, mutation_counter, replay_capacity, ledger_dispatch, config_fingerprint FROM run_meta"
+    ).fetchone()
+    if meta is None:
+        summary["notes"].append("run_meta is empty: the store was never initialised")
+        meta = (None, None, None, None, None)
+    summary.update(
+        run_id=meta[0], mutation_counter=meta[1], ledger_dispatch=None if meta[3] is None else bool(meta[3]),
+        config_fingerprint=meta[4],
+    )
+    cursor = conn.execute("SELECT next_seq, epoch, seed, stamping FROM sampler_state").fetchone()
+    summary["sampler"] = dict(zip(("next_seq", "epoch", "seed", "stamping"), cursor)) if cursor else None
+    summary["replay_permits"] = {
+        "used": conn.execute("SELECT count(*) FROM replay_groups").fetchone()[0],
+        "capacity": meta[2],
+    }
+    summary["row_counts"] = {t: conn.execute(f'SELECT count(*) FROM "{t}"').fetchone()[0] for t in tables}
+    summary["groups"] = _per_state(conn, "SELECT state, count(*) FROM prompt_groups GROUP BY state", GROUP_STATES)
+    summary["rollouts"] = _per_state(conn, "SELECT state, count(*) FROM rollouts GROUP BY state", ROLLOUT_STATES)
+    summary["abandon_reasons"] = _per_state(
+        conn,
+        "SELECT abandon_reason, count(*) FROM rollouts WHERE state = 'abandoned' GROUP BY abandon_reason",
+        ABANDON_REASONS,
+    )
+    summary["manifest"] = read_manifest_beside(path, revision, summary["notes"])
+    return summary
+
+
+def read_manifest_beside(path: Path, revision: str | None, notes: list[str]) -> dict[str, Any] | None:
+    """The manifest.json next to `path`, read tolerantly: whatever is missing or malformed
+    becomes a note, never an error (inspect reads, verify judges)."""
+    manifest_path = path.parent / MANIFEST_NAME
+    if not manifest_path.is_file():
+        return None
+    try:
+        data = json.loads(manifest_path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        notes.append(f"{manifest_path}: unreadable manifest ({' '.join(str(e).split())}); `rolloutdb verify` checks it")
+        return None
+    if not isinstance(data, dict):
+        notes.append(f"{manifest_path}: manifest is not a JSON object; `rolloutdb verify` checks it")
+        return None
+    found = {key: data.get(key) for key in ("kind", "anchor", "sequence", "cut_time", "schema_revision", "mutation_counter")}
+    missing = [k for k in ("anchor", "cut_time", "kind", "sequence") if data.get(k) is None]
+    if missing and not (missing == ["sequence"] and data.get("kind") == "trainer_checkpoint"):
+        notes.append(f"{manifest_path}: manifest lacks {', '.join(missing)}")
+    cut = found["cut_time"]
+    if cut is not None and not (isinstance(cut, (int, float)) and not isinstance(cut, bool) and math.isfinite(cut)):
+        notes.append(f"{manifest_path}: cut_time {cut!r} is not a number of seconds")
+        found["cut_time"] = cut = None
+    found["cut_time_utc"] = _utc(cut) if cut is not None else None
+    if found["schema_revision"] not in (None, revision):
+        notes.append(f"manifest says schema revision {found['schema_revision']}, the file holds {revision}")
+    files = data.get("files")
+    if isinstance(files, list) and files and all(isinstance(f, dict) for f in files):
+        if path.name not in {str(f.get("path")) for f in files}:
+            notes.append(f"{manifest_path}: manifest does not list {path.name}; it may describe another file")
+    return found
+
+
+def _utc(seconds: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(seconds)) + f".{int(seconds % 1 * 1000):03d} UTC"
+
+
+def render_summary(s: dict[str, Any]) -> str:
+    status = {"head": "head", "old": f"old; head is {s['head_revision']}"}[s["revision_status"]]
+    lines = [
+        f"file              {s['path']} ({_size(s['size_bytes'])})",
+        f"schema revision   {s['revision']} ({status})",
+    ]
+    m = s["manifest"]
+    if m is not None:
+        seq = f" #{m['sequence']}" if m.get("sequence") is not None else ""
+        lines.append(f"manifest          {m.get('kind') or '?'}{seq}, anchor {m.get('anchor') or '?'}")
+        if m.get("cut_time") is not None:
+            ago = _duration(time.time() - m["cut_time"])
+            lines.append(f"cut time          {m['cut_time_utc']} ({ago} ago)")
+    lines.append(f"run id            {s['run_id']}")
+    lines.append(f"mutation counter  {s['mutation_counter']}")
+    c = s["sampler"]
+    if c is not None:
+        lines.append(f"sampler cursor    next_seq {c['next_seq']}, epoch {c['epoch']}, seed {c['seed']}, stamping {c['stamping']}")
+    r = s["replay_permits"]
+    lines.append(f"replay permits    {r['used']} used of {r['capacity']}")
+    if s["ledger_dispatch"] is False:
+        lines.append("ledger dispatch   off (the ledger stays empty by design)")
+    lines.append("ledger groups     " + _states(s["groups"]))
+    abandoned = ", ".join(f"{k} {v}" for k, v in s["abandon_reasons"].items() if v)
+    lines.append("rollouts          " + _states(s["rollouts"]) + (f" ({abandoned})" if abandoned else ""))
+    lines.append("rows per table")
+    width = max((len(t) for t in s["row_counts"]), default=0)
+    for table, n in s["row_counts"].items():
+        lines.append(f"  {table:<{width}}  {n:>10}")
+    lines += [f"note: {n}" for n in s["notes"]]
+    return "\n".join(lines)
+
+
+def _states(counts: dict[str, int]) -> str:
+    return ", ".join(f"{k} {v}" for k, v in counts.items())
+
+
+def _size(n: int) -> str:
+    for unit in ("bytes", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _duration(seconds: float) -> str:
+    s = max(0, int(seconds))
+    d, s = divmod(s, 86400)
+    h, s = divmod(s, 3600)
+    m, s = divmod(s, 60)
+    if d:
+        return f"{d}d{h}h"
+    if h:
+        return f"{h}h{m}m"
+    return f"{m}m{s}s" if m else f"{s}s"
+
+
+# ---------------------------------------------------------------- --sql
+
+
+def _cell(value: Any) -> Any:
+    """A JSON-safe value: BLOBs become `<blob N bytes>`, non-finite floats strings."""
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return f"<blob {len(value)} bytes>"
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return value
+
+
+def _text(value: Any) -> str:
+    if value is None:
+        return "NULL"
+    text = str(_cell(value)).replace("\n", "\\n").replace("\r", "\\r").replace("\t", "\\t")
+    return text if len(text) <= MAX_CELL else text[: MAX_CELL - 1] + "…"
+
+
+def format_table(columns: list[str], rows: list[tuple]) -> str:
+    """An aligned text table; numbers right-aligned, everything else left."""
+    cells = [[_text(v) for v in row] for row in rows]
+    widths = [max([len(c)] + [len(r[i]) for r in cells]) for i, c in enumerate(columns)]
+    numeric = [
+        bool(rows) and all(isinstance(r[i], (int, float)) and not isinstance(r[i], bool) or r[i] is None for r in rows)
+        for i in range(len(columns))
+    ]
+
+    def line(values: list[str]) -> str:
+        return "  ".join(v.rjust(w) if num else v.ljust(w) for v, w, num in zip(values, widths, numeric)).rstrip()
+
+    out = [line(list(columns)), "  ".join("-" * w for w in widths)]
+    out += [line(r) for r in cells]
+    out.append(f"({len(rows)} row{'s' if len(rows) != 1 else ''})")
+    return "\n".join(out)
+
+
+def _print_query(path: Path, revision: str, columns: list[str], rows: list[tuple], *, as_json: bool) -> None:
+    if as_json:
+        doc = {
+            "path": str(path),
+            "revision": revision,
+            "columns": columns,
+            "rows": [[_cell(v) for v in row] for row in rows],
+            "row_count": len(rows),
+        }
+        print(json.dumps(doc, indent=2, default=str))
+    elif not columns:
+        print("(statement returned no columns)")
+    else:
+        print(format_table(columns, rows))
