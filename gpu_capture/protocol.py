@@ -40,6 +40,9 @@ class GenerationRequest:
     params: SamplingParams
     prefix_ids: Sequence[int] = ()
     prefix_versions: Sequence[int] = ()  # policy version of each prefix token
+    # Logprob of each prefix token as reported when it was decoded; empty means the
+    # engine recomputes them under its current weights.
+    prefix_logprobs: Sequence[float] = ()
 
 
 @dataclass

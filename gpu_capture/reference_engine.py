@@ -1,0 +1,409 @@
+"""The CPU reference generation engine: real incremental decoding with a KV cache,
+continuous batching, and calls that resume bit-exactly from a saved prefix.
+
+One worker thread runs steps; a step holds the engine lock from the forward pass to the
+last appended token, so `running_tokens`, `load_weights` and `abort` always see (and act)
+between steps: a cut never sees half a step, and a refit never mixes two weight versions
+inside one token. Callers of `generate` only enqueue and wait, so several controller
+threads can share one engine and their calls are batched together.
+
+Semantics (each is what the uninterrupted call would do, so a resumed call matches it):
+* Output = prefix + new tokens. `max_tokens`, `min_tokens`, penalties and stop strings
+  count the whole output, prefix included.
+* `min_tokens`: the first `min_tokens` output tokens never end the call (EOS is masked
+  and stop strings are not searched while fewer have been produced), as in vLLM.
+* Stop strings are searched in the decoded text of the whole output; the call ends at
+  the first occurrence that ends in the newest token's characters. `text` is truncated
+  right after the stop string (the stop string is included); `token_ids` keep every
+  decoded token (the last one completes the stop string). `extra["stop_reason"]` is the
+  stop string, "eos", or None.
+* EOS: the EOS token is kept as the last output token (it was sampled and has a
+  logprob) and left out of `text`; finish_reason "stop". A stop wins over "length" when
+  both happen on the same token.
+* Sampling, seeds and reported logprobs: see `sampling.py`. Calls without a seed get one
+  derived from the engine seed and the request id.
+* `token_versions[i]` is the policy version of the weights that computed token i;
+  prefix tokens keep `prefix_versions`. Prefix logprobs come from
+  `GenerationRequest.prefix_logprobs`; when absent they are recomputed from the prefill
+  under the current weights (bit-identical to the originals when those weights produced
+  the prefix, thanks to the batch-invariant forward).
+* A call whose prompt + output reaches the model length finishes with "length".
+* Refit (`load_weights`) between two steps drops the K/V cache of the running calls; the
+  next step re-prefills their prompt + output under the new weights. A call running
+  across a refit therefore decodes exactly what the same call cut at the refit and
+  resumed on the new weights decodes, and a later cut of it resumes exactly too. (vLLM
+  keeps the stale K/V across an in-flight weight update, so there the tokens after a
+  refit depend on the old weights through the cache; the versions are tagged the same.)
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+from collections import deque
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Future
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .invariant_forward import InvariantLlama
+from .protocol import GenerationRequest, GenerationResult
+from .sampling import RowChoice, choose_tokens, find_stop, position_uniform, request_seed, token_logprobs
+from .tiny_policy import load_policy
+
+
+@dataclass(eq=False)
+class _Call:
+    request: GenerationRequest
+    seed: int
+    future: Future = field(default_factory=Future)
+    tokens: list[int] = field(default_factory=list)  # the output so far, prefix included
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    counts: torch.Tensor | None = None  # token occurrences in the output (penalties only)
+    text: str = ""  # decoded output so far (kept only when the call has stop strings)
+    slot: int = -1
+    cached: int = 0  # how many tokens of prompt + output have K/V in the cache
+
+    @property
+    def sequence_length(self) -> int:
+        return len(self.request.prompt_ids) + len(self.tokens)
+
+    def sequence_tail(self) -> list[int]:
+        """Tokens of prompt + output not yet in the cache, in order."""
+        prompt = self.request.prompt_ids
+        start = self.cached
+        head = list(prompt[start:]) if start < len(prompt) else []
+        return head + self.tokens[max(0, start - len(prompt)) :]
+
+
+class ReferenceEngine:
+    """GenerationEngine on torch (CPU). See the module docstring for the semantics.
+
+    `model` is a policy directory (see tiny_policy.py) or a (model, tokenizer) pair; the
+    engine keeps its own copy of the weights, so training the passed model in place does
+    not change what the engine generates until `load_weights` is called."""
+
+    def __init__(
+        self,
+        model: str | Path | tuple,
+        *,
+        max_batch_size: int = 32,
+        device: str = "cpu",
+        num_threads: int | None = None,
+        seed: int = 0,
+        policy_version: int = 0,
+        max_model_len: int | None = None,
+        max_prefill_rows: int = 256,
+        linear_mode: str = "auto",
+    ) -> None:
+        if isinstance(model, (str, Path)):
+            hf_model, tokenizer = load_policy(model)
+        else:
+            hf_model, tokenizer = model
+            hf_model = copy.deepcopy(hf_model)
+        self.model = hf_model.to(device=device, dtype=torch.float32).eval()
+        self.tokenizer = tokenizer
+        self.eos_token_id = hf_model.config.eos_token_id
+        self.vocab_size = hf_model.config.vocab_size
+        self.max_model_len = min(max_model_len or 10**9, hf_model.config.max_position_embeddings)
+        self.max_batch_size = max_batch_size
+        self.max_prefill_rows = max_prefill_rows
+        self.num_threads = num_threads or torch.get_num_threads()
+        self.seed = seed
+        self.device = torch.device(device)
+        self._version = policy_version
+        self._parameters = dict(self.model.named_parameters())
+        self._forward = InvariantLlama(
+            self.model, num_slots=max_batch_size, max_len=self.max_model_len, linear_mode=linear_mode, device=device
+        )
+        self._free_slots = list(range(max_batch_size - 1, -1, -1))
+        self._waiting: deque[_Call] = deque()
+        self._active: list[_Call] = []
+        self._abort_ids: set[str] = set()
+        self._closed = False
+        # The engine lock: held for a whole step and by every outside operation. Outside
+        # callers announce themselves in _waiters so the worker yields between steps
+        # instead of re-taking the lock forever (threading.Lock is not fair).
+        self._cv = threading.Condition(threading.Lock())
+        self._waiters = 0
+        self._waiters_lock = threading.Lock()
+        self.steps = 0  # forward passes run so far
+        # Called by the worker after each step, outside the lock, with the step count:
+        # lets tests (and tracing) act at an exact point between two steps.
+        self.step_callback = None
+        self._worker = threading.Thread(target=self._run, name="reference-engine", daemon=True)
+        self._worker.start()
+
+    # ---- GenerationEngine ---------------------------------------------------------------
+
+    @property
+    def policy_version(self) -> int:
+        return self._version
+
+    def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
+        calls = [self._new_call(r) for r in requests]  # validate everything before enqueuing
+        ids = [c.request.request_id for c in calls]
+        if len(set(ids)) != len(ids):
+            raise ValueError("request ids in one generate() call must be distinct")
+        with self._exclusive():
+            if self._closed:
+                raise RuntimeError("engine is closed")
+            running = {c.request.request_id for c in (*self._waiting, *self._active)}
+            clash = running.intersection(ids)
+            if clash:
+                raise ValueError(f"request ids already running: {sorted(clash)}")
+            self._abort_ids.difference_update(ids)  # an abort never targets a future call
+            self._waiting.extend(calls)
+        return [c.future.result() for c in calls]
+
+    def load_weights(self, state_dict: Mapping[str, object], version: int) -> None:
+        unexpected = set(state_dict) - set(self._parameters)
+        missing = set(self._parameters) - set(state_dict)
+        if unexpected or missing:
+            raise ValueError(f"state dict does not match the policy: missing {sorted(missing)}, unexpected {sorted(unexpected)}")
+        tensors = {}
+        for name, value in state_dict.items():
+            tensor = torch.as_tensor(value).detach()
+            if tuple(tensor.shape) != tuple(self._parameters[name].shape):
+                raise ValueError(f"{name}: shape {tuple(tensor.shape)} != policy's {tuple(self._parameters[name].shape)}")
+            tensors[name] = tensor
+        with self._exclusive(), torch.no_grad():
+            for name, tensor in tensors.items():
+                self._parameters[name].copy_(tensor)
+            self._version = version
+            for call in self._active:
+                call.cached = 0  # re-prefill: no stale K/V from the old weights (see above)
+
+    def running_tokens(self) -> dict[str, list[int]]:
+        with self._exclusive():
+            return {c.request.request_id: list(c.tokens) for c in (*self._active, *self._waiting)}
+
+    def abort(self, request_ids: Sequence[str]) -> None:
+        with self._exclusive():
+            self._abort_ids.update(request_ids)
+
+    # ---- lifecycle ----------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Abort every call in progress and stop the worker thread."""
+        with self._exclusive():
+            self._closed = True
+        self._worker.join()
+
+    def __enter__(self) -> ReferenceEngine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---- request intake -----------------------------------------------------------------
+
+    def _new_call(self, request: GenerationRequest) -> _Call:
+        p = request.params
+        prefix, prompt = list(request.prefix_ids), list(request.prompt_ids)
+        problems = []
+        if not prompt:
+            problems.append("prompt_ids is empty")
+        if any(not 0 <= t < self.vocab_size for t in prompt + prefix):
+            problems.append(f"token ids must be in [0, {self.vocab_size})")
+        if p.max_tokens < 1 or not 0 <= p.min_tokens <= p.max_tokens:
+            problems.append("need max_tokens >= 1 and 0 <= min_tokens <= max_tokens")
+        if p.temperature < 0 or not 0 < p.top_p <= 1:
+            problems.append("need temperature >= 0 and 0 < top_p <= 1")
+        if any(not s for s in p.stop):
+            problems.append("stop strings must be non-empty")
+        if len(prompt) + len(prefix) > self.max_model_len:
+            problems.append(f"prompt + prefix is longer than max_model_len {self.max_model_len}")
+        if len(request.prefix_versions) != len(prefix):
+            problems.append("prefix_versions must give one version per prefix token")
+        prefix_logprobs = list(getattr(request, "prefix_logprobs", ()))
+        if prefix_logprobs and len(prefix_logprobs) != len(prefix):
+            problems.append("prefix_logprobs must be empty or give one logprob per prefix token")
+        if problems:
+            raise ValueError(f"request {request.request_id!r}: " + "; ".join(problems))
+        seed = p.seed if p.seed is not None else request_seed(self.seed, request.request_id)
+        call = _Call(request=request, seed=seed, tokens=prefix, logprobs=prefix_logprobs)
+        call.versions = list(request.prefix_versions)
+        if p.presence_penalty or p.frequency_penalty:
+            call.counts = torch.bincount(torch.tensor(prefix, dtype=torch.long), minlength=self.vocab_size).float()
+        if p.stop:
+            call.text = self.tokenizer.decode(prefix, skip_special_tokens=True)
+        return call
+
+    # ---- the worker ---------------------------------------------------------------------
+
+    @contextmanager
+    def _exclusive(self):
+        with self._waiters_lock:
+            self._waiters += 1
+        try:
+            self._cv.acquire()
+        finally:
+            with self._waiters_lock:
+                self._waiters -= 1
+        try:
+            yield
+        finally:
+            self._cv.notify_all()
+            self._cv.release()
+
+    def _run(self) -> None:
+        reported = 0
+        while True:
+            callback = self.step_callback
+            if callback is not None and self.steps != reported:
+                reported = self.steps
+                callback(reported)
+            with self._cv:
+                while not self._closed and (self._waiters or not (self._waiting or self._active)):
+                    self._cv.wait()
+                if self._closed:
+                    for call in (*self._active, *self._waiting):
+                        self._finish(call, "abort")
+                    return
+                try:
+                    if torch.get_num_threads() != self.num_threads:
+                        torch.set_num_threads(self.num_threads)
+                    self._step()
+                except BaseException as error:  # a broken step fails its calls, not the process
+                    for call in (*self._active, *self._waiting):
+                        self._release(call)
+                        if not call.future.done():
+                            call.future.set_exception(error)
+                    self._active.clear()
+                    self._waiting.clear()
+
+    def _step(self) -> None:
+        """One engine step: aborts, admissions, one forward over every row, one token per
+        running call, finishes. Runs with the engine lock held."""
+        if self._abort_ids:
+            for call in [c for c in (*self._active, *self._waiting) if c.request.request_id in self._abort_ids]:
+                self._finish(call, "abort")
+            self._abort_ids.clear()
+        admitted = self._admit()
+        if not self._active:
+            return
+        self.steps += 1
+        tokens, slots, positions, logit_rows, next_rows = [], [], [], [], []
+        prefix_rows: dict[int, int] = {}  # call index -> first logits row of its prefix logprobs
+        for i, call in enumerate(self._active):
+            tail = call.sequence_tail()
+            first = len(tokens)
+            tokens += tail
+            slots += [call.slot] * len(tail)
+            positions += range(call.cached, call.cached + len(tail))
+            call.cached += len(tail)
+            if call in admitted and len(call.logprobs) < len(call.tokens):
+                # Rows that predicted each prefix token: the last prompt row onwards.
+                prefix_rows[i] = len(logit_rows)
+                start = first + len(call.request.prompt_ids) - 1
+                logit_rows += range(start, start + len(call.tokens))
+            next_rows.append(len(logit_rows))
+            logit_rows.append(len(tokens) - 1)
+        logits = self._forward.forward(
+            torch.tensor(tokens, device=self.device),
+            torch.tensor(slots, device=self.device),
+            torch.tensor(positions, device=self.device),
+            torch.tensor(logit_rows, device=self.device),
+        ).cpu()
+        for i, start in prefix_rows.items():
+            call = self._active[i]
+            rows = logits[start : start + len(call.tokens)]
+            call.logprobs = token_logprobs(rows, call.tokens, call.request.params.temperature)
+        choices = [self._choice(call) for call in self._active]
+        picked, logprobs = choose_tokens(logits[next_rows], choices)
+        for call, token, logprob in zip(list(self._active), picked, logprobs):
+            self._append(call, token, logprob)
+
+    def _admit(self) -> list[_Call]:
+        admitted: list[_Call] = []
+        rows = 0
+        while self._waiting and self._free_slots:
+            call = self._waiting[0]
+            reason = self._finish_reason_before_decoding(call)
+            if reason:
+                self._waiting.popleft()
+                self._finish(call, reason)
+                continue
+            need = call.sequence_length
+            if admitted and rows + need > self.max_prefill_rows:
+                break
+            self._waiting.popleft()
+            call.slot = self._free_slots.pop()
+            call.cached = 0
+            self._active.append(call)
+            admitted.append(call)
+            rows += need
+        return admitted
+
+    def _finish_reason_before_decoding(self, call: _Call) -> str | None:
+        """A resumed call may already be complete (its prefix used every token, or ended
+        with EOS past min_tokens); it then returns without decoding."""
+        p = call.request.params
+        if call.tokens and call.tokens[-1] == self.eos_token_id and len(call.tokens) > p.min_tokens:
+            return "stop"
+        if len(call.tokens) >= p.max_tokens or call.sequence_length >= self.max_model_len:
+            return "length"
+        return None
+
+    def _choice(self, call: _Call) -> RowChoice:
+        p = call.request.params
+        position = len(call.tokens)
+        return RowChoice(
+            temperature=p.temperature,
+            top_p=p.top_p,
+            uniform=position_uniform(call.seed, position),
+            presence_penalty=p.presence_penalty,
+            frequency_penalty=p.frequency_penalty,
+            counts=call.counts,
+            banned=(self.eos_token_id,) if position < p.min_tokens else (),
+        )
+
+    def _append(self, call: _Call, token: int, logprob: float) -> None:
+        p = call.request.params
+        call.tokens.append(token)
+        call.logprobs.append(logprob)
+        call.versions.append(self._version)
+        if call.counts is not None:
+            call.counts[token] += 1
+        may_end = len(call.tokens) > p.min_tokens
+        if may_end and token == self.eos_token_id:
+            self._finish(call, "stop", stop_reason="eos")
+            return
+        if p.stop:
+            previous, call.text = call.text, self.tokenizer.decode(call.tokens, skip_special_tokens=True)
+            hit = find_stop(previous, call.text, p.stop) if may_end else None
+            if hit:
+                self._finish(call, "stop", stop_reason=hit[1], text=call.text[: hit[0]])
+                return
+        if len(call.tokens) >= p.max_tokens or call.sequence_length >= self.max_model_len:
+            self._finish(call, "length")
+
+    def _release(self, call: _Call) -> None:
+        if call in self._active:
+            self._active.remove(call)
+        if call in self._waiting:
+            self._waiting.remove(call)
+        if call.slot >= 0:
+            self._free_slots.append(call.slot)
+            call.slot = -1
+
+    def _finish(self, call: _Call, reason: str, *, stop_reason: str | None = None, text: str | None = None) -> None:
+        self._release(call)
+        if text is None:
+            text = self.tokenizer.decode(call.tokens, skip_special_tokens=True)
+        result = GenerationResult(
+            request_id=call.request.request_id,
+            token_ids=list(call.tokens),
+            logprobs=list(call.logprobs),
+            token_versions=list(call.versions),
+            finish_reason=reason,
+            text=text,
+            extra={"stop_reason": stop_reason, "num_prefix_tokens": len(call.request.prefix_ids)},
+        )
+        if not call.future.done():
+            call.future.set_result(result)
