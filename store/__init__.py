@@ -45,8 +45,36 @@ from .retention import (
 )
 from .selection import NoRestorableSnapshot, Selection, select_for_restore
 from .verification import Report, verify_path
+from .restore import (
+    PayloadInventoryMismatch,
+    RestoredGroup,
+    RestoreError,
+    RestorePlan,
+    RunMismatch,
+    SnapshotDamaged,
+    SnapshotInconsistent,
+    SnapshotTooNew,
+    restore_snapshot,
+)
+from .resume import NothingToRestore, RunVerdict, TrainerCheckpointOnly, choose_snapshot, select_and_restore, verify_run
 
 __all__ = [
+    # restore (store/restore.py, store/resume.py)
+    "NothingToRestore",
+    "PayloadInventoryMismatch",
+    "RestoredGroup",
+    "RestoreError",
+    "RestorePlan",
+    "RunMismatch",
+    "RunVerdict",
+    "SnapshotDamaged",
+    "SnapshotInconsistent",
+    "SnapshotTooNew",
+    "TrainerCheckpointOnly",
+    "choose_snapshot",
+    "restore_snapshot",
+    "select_and_restore",
+    "verify_run",
     "AnchorNotDurable",
     "BackgroundWorkError",
     "BOOTSTRAP",

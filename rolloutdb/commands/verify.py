@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from rolloutdb.store.revision import head_revision
 from rolloutdb.store.verification import verify_path
@@ -21,7 +22,9 @@ Verify what PATH is:
   a snapshot directory       every file against its manifest.json, then the file checks;
   a trainer checkpoint       (bootstrap/, step_<N>/) its files against its manifest, and
                              every snapshot under it;
-  a checkpoint directory     every trainer checkpoint and snapshot in it.
+  a checkpoint directory     every trainer checkpoint and snapshot in it;
+  a run directory            (holding rollout_state.sqlite and config.yaml) exactly-once
+                             over every stop: prints trained=N discarded=M duplicated=D lost=L.
 Exit 0 when sound. Otherwise exit 1 and print one line per problem starting with
 "error:" (exit 2 when PATH itself is unusable). Nothing on disk is changed: files are
 opened read-only and no -wal/-shm files are created.
@@ -43,7 +46,33 @@ def _one_line(text: str) -> str:
     return " ".join(str(text).split())
 
 
+# --- run directories (store/resume.py, owned by the restore work) -------------------------
+# RUN_DIR holding rollout_state.sqlite and config.yaml: exactly-once over every stop.
+
+
+def _is_run_dir(path: Path) -> bool:
+    return path.is_dir() and (path / "rollout_state.sqlite").is_file() and (path / "config.yaml").is_file()
+
+
+def run_run_dir(args: argparse.Namespace) -> int:
+    from rolloutdb.store.resume import verify_run
+
+    verdict = verify_run(args.path)
+    for problem in verdict.problems:
+        print(f"error: {_one_line(problem)}", file=sys.stderr)
+    if not args.quiet:
+        for note in verdict.notes:
+            print(f"note: {_one_line(note)}")
+    print(verdict.line())
+    return 0 if verdict.ok else EXIT_PROBLEMS
+
+
+# ------------------------------------------------------------------------------------------
+
+
 def run(args: argparse.Namespace) -> int:
+    if _is_run_dir(Path(args.path)):
+        return run_run_dir(args)
     report = verify_path(args.path)
     for problem in report.problems:
         print(f"error: {_one_line(problem)}", file=sys.stderr)

@@ -1,0 +1,251 @@
+"""Resuming a run: which snapshot to restore, and checking a run's whole history after.
+
+`choose_snapshot` picks what a resume starts from: with ``resume="latest"`` the newest
+complete snapshot whose anchor is a durable trainer checkpoint (`selection`), or the
+directory the user named. It never starts fresh silently: snapshots that exist but are
+all unusable raise `NoRestorableSnapshot`; no snapshot at all beside a durable trainer
+checkpoint raises `TrainerCheckpointOnly`, so the caller decides whether to start the
+store fresh at that step; nothing at all raises `NothingToRestore`.
+
+`verify_run` checks exactly-once over every stop a run directory has been through. The
+live store keeps every group the sampler ever handed out (trained and discarded rows stay
+in the ledger; a restore rolls back only what came after the snapshot's cut, and the
+rolled-back work is redone under the same rows), so one read of it sees the whole chain.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from .errors import NotAStoreError
+from .invariants import check_invariants
+from .layout import COMPLETE, SNAPSHOTS_DIR, Entry, scan
+from .manifest import KIND_SNAPSHOT, KIND_TRAINER, ManifestError, read_manifest
+from .restore import (
+    RestoreError, RestorePlan, SnapshotDamaged, SnapshotInconsistent, restore_snapshot,
+)
+from .selection import Selection, select_for_restore
+from .verification import open_for_checks
+
+LATEST = "latest"
+RUN_STORE = "rollout_state.sqlite"
+RUN_CONFIG = "config.yaml"
+MAX_EXAMPLES = 5
+
+
+class NothingToRestore(RestoreError):
+    """A resume was asked for but the checkpoint directory holds no checkpoint at all."""
+
+
+class TrainerCheckpointOnly(RestoreError):
+    """No rollout snapshot, but a durable trainer checkpoint: the caller may restore the
+    trainer from it and start the store fresh at its step (in-flight work is lost)."""
+
+    def __init__(self, message: str, anchor: Entry):
+        super().__init__(message)
+        self.anchor = anchor
+        self.step = anchor.step or 0
+        self.path = anchor.path
+
+
+def _anchor_entry(path: Path) -> Entry:
+    try:
+        manifest = read_manifest(path)
+    except ManifestError as e:
+        raise RestoreError(f"{path}: not a durable trainer checkpoint ({e}); its snapshots cannot be restored; "
+                           "pass another snapshot or --resume latest") from None
+    if manifest.kind != KIND_TRAINER:
+        raise RestoreError(f"{path}: manifest kind {manifest.kind}, not a trainer checkpoint")
+    return Entry(KIND_TRAINER, manifest.anchor, path, COMPLETE, None, manifest)
+
+
+def _only_trainer_checkpoint(checkpoint_dir: Path, anchors: list[Entry]) -> RestoreError:
+    if not anchors:
+        return NothingToRestore(f"{checkpoint_dir}: no trainer checkpoint and no rollout snapshot to resume from; "
+                                "start a new run (without --resume) or pass the right run directory")
+    newest = anchors[-1]
+    return TrainerCheckpointOnly(
+        f"{checkpoint_dir}: no rollout snapshot, but the trainer checkpoint {newest.anchor} is durable; "
+        f"resuming from it alone starts the rollout store fresh at step {newest.step or 0}", newest)
+
+
+def choose_snapshot(checkpoint_dir: str | Path, resume: str | Path = LATEST, *, verify: bool = False) -> Selection:
+    """The snapshot a resume restores (see the module docstring). `resume` is "latest",
+    a snapshot directory, or a trainer checkpoint directory (its newest snapshot).
+    `verify` makes "latest" pass over snapshots that fail their checksums or checks."""
+    checkpoint_dir = Path(checkpoint_dir)
+    if str(resume) == LATEST:
+        selection = select_for_restore(checkpoint_dir, verify=verify)  # raises NoRestorableSnapshot
+        if selection is None:
+            raise _only_trainer_checkpoint(checkpoint_dir, scan(checkpoint_dir).complete_anchors())
+        return selection
+    path = Path(resume)
+    if not path.is_dir():
+        raise RestoreError(f"{path}: no such directory; pass --resume latest, a snapshot directory or a trainer checkpoint")
+    try:
+        manifest = read_manifest(path)
+    except ManifestError as e:
+        raise SnapshotDamaged(f"{e}; pass a complete snapshot or --resume latest", path) from None
+    if manifest.kind == KIND_TRAINER:
+        anchor = _anchor_entry(path)
+        snaps = [s for s in scan(path.parent).complete_snapshots() if s.anchor == anchor.anchor]
+        if not snaps:
+            raise _only_trainer_checkpoint(path.parent, [anchor])
+        return Selection(snaps[-1], anchor)
+    if manifest.kind != KIND_SNAPSHOT or path.parent.name != SNAPSHOTS_DIR:
+        raise RestoreError(f"{path}: not a rollout snapshot directory (…/{SNAPSHOTS_DIR}/snapshot_<N>)")
+    anchor = _anchor_entry(path.parent.parent)
+    if anchor.anchor != manifest.anchor:
+        raise SnapshotDamaged(f"{path}: manifest says anchor {manifest.anchor} but it lies under {anchor.anchor}", path)
+    return Selection(Entry(KIND_SNAPSHOT, manifest.anchor, path, COMPLETE, manifest.sequence, manifest), anchor)
+
+
+def select_and_restore(
+    checkpoint_dir: str | Path,
+    live_store_path: str | Path,
+    *,
+    resume: str | Path = LATEST,
+    before_restore: Callable[[Selection], None] | None = None,
+    **restore_kwargs,
+) -> RestorePlan:
+    """Choose a snapshot, call `before_restore(selection)` (load the trainer's weights
+    from `selection.anchor.path`), then `restore_snapshot` into `live_store_path`.
+
+    With "latest", the newest candidate is tried without a separate verification pass
+    (restore checks every checksum itself); if it turns out damaged or inconsistent, the
+    newest snapshot that verifies is chosen instead (its anchor is loaded again)."""
+    selection = choose_snapshot(checkpoint_dir, resume)
+    if before_restore is not None:
+        before_restore(selection)
+    try:
+        return restore_snapshot(selection.snapshot.path, live_store_path, **restore_kwargs)
+    except (SnapshotDamaged, SnapshotInconsistent) as first:
+        if str(resume) != LATEST:
+            raise
+        fallback = choose_snapshot(checkpoint_dir, LATEST, verify=True)
+        if fallback.snapshot.path == selection.snapshot.path:
+            raise
+        if before_restore is not None:
+            before_restore(fallback)
+        plan = restore_snapshot(fallback.snapshot.path, live_store_path, **restore_kwargs)
+        plan.passed_over = [f"{selection.snapshot.path.name} ({selection.snapshot.anchor}): {first}", *fallback.passed_over]
+        return plan
+
+
+# --------------------------------------------------------------------------- verify a run
+
+
+@dataclass
+class RunVerdict:
+    """Exactly-once over a run's whole history. `duplicated`: prompt hand-outs beyond the
+    first of the same (epoch, prompt id); `lost`: sampler positions below the cursor in
+    neither the ledger nor the spare pool. `pending`: groups neither trained nor
+    discarded yet (in flight or in replay; zero at the end of a finished run)."""
+
+    run_dir: Path
+    ledger_dispatch: bool
+    groups_per_step: int
+    trained: int = 0
+    discarded: int = 0
+    duplicated: int = 0
+    lost: int = 0
+    pending: int = 0
+    spare: int = 0
+    cursor: int = 0
+    steps: int = 0  # highest trained step
+    problems: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems and self.duplicated == 0 and self.lost == 0
+
+    def line(self) -> str:
+        return f"trained={self.trained} discarded={self.discarded} duplicated={self.duplicated} lost={self.lost}"
+
+
+def _groups_per_step(config_path: Path) -> int:
+    try:
+        data = yaml.safe_load(config_path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise NotAStoreError(f"{config_path}: missing; `rolloutdb verify RUN_DIR` needs the run's config.yaml") from None
+    except yaml.YAMLError:
+        raise NotAStoreError(f"{config_path}: not valid YAML; restore the run's config.yaml") from None
+    value = ((data or {}).get("algorithm") or {}).get("groups_per_step") if isinstance(data, dict) else None
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise NotAStoreError(f"{config_path}: algorithm.groups_per_step missing or not a positive integer")
+    return value
+
+
+def _examples(items: list) -> str:
+    return ", ".join(map(str, items[:MAX_EXAMPLES])) + (", ..." if len(items) > MAX_EXAMPLES else "")
+
+
+def verify_run(run_dir: str | Path) -> RunVerdict:
+    """Read RUN_DIR/rollout_state.sqlite (read-only; no side files created) and
+    RUN_DIR/config.yaml; count and check exactly-once (see `RunVerdict`)."""
+    run_dir = Path(run_dir)
+    groups_per_step = _groups_per_step(run_dir / RUN_CONFIG)
+    conn = open_for_checks(run_dir / RUN_STORE)  # open_readonly, for our own SQL
+    with contextlib.closing(conn):
+        q = lambda sql, *a: conn.execute(sql, a).fetchall()  # noqa: E731
+        mode = bool(q("SELECT ledger_dispatch FROM run_meta")[0][0])
+        v = RunVerdict(run_dir, mode, groups_per_step)
+        v.cursor = q("SELECT next_seq FROM sampler_state")[0][0]
+        v.spare = q("SELECT count(*) FROM spare_prompts")[0][0]
+        v.problems += [f"{RUN_STORE}: {p}" for p in check_invariants(conn).problems]
+        if not mode:
+            v.notes.append("run without ledger dispatch (rollout_recovery.target_level none): groups are not recorded, "
+                           "so exactly-once cannot be checked; only the invariants were")
+            return v
+        states = dict(q("SELECT state, count(*) FROM prompt_groups GROUP BY state"))
+        v.trained, v.discarded = states.pop("trained", 0), states.pop("discarded", 0)
+        v.pending = sum(states.values())
+        if v.pending:
+            v.notes.append(f"{v.pending} group(s) neither trained nor discarded yet (in flight or in replay): "
+                           "a run that has not finished, or stopped")
+        handed = "SELECT sample_seq, epoch, prompt_id FROM prompt_groups UNION ALL " \
+                 "SELECT sample_seq, epoch, prompt_id FROM spare_prompts"
+        covered = q(f"SELECT count(DISTINCT sample_seq) FROM ({handed}) WHERE sample_seq >= 0 AND sample_seq < ?", v.cursor)[0][0]
+        v.lost = v.cursor - covered
+        dupes = q(f"SELECT epoch, prompt_id, count(*) FROM ({handed}) GROUP BY epoch, prompt_id HAVING count(*) > 1")
+        v.duplicated = sum(n - 1 for _, _, n in dupes)
+        if dupes:
+            v.problems.append(f"{v.duplicated} prompt(s) handed out more than once: "
+                              + _examples([f"epoch {e} prompt {p} x{n}" for e, p, n in dupes]))
+        clashes = q(f"SELECT sample_seq FROM ({handed}) GROUP BY sample_seq HAVING count(DISTINCT epoch || ':' || prompt_id) > 1")
+        if clashes:
+            v.problems.append(f"sampler positions holding two different prompts: {_examples([r[0] for r in clashes])}")
+        if v.lost:
+            missing = q(f"WITH RECURSIVE pos(n) AS (SELECT 0 UNION ALL SELECT n + 1 FROM pos WHERE n + 1 < ?) "
+                        f"SELECT n FROM pos WHERE n NOT IN (SELECT sample_seq FROM ({handed})) LIMIT {MAX_EXAMPLES + 1}",
+                        v.cursor) if v.cursor else []
+            v.problems.append(f"{v.lost} sampler position(s) below the cursor {v.cursor} neither in the ledger nor in the "
+                              f"spare pool: {_examples([r[0] for r in missing])}")
+        _check_steps(q, v)
+    return v
+
+
+def _check_steps(q, v: RunVerdict) -> None:
+    """Each group trained at most once and at its stamped step; each step trained exactly
+    groups_per_step groups, with no step skipped."""
+    wrong = q("SELECT group_id FROM prompt_groups WHERE (state = 'trained') != (trained_step IS NOT NULL)")
+    if wrong:
+        v.problems.append(f"groups whose trained step contradicts their state: {_examples([r[0] for r in wrong])}")
+    off = q("SELECT group_id, target_step, trained_step FROM prompt_groups "
+            "WHERE state = 'trained' AND target_step IS NOT NULL AND target_step != trained_step")
+    if off:
+        v.problems.append("groups trained at another step than stamped: "
+                          + _examples([f"group {g} stamped {s} trained {t}" for g, s, t in off]))
+    per_step = dict(q("SELECT trained_step, count(*) FROM prompt_groups WHERE state = 'trained' GROUP BY trained_step"))
+    v.steps = max(per_step, default=0)
+    bad = [(s, per_step.get(s, 0)) for s in range(1, v.steps + 1) if per_step.get(s, 0) != v.groups_per_step]
+    bad += [(s, n) for s, n in per_step.items() if s is None or s < 1]
+    if bad:
+        v.problems.append(f"train steps that did not train groups_per_step={v.groups_per_step} groups: "
+                          + _examples([f"step {s}: {n}" for s, n in sorted(bad, key=lambda x: (x[0] is None, x[0] or 0))]))
