@@ -47,6 +47,7 @@ between the pump's finish and publish transactions) are returned apart, in
 from __future__ import annotations
 
 import contextlib
+import errno as errno_mod
 import hashlib
 import json
 import sqlite3
@@ -162,10 +163,12 @@ class _Phases:
 
     def __init__(self) -> None:
         self.timings: dict[str, float] = {}
+        self.current = ""
 
     @contextlib.contextmanager
     def __call__(self, name: str) -> Iterator[None]:
         t0 = time.perf_counter()
+        self.current = name
         try:
             yield
         finally:
@@ -517,6 +520,8 @@ def restore_snapshot(
     if trainer_step is not None and trainer_step != step:
         raise RestoreError(f"{snapshot_dir}: anchored to {manifest.anchor} but the trainer loaded step {trainer_step}; "
                            f"load the weights of {manifest.anchor} before restoring its snapshot")
+    if not live.parent.is_dir():
+        raise RestoreError(f"{live.parent}: no such directory; pass the run directory's store path")
     copy = temp_path_beside(live, "restore")
     _remove_with_side_files(copy)  # our own pid's leftover of an earlier failed restore
     counts: dict[str, int] = {}
@@ -557,6 +562,10 @@ def restore_snapshot(
                 counts["spare_prompts"] = _check_spare_and_cursor(conn, source)
         with phases("replace"):
             _replace_live(copy, live)
+    except OSError as e:  # a failing disk: one line, like every other refusal
+        name = errno_mod.errorcode.get(e.errno or 0, "EIO")
+        raise RestoreError(f"{live}: restore failed in phase {phases.current}: {e.strerror or e} [{name}]; the snapshot "
+                           "is unchanged and the live store was not replaced; fix the disk and resume again") from e
     finally:
         _remove_with_side_files(copy)
     env_export = snapshot_dir / ENV_EXPORT

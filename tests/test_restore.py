@@ -7,6 +7,7 @@ live directory's listing exactly as they were.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import shutil
@@ -513,3 +514,31 @@ def test_verify_run_without_a_config_is_refused_with_what_is_missing(tmp_path):
     (run_dir / "config.yaml").unlink()
     with pytest.raises(NotAStoreError, match="config.yaml: missing"):
         verify_run(run_dir)
+
+
+def test_a_damaged_store_file_resealed_with_matching_checksums_fails_integrity(tmp_path):
+    run = build_ledger_run(tmp_path)
+    db = run.snap / "rollout_state.sqlite"
+    data = bytearray(db.read_bytes())
+    page = int.from_bytes(data[16:18], "big")
+    for offset in range(2 * page, len(data), page):  # b-tree page headers past the schema page
+        data[offset: offset + 8] = b"\xee" * 8
+    db.write_bytes(bytes(data))
+    manifest = read_manifest(run.snap)
+    manifest.files = describe_files(run.snap)
+    (run.snap / "manifest.json").write_bytes(manifest.to_json())
+    assert_refused_and_unchanged(run, SnapshotDamaged, "integrity_check failed|unreadable|malformed")
+
+
+@pytest.mark.parametrize("op", ["write", "rename"])
+def test_a_failing_disk_is_one_typed_error_and_leaves_no_copy_behind(tmp_path, op):
+    from rolloutdb.store import faults
+
+    run = build_ledger_run(tmp_path)
+    live_bytes = run.live.read_bytes()
+    with faults.inject_io(op, errno.ENOSPC, match="rollout_state.sqlite"):
+        with pytest.raises(RestoreError, match=r"ENOSPC.*the live store was not replaced"):
+            restore(run.snap, run.live)
+    assert run.live.read_bytes() == live_bytes
+    assert sorted(p.name for p in run.live.parent.iterdir()) == ["rollout_state.sqlite"]
+    restore(run.snap, run.live)  # the next try succeeds

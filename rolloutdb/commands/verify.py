@@ -51,7 +51,12 @@ def _one_line(text: str) -> str:
 
 
 def _is_run_dir(path: Path) -> bool:
-    return path.is_dir() and (path / "rollout_state.sqlite").is_file() and (path / "config.yaml").is_file()
+    """A snapshot directory holds the same two files; it has a manifest (or lies under
+    rollout_snapshots/ when its manifest is missing), a run directory never."""
+    if not (path.is_dir() and (path / "rollout_state.sqlite").is_file() and (path / "config.yaml").is_file()):
+        return False
+    return not ((path / "manifest.json").exists() or path.parent.name == "rollout_snapshots"
+                or path.name.startswith("snapshot_"))
 
 
 def run_run_dir(args: argparse.Namespace) -> int:
