@@ -90,7 +90,7 @@ def quick_check(conn: sqlite3.Connection, path: str | Path) -> None:
     except sqlite3.DatabaseError as e:
         problems = [str(e)]
     if problems != ["ok"]:
-        first = " ".join(problems[0].split())
+        first = " ".join(problems[0].replace("*** in database main ***", "").split())
         raise NotAStoreError(f"{path}: damaged ({first}); run `rolloutdb verify {path}` or restore another snapshot")
 
 

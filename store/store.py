@@ -27,8 +27,10 @@ from sqlalchemy import Connection, insert, select, update
 from . import ledger, pools
 from .capture import Capture, capture_snapshot
 from .db import BUSY_TIMEOUT_MS, Database
+from .errors import NotAStoreError
 from .invariants import InvariantReport, check_invariants
 from .ledger import FinishedGeneration, Reservation
+from .readonly import open_readonly
 from .revision import check_sqlite_file, create_store_file, file_revision, require_head
 from .schema import T
 
@@ -87,8 +89,13 @@ class Store:
         """Open an existing store; refuses a file that is not at head (old files are
         upgraded with `rolloutdb upgrade`, newer ones need a newer rolloutdb)."""
         path = check_sqlite_file(path)
-        with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as conn:
-            require_head(path, file_revision(conn))
+        # open_readonly: a URI-quoted path (a '#' or '?' in a name), no side files.
+        with contextlib.closing(open_readonly(path)) as conn:
+            try:
+                revision = file_revision(conn)
+            except sqlite3.DatabaseError as e:
+                raise NotAStoreError(f"{path}: unreadable SQLite file ({e}); restore it from another snapshot") from e
+        require_head(path, revision)
         return cls(Database(path, synchronous=synchronous, busy_timeout_ms=busy_timeout_ms))
 
     def close(self) -> None:
