@@ -21,13 +21,24 @@ keep arriving while it copies), the WAL is never restarted and grows without bou
 checkpointer runs one more PASSIVE pass holding the writer lock: it only copies the frames written since
 its previous pass, the checkpoint completes, and the writer's next commit restarts the
 WAL from its start and truncates it to ``journal_size_limit``.
+
+Two more stalls showed up beside a snapshot of 1M ledger rows and 1 GB of payload
+(bench/bench_snapshot_latency.py). While the capture's read transaction pins the WAL it
+grows (100-200 MB here); after it, (1) the held pass copied everything that arrived
+during one long unheld pass (20 ms held), and (2) the writer's first commit after the
+restart truncated the WAL back to the limit, and freeing 100 MB of file took 50 ms.
+So the checkpointer catches up unheld until a pass is quick, holds the writer only when
+no reader pins the WAL, and lowers the writer's ``journal_size_limit`` one step at a time
+so that each restart frees at most `WAL_SHRINK_STEP`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import sqlite3
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -41,6 +52,12 @@ JOURNAL_SIZE_LIMIT = 64 * 1024 * 1024  # without it the WAL file never shrinks
 CHECKPOINT_INTERVAL_S = 0.25
 # Past this WAL size the checkpointer briefly holds the writer to let the WAL restart.
 WAL_RESTART_BYTES = JOURNAL_SIZE_LIMIT // 2
+# Freeing a file's blocks costs about 0.3-0.5 ms per MiB here; a restart frees at most this.
+WAL_SHRINK_STEP = 8 * 1024 * 1024
+# Unheld passes repeat (up to this many) while one takes longer than QUICK_PASS_S, so the
+# held pass copies only what a short pass left behind.
+CATCH_UP_PASSES = 4
+QUICK_PASS_S = 0.005
 
 
 def _apply_pragmas(dbapi_conn: sqlite3.Connection, *, synchronous: str, writer: bool, busy_timeout_ms: int) -> None:
@@ -106,7 +123,9 @@ class Database:
         self._closed = False
         self._checkpointer: _Checkpointer | None = None
         if checkpointer:
-            self._checkpointer = _Checkpointer(self.path, self._write_lock, self.busy_timeout_ms)
+            self._checkpointer = _Checkpointer(
+                self.path, self._write_lock, self.busy_timeout_ms, set_wal_limit=self._set_wal_limit
+            )
             self._checkpointer.start()
 
     @contextlib.contextmanager
@@ -157,6 +176,11 @@ class Database:
             row = self._writer.connection.driver_connection.execute(f"PRAGMA wal_checkpoint({mode})").fetchone()
         return tuple(row)  # (busy, wal frames, checkpointed frames)
 
+    def _set_wal_limit(self, nbytes: int) -> None:
+        """The size the writer truncates the WAL to when it next restarts it."""
+        with self._write_lock:
+            self._writer.connection.driver_connection.execute(f"PRAGMA journal_size_limit = {int(nbytes)}")
+
     def close(self) -> None:
         if self._closed:
             return
@@ -197,6 +221,7 @@ class _Checkpointer(threading.Thread):
         busy_timeout_ms: int = BUSY_TIMEOUT_MS,
         interval: float = CHECKPOINT_INTERVAL_S,
         restart_bytes: int = WAL_RESTART_BYTES,
+        set_wal_limit=None,
     ):
         super().__init__(name=f"rolloutdb-checkpointer:{path.name}", daemon=True)
         self._path = path
@@ -204,15 +229,32 @@ class _Checkpointer(threading.Thread):
         self._busy_timeout_ms = busy_timeout_ms
         self._interval = interval
         self._restart_bytes = restart_bytes
+        self._set_wal_limit = set_wal_limit
+        self._wal_limit = JOURNAL_SIZE_LIMIT
         self._stop_event = threading.Event()
 
-    def _pass(self, conn: sqlite3.Connection) -> int:
-        """One PASSIVE checkpoint; returns how many frames the WAL holds (0 if busy)."""
+    def _pass(self, conn: sqlite3.Connection) -> tuple[int, int]:
+        """One PASSIVE checkpoint; returns (frames in the WAL, frames checkpointed),
+        (0, 0) if busy. Fewer checkpointed than held means a reader pins the rest."""
         try:
-            _busy, log, _done = conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+            _busy, log, done = conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
         except sqlite3.OperationalError:
-            return 0
-        return max(log, 0)
+            return 0, 0
+        return max(log, 0), max(done, 0)
+
+    def _step_wal_limit(self) -> None:
+        """Let the writer's next restart shrink the WAL file by at most one step."""
+        if self._set_wal_limit is None:
+            return
+        try:
+            size = os.path.getsize(f"{self._path}-wal")
+        except OSError:
+            return
+        limit = max(JOURNAL_SIZE_LIMIT, size - WAL_SHRINK_STEP)
+        if limit != self._wal_limit:
+            with contextlib.suppress(sqlite3.Error):  # never let this thread die
+                self._set_wal_limit(limit)
+                self._wal_limit = limit
 
     def run(self) -> None:
         conn = sqlite3.connect(self._path, isolation_level=None, check_same_thread=False)
@@ -220,11 +262,20 @@ class _Checkpointer(threading.Thread):
             conn.execute(f"PRAGMA busy_timeout = {int(self._busy_timeout_ms)}")
             frame_bytes = conn.execute("PRAGMA page_size").fetchone()[0] + 24
             while not self._stop_event.wait(self._interval):
+                self._step_wal_limit()
+                log, done = self._pass(conn)
+                # Holding the writer cannot let the WAL restart while a reader pins it.
+                if log * frame_bytes <= self._restart_bytes or done < log:
+                    continue
+                for _ in range(CATCH_UP_PASSES):
+                    started = time.perf_counter()
+                    self._pass(conn)
+                    if time.perf_counter() - started < QUICK_PASS_S:
+                        break
                 # A pass that "completes" still leaves the frames the writer committed
                 # meanwhile, so the WAL restarts only if the writer is held for one pass.
-                if self._pass(conn) * frame_bytes > self._restart_bytes:
-                    with self._write_lock:
-                        self._pass(conn)
+                with self._write_lock:
+                    self._pass(conn)
         finally:
             conn.close()
 
