@@ -229,6 +229,10 @@ VIEWS: dict[str, str] = {
     "batch_age_steps": BATCH_AGE_STEPS,
 }
 
+# Views that `rolloutdb.store.analysis` computes once as tables: a row per run or per
+# stop, read many times by every figure (SQLite would recompute them in each subquery).
+MATERIALIZED = frozenset({"runs", "stops"})
+
 # --------------------------------------------------------------------------- figures
 
 THROWN_AWAY_PER_STOP = """
