@@ -74,6 +74,31 @@ def test_a_store_opened_again_keeps_the_busy_timeout_it_is_given(tmp_path):
             assert writer.exec_driver_sql("PRAGMA busy_timeout").scalar() == 321
 
 
+def test_a_store_opens_from_a_directory_with_a_hash_and_a_space_in_its_name(tmp_path):
+    path = tmp_path / "run #3 copy" / "s.sqlite"
+    Store.create(path).close()
+    with Store.open(path) as store:
+        with store.atomic() as tx:
+            pools.push_spare(tx, [Reservation(0, 0, 0)])
+    with contextlib.closing(sqlite3.connect(path)) as conn:
+        assert conn.execute("SELECT count(*) FROM spare_prompts").fetchone()[0] == 1
+
+
+def test_opening_a_damaged_file_raises_not_a_store_and_leaves_it_alone(tmp_path):
+    from rolloutdb.store import NotAStoreError
+
+    good = tmp_path / "good.sqlite"
+    Store.create(good).close()
+    bad = tmp_path / "bad.sqlite"
+    data = bytearray(good.read_bytes())
+    data[100] ^= 0xFF  # page 1's b-tree page type: sqlite_master cannot be read
+    bad.write_bytes(bytes(data))
+    with pytest.raises(NotAStoreError, match="bad.sqlite"):
+        Store.open(bad)
+    assert bad.read_bytes() == bytes(data)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.sqlite", "good.sqlite"]
+
+
 def test_a_rollout_for_a_missing_group_is_refused_by_the_foreign_key(store, second_connection):
     before = store.mutation_counter
     with pytest.raises(exc.IntegrityError, match="FOREIGN KEY"):
