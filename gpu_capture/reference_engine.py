@@ -85,7 +85,14 @@ class ReferenceEngine:
 
     `model` is a policy directory (see tiny_policy.py) or a (model, tokenizer) pair; the
     engine keeps its own copy of the weights, so training the passed model in place does
-    not change what the engine generates until `load_weights` is called."""
+    not change what the engine generates until `load_weights` is called.
+    `max_batch_size` calls decode at once (KV-cache slots); more wait in a queue.
+    `num_threads` is set with torch.set_num_threads in the engine's worker thread (an
+    OpenMP setting of that thread: the caller's own count is left alone); None keeps the
+    constructing thread's count. Outputs were measured identical for 1 and 2 threads.
+    `seed` seeds calls that set none (see sampling.request_seed). `max_prefill_rows`
+    bounds the prompt rows admitted in one step (one call is always admitted).
+    `linear_mode`: "auto" (probe, see invariant_forward), "tiled" or "reduce"."""
 
     def __init__(
         self,
@@ -161,6 +168,8 @@ class ReferenceEngine:
         return [c.future.result() for c in calls]
 
     def load_weights(self, state_dict: Mapping[str, object], version: int) -> None:
+        """Install a full state dict (the HF parameter names) between two steps; tokens
+        decoded afterwards carry `version`. Checked before anything is changed."""
         unexpected = set(state_dict) - set(self._parameters)
         missing = set(self._parameters) - set(state_dict)
         if unexpected or missing:
@@ -179,10 +188,14 @@ class ReferenceEngine:
                 call.cached = 0  # re-prefill: no stale K/V from the old weights (see above)
 
     def running_tokens(self) -> dict[str, list[int]]:
+        """Output so far (prefix included) of every call not yet finished, queued calls
+        too; read under the engine lock, so never in the middle of a step."""
         with self._exclusive():
             return {c.request.request_id: list(c.tokens) for c in (*self._active, *self._waiting)}
 
     def abort(self, request_ids: Sequence[str]) -> None:
+        """Finish these calls (running or queued) at the start of the next step with
+        finish_reason "abort" and the tokens they have; unknown ids are ignored."""
         with self._exclusive():
             self._abort_ids.update(request_ids)
 
@@ -269,7 +282,7 @@ class ReferenceEngine:
                     if torch.get_num_threads() != self.num_threads:
                         torch.set_num_threads(self.num_threads)
                     self._step()
-                except BaseException as error:  # a broken step fails its calls, not the process
+                except Exception as error:  # a broken step fails its calls, not the process
                     for call in (*self._active, *self._waiting):
                         self._release(call)
                         if not call.future.done():

@@ -266,6 +266,16 @@ def test_a_call_continued_from_a_prefix_decodes_exactly_the_uninterrupted_tokens
         assert_same_output(among_others, full[4])
 
 
+def test_the_multiply_and_sum_fallback_also_continues_exactly(policy_dir):
+    # The path taken on a CPU whose GEMM fails the tile probe.
+    with ReferenceEngine(policy_dir, max_batch_size=8, num_threads=1, linear_mode="reduce") as eng:
+        batch = [call(f"r{i}", prompt(eng, i), max_tokens=20, min_tokens=20, temperature=1.0, top_p=0.9, seed=i) for i in range(3)]
+        full = eng.generate(batch)
+        for k in (3, 17):
+            assert_same_output(eng.generate([resumed(batch[1], full[1], k)])[0], full[1])
+            assert_same_output(eng.generate([resumed(r, f, k) for r, f in zip(batch, full)])[2], full[2])
+
+
 def test_prefix_logprobs_left_out_are_recomputed_bit_exactly_under_the_same_weights(engine):
     request = call("r", prompt(engine, 3), max_tokens=30, min_tokens=30, temperature=0.7, seed=3)
     full = engine.generate([request])[0]
