@@ -276,6 +276,24 @@ def test_the_multiply_and_sum_fallback_also_continues_exactly(policy_dir):
             assert_same_output(eng.generate([resumed(r, f, k) for r, f in zip(batch, full)])[2], full[2])
 
 
+def test_calls_joining_a_running_batch_decode_what_they_decode_alone(engine, policy_dir):
+    first = [call(f"j{i}", prompt(engine, i), max_tokens=24, min_tokens=24, temperature=1.0, seed=i) for i in range(3)]
+    later = [call(f"k{i}", prompt(engine, 9 + i), max_tokens=12, min_tokens=12, temperature=0.0) for i in range(2)]
+    alone = [engine.generate([r])[0] for r in first + later]
+    with ReferenceEngine(load_policy(policy_dir), max_batch_size=8, num_threads=1) as eng:
+        gate = StepGate(eng, at_step=4)
+        thread, box = gate.run_in_background(first)
+        joined = {}
+        joiner = threading.Thread(target=lambda: joined.update(out=eng.generate(later)))
+        joiner.start()
+        while "k1" not in eng.running_tokens():  # queued while the first calls are paused
+            assert joiner.is_alive()
+        gate.finish(thread, box)  # next step: their prefill rows beside the decode rows
+        joiner.join(30)
+    for got, expected in zip(box["out"] + joined["out"], alone):
+        assert_same_output(got, expected)
+
+
 def test_prefix_logprobs_left_out_are_recomputed_bit_exactly_under_the_same_weights(engine):
     request = call("r", prompt(engine, 3), max_tokens=30, min_tokens=30, temperature=0.7, seed=3)
     full = engine.generate([request])[0]
