@@ -30,8 +30,8 @@ when every check has passed, in this order:
    are deleted first (a stale WAL must never be applied to the new file), then
    `fsio.replace_file` (fsync, rename, fsync the directory).
 
-Any refusal raises a `RestoreError` subclass with a one-line message, removes the copy,
-and leaves the live store file and the snapshot as they were.
+Any refusal (a failing disk included) raises a `RestoreError` subclass with a one-line
+message, removes the copy, and leaves the live store file and the snapshot as they were.
 
 Reserved groups: a `reserved` group had prompts stamped but no attempt started. Restore
 moves it to `dispatched` with *no* attempt (its policy version set to the anchor's step),
@@ -52,7 +52,7 @@ import hashlib
 import json
 import sqlite3
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -149,9 +149,16 @@ class RestorePlan:
     redispatch: list[RestoredGroup]  # sampler order; dispatch these first
     to_finalize: list[RestoredGroup]  # every generation finished, not yet sealed
     shortfall: dict[int, int]  # per stamped step, groups still to reserve
+    # replay_groups (in the snapshot), abandoned_attempts, reserved_to_dispatched,
+    # published_at_restore (sealed groups), payload_rows_cleared, spare_prompts
     counts: dict[str, int]
     timings: dict[str, float] = field(default_factory=dict)
     env_export: Path | None = None  # the environment's export in the snapshot, if any
+    # What the attempts abandoned at restore had saved, read before normalization drops
+    # it (invariant 3), for turn-level and prefix recovery: (group id, generation index)
+    # -> prefix chunks in order, and environment episode key -> {"turn", "state"}.
+    saved_prefixes: dict[tuple[int, int], list[pools.Chunk]] = field(default_factory=dict)
+    saved_episodes: dict[str, dict] = field(default_factory=dict)
     passed_over: list[str] = field(default_factory=list)  # newer snapshots refused, and why
 
 
@@ -375,7 +382,20 @@ def _clear_unreferenced(tx: Connection) -> int:
     return sum(tx.execute(s).rowcount for s in statements)
 
 
-def _normalize_ledger(tx: Connection, source: Path, step: int, counts: dict[str, int]) -> tuple[list, list]:
+def _read_saved_progress(tx: Connection, running: list[int]) -> tuple[dict, dict]:
+    """Prefix chunks and environment episodes of the attempts about to be abandoned."""
+    where = {a: (g, i) for a, g, i in tx.execute(
+        select(rollouts_t.c.attempt_id, rollouts_t.c.group_id, rollouts_t.c.generation_index)
+        .where(rollouts_t.c.attempt_id.in_(select(chunks_t.c.attempt_id)), rollouts_t.c.state == "running")
+    ).all()}
+    prefixes = {where[a]: pools.read_chunks(tx, a) for a in sorted(where)}
+    abandoned = set(running)
+    episodes = {k: {"turn": t, "state": st} for k, (a, t, st) in pools.read_episodes(tx).items() if a in abandoned}
+    return prefixes, episodes
+
+
+def _normalize_ledger(tx: Connection, source: Path, step: int, counts: dict[str, int],
+                      saved: dict) -> tuple[list, list]:
     """Phase 6, inside one transaction on the copy."""
     beyond = tx.execute(
         select(func.count()).where(groups_t.c.state == "trained", groups_t.c.trained_step > step)
@@ -386,6 +406,7 @@ def _normalize_ledger(tx: Connection, source: Path, step: int, counts: dict[str,
     running = list(tx.execute(
         select(rollouts_t.c.attempt_id).where(rollouts_t.c.state == "running").order_by(rollouts_t.c.attempt_id)
     ).scalars())
+    saved["prefixes"], saved["episodes"] = _read_saved_progress(tx, running)
     ledger.abandon_attempts(tx, running, "restart")
     counts["abandoned_attempts"] = len(running)
 
@@ -542,12 +563,12 @@ def restore_snapshot(
             with phases("ledger"):
                 if mode:  # invariant 3 before normalization: refuse, never clear by mistake
                     _refuse_on_invariants(conn, source, "before restart normalization")
-        redispatch, to_finalize = [], []
+        redispatch, to_finalize, saved = [], [], {"prefixes": {}, "episodes": {}}
         store = Store(Database(copy, checkpointer=False))
         try:
             with phases("ledger" if mode else "shortfall"), store.atomic() as tx:
                 if mode:
-                    redispatch, to_finalize = _normalize_ledger(tx, source, step, counts)
+                    redispatch, to_finalize = _normalize_ledger(tx, source, step, counts, saved)
                 else:
                     counts.update(abandoned_attempts=0, reserved_to_dispatched=0, published_at_restore=0)
                     _normalize_without_ledger(tx, source, step, groups_per_step, counts)
@@ -584,4 +605,6 @@ def restore_snapshot(
         counts=counts,
         timings=phases.timings,
         env_export=env_export if env_export.is_file() else None,
+        saved_prefixes=saved["prefixes"],
+        saved_episodes=saved["episodes"],
     )

@@ -24,7 +24,8 @@ from rolloutdb.store.errors import SchemaTooNewError
 from rolloutdb.store.invariants import check_invariants
 from rolloutdb.store.manifest import describe_files, read_manifest
 from rolloutdb.store.restore import (
-    PayloadInventoryMismatch, RestoreError, RunMismatch, SnapshotDamaged, SnapshotTooNew, restore_snapshot,
+    PayloadInventoryMismatch, RestoreError, RunMismatch, SnapshotDamaged, SnapshotInconsistent, SnapshotTooNew,
+    restore_snapshot,
 )
 from rolloutdb.store.revision import head_revision
 from rolloutdb.store.selection import NoRestorableSnapshot
@@ -157,6 +158,9 @@ def test_restart_normalization_abandons_running_attempts_publishes_sealed_and_ha
     assert d.reservation == Reservation(5, 0, 105)
     assert plan.counts == {"replay_groups": 1, "abandoned_attempts": 1, "reserved_to_dispatched": 1,
                            "published_at_restore": 1, "payload_rows_cleared": 0, "spare_prompts": 2}
+    ((key, chunks),) = plan.saved_prefixes.items()
+    assert key == (run.B, 1) and [c.token_ids for c in chunks] == [[7, 8]] and chunks[0].max_tokens == 8
+    assert plan.saved_episodes == {f"{run.B}.1-a1": {"turn": 1, "state": {"turn": 1}}}
     assert {"checksums", "schema", "integrity", "run_meta", "replay", "ledger", "spare_and_cursor", "replace"} <= set(plan.timings)
 
     conn = second_connection(run.live)
@@ -271,9 +275,17 @@ def test_a_payload_row_no_ledger_row_references_is_refused_before_normalization(
     assert err.invariant == 3 and f"finalizer {run.t0}" in str(err)
 
 
-def test_a_snapshot_that_saw_training_beyond_its_anchor_is_refused(tmp_path):
+def test_restoring_a_snapshot_over_other_weights_is_refused(tmp_path):
     run = build_ledger_run(tmp_path)
     assert_refused_and_unchanged(run, RestoreError, "anchored to step_1 but the trainer loaded step 2", trainer_step=2)
+
+
+def test_a_snapshot_that_saw_training_beyond_its_anchor_is_refused(tmp_path):
+    run = build_ledger_run(tmp_path)
+    with Store.open(run.live) as store:  # the live store trained A at step 2 after the first cut
+        run.snap = snapshot(run.pub, store, "step_1")
+    err = assert_refused_and_unchanged(run, SnapshotInconsistent, "1 group\\(s\\) trained after step 1")
+    assert err.invariant == 1
 
 
 # --------------------------------------------------------------------------- old revisions
