@@ -31,7 +31,8 @@ when every check has passed, in this order:
    `fsio.replace_file` (fsync, rename, fsync the directory).
 
 Any refusal (a failing disk included) raises a `RestoreError` subclass with a one-line
-message, removes the copy, and leaves the live store file and the snapshot as they were.
+message, removes the copy, and leaves the live store file and the snapshot as they were
+(a disk failing at the final rename finds the live store's stale side files gone).
 
 Reserved groups: a `reserved` group had prompts stamped but no attempt started. Restore
 moves it to `dispatched` with *no* attempt (its policy version set to the anchor's step),
