@@ -1,0 +1,229 @@
+"""Does the embedded task learn? A synchronous GRPO loop, timed.
+
+Each step: sample `groups` prompts, generate `group_size` replies each with a batched
+KV-cache sampler (a separate copy of the policy, standing in for the engine), score them
+with the environment, train one GRPO step, refit the sampler's weights. Prints the reward
+curve, the mean reward of the first and last five steps, and the wall time.
+
+    python bench/grpo_learning_curve.py                       # single turn, defaults
+    python bench/grpo_learning_curve.py --env digits_multiturn
+    python bench/grpo_learning_curve.py --model-dir DIR       # an existing HF model dir
+
+Without --model-dir a tiny random-init Llama and a byte-level BPE tokenizer trained on
+the task's text are built into a temporary directory (the same kind of directory the
+embedded default uses: config.json, model.safetensors, tokenizer files).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from rolloutdb.controller.grpo import GRPOConfig, GRPOTrainer
+from rolloutdb.controller.protocols import Completion, TrainGroup
+from rolloutdb.controller.tasks import DigitPromptDataset, make_environment, tokenizer_corpus
+
+
+def build_model_dir(directory: Path, hidden: int, layers: int, vocab: int, seed: int,
+                    full_alphabet: bool = False) -> Path:
+    """A throwaway policy directory: random-init LlamaForCausalLM + local BPE tokenizer,
+    digits split into single tokens; `full_alphabet` adds all 256 byte tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    tok.decoder = decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet() if full_alphabet else []
+    tok.train_from_iterator(tokenizer_corpus(), trainers.BpeTrainer(
+        vocab_size=vocab, special_tokens=["<pad>", "<s>", "</s>"],
+        initial_alphabet=alphabet, show_progress=False))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                   pad_token="<pad>")
+    cfg = LlamaConfig(vocab_size=len(fast), hidden_size=hidden, intermediate_size=2 * hidden,
+                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=4,
+                      max_position_embeddings=256, tie_word_embeddings=True,
+                      pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(seed)
+    LlamaForCausalLM(cfg).save_pretrained(directory)
+    fast.save_pretrained(directory)
+    return directory
+
+
+@torch.no_grad()
+def sample(model, prompts: list[list[int]], max_tokens: int, eos_id: int | None,
+           gen: torch.Generator, temperature: float = 1.0):
+    """Batched ancestral sampling with a KV cache and left padding. Returns, per prompt,
+    (token ids, logprobs under the sampling distribution); a reply ends after EOS."""
+    from transformers import DynamicCache
+
+    B = len(prompts)
+    P = max(len(p) for p in prompts)
+    ids = torch.zeros((B, P), dtype=torch.long)
+    attn = torch.zeros((B, P), dtype=torch.long)
+    for b, p in enumerate(prompts):
+        ids[b, P - len(p):] = torch.tensor(p)
+        attn[b, P - len(p):] = 1
+    pos = (attn.cumsum(1) - 1).clamp(min=0)
+    cache = DynamicCache()
+    out_tokens = [[] for _ in range(B)]
+    out_lp = [[] for _ in range(B)]
+    done = [False] * B
+    step_ids, step_pos = ids, pos
+    for _ in range(max_tokens):
+        logits = model(input_ids=step_ids, attention_mask=attn, position_ids=step_pos,
+                       cache=cache, use_cache=True).logits[:, -1].float()
+        logp = torch.log_softmax(logits / temperature, dim=-1)
+        nxt = torch.multinomial(logp.exp(), 1, generator=gen).squeeze(1)
+        chosen = logp.gather(1, nxt.unsqueeze(1)).squeeze(1)
+        for b in range(B):
+            if not done[b]:
+                out_tokens[b].append(int(nxt[b]))
+                out_lp[b].append(float(chosen[b]))
+                done[b] = eos_id is not None and int(nxt[b]) == eos_id
+        if all(done):
+            break
+        step_ids = nxt.unsqueeze(1)
+        step_pos = step_pos[:, -1:] + 1
+        attn = torch.cat([attn, torch.ones((B, 1), dtype=torch.long)], dim=1)
+    return list(zip(out_tokens, out_lp))
+
+
+def rollout_groups(model, env, prompt_ids: list[int], group_size: int, max_tokens: int,
+                   eos_id: int | None, gen: torch.Generator, version: int) -> list[TrainGroup]:
+    """Run every episode of every group turn by turn, batching each turn across all
+    episodes; environment tokens enter the completion with loss_mask 0."""
+    episodes = []
+    for pid in prompt_ids:
+        for _ in range(group_size):
+            first, state = env.start(pid)
+            episodes.append({"pid": pid, "prompt": first, "ctx": list(first), "state": state,
+                             "tokens": [], "lp": [], "mask": [], "done": False})
+    for _turn in range(env.max_turns):
+        live = [e for e in episodes if not e["done"]]
+        if not live:
+            break
+        replies = sample(model, [e["ctx"] for e in live], max_tokens, eos_id, gen)
+        for e, (toks, lps) in zip(live, replies):
+            turn, e["state"] = env.step(e["state"], toks)
+            e["tokens"] += toks
+            e["lp"] += lps
+            e["mask"] += [1] * len(toks)
+            obs = list(turn.observation_ids)
+            e["tokens"] += obs
+            e["lp"] += [0.0] * len(obs)
+            e["mask"] += [0] * len(obs)
+            e["ctx"] += toks + obs
+            e["done"] = turn.done
+    groups = []
+    for g, pid in enumerate(prompt_ids):
+        comps = [Completion(e["prompt"], e["tokens"], e["lp"], [version] * len(e["tokens"]),
+                            env.score(e["state"]), e["mask"])
+                 for e in episodes[g * group_size:(g + 1) * group_size]]
+        groups.append(TrainGroup(group_id=g, prompt_id=pid, completions=comps))
+    return groups
+
+
+def run(args) -> dict:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.set_num_threads(args.threads)
+    tmp = None
+    model_dir = args.model_dir
+    if model_dir is None:
+        tmp = tempfile.TemporaryDirectory()
+        model_dir = build_model_dir(Path(tmp.name), args.hidden, args.layers, args.vocab,
+                                    args.seed, args.full_alphabet)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    dataset = DigitPromptDataset(size=args.dataset_size, n_digits=args.n_digits, seed=args.seed)
+    env = make_environment(args.env, dataset, tokenizer, kind=args.task, turns=args.turns)
+    trainer = GRPOTrainer(model_dir, GRPOConfig(lr=args.lr, clip_eps=args.clip_eps,
+                                                seed=args.seed))
+    sampler = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    n_params = sum(p.numel() for p in trainer.model.parameters())
+    gen = torch.Generator().manual_seed(args.seed)
+    order = random.Random(args.seed)
+    curve = []
+    t0 = time.perf_counter()
+    gen_time = train_time = 0.0
+    for step in range(args.steps):
+        t = time.perf_counter()
+        pids = [order.randrange(len(dataset)) for _ in range(args.groups)]
+        groups = rollout_groups(sampler, env, pids, args.group_size, args.max_tokens,
+                                tokenizer.eos_token_id, gen, trainer.step)
+        gen_time += time.perf_counter() - t
+        t = time.perf_counter()
+        metrics = trainer.train_step(groups)
+        sampler.load_state_dict(trainer.export_weights())  # refit
+        train_time += time.perf_counter() - t
+        curve.append(metrics["reward_mean"])
+        if args.verbose and (step % 10 == 0 or step == args.steps - 1):
+            print(f"step {step:4d} reward {metrics['reward_mean']:.3f} "
+                  f"clip {metrics['clip_fraction']:.3f} t={time.perf_counter() - t0:.1f}s",
+                  file=sys.stderr)
+    wall = time.perf_counter() - t0
+    if args.verbose:
+        for c in [g.completions[0] for g in groups]:
+            print(repr(tokenizer.decode(c.prompt_ids)), "->", repr(tokenizer.decode(c.token_ids)),
+                  round(c.reward, 2), file=sys.stderr)
+    k = min(5, len(curve))
+    result = {
+        "settings": {k2: (str(v) if isinstance(v, Path) else v) for k2, v in vars(args).items()},
+        "params": n_params,
+        "first5": sum(curve[:k]) / k,
+        "last5": sum(curve[-k:]) / k,
+        "wall_s": round(wall, 1),
+        "generate_s": round(gen_time, 1),
+        "train_s": round(train_time, 1),
+        "curve": [round(r, 3) for r in curve],
+    }
+    if tmp is not None:
+        tmp.cleanup()
+    return result
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model-dir", type=Path)
+    p.add_argument("--env", default="digits", choices=["digits", "digits_multiturn"])
+    p.add_argument("--task", default="copy", choices=["copy", "successor", "reverse"])
+    p.add_argument("--n-digits", type=int, default=3)
+    p.add_argument("--turns", type=int, default=3)
+    p.add_argument("--dataset-size", type=int, default=4096)
+    p.add_argument("--group-size", type=int, default=8)
+    p.add_argument("--groups", type=int, default=8, help="groups per step")
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--clip-eps", type=float, default=0.2)
+    p.add_argument("--max-tokens", type=int, default=6, help="per turn")
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--vocab", type=int, default=300)
+    p.add_argument("--full-alphabet", action="store_true",
+                   help="throwaway tokenizer keeps all 256 byte tokens")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--verbose", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the result as one JSON line")
+    args = p.parse_args(argv)
+    result = run(args)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print("curve:", " ".join(f"{r:.2f}" for r in result["curve"]))
+        print(f"params {result['params']}  reward first5 {result['first5']:.3f} -> last5 "
+              f"{result['last5']:.3f}  wall {result['wall_s']}s (generate "
+              f"{result['generate_s']}s, train {result['train_s']}s)")
+
+
+if __name__ == "__main__":
+    main()
