@@ -107,8 +107,12 @@ class TrainerCheckpoints:
         self.trainer.save_checkpoint(tmp)
 
     def publish_bootstrap(self) -> None:
+        """Once per run directory: a resumed run keeps the bootstrap it has."""
+        from rolloutdb.store.layout import BOOTSTRAP, scan
+
         with self.save_lock:
-            self.publisher.publish_bootstrap(self._write)
+            if BOOTSTRAP not in scan(self.publisher.root).durable_anchor_names():
+                self.publisher.publish_bootstrap(self._write)
 
     def maybe_publish(self, step: int) -> bool:
         if not self.config.enabled or step % self.config.interval_steps:

@@ -24,7 +24,7 @@ from rolloutdb.controller.run_log import MetricsLog, ProgressBar, plot_rewards, 
 from rolloutdb.controller.sampler import PromptOrder, StalenessBound
 from rolloutdb.controller.snapshotter import Snapshotter
 from rolloutdb.controller.train_pump import TrainPump
-from rolloutdb.store import Store
+from rolloutdb.store import Store, faults
 from rolloutdb.store.trace import open_tracer
 
 
@@ -69,17 +69,9 @@ class Controller:
 
             self.store, self.restored = restore_run(self)
         else:
-            self.store = Store.create(
-                self.dirs.store,
-                config_fingerprint=cfg.fingerprint(),
-                dataset_fingerprint=self.dataset.fingerprint(),
-                ledger_dispatch=cfg.ledger_dispatch,
-                replay_capacity=cfg.algorithm.replay_capacity,
-                seed=cfg.run.seed,
-            )
+            self.store = self.create_store()
         self.checkpoints = components.TrainerCheckpoints(cfg, self.trainer, self.publisher, self.runtime.save_lock)
-        if not self.resume:
-            self.checkpoints.publish_bootstrap()
+        self.checkpoints.publish_bootstrap()
         self.bar = ProgressBar(cfg.algorithm.total_steps, enabled=cfg.logging.progress, start_step=self.trainer.step)
         if cfg.ledger_dispatch:
             dispatcher = LedgerDispatch()
@@ -108,14 +100,30 @@ class Controller:
                 config_text=cfg.to_yaml(),
             )
 
+    def create_store(self) -> Store:
+        cfg = self.config
+        return Store.create(
+            self.dirs.store,
+            config_fingerprint=cfg.fingerprint(),
+            dataset_fingerprint=self.dataset.fingerprint(),
+            ledger_dispatch=cfg.ledger_dispatch,
+            replay_capacity=cfg.algorithm.replay_capacity,
+            seed=cfg.run.seed,
+        )
+
     def _log(self, event: dict) -> None:
         self.metrics.write(event)
         if event.get("kind") == "train_step":
             self.bar.update(event)
 
     def _step_done(self, step: int) -> None:
-        if self.checkpoints.maybe_publish(step) and self.snapshotter is not None:
-            self.snapshotter.wake(force=True)  # snapshot anchored to the new checkpoint
+        """After a trainer checkpoint, snapshot the rollout state anchored to it at once,
+        on the train pump's thread: no optimizer commit can intervene, so every durable
+        step gets its snapshot unless the process dies in between."""
+        with self.runtime.save_lock:
+            if self.checkpoints.maybe_publish(step) and self.snapshotter is not None:
+                faults.point("train.after_checkpoint")
+                self.snapshotter.attempt(force=True)
 
     # ------------------------------------------------------------------ run
 

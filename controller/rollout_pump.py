@@ -23,7 +23,7 @@ from rolloutdb.controller.dispatch import GroupHandle
 from rolloutdb.controller.episodes import EpisodeSpec, call_seed, run_episodes
 from rolloutdb.controller.parts import RolloutParts
 from rolloutdb.gpu_capture.protocol import SamplingParams
-from rolloutdb.store import FinishedGeneration, ReplayFullError, Reservation, codec, pools
+from rolloutdb.store import FinishedGeneration, ReplayFullError, Reservation, codec, faults, pools
 from rolloutdb.store.schema import T
 from sqlalchemy import func, select
 
@@ -101,8 +101,10 @@ class RolloutPump:
                 pools.set_shortfall(tx, step, needed - n)
         if not handles:
             return []
+        faults.point("pump.after_reserve")
         with self.p.store.atomic() as tx:
             self.p.dispatcher.dispatch(tx, handles, policy_version=progress.policy_version)
+        faults.point("pump.after_dispatch")
         self._trace_dispatch(handles)
         return handles
 
@@ -151,7 +153,8 @@ class RolloutPump:
             )
         with self.p.store.atomic() as tx:
             for g in wave:
-                self.p.dispatcher.finish(tx, g, finished[g.group_id])
+                self.p.dispatcher.finish(tx, g, finished.get(g.group_id, {}))
+        faults.point("pump.after_finish")
         self._trace_finished(owners, results)
         keep, drop = self._split_by_variance(wave)
         if drop:
@@ -159,6 +162,7 @@ class RolloutPump:
                 self.p.dispatcher.discard(tx, drop, reason=ZERO_VARIANCE)
                 for g in drop:
                     pools.add_shortfall(tx, g.target_step, 1)
+            faults.point("pump.after_discard")
         self._publish(keep)
         self.p.log_event(
             {
@@ -202,6 +206,7 @@ class RolloutPump:
             except ReplayFullError:
                 self.p.runtime.wait(IDLE_WAIT_S)  # the train pump frees permits
                 continue
+            faults.point("pump.after_publish")
             self._trace("group_published", pending)
             pending = []
 

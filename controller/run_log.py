@@ -77,6 +77,13 @@ class ProgressBar:
         sys.stderr.flush()
 
 
+def latest_per_step(steps: list[dict]) -> list[dict]:
+    """A resumed run trains the steps after its snapshot again; the last record of each
+    step is the one that counts."""
+    by_step = {e["step"]: e for e in steps}
+    return [by_step[k] for k in sorted(by_step)]
+
+
 def plot_rewards(steps: list[dict], out: Path) -> Path:
     import matplotlib
 
@@ -84,6 +91,7 @@ def plot_rewards(steps: list[dict], out: Path) -> Path:
     import matplotlib.pyplot as plt
 
     out.parent.mkdir(parents=True, exist_ok=True)
+    steps = latest_per_step(steps)
     xs = [e["step"] for e in steps]
     ys = [e["reward_mean"] for e in steps]
     fig, ax = plt.subplots(figsize=(6, 3.5))
@@ -99,7 +107,7 @@ def plot_rewards(steps: list[dict], out: Path) -> Path:
 
 
 def summary_line(steps: list[dict]) -> str:
-    ordered = sorted(steps, key=lambda e: e["step"])
+    ordered = latest_per_step(steps)
     if not ordered:
         return "no train steps completed"
     first = [e["reward_mean"] for e in ordered[:5]]

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 from rolloutdb.controller.env_checkpoint import EnvironmentCheckpoint, NoEnvironmentCheckpoint
 from rolloutdb.controller.parts import RolloutParts
+from rolloutdb.store import faults
 from rolloutdb.store.layout import anchor_name, scan
 from rolloutdb.store.publish import Publisher
 
@@ -139,6 +140,7 @@ class Snapshotter:
                 return AttemptResult("failed", anchor, timings=timings, error=f"{type(e).__name__}: {e}")
         finally:
             self.env.resume()  # dispatch reopens before any fsync of the snapshot
+        faults.point("snapshot.after_cut")
         timings.update({f"cut_{k}": v for k, v in capture.timings.items()})
         export = capture.check_result
         t_pub = time.perf_counter()

@@ -17,7 +17,7 @@ from sqlalchemy import select
 from rolloutdb.controller.episodes import ENV_TOKEN_VERSION
 from rolloutdb.controller.parts import RolloutParts
 from rolloutdb.controller.protocols import Completion, TrainGroup
-from rolloutdb.store import codec
+from rolloutdb.store import codec, faults
 from rolloutdb.store.schema import T
 
 POLL_S = 0.5
@@ -105,6 +105,7 @@ class TrainPump:
             metrics = self.p.trainer.train_step(groups)
             with self.p.store.atomic() as tx:
                 self.p.dispatcher.trained(tx, ids, step=step)
+        faults.point("train.after_commit")
         self.p.engine.load_weights(self.p.trainer.export_weights(), step)
         t1 = time.time()
         self.p.runtime.notify()

@@ -132,6 +132,7 @@ class Config(Section):
     def fingerprint(self) -> str:
         """Hash of what a restore must match: the settings that shape rollout state."""
         keyed = {k: getattr(self, k).model_dump() for k in ("algorithm", "policy", "generation", "environment")}
+        keyed["algorithm"].pop("total_steps")  # a resumed run may train for longer
         keyed["run"] = {"seed": self.run.seed}
         return hashlib.sha256(json.dumps(keyed, sort_keys=True).encode()).hexdigest()[:16]
 

@@ -50,6 +50,22 @@ POINTS: tuple[str, ...] = (
     "retention.after_rmtree",
 )
 
+# Kill points of the controller (rolloutdb.controller), between the pumps' transactions
+# and around restore: the crash harness kills the main job at each of them.
+CONTROLLER_POINTS: tuple[str, ...] = (
+    "pump.after_reserve",
+    "pump.after_dispatch",
+    "pump.after_finish",
+    "pump.after_discard",
+    "pump.after_publish",
+    "train.after_commit",
+    "train.after_checkpoint",
+    "snapshot.after_cut",
+    "resume.after_restore",
+)
+
+ALL_POINTS = POINTS + CONTROLLER_POINTS
+
 IO_OPS = ("write", "fsync", "rename")
 
 _armed = False
@@ -77,8 +93,8 @@ def arm_from_env() -> None:
     spec = os.environ.get(ENV, "").strip()
     for item in filter(None, (s.strip() for s in spec.split(","))):
         name, _, nth = item.partition("@")
-        if name not in POINTS:
-            raise ValueError(f"{ENV}={spec!r}: unknown fault point {name!r}; known: {', '.join(POINTS)}")
+        if name not in ALL_POINTS:
+            raise ValueError(f"{ENV}={spec!r}: unknown fault point {name!r}; known: {', '.join(ALL_POINTS)}")
         _kill_at[name] = int(nth) if nth else 1
     _armed = bool(_kill_at or _io)
 
@@ -91,7 +107,7 @@ def point(name: str) -> None:
 
 
 def _point_armed(name: str) -> None:
-    assert name in POINTS, name
+    assert name in ALL_POINTS, name
     with _lock:
         _hits[name] = _hits.get(name, 0) + 1
         due = _kill_at.get(name) == _hits[name]

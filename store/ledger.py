@@ -274,6 +274,8 @@ def _drop_attempt_payloads(conn: Connection, attempt_ids: list[int]) -> None:
 def write_samples(conn: Connection, rows: Sequence[tuple[int, int, int, FinishedGeneration]]) -> None:
     """Insert `samples` rows: (group id, generation index, prompt id, generation).
     Used directly by no-ledger dispatch, where there are no attempt rows."""
+    if not rows:
+        return
     now = time.time()
     conn.execute(
         _INSERT_SAMPLES,

@@ -37,3 +37,8 @@ def second_connection():
     yield _open
     for conn in opened:
         conn.close()
+
+# Test helpers that are modules (crash_harness, publish_child) import by name.
+import sys as _sys
+
+_sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -21,6 +21,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--config", required=True, type=Path, help="YAML config file (see docs/config.md)")
     p.add_argument("--run-dir", type=Path, default=None, help="run directory (default: runs/<config name>)")
+    p.add_argument(
+        "--resume",
+        nargs="?",
+        const="latest",
+        default=None,
+        metavar="latest|SNAPSHOT_DIR",
+        help="continue the run in --run-dir from its newest usable rollout snapshot (or the one given)",
+    )
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted config overrides, e.g. algorithm.total_steps=5")
     p.set_defaults(func=run)
 
@@ -29,15 +37,22 @@ def run(args: argparse.Namespace) -> int:
     from rolloutdb.controller.controller import Controller
     from rolloutdb.controller.run_dir import RunDir
 
+    if args.resume and "=" in args.resume and not Path(args.resume).is_dir():
+        # `--resume KEY=VALUE ...`: the optional value swallowed the first override.
+        args.overrides.insert(0, args.resume)
+        args.resume = "latest"
     try:
         config = load_config(args.config, args.overrides)
     except ConfigError as e:
         raise ValueError(str(e)) from None
     run_dir = args.run_dir or Path("runs") / config.run.name
-    if RunDir(run_dir).has_run():
-        raise ValueError(f"{run_dir} already holds a run; choose another --run-dir or delete it")
-    print(f"rolloutdb: training {config.run.name} in {run_dir}", file=sys.stderr)
-    summary = Controller(config, run_dir).run()
+    resume = args.resume or config.checkpointing.resume
+    if resume and not RunDir(run_dir).has_run():
+        raise ValueError(f"{run_dir} holds no run to resume; drop --resume to start one there")
+    if not resume and RunDir(run_dir).has_run():
+        raise ValueError(f"{run_dir} already holds a run; pass --resume to continue it, or choose another --run-dir")
+    print(f"rolloutdb: {'resuming' if resume else 'training'} {config.run.name} in {run_dir}", file=sys.stderr)
+    summary = Controller(config, run_dir, resume=resume).run()
     if summary.plot is not None:
         print(f"reward curve: {summary.plot}", file=sys.stderr)
     print(summary.line)

@@ -1,0 +1,56 @@
+"""Kill the main job anywhere, resume, lose nothing: the crash harness over real
+subprocesses (see tests/crash_harness.py for what is checked after each kill and over
+the whole chain)."""
+
+from __future__ import annotations
+
+import random
+import time
+from pathlib import Path
+
+import pytest
+
+from crash_harness import check_after_kill, run_chain  # noqa: F401
+from rolloutdb.store import faults
+
+CONTROLLER_SOURCES = Path(__file__).resolve().parents[1] / "controller"
+
+
+def test_every_controller_fault_point_is_called_in_the_controller():
+    source = "".join(p.read_text() for p in CONTROLLER_SOURCES.glob("*.py"))
+    for point in faults.CONTROLLER_POINTS:
+        assert f'faults.point("{point}")' in source, point
+
+
+def test_killing_the_main_job_at_fault_points_and_random_moments_loses_nothing(tmp_path):
+    """Quick tier: >= 10 kills in one chain."""
+    rng = random.Random(11)
+    plan = [(f"{p}@{1 + rng.randrange(2)}", None) for p in faults.CONTROLLER_POINTS if p != "resume.after_restore"]
+    plan.insert(3, ("resume.after_restore", None))  # kills a resume in the middle of the chain
+    plan += [(None, rng.uniform(0.2, 2.5)) for _ in range(3)]
+    result = run_chain(tmp_path / "run", plan)
+    assert not result.problems, result.problems
+    assert result.finished
+    assert result.kills >= 10, f"only {result.kills} kills landed: {result.killed_at}"
+    assert result.restores, "no resume restored a snapshot"
+
+
+@pytest.mark.slow
+def test_hundreds_of_kills_over_many_chains_never_lose_or_duplicate_a_prompt(tmp_path):
+    """Long tier: >= 200 kills. Run with `python -m pytest -m slow tests/test_crash_resume.py`;
+    the result is recorded in RELIABILITY.md."""
+    started = time.time()
+    total_kills, chains = 0, 0
+    points = list(faults.CONTROLLER_POINTS) + list(faults.POINTS)
+    seed = 0
+    while total_kills < 200:
+        rng = random.Random(seed)
+        plan = [(f"{p}@{1 + rng.randrange(3)}", None) for p in rng.sample(points, 8)]
+        plan += [(None, rng.uniform(0.0, 3.0)) for _ in range(8)]
+        rng.shuffle(plan)
+        result = run_chain(tmp_path / f"chain{seed}", plan)
+        assert not result.problems, (seed, result.problems)
+        total_kills += result.kills
+        chains += 1
+        seed += 1
+    print(f"\nlong tier: {total_kills} kills over {chains} chains in {time.time() - started:.0f} s")
