@@ -135,6 +135,7 @@ class Controller:
             if self.snapshotter is not None:
                 self.snapshotter.wake(force=True)  # the first snapshot right away
                 threads.append(threading.Thread(target=self.snapshotter.run, name="snapshot-pump", daemon=True))
+            pumps_started = time.perf_counter()
             for t in threads:
                 t.start()
             try:
@@ -148,11 +149,21 @@ class Controller:
                     self.snapshotter.wake()
                 for t in threads:
                     t.join(timeout=60)
+                self._log_store_share(time.perf_counter() - pumps_started)
         finally:
             self.close()
         if self.runtime.error is not None:
             raise self.runtime.error
         return self.finish(time.time() - t0)
+
+    def _log_store_share(self, pumps_wall_s: float) -> None:
+        """How much of each pump's wall time went into store transactions."""
+        clock = self.store.tx_time
+        shares = {
+            name: {"transactions": int(n), "store_s": round(sec, 4), "share": round(sec / pumps_wall_s, 5)}
+            for name, (n, sec) in clock.totals.items()
+        }
+        self.metrics.write({"kind": "store_share", "t": time.time(), "pumps_wall_s": pumps_wall_s, "threads": shares})
 
     def finish(self, wall_s: float) -> RunSummary:
         steps = read_metrics(self.dirs.metrics, "train_step")

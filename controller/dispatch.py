@@ -57,8 +57,8 @@ class LedgerDispatch:
         group.attempts = {**(group.attempts or {}), **dict(zip(generations, ids))}
         group.policy_version = policy_version
 
-    def finish(self, tx: Connection, group: GroupHandle, finished: dict[int, FinishedGeneration]) -> None:
-        ledger.finish_attempts(tx, [(group.attempts[i], gen) for i, gen in finished.items()])
+    def finish(self, tx: Connection, wave: Sequence[tuple[GroupHandle, dict[int, FinishedGeneration]]]) -> None:
+        ledger.finish_attempts(tx, [(g.attempts[i], gen) for g, finished in wave for i, gen in finished.items()])
 
     def publish(self, tx: Connection, groups: Sequence[GroupHandle]) -> None:
         ids = [g.group_id for g in groups]
@@ -98,9 +98,9 @@ class NoLedgerDispatch:
     def redispatch(self, tx: Connection, group: GroupHandle, generations: Sequence[int], *, policy_version: int) -> None:
         raise RuntimeError("no-ledger dispatch has no restored in-flight groups to redispatch")
 
-    def finish(self, tx: Connection, group: GroupHandle, finished: dict[int, FinishedGeneration]) -> None:
+    def finish(self, tx: Connection, wave: Sequence[tuple[GroupHandle, dict[int, FinishedGeneration]]]) -> None:
         ledger.write_samples(
-            tx, [(group.group_id, i, group.reservation.prompt_id, gen) for i, gen in finished.items()]
+            tx, [(g.group_id, i, g.reservation.prompt_id, gen) for g, finished in wave for i, gen in finished.items()]
         )
 
     def publish(self, tx: Connection, groups: Sequence[GroupHandle]) -> None:

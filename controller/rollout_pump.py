@@ -84,8 +84,13 @@ class RolloutPump:
         return max([t for t in tops if t is not None] + [self.p.read_progress().step])
 
     def _next_wave(self) -> list[GroupHandle]:
+        """Stamp and dispatch the next wave in one transaction (reserve, then dispatch:
+        the ledger records both states, one cut covers them). An idle poll writes
+        nothing, so it does not move the mutation counter."""
         progress = self.p.read_progress()
         last_step = self.p.bound.last_admissible_step(progress.policy_version)
+        if self._last_opened >= last_step and not self._has_work(last_step):
+            return []
         handles: list[GroupHandle] = []
         with self.p.store.atomic() as tx:
             while self._last_opened < last_step:
@@ -99,14 +104,16 @@ class RolloutPump:
                 prompts = self._take_prompts(tx, n)
                 handles += self.p.dispatcher.reserve(tx, prompts, step=step, num_generations=self.group_size)
                 pools.set_shortfall(tx, step, needed - n)
-        if not handles:
-            return []
-        faults.point("pump.after_reserve")
-        with self.p.store.atomic() as tx:
-            self.p.dispatcher.dispatch(tx, handles, policy_version=progress.policy_version)
-        faults.point("pump.after_dispatch")
-        self._trace_dispatch(handles)
+            if handles:
+                self.p.dispatcher.dispatch(tx, handles, policy_version=progress.policy_version)
+        if handles:
+            faults.point("pump.after_dispatch")
+            self._trace_dispatch(handles)
         return handles
+
+    def _has_work(self, last_step: int) -> bool:
+        with self.p.store.atomic(mutation=False) as tx:
+            return any(step <= last_step for step in pools.get_shortfall(tx))
 
     def _take_prompts(self, tx, n: int) -> list[Reservation]:
         """Spare pool first, then whole dataloader batches; leftovers become spares."""
@@ -151,18 +158,18 @@ class RolloutPump:
                 reward=res.reward,
                 version_token_counts=codec.version_runs(res.token_versions),
             )
+        # One cut: the samples land, and groups whose rewards carry no signal are
+        # discarded with their step's shortfall raised, so a snapshot never sees one
+        # without the other.
         with self.p.store.atomic() as tx:
-            for g in wave:
-                self.p.dispatcher.finish(tx, g, finished.get(g.group_id, {}))
-        faults.point("pump.after_finish")
-        self._trace_finished(owners, results)
-        keep, drop = self._split_by_variance(wave)
-        if drop:
-            with self.p.store.atomic() as tx:
+            self.p.dispatcher.finish(tx, [(g, finished.get(g.group_id, {})) for g in wave])
+            keep, drop = self._split_by_variance(tx, wave)
+            if drop:
                 self.p.dispatcher.discard(tx, drop, reason=ZERO_VARIANCE)
                 for g in drop:
                     pools.add_shortfall(tx, g.target_step, 1)
-            faults.point("pump.after_discard")
+        faults.point("pump.after_finish")
+        self._trace_finished(owners, results)
         self._publish(keep)
         self.p.log_event(
             {
@@ -180,15 +187,15 @@ class RolloutPump:
         )
         self.p.runtime.notify()
 
-    def _split_by_variance(self, wave: list[GroupHandle]) -> tuple[list[GroupHandle], list[GroupHandle]]:
+    def _split_by_variance(self, tx, wave: list[GroupHandle]) -> tuple[list[GroupHandle], list[GroupHandle]]:
+        """Rewards come from the store: a restored group's earlier generations are there."""
         if not self.p.config.algorithm.discard_zero_variance:
             return wave, []
-        with self.p.store.atomic(mutation=False) as tx:
-            rows = tx.execute(
-                select(T["samples"].c.group_id, T["samples"].c.reward).where(
-                    T["samples"].c.group_id.in_([g.group_id for g in wave])
-                )
-            ).all()
+        rows = tx.execute(
+            select(T["samples"].c.group_id, T["samples"].c.reward).where(
+                T["samples"].c.group_id.in_([g.group_id for g in wave])
+            )
+        ).all()
         rewards: dict[int, list[float]] = {}
         for gid, r in rows:
             rewards.setdefault(gid, []).append(r)

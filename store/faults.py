@@ -53,10 +53,8 @@ POINTS: tuple[str, ...] = (
 # Kill points of the controller (rolloutdb.controller), between the pumps' transactions
 # and around restore: the crash harness kills the main job at each of them.
 CONTROLLER_POINTS: tuple[str, ...] = (
-    "pump.after_reserve",
     "pump.after_dispatch",
     "pump.after_finish",
-    "pump.after_discard",
     "pump.after_publish",
     "train.after_commit",
     "train.after_checkpoint",

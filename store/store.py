@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import json
 import sqlite3
+import threading
 import time
 import uuid
 from collections.abc import Iterator, Sequence
@@ -37,12 +38,32 @@ from .schema import T
 _BUMP = update(T["run_meta"]).values(mutation_counter=T["run_meta"].c.mutation_counter + 1)
 
 
+class TransactionClock:
+    """Per-thread count and total seconds of store transactions; optionally every
+    latency (for benchmarks). Cheap: a dict update per transaction."""
+
+    def __init__(self) -> None:
+        self.totals: dict[str, list[float]] = {}
+        self.samples: list[float] | None = None
+
+    def add(self, seconds: float) -> None:
+        entry = self.totals.setdefault(threading.current_thread().name, [0, 0.0])
+        entry[0] += 1
+        entry[1] += seconds
+        if self.samples is not None:
+            self.samples.append(seconds)
+
+    def seconds(self, thread_name: str) -> float:
+        return self.totals.get(thread_name, [0, 0.0])[1]
+
+
 class Store:
     """A handle on a live store file. Thread-safe: one writer connection under a lock."""
 
     def __init__(self, db: Database):
         self.db = db
         self.path = db.path
+        self.tx_time = TransactionClock()
 
     # ------------------------------------------------------------ lifecycle
 
@@ -112,11 +133,15 @@ class Store:
     @contextlib.contextmanager
     def atomic(self, *, mutation: bool = True) -> Iterator[Connection]:
         """The one way to change the store. `mutation=False` is for bookkeeping that a
-        snapshot need not capture (snapshot-attempt outcomes)."""
+        snapshot need not capture (snapshot-attempt outcomes). Each outermost
+        transaction's wall time, lock wait included, is added to `tx_time` under the
+        calling thread's name (what the pumps pay for the store)."""
+        t0 = time.perf_counter()
         with self.db.atomic() as tx:
             yield tx
             if mutation:
                 tx.execute(_BUMP)
+        self.tx_time.add(time.perf_counter() - t0)
 
     def read(self):
         """A consistent read transaction on its own connection (see `Database.read`)."""
