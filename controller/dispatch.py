@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from sqlalchemy import Connection, func, select
 
@@ -36,6 +36,8 @@ class GroupHandle:
     policy_version: int = -1
     # attempt id per generation index (ledger dispatch); None without the ledger
     attempts: dict[int, int | None] | None = None
+    # attempt number (0, 1, ...) per generation index: what the trace matches runs by
+    attempt_numbers: dict[int, int] = field(default_factory=dict)
 
 
 class LedgerDispatch:
@@ -50,11 +52,15 @@ class LedgerDispatch:
         for g in groups:
             g.policy_version = policy_version
             g.attempts = {i: next(attempt_ids) for i in range(g.num_generations)}
+            g.attempt_numbers = {i: 0 for i in range(g.num_generations)}
 
     def redispatch(self, tx: Connection, group: GroupHandle, generations: Sequence[int], *, policy_version: int) -> None:
         """New attempts for the generations of a restored group that did not finish."""
         ids = ledger.start_attempts(tx, [(group.group_id, i) for i in generations], policy_version=policy_version)
         group.attempts = {**(group.attempts or {}), **dict(zip(generations, ids))}
+        rollouts = T["rollouts"]
+        numbers = dict(tx.execute(select(rollouts.c.attempt_id, rollouts.c.attempt).where(rollouts.c.attempt_id.in_(ids))).all())
+        group.attempt_numbers = {i: numbers[a] for i, a in zip(generations, ids)}
         group.policy_version = policy_version
 
     def finish(self, tx: Connection, wave: Sequence[tuple[GroupHandle, dict[int, FinishedGeneration]]]) -> None:

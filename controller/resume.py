@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from rolloutdb.controller.dispatch import GroupHandle
+from rolloutdb.controller.tracing import RolloutTrace
 from rolloutdb.store import Store, faults
 from rolloutdb.store.layout import BOOTSTRAP, scan
 from rolloutdb.store.manifest import KIND_TRAINER
@@ -81,6 +82,7 @@ def restore_run(ctl) -> tuple[Store, list[tuple[GroupHandle, list[int]]]]:
             "restore_s": time.time() - t0,
         }
     )
+    RolloutTrace(ctl.tracer).abandoned(_abandoned_at_restore(store, t0), "restart")
     ctl.tracer.emit(
         "restore_done",
         step=ctl.trainer.step,
@@ -97,6 +99,17 @@ def restore_run(ctl) -> tuple[Store, list[tuple[GroupHandle, list[int]]]]:
         file=sys.stderr,
     )
     return store, restored
+
+
+def _abandoned_at_restore(store: Store, since: float) -> list[tuple]:
+    """The attempts this restore's normalization abandoned (reason `restart`)."""
+    with store.atomic(mutation=False) as tx:
+        return tx.exec_driver_sql(
+            "SELECT r.group_id, g.prompt_id, r.generation_index, r.attempt, g.target_step "
+            "FROM rollouts r JOIN prompt_groups g ON g.group_id = r.group_id "
+            "WHERE r.state = 'abandoned' AND r.abandon_reason = 'restart' AND r.ended_at >= ?",
+            (since,),
+        ).all()
 
 
 def _drop_abandoned_future(checkpoint_dir: Path, step: int) -> list[str]:

@@ -22,6 +22,7 @@ import numpy as np
 from rolloutdb.controller.dispatch import GroupHandle
 from rolloutdb.controller.episodes import EpisodeSpec, call_seed, run_episodes
 from rolloutdb.controller.parts import RolloutParts
+from rolloutdb.controller.tracing import RolloutTrace
 from rolloutdb.gpu_capture.protocol import SamplingParams
 from rolloutdb.store import FinishedGeneration, ReplayFullError, Reservation, codec, faults, pools
 from rolloutdb.store.schema import T
@@ -47,6 +48,7 @@ class RolloutPump:
         )
         # (group, generation indices still to run) for groups a restore handed back
         self._restored = list(restored)
+        self.trace = RolloutTrace(parts.tracer)
         self._last_opened = self._derive_last_opened()
 
     # ------------------------------------------------------------------ loop
@@ -108,7 +110,8 @@ class RolloutPump:
                 self.p.dispatcher.dispatch(tx, handles, policy_version=progress.policy_version)
         if handles:
             faults.point("pump.after_dispatch")
-            self._trace_dispatch(handles)
+            self.trace.reserved(handles, self.group_size)
+            self.trace.dispatched(handles)
         return handles
 
     def _has_work(self, last_step: int) -> bool:
@@ -135,7 +138,7 @@ class RolloutPump:
         with self.p.store.atomic() as tx:
             for group, generations in wave:
                 self.p.dispatcher.redispatch(tx, group, generations, policy_version=version)
-        self._trace_dispatch([g for g, _ in wave])
+        self.trace.dispatched([g for g, _ in wave])
         return [g for g, _ in wave]
 
     # ------------------------------------------------------------------ generation
@@ -169,7 +172,8 @@ class RolloutPump:
                 for g in drop:
                     pools.add_shortfall(tx, g.target_step, 1)
         faults.point("pump.after_finish")
-        self._trace_finished(owners, results)
+        self.trace.finished(owners, results)
+        self.trace.discarded(drop, ZERO_VARIANCE)
         self._publish(keep)
         self.p.log_event(
             {
@@ -210,46 +214,23 @@ class RolloutPump:
             try:
                 with self.p.store.atomic() as tx:
                     self.p.dispatcher.publish(tx, pending)
+                    counts = self._version_counts(tx, pending) if self.trace else {}
             except ReplayFullError:
                 self.p.runtime.wait(IDLE_WAIT_S)  # the train pump frees permits
                 continue
             faults.point("pump.after_publish")
-            self._trace("group_published", pending)
+            self.trace.published(pending, counts)
             pending = []
 
-    # ------------------------------------------------------------------ trace
-
-    def _trace(self, event: str, groups: Sequence[GroupHandle], **fields) -> None:
-        if self.p.tracer is None:
-            return
-        for g in groups:
-            self.p.tracer.emit(event, group_id=g.group_id, prompt_id=g.reservation.prompt_id, step=g.target_step, **fields)
-
-    def _trace_dispatch(self, groups: Sequence[GroupHandle]) -> None:
-        if self.p.tracer is None:
-            return
-        for g in groups:
-            for i, attempt_id in (g.attempts or {}).items():
-                self.p.tracer.emit(
-                    "attempt_dispatched",
-                    group_id=g.group_id,
-                    prompt_id=g.reservation.prompt_id,
-                    generation_index=i,
-                    attempt=attempt_id,
-                    step=g.target_step,
-                    policy_version=g.policy_version,
-                )
-
-    def _trace_finished(self, owners, results) -> None:
-        if self.p.tracer is None:
-            return
-        for (g, i), res in zip(owners, results):
-            self.p.tracer.emit(
-                "rollout_finished",
-                group_id=g.group_id,
-                prompt_id=g.reservation.prompt_id,
-                generation_index=i,
-                step=g.target_step,
-                reward=res.reward,
-                tokens=len(res.token_ids),
-            )
+    def _version_counts(self, tx, groups: list[GroupHandle]) -> dict[int, dict[int, int]]:
+        """Tokens per policy version of each group, over all its samples."""
+        s = T["samples"]
+        out: dict[int, dict[int, int]] = {}
+        rows = tx.execute(
+            select(s.c.group_id, s.c.version_token_counts).where(s.c.group_id.in_([g.group_id for g in groups]))
+        ).all()
+        for gid, text in rows:
+            counts = out.setdefault(gid, {})
+            for v, n in codec.decode_version_counts(text):
+                counts[v] = counts.get(v, 0) + n
+        return out

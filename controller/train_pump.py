@@ -17,6 +17,7 @@ from sqlalchemy import select
 from rolloutdb.controller.episodes import ENV_TOKEN_VERSION
 from rolloutdb.controller.parts import RolloutParts
 from rolloutdb.controller.protocols import Completion, TrainGroup
+from rolloutdb.controller.tracing import RolloutTrace
 from rolloutdb.store import codec, faults
 from rolloutdb.store.schema import T
 
@@ -44,6 +45,7 @@ class TrainPump:
         on_step_done: Callable[[int], None] | None = None,
     ):
         self.p = parts
+        self.trace = RolloutTrace(parts.tracer)
         self.on_step_done = on_step_done or (lambda step: None)
 
     def run(self) -> None:
@@ -106,15 +108,15 @@ class TrainPump:
             with self.p.store.atomic() as tx:
                 self.p.dispatcher.trained(tx, ids, step=step)
         faults.point("train.after_commit")
+        running = {rid: len(toks) for rid, toks in self.p.engine.running_tokens().items()} if self.trace else {}
         self.p.engine.load_weights(self.p.trainer.export_weights(), step)
+        self.trace.refit(step - 1, step, running)
         t1 = time.time()
         self.p.runtime.notify()
         age = batch_age(step, stats["runs"])
         staleness = [(step - 1) - v for v in stats["first_versions"]]
         tokens = sum(n for runs in stats["runs"] for v, n in runs if v != ENV_TOKEN_VERSION)
-        if self.p.tracer is not None:
-            self.p.tracer.emit("refit", old_version=step - 1, new_version=step)
-            self.p.tracer.emit("train_step", step=step, group_ids=ids, batch_age=age)
+        self.trace.train_step(step, ids, age, tokens)
         self.p.log_event(
             {
                 "kind": "train_step",
