@@ -204,8 +204,6 @@ def run_pandas(job: Path, baseline: Path) -> tuple[dict, float]:
     # batch age per step
     steps = ev[ev.event == "train_step"].copy()
     steps["trained_version"] = steps.policy_version.fillna(steps.step - 1)
-    trained = steps[["job", "src", "seq", "t", "trained_version"]] if "src" in steps else None
-    steps["src"] = 0
     trained = steps[["job", "seq", "t", "trained_version"]].merge(eg, on=["job", "seq"])
     pubs = ev[ev.event == "group_published"][["job", "seq", "t", "group_id"]]
     cand = trained.merge(pubs, on=["job", "group_id"], suffixes=("", "_p"))
@@ -272,6 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--events", type=int, default=10_000_000, help="events in the stopped job's trace (default 10M)")
     parser.add_argument("--dir", type=Path, help="where to build the traces (default: a temporary directory)")
+    parser.add_argument("--reuse", action="store_true", help="reuse the traces already in --dir")
     parser.add_argument("--skip-pandas", action="store_true")
     args = parser.parse_args(argv)
     groups = max(4 * GROUPS_PER_STEP, args.events // EVENTS_PER_GROUP)
@@ -279,15 +278,19 @@ def main(argv: list[str] | None = None) -> int:
         d = args.dir or Path(tmp)
         d.mkdir(parents=True, exist_ok=True)
         job, baseline = d / "job.sqlite", d / "baseline.sqlite"
-        for p in (job, baseline):
-            p.unlink(missing_ok=True)
         t = time.perf_counter()
-        build_baseline(baseline, groups)
-        build_stopped_job(job, baseline, groups)
+        reused = args.reuse and job.is_file() and baseline.is_file()
+        if not reused:
+            for p in (job, baseline):
+                p.unlink(missing_ok=True)
+            build_baseline(baseline, groups)
+            build_stopped_job(job, baseline, groups)
+        with contextlib.closing(sqlite3.connect(baseline)) as c:
+            groups = c.execute("SELECT count(*) FROM events WHERE event = 'group_reserved'").fetchone()[0]
         with contextlib.closing(sqlite3.connect(job)) as c:
             n_job = c.execute("SELECT count(*) FROM events").fetchone()[0]
-        print(f"built {n_job:,} + {groups * EVENTS_PER_GROUP:,} events ({groups:,} groups) in "
-              f"{time.perf_counter() - t:.1f} s; {job.stat().st_size / 2**20:.0f} + {baseline.stat().st_size / 2**20:.0f} MiB")
+        print(f"{'reused' if reused else 'built'} {n_job:,} + {groups * EVENTS_PER_GROUP:,} events ({groups:,} groups) "
+              f"in {time.perf_counter() - t:.1f} s; {job.stat().st_size / 2**20:.0f} + {baseline.stat().st_size / 2**20:.0f} MiB")
 
         timings, results = {}, {}
         for name, fn in (("duckdb", run_duckdb), ("sqlite", run_sqlite)):

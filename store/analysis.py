@@ -156,7 +156,7 @@ class TraceAnalysis:
                     aliases[job].append(alias)
             # One scan of each SQLite table into DuckDB's columnar memory: the figures
             # read `events` several times each, and every read of an attached table is
-            # a scan through SQLite (measured: 3-5x slower over all three figures).
+            # a scan through SQLite (measured at 2M events: 2-3x slower over the figures).
             for statement in base_view_statements(aliases, kind="TABLE") + derived_view_statements():
                 self.con.execute(statement)
         except BaseException:
