@@ -1,0 +1,400 @@
+"""GRPO on torch: the embedded default `Trainer`.
+
+One `train_step` is one optimizer step on a batch of finished groups:
+- advantages are group-normalized: (reward - group mean) / (group std + eps), the std
+  taken over the group (population std, as GRPO papers write it); `scale_rewards=False`
+  keeps only the mean subtraction (Dr. GRPO);
+- every policy token gets its sequence's advantage and an importance ratio
+  exp(logp_new - logp_old) against the log-probability the generating policy reported
+  (`Completion.logprobs`), so groups generated under an older policy version (the
+  asynchronous case) are corrected, and the ratio is clipped PPO-style to
+  [1 - clip_eps, 1 + clip_eps_high];
+- tokens the environment wrote (`loss_mask` 0) are context, never trained;
+- optional KL penalty to the initial policy (k3 estimator); off by default (KL-free).
+
+The model is any causal LM in a Hugging Face directory (config.json, model.safetensors,
+tokenizer files); nothing here depends on how that directory was made.
+
+Checkpoints hold no pickle: weights in `model.safetensors` (the directory stays a loadable
+HF model directory: config and tokenizer files are copied beside it), optimizer tensors
+and the RNG state in `trainer_state.safetensors`, everything else in `trainer_state.json`.
+Loading restores the exact bits, so a resumed trainer takes the same next step.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import shutil
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from rolloutdb.controller.protocols import Completion, TrainGroup
+
+CHECKPOINT_FORMAT = 1
+WEIGHTS_FILE = "model.safetensors"
+STATE_TENSORS_FILE = "trainer_state.safetensors"
+STATE_JSON_FILE = "trainer_state.json"
+REFERENCE_FILE = "reference.safetensors"
+# Files of the source model directory that make a checkpoint a loadable model directory.
+MODEL_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json",
+                    "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+
+
+@dataclass
+class GRPOConfig:
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.999)
+    adam_eps: float = 1e-8
+    weight_decay: float = 0.0
+    clip_eps: float = 0.2
+    clip_eps_high: float | None = None  # None: symmetric clipping
+    adv_eps: float = 1e-6
+    scale_rewards: bool = True  # divide by the group std (False: Dr. GRPO)
+    max_grad_norm: float | None = 1.0
+    kl_coef: float = 0.0  # > 0 keeps a frozen copy of the initial weights
+    # "token_mean": every policy token in the batch weighs the same (long replies are not
+    # diluted); "sequence_mean": mean per sequence, then over sequences (original GRPO).
+    loss_aggregation: str = "token_mean"
+    micro_batch_size: int | None = None  # sequences per forward/backward; None: all
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.loss_aggregation not in ("token_mean", "sequence_mean"):
+            raise ValueError("loss_aggregation must be token_mean or sequence_mean")
+        if not 0 < self.clip_eps < 1:
+            raise ValueError("clip_eps must be in (0, 1)")
+        self.betas = tuple(self.betas)
+
+
+# ------------------------------------------------------------------- pure computations
+
+
+def group_advantages(rewards: Sequence[float], eps: float = 1e-6,
+                     scale: bool = True) -> list[float]:
+    """(r - mean) / (std + eps) with the population std of the group; a group whose
+    rewards are all equal gets zero advantages (nothing to learn from it)."""
+    n = len(rewards)
+    if n == 0:
+        return []
+    mean = sum(rewards) / n
+    if not scale:
+        return [r - mean for r in rewards]
+    std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / n)
+    return [(r - mean) / (std + eps) for r in rewards]
+
+
+def clipped_token_losses(logp_new: torch.Tensor, logp_old: torch.Tensor,
+                         advantages: torch.Tensor, clip_low: float,
+                         clip_high: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token PPO surrogate -min(ratio*A, clip(ratio, 1-low, 1+high)*A) and whether
+    each token was clipped. Shapes broadcast ([B, T] with advantages [B, 1])."""
+    ratio = torch.exp(logp_new - logp_old)
+    unclipped = ratio * advantages
+    clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high) * advantages
+    losses = -torch.minimum(unclipped, clipped)
+    was_clipped = (clipped < unclipped).detach()
+    return losses, was_clipped
+
+
+def aggregate(token_losses: torch.Tensor, mask: torch.Tensor, how: str,
+              total_tokens: torch.Tensor | float | None = None,
+              n_sequences: int | None = None) -> torch.Tensor:
+    """Reduce masked per-token losses to one scalar (see GRPOConfig.loss_aggregation).
+    `total_tokens` / `n_sequences` default to this tensor's own; a micro-batch passes
+    the whole batch's so that the micro-batch losses add up to the batch loss."""
+    mask = mask.to(token_losses.dtype)
+    masked = token_losses * mask
+    if how == "token_mean":
+        if total_tokens is None:
+            total_tokens = mask.sum().clamp(min=1.0)
+        return masked.sum() / total_tokens
+    if n_sequences is None:
+        n_sequences = token_losses.shape[0]
+    return (masked.sum(dim=1) / mask.sum(dim=1).clamp(min=1.0)).sum() / n_sequences
+
+
+@dataclass
+class PackedBatch:
+    """Completions right-padded into tensors. Row b holds prompt + output; column j of
+    the output tensors is output token j, predicted by logits at position
+    prompt_len[b] + j - 1."""
+
+    input_ids: torch.Tensor  # [B, L]
+    attention_mask: torch.Tensor  # [B, L]
+    target_ids: torch.Tensor  # [B, T]
+    gather_positions: torch.Tensor  # [B, T] index into the sequence dim of the logits
+    old_logprobs: torch.Tensor  # [B, T]
+    loss_mask: torch.Tensor  # [B, T] 1: policy token, 0: environment token or padding
+    advantages: torch.Tensor  # [B, 1]
+
+
+def pack(completions: Sequence[Completion], advantages: Sequence[float],
+         pad_id: int = 0) -> PackedBatch:
+    if not completions:
+        raise ValueError("empty batch")
+    lengths = [len(c.prompt_ids) + len(c.token_ids) for c in completions]
+    L = max(lengths)
+    T = max(1, max(len(c.token_ids) for c in completions))
+    B = len(completions)
+    input_ids = torch.full((B, L), pad_id, dtype=torch.long)
+    attention = torch.zeros((B, L), dtype=torch.long)
+    targets = torch.full((B, T), pad_id, dtype=torch.long)
+    positions = torch.zeros((B, T), dtype=torch.long)
+    old = torch.zeros((B, T), dtype=torch.float32)
+    mask = torch.zeros((B, T), dtype=torch.float32)
+    for b, c in enumerate(completions):
+        if not c.prompt_ids:
+            raise ValueError("a completion needs at least one prompt token")
+        if len(c.logprobs) != len(c.token_ids):
+            raise ValueError("logprobs and token_ids differ in length")
+        P, n = len(c.prompt_ids), len(c.token_ids)
+        input_ids[b, : P + n] = torch.tensor([*c.prompt_ids, *c.token_ids])
+        attention[b, : P + n] = 1
+        if n:
+            targets[b, :n] = torch.tensor(c.token_ids)
+            positions[b, :n] = torch.arange(P - 1, P - 1 + n)
+            old[b, :n] = torch.tensor(c.logprobs, dtype=torch.float32)
+            lm = c.loss_mask if c.loss_mask is not None else [1] * n
+            if len(lm) != n:
+                raise ValueError("loss_mask and token_ids differ in length")
+            mask[b, :n] = torch.tensor(lm, dtype=torch.float32)
+    adv = torch.tensor(list(advantages), dtype=torch.float32).unsqueeze(1)
+    return PackedBatch(input_ids, attention, targets, positions, old, mask, adv)
+
+
+def token_logprobs(model: torch.nn.Module, batch: PackedBatch,
+                   rows: slice = slice(None)) -> torch.Tensor:
+    """Log-probabilities of the output tokens under `model`, [rows, T]."""
+    logits = model(input_ids=batch.input_ids[rows],
+                   attention_mask=batch.attention_mask[rows]).logits.float()
+    picked = torch.gather(logits, 1, batch.gather_positions[rows].unsqueeze(-1)
+                          .expand(-1, -1, logits.shape[-1]))
+    return torch.log_softmax(picked, dim=-1).gather(
+        -1, batch.target_ids[rows].unsqueeze(-1)).squeeze(-1)
+
+
+# --------------------------------------------------------------------------- trainer
+
+
+class GRPOTrainer:
+    """Implements `rolloutdb.controller.protocols.Trainer` for a causal LM on torch."""
+
+    def __init__(self, model_dir: str | Path, config: GRPOConfig | None = None):
+        from transformers import AutoModelForCausalLM
+
+        self.config = config or GRPOConfig()
+        self.model_dir = Path(model_dir)
+        torch.manual_seed(self.config.seed)
+        self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32)
+        self.model.train()
+        self.pad_id = self.model.config.pad_token_id or 0
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=self.config.lr, betas=self.config.betas,
+            eps=self.config.adam_eps, weight_decay=self.config.weight_decay)
+        self.reference = None
+        if self.config.kl_coef > 0:
+            self.reference = copy.deepcopy(self.model).eval().requires_grad_(False)
+        self._step = 0
+
+    @property
+    def step(self) -> int:
+        return self._step
+
+    # ----------------------------------------------------------------------- training
+
+    def train_step(self, groups: Sequence[TrainGroup]) -> dict[str, float]:
+        cfg = self.config
+        completions: list[Completion] = []
+        advantages: list[float] = []
+        for g in groups:
+            rewards = [c.reward for c in g.completions]
+            completions.extend(g.completions)
+            advantages.extend(group_advantages(rewards, cfg.adv_eps, cfg.scale_rewards))
+        batch = pack(completions, advantages, self.pad_id)
+        B = batch.input_ids.shape[0]
+        mb = cfg.micro_batch_size or B
+        # Normalizers over the whole batch, so micro-batching changes no gradient.
+        total_tokens = batch.loss_mask.sum().clamp(min=1.0)
+        clip_high = cfg.clip_eps if cfg.clip_eps_high is None else cfg.clip_eps_high
+
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_sum = clipped_sum = kl_sum = ratio_sum = 0.0
+        for start in range(0, B, mb):
+            rows = slice(start, min(B, start + mb))
+            mask = batch.loss_mask[rows]
+            new = token_logprobs(self.model, batch, rows)
+            old = batch.old_logprobs[rows]
+            # Environment tokens and padding may carry any "old" logprob; keep them out
+            # of exp() so a garbage value cannot turn into inf * 0 = nan.
+            old = torch.where(mask > 0, old, new.detach())
+            losses, was_clipped = clipped_token_losses(new, old, batch.advantages[rows],
+                                                       cfg.clip_eps, clip_high)
+            if self.reference is not None:
+                with torch.no_grad():
+                    ref = token_logprobs(self.reference, batch, rows)
+                d = ref - new
+                kl = torch.exp(d) - d - 1.0
+                losses = losses + cfg.kl_coef * kl
+                kl_sum += float((kl.detach() * mask).sum())
+            part = aggregate(losses, mask, cfg.loss_aggregation, total_tokens, B)
+            part.backward()
+            loss_sum += float(part.detach())
+            clipped_sum += float((was_clipped.float() * mask).sum())
+            ratio_sum += float((torch.exp(new.detach() - old) * mask).sum())
+        grad_norm = 0.0
+        if cfg.max_grad_norm is not None:
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(),
+                                                             cfg.max_grad_norm))
+        self.optimizer.step()
+        self._step += 1
+        n_tok = float(total_tokens)
+        rewards = [c.reward for c in completions]
+        return {
+            "loss": loss_sum,
+            "reward_mean": sum(rewards) / len(rewards),
+            "clip_fraction": clipped_sum / n_tok,
+            "ratio_mean": ratio_sum / n_tok,
+            "kl": kl_sum / n_tok,
+            "grad_norm": grad_norm,
+            "policy_tokens": n_tok,
+            "sequences": float(B),
+        }
+
+    @torch.no_grad()
+    def logprobs_of(self, prompt_ids: Sequence[int], token_ids: Sequence[int]) -> list[float]:
+        """The current policy's log-probability of each of `token_ids` after
+        `prompt_ids` (for tests, and for engines that report no logprobs)."""
+        c = Completion(list(prompt_ids), list(token_ids), [0.0] * len(token_ids),
+                       [self._step] * len(token_ids), 0.0)
+        batch = pack([c], [0.0], self.pad_id)
+        return token_logprobs(self.model, batch)[0, : len(token_ids)].tolist()
+
+    # -------------------------------------------------------------------------- refit
+
+    def export_weights(self) -> dict[str, torch.Tensor]:
+        """A detached copy of the state dict (tied tensors stay shared), safe to hand to
+        an engine while training continues."""
+        out: dict[str, torch.Tensor] = {}
+        copies: dict[int, torch.Tensor] = {}
+        for name, t in self.model.state_dict().items():
+            key = t.data_ptr()
+            if key not in copies:
+                copies[key] = t.detach().clone()
+            out[name] = copies[key]
+        return out
+
+    # --------------------------------------------------------------------- checkpoint
+
+    def save_checkpoint(self, directory: Path) -> list[Path]:
+        directory = Path(directory)
+        written = [directory / WEIGHTS_FILE]
+        save_file(_dedup_shared(self.model.state_dict()), directory / WEIGHTS_FILE,
+                  metadata={"format": "pt"})
+        for name in MODEL_SIDE_FILES:
+            src = self.model_dir / name
+            if src.is_file():
+                shutil.copyfile(src, directory / name)
+                written.append(directory / name)
+        if self.reference is not None:
+            save_file(_dedup_shared(self.reference.state_dict()), directory / REFERENCE_FILE,
+                      metadata={"format": "pt"})
+            written.append(directory / REFERENCE_FILE)
+
+        opt = self.optimizer.state_dict()
+        tensors: dict[str, torch.Tensor] = {"rng.cpu": torch.get_rng_state()}
+        state_json: dict[str, dict[str, Any]] = {}
+        for idx, entry in opt["state"].items():
+            state_json[str(idx)] = {}
+            for k, v in entry.items():
+                if torch.is_tensor(v):
+                    tensors[f"optimizer.state.{idx}.{k}"] = v.detach().contiguous()
+                else:
+                    state_json[str(idx)][k] = v
+        save_file(tensors, directory / STATE_TENSORS_FILE)
+        doc = {
+            "format": CHECKPOINT_FORMAT,
+            "step": self._step,
+            "config": asdict(self.config),
+            "optimizer": {"param_groups": opt["param_groups"], "state_scalars": state_json},
+        }
+        (directory / STATE_JSON_FILE).write_text(json.dumps(doc, indent=1, sort_keys=True))
+        written += [directory / STATE_TENSORS_FILE, directory / STATE_JSON_FILE]
+        return written
+
+    def load_checkpoint(self, directory: Path) -> None:
+        directory = Path(directory)
+        for name in (WEIGHTS_FILE, STATE_TENSORS_FILE, STATE_JSON_FILE):
+            if not (directory / name).is_file():
+                raise FileNotFoundError(f"checkpoint {directory} lacks {name}")
+        doc = json.loads((directory / STATE_JSON_FILE).read_text())
+        if doc.get("format") != CHECKPOINT_FORMAT:
+            raise ValueError(f"checkpoint {directory} has format {doc.get('format')!r}, "
+                             f"this code reads {CHECKPOINT_FORMAT}")
+        _load_weights(self.model, load_file(directory / WEIGHTS_FILE))
+        if self.reference is not None and (directory / REFERENCE_FILE).is_file():
+            _load_weights(self.reference, load_file(directory / REFERENCE_FILE))
+        tensors = load_file(directory / STATE_TENSORS_FILE)
+        state: dict[int, dict[str, Any]] = {}
+        for idx, scalars in doc["optimizer"]["state_scalars"].items():
+            state[int(idx)] = dict(scalars)
+        prefix = "optimizer.state."
+        for key, value in tensors.items():
+            if key.startswith(prefix):
+                idx, name = key[len(prefix):].split(".", 1)
+                state.setdefault(int(idx), {})[name] = value
+        groups = doc["optimizer"]["param_groups"]
+        for g in groups:
+            if "betas" in g:
+                g["betas"] = tuple(g["betas"])
+        self.optimizer.load_state_dict({"state": state, "param_groups": groups})
+        torch.set_rng_state(tensors["rng.cpu"])
+        self._step = int(doc["step"])
+
+
+def config_from_dict(values: Mapping[str, Any]) -> GRPOConfig:
+    """A GRPOConfig from a mapping, refusing keys it does not know."""
+    known = {f.name for f in fields(GRPOConfig)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ValueError(f"unknown GRPO setting(s): {', '.join(unknown)}")
+    return GRPOConfig(**values)
+
+
+def _dedup_shared(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """safetensors refuses tensors that share memory (tied embeddings); keep the first
+    name of each, as Hugging Face's save_pretrained does."""
+    seen: set[int] = set()
+    out = {}
+    for name, t in state.items():
+        if t.data_ptr() in seen:
+            continue
+        seen.add(t.data_ptr())
+        out[name] = t.detach().contiguous()
+    return out
+
+
+def _load_weights(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor]) -> None:
+    """Copy saved tensors into the live parameters (the optimizer keeps pointing at
+    them); a name missing from the file is only allowed for a tied alias."""
+    live = model.state_dict()
+    by_ptr: dict[int, str] = {}
+    for name, t in live.items():
+        by_ptr.setdefault(t.data_ptr(), name)
+    with torch.no_grad():
+        for name, t in live.items():
+            src = tensors.get(name)
+            if src is None:
+                if by_ptr[t.data_ptr()] != name and by_ptr[t.data_ptr()] in tensors:
+                    continue  # tied to a tensor already loaded
+                raise KeyError(f"checkpoint lacks weight {name}")
+            t.copy_(src)
+    extra = sorted(set(tensors) - set(live))
+    if extra:
+        raise KeyError(f"checkpoint has weights the model lacks: {', '.join(extra[:3])}")
