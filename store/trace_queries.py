@@ -126,7 +126,9 @@ LOST_PROGRESS_GROUPS = """
 -- later, on the job's effective timeline, the prompt's group was sealed than the same
 -- prompt's group in the baseline on the baseline's effective timeline.
 -- Running at a stop: the prompt's latest group_reserved before the stop (kept, or in
--- the stopped run itself) is not followed by a kept group_sealed up to the cut.
+-- the stopped run itself) is followed by neither a kept group_sealed nor a kept
+-- group_discarded up to the cut. A group discarded by the cut (zero reward variance,
+-- say) is settled: the restored state knows it, and it will never be sealed.
 -- Sealed after the stop: its first kept group_sealed in a later run.
 -- A prompt sealed several times (epochs) is matched occurrence by occurrence: the n-th
 -- kept seal of the prompt in the run against the n-th seal in the baseline.
@@ -144,17 +146,22 @@ WITH reserved AS (
     JOIN reserved r ON r.run_no <= st.stop_no AND (r.run_no = st.stop_no OR r.kept = 1)
     WHERE st.job = 'run'
     GROUP BY st.stop_no, st.cut, r.prompt_id
-), sealed_before AS (
-    SELECT st.stop_no, s.prompt_id, max(s.t) AS sealed_at
+), settled AS (
+    SELECT prompt_id, t, run_no FROM seals WHERE job = 'run'
+    UNION ALL
+    SELECT prompt_id, t, run_no FROM timeline
+    WHERE job = 'run' AND event = 'group_discarded' AND kept = 1
+), settled_before AS (
+    SELECT st.stop_no, s.prompt_id, max(s.t) AS settled_at
     FROM stops st
-    JOIN seals s ON s.job = 'run' AND s.run_no <= st.stop_no AND s.t <= st.cut
+    JOIN settled s ON s.run_no <= st.stop_no AND s.t <= st.cut
     WHERE st.job = 'run'
     GROUP BY st.stop_no, s.prompt_id
 ), running AS (
     SELECT l.stop_no, l.prompt_id, l.reserved_at
     FROM latest l
-    LEFT JOIN sealed_before b ON b.stop_no = l.stop_no AND b.prompt_id = l.prompt_id
-    WHERE b.sealed_at IS NULL OR b.sealed_at < l.reserved_at
+    LEFT JOIN settled_before b ON b.stop_no = l.stop_no AND b.prompt_id = l.prompt_id
+    WHERE b.settled_at IS NULL OR b.settled_at < l.reserved_at
 ), sealed_after AS (
     SELECT r.stop_no, r.prompt_id, s.occurrence, s.effective_t,
            row_number() OVER (PARTITION BY r.stop_no, r.prompt_id ORDER BY s.t) AS nth

@@ -35,7 +35,8 @@ def write_run_a(path) -> Tracer:
     """Run A, t=100..110. Groups g1 (prompt 10), g2 (20), g3 (30) reserved at 100; two
     generations each. g1 is sealed and published at 105 (30 tokens of version 0); the
     snapshot is cut at 106; after the cut (all lost with the kill): step 1 is trained,
-    g2 is sealed and published, prompts 40 and 50 are reserved."""
+    g2 is sealed and published, prompts 40 and 50 are reserved. g7 (prompt 60), reserved
+    at 100, is discarded at 104.5 for zero reward variance: settled before the cut."""
     tr = Tracer(path, clock=lambda: 100.0)
     e = tr.emit
     for g, p in ((1, 10), (2, 20), (3, 30)):
@@ -46,6 +47,12 @@ def write_run_a(path) -> Tracer:
     # A deadline abandonment is not thrown-away time; its generation gets attempt 1.
     e("attempt_abandoned", t=103.5, group_id=3, prompt_id=30, generation_index=1, attempt=0, reason="deadline")
     e("attempt_dispatched", t=104, group_id=3, prompt_id=30, generation_index=1, attempt=1, policy_version=0)
+    e("group_reserved", t=100, group_id=7, prompt_id=60, step=1, policy_version=0)
+    e("attempt_dispatched", t=100.5, group_id=7, prompt_id=60, generation_index=0, attempt=0, policy_version=0)
+    e("attempt_dispatched", t=100.5, group_id=7, prompt_id=60, generation_index=1, attempt=0, policy_version=0)
+    e("rollout_finished", t=104, group_id=7, prompt_id=60, generation_index=0, attempt=0, tokens=3, reward=0.0)
+    e("rollout_finished", t=104, group_id=7, prompt_id=60, generation_index=1, attempt=0, tokens=3, reward=0.0)
+    e("group_discarded", t=104.5, group_id=7, prompt_id=60, step=1, policy_version=0, reason="zero_variance")
     e("rollout_finished", t=104, group_id=1, prompt_id=10, generation_index=0, attempt=0, tokens=15, version_token_counts={0: 15})
     e("rollout_finished", t=104, group_id=1, prompt_id=10, generation_index=1, attempt=0, tokens=15, version_token_counts={0: 15})
     e("group_sealed", t=105, group_id=1, prompt_id=10)
@@ -155,7 +162,8 @@ def test_lost_progress_against_the_baseline_matches_the_hand_worked_answer(job):
         per_stop = a.query("lost_progress_per_stop").rows
     # Running at the stop (latest reservation in run A not sealed by the cut at 106):
     # prompts 20, 30 (in flight at the cut; 20's seal at 109 was after it), 40 and 50
-    # (reserved after the cut). Prompt 10 was sealed at 105: not running.
+    # (reserved after the cut). Prompt 10 was sealed at 105 and prompt 60 discarded at
+    # 104.5, both before the cut: settled, not running (prompt 60 will never be sealed).
     # Sealed after the stop on the effective timeline (t - 190): 20 at 206 -> 16,
     # 30 at 207 -> 17, 40 at 208 -> 18; the baseline (t - 1000): 9, 11, 13.
     # Lost: 16 - 9 = 7, 17 - 11 = 6, 18 - 13 = 5. Prompt 50 was never sealed: unmatched.
