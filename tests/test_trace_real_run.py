@@ -1,0 +1,208 @@
+"""`rolloutdb trace` on a real run of the main job that was SIGKILLed and resumed, against
+its never-stopped twin (same config and seed), every figure checked independently.
+
+The job is the crash harness's small config with the trace on. The twin runs to the end;
+the other run is killed once, after it has published a rollout snapshot anchored to a
+trainer checkpoint beyond bootstrap that holds running attempts (we freeze the process
+with SIGSTOP, look at the snapshot a resume would restore, and SIGKILL it if the snapshot
+fits, SIGCONT otherwise), then resumed with --resume. The figures are compared with
+numbers computed here from the trace file with plain sqlite3 and from metrics.jsonl.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import json
+import math
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from crash_harness import EXAMPLE, OVERRIDES, STEPS
+from rolloutdb.store.selection import select_for_restore
+from rolloutdb.store.trace import TRACE_FILENAME
+
+TIMEOUT_S = 240
+PLOTS = ("thrown_away.png", "lost_progress.png", "batch_age.png")
+TABLES = ("thrown_away_per_stop", "thrown_away_by_attempt", "lost_progress_per_stop", "lost_progress_by_group",
+          "batch_age_per_step")
+
+
+def _train(run_dir: Path, resume: bool = False) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "rolloutdb", "train", "--config", str(EXAMPLE), "--run-dir", str(run_dir)]
+    env = {k: v for k, v in os.environ.items() if k != "ROLLOUTDB_FAULT"}
+    env["RAY_AUTH_MODE"] = "disabled"
+    return subprocess.Popen(cmd + (["--resume"] if resume else []) + OVERRIDES, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def _metrics(run_dir: Path) -> list[dict]:
+    path = run_dir / "logs" / "metrics.jsonl"
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        with contextlib.suppress(json.JSONDecodeError):  # a line cut by the kill
+            out.append(json.loads(line))
+    return out
+
+
+def _running_attempts(snapshot_db: Path) -> int:
+    uri = f"file:{snapshot_db}?mode=ro&immutable=1"  # a published snapshot never changes
+    with contextlib.closing(sqlite3.connect(uri, uri=True)) as conn:
+        return conn.execute("SELECT count(*) FROM rollouts WHERE state = 'running'").fetchone()[0]
+
+
+def _kill_once_beyond_bootstrap(run_dir: Path, proc: subprocess.Popen) -> str:
+    """SIGKILL `proc` at a moment when the snapshot a resume would restore is anchored to
+    a trainer checkpoint beyond bootstrap and has attempts running. Returns that snapshot."""
+    deadline = time.monotonic() + TIMEOUT_S
+    while proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+        if not any(e.get("kind") == "snapshot" and e.get("outcome") == "published"
+                   and str(e.get("anchor", "")).startswith("step_") for e in _metrics(run_dir)):
+            continue
+        proc.send_signal(signal.SIGSTOP)  # nothing is published while we look
+        try:
+            sel = select_for_restore(run_dir / "checkpoints", verify=False)
+            if sel is not None and sel.step and _running_attempts(sel.db_path) > 0:
+                proc.send_signal(signal.SIGKILL)
+                proc.wait(timeout=30)
+                return str(sel.snapshot.path)
+        finally:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGCONT)
+    proc.kill()
+    proc.wait()
+    pytest.fail("the run ended before a snapshot beyond bootstrap with running attempts was published")
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    root = tmp_path_factory.mktemp("real_run")
+    twin_dir, run_dir, out = root / "twin", root / "run", root / "report"
+    twin = _train(twin_dir)  # runs beside the killed run: the twin's timing does not matter
+    first = _train(run_dir)
+    snapshot = _kill_once_beyond_bootstrap(run_dir, first)
+    assert first.returncode == -signal.SIGKILL
+    resumed = _train(run_dir, resume=True)
+    for proc in (twin, resumed):
+        _, err = proc.communicate(timeout=TIMEOUT_S)
+        assert proc.returncode == 0, err[-2000:]
+    report = subprocess.run([sys.executable, "-m", "rolloutdb", "trace", str(run_dir), "--baseline", str(twin_dir),
+                             "--out", str(out)], capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert report.returncode == 0, report.stderr
+    return {"run_dir": run_dir, "twin_dir": twin_dir, "out": out, "printed": report.stdout, "snapshot": snapshot,
+            "json": json.loads((out / "trace_report.json").read_text())}
+
+
+def _trace_rows(run_dir: Path, sql: str, *args) -> list[tuple]:
+    path = run_dir / "logs" / TRACE_FILENAME
+    with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as conn:
+        return conn.execute(sql, args).fetchall()
+
+
+def _printed_table(printed: str, title: str) -> list[list[str]]:
+    lines = printed.split(f"\n{title}\n", 1)[1].split("\n\n", 1)[0].splitlines()
+    return [line.split() for line in lines[1:]]  # without the header
+
+
+def test_the_resumed_run_restored_the_snapshot_it_was_killed_after(job):
+    restores = [e for e in _metrics(job["run_dir"]) if e.get("kind") == "restore"]
+    assert [r["snapshot"] for r in restores] == [job["snapshot"]]
+    assert restores[0]["anchor"].startswith("step_")
+
+
+def test_thrown_away_time_equals_an_independent_computation_from_the_trace_file(job):
+    run_dir = job["run_dir"]
+    # Plain SQL and Python, none of the analysis views: the resumed run is the second
+    # run_id to appear; its restore_done names the cut; each attempt it abandoned with
+    # reason 'restart' threw away cut_time - its last dispatch before the cut.
+    runs = [r[0] for r in _trace_rows(run_dir, "SELECT run_id FROM events GROUP BY run_id ORDER BY min(t)")]
+    assert len(runs) == 2
+    (fields,) = _trace_rows(run_dir, "SELECT fields FROM events WHERE event = 'restore_done' AND run_id = ?", runs[1])
+    cut_time = json.loads(fields[0])["cut_time"]
+    abandoned = _trace_rows(run_dir, "SELECT prompt_id, generation_index, attempt FROM events "
+                                     "WHERE event = 'attempt_abandoned' AND reason = 'restart' AND run_id = ?", runs[1])
+    dispatched: dict[tuple, float] = {}
+    for key_t in _trace_rows(run_dir, "SELECT prompt_id, generation_index, attempt, t FROM events "
+                                      "WHERE event = 'attempt_dispatched'"):
+        key, t = key_t[:3], key_t[3]
+        if t <= cut_time:
+            dispatched[key] = max(t, dispatched.get(key, -math.inf))
+    expected = sum(cut_time - dispatched[key] for key in abandoned)
+
+    (stop,) = job["json"]["thrown_away_per_stop"]
+    assert stop["attempts"] == len(abandoned) > 0
+    assert stop["thrown_away_s"] >= 0
+    assert math.isclose(stop["thrown_away_s"], expected, rel_tol=1e-9, abs_tol=1e-9)
+    assert math.isclose(stop["cut_time"], cut_time)
+    assert len(job["json"]["thrown_away_by_attempt"]) == len(abandoned)
+    assert _printed_table(job["printed"], "Thrown-away time per stop")[0][6] == str(len(abandoned))
+
+
+def test_lost_progress_matches_groups_running_at_the_stop_with_the_twin(job):
+    (stop,) = job["json"]["lost_progress_per_stop"]
+    assert stop["groups_matched"] > 0
+    assert stop["groups_running"] >= stop["groups_matched"]
+    matched = [g for g in job["json"]["lost_progress_by_group"] if g["lost_s"] is not None]
+    assert len(matched) == stop["groups_matched"]
+    assert math.isclose(stop["lost_s_total"], sum(g["lost_s"] for g in matched), abs_tol=1e-9)
+    # The groups running at the stop, recomputed from the killed run's events: a prompt
+    # whose latest reservation was followed by no seal and no discard up to the cut.
+    run_dir = job["run_dir"]
+    runs = [r[0] for r in _trace_rows(run_dir, "SELECT run_id FROM events GROUP BY run_id ORDER BY min(t)")]
+    cut_time = job["json"]["thrown_away_per_stop"][0]["cut_time"]
+    reserved = dict(_trace_rows(run_dir, "SELECT prompt_id, max(t) FROM events WHERE run_id = ? "
+                                         "AND event = 'group_reserved' GROUP BY prompt_id", runs[0]))
+    settled = dict(_trace_rows(run_dir, "SELECT prompt_id, max(t) FROM events WHERE run_id = ? AND t <= ? "
+                                        "AND event IN ('group_sealed', 'group_discarded') GROUP BY prompt_id",
+                               runs[0], cut_time))
+    expected = {p for p, t in reserved.items() if t > settled.get(p, -math.inf)}
+    running = [g["prompt_id"] for g in job["json"]["lost_progress_by_group"]]
+    assert sorted(running) == sorted(expected) and stop["groups_running"] == len(expected)
+    discarded = {p for (p,) in _trace_rows(run_dir, "SELECT prompt_id FROM events WHERE run_id = ? AND t <= ? "
+                                                    "AND event = 'group_discarded'", runs[0], cut_time)}
+    assert discarded, "no group was discarded before the cut: the check above proves less than it should"
+
+
+def test_batch_age_is_printed_for_every_step_and_equals_the_logged_value(job):
+    metrics = _metrics(job["run_dir"])
+    restore_at = next(i for i, e in enumerate(metrics) if e.get("kind") == "restore")
+    logged = {1: [(e["step"], e["batch_age"]) for e in metrics[:restore_at] if e.get("kind") == "train_step"],
+              2: [(e["step"], e["batch_age"]) for e in metrics[restore_at:] if e.get("kind") == "train_step"]}
+    rows = job["json"]["batch_age_per_step"]
+    traced = {n: [(r["step"], r["batch_age"]) for r in rows if r["run_no"] == n] for n in (1, 2)}
+    assert {r["step"] for r in rows} == set(range(1, STEPS + 1))
+    assert traced[1] and traced[2]
+    for n in (1, 2):
+        # A kill may fall between a step's trace event and its metrics line: the killed
+        # run's two lists may differ by their last entry, nothing else.
+        common = min(len(traced[n]), len(logged[n]))
+        assert common >= len(traced[n]) - (n == 1) and common >= len(logged[n]) - (n == 1)
+        for (step, age), (logged_step, logged_age) in zip(traced[n][:common], logged[n][:common]):
+            assert step == logged_step and math.isclose(age, logged_age, rel_tol=1e-9, abs_tol=1e-12), (n, step)
+    for r in rows:
+        assert math.isclose(r["batch_age"], r["logged_batch_age"], rel_tol=1e-9, abs_tol=1e-12)
+    printed = _printed_table(job["printed"], "Batch age per train step")
+    assert [(int(p[0]), int(p[1])) for p in printed] == [(r["run_no"], r["step"]) for r in rows]
+    assert [p[6] for p in printed] == [f"{r['batch_age']:.3f}" for r in rows]
+    assert f"equal to the logged value at all {len(rows)} steps" in job["printed"]
+
+
+def test_the_report_files_and_plots_are_written(job):
+    out = job["out"]
+    for png in PLOTS:
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", png
+    for name in TABLES:
+        with open(out / f"{name}.csv", newline="") as f:
+            rows = list(csv.reader(f))
+        assert len(rows) - 1 == len(job["json"][name]), name
+    assert job["json"]["baseline"] == [str(job["twin_dir"] / "logs" / TRACE_FILENAME)]
