@@ -9,9 +9,8 @@ curve, the mean reward of the first and last five steps, and the wall time.
     python bench/grpo_learning_curve.py --env digits_multiturn
     python bench/grpo_learning_curve.py --model-dir DIR       # an existing HF model dir
 
-Without --model-dir a tiny random-init Llama and a byte-level BPE tokenizer trained on
-the task's text are built into a temporary directory (the same kind of directory the
-embedded default uses: config.json, model.safetensors, tokenizer files).
+Without --model-dir the embedded default policy (gpu_capture.tiny_policy: random-init
+Llama, byte-level BPE over a small alphabet) is built into a temporary directory.
 """
 
 from __future__ import annotations
@@ -28,35 +27,18 @@ import torch
 
 from rolloutdb.controller.grpo import GRPOConfig, GRPOTrainer
 from rolloutdb.controller.protocols import Completion, TrainGroup
-from rolloutdb.controller.tasks import DigitPromptDataset, make_environment, tokenizer_corpus
+from rolloutdb.controller.tasks import TASK_ALPHABET, DigitPromptDataset, make_environment
 
 
-def build_model_dir(directory: Path, hidden: int, layers: int, vocab: int, seed: int,
-                    full_alphabet: bool = False) -> Path:
-    """A throwaway policy directory: random-init LlamaForCausalLM + local BPE tokenizer,
-    digits split into single tokens; `full_alphabet` adds all 256 byte tokens."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+def build_model_dir(directory: Path, hidden: int, layers: int, seed: int,
+                    alphabet: str | None) -> Path:
+    """The embedded default policy (gpu_capture.tiny_policy), optionally over a smaller
+    tokenizer alphabet."""
+    from rolloutdb.gpu_capture.tiny_policy import build_tiny_policy
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Digits(individual_digits=True),
-        pre_tokenizers.ByteLevel(add_prefix_space=False)])
-    tok.decoder = decoders.ByteLevel()
-    alphabet = pre_tokenizers.ByteLevel.alphabet() if full_alphabet else []
-    tok.train_from_iterator(tokenizer_corpus(), trainers.BpeTrainer(
-        vocab_size=vocab, special_tokens=["<pad>", "<s>", "</s>"],
-        initial_alphabet=alphabet, show_progress=False))
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
-                                   pad_token="<pad>")
-    cfg = LlamaConfig(vocab_size=len(fast), hidden_size=hidden, intermediate_size=2 * hidden,
-                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=4,
-                      max_position_embeddings=256, tie_word_embeddings=True,
-                      pad_token_id=0, bos_token_id=1, eos_token_id=2)
-    torch.manual_seed(seed)
-    LlamaForCausalLM(cfg).save_pretrained(directory)
-    fast.save_pretrained(directory)
-    return directory
+    extra = {"alphabet": alphabet} if alphabet else {}
+    return build_tiny_policy(directory, seed=seed, hidden_size=hidden, num_layers=layers,
+                             intermediate_size=2 * hidden, **extra)
 
 
 @torch.no_grad()
@@ -133,6 +115,23 @@ def rollout_groups(model, env, prompt_ids: list[int], group_size: int, max_token
     return groups
 
 
+def rollout_with_engine(engine, env, prompt_ids: list[int], group_size: int, max_tokens: int,
+                        step: int, seed: int) -> list[TrainGroup]:
+    """The controller's own episode runner on the reference engine."""
+    from rolloutdb.controller.episodes import EpisodeSpec, call_seed, run_episodes
+    from rolloutdb.gpu_capture.protocol import SamplingParams
+
+    specs = [EpisodeSpec(key=f"s{step}.g{g}.{i}", prompt_id=pid, seed=call_seed(seed, step, g, i))
+             for g, pid in enumerate(prompt_ids) for i in range(group_size)]
+    results = run_episodes(engine, env, specs, SamplingParams(max_tokens=max_tokens, temperature=1.0))
+    groups = []
+    for g, pid in enumerate(prompt_ids):
+        comps = [Completion(r.prompt_ids, r.token_ids, r.logprobs, r.token_versions, r.reward, r.loss_mask)
+                 for r in results[g * group_size:(g + 1) * group_size]]
+        groups.append(TrainGroup(group_id=g, prompt_id=pid, completions=comps))
+    return groups
+
+
 def run(args) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -141,14 +140,20 @@ def run(args) -> dict:
     model_dir = args.model_dir
     if model_dir is None:
         tmp = tempfile.TemporaryDirectory()
-        model_dir = build_model_dir(Path(tmp.name), args.hidden, args.layers, args.vocab,
-                                    args.seed, args.full_alphabet)
+        alphabet = TASK_ALPHABET if args.alphabet == "task" else None
+        model_dir = build_model_dir(Path(tmp.name), args.hidden, args.layers, args.seed, alphabet)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     dataset = DigitPromptDataset(size=args.dataset_size, n_digits=args.n_digits, seed=args.seed)
     env = make_environment(args.env, dataset, tokenizer, kind=args.task, turns=args.turns)
     trainer = GRPOTrainer(model_dir, GRPOConfig(lr=args.lr, clip_eps=args.clip_eps,
                                                 seed=args.seed))
-    sampler = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    if args.engine == "reference":
+        from rolloutdb.gpu_capture.reference_engine import ReferenceEngine
+
+        engine = ReferenceEngine(model_dir, max_batch_size=args.groups * args.group_size,
+                                 num_threads=args.threads, seed=args.seed)
+    else:
+        sampler = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     n_params = sum(p.numel() for p in trainer.model.parameters())
     gen = torch.Generator().manual_seed(args.seed)
     order = random.Random(args.seed)
@@ -158,12 +163,19 @@ def run(args) -> dict:
     for step in range(args.steps):
         t = time.perf_counter()
         pids = [order.randrange(len(dataset)) for _ in range(args.groups)]
-        groups = rollout_groups(sampler, env, pids, args.group_size, args.max_tokens,
-                                tokenizer.eos_token_id, gen, trainer.step)
+        if args.engine == "reference":
+            groups = rollout_with_engine(engine, env, pids, args.group_size, args.max_tokens,
+                                         step, args.seed)
+        else:
+            groups = rollout_groups(sampler, env, pids, args.group_size, args.max_tokens,
+                                    tokenizer.eos_token_id, gen, trainer.step)
         gen_time += time.perf_counter() - t
         t = time.perf_counter()
         metrics = trainer.train_step(groups)
-        sampler.load_state_dict(trainer.export_weights())  # refit
+        if args.engine == "reference":
+            engine.load_weights(trainer.export_weights(), trainer.step)  # refit
+        else:
+            sampler.load_state_dict(trainer.export_weights())  # refit
         train_time += time.perf_counter() - t
         curve.append(metrics["reward_mean"])
         if args.verbose and (step % 10 == 0 or step == args.steps - 1):
@@ -186,6 +198,8 @@ def run(args) -> dict:
         "train_s": round(train_time, 1),
         "curve": [round(r, 3) for r in curve],
     }
+    if args.engine == "reference":
+        engine.close()
     if tmp is not None:
         tmp.cleanup()
     return result
@@ -205,11 +219,12 @@ def main(argv=None):
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--clip-eps", type=float, default=0.2)
     p.add_argument("--max-tokens", type=int, default=6, help="per turn")
-    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--vocab", type=int, default=300)
-    p.add_argument("--full-alphabet", action="store_true",
-                   help="throwaway tokenizer keeps all 256 byte tokens")
+    p.add_argument("--alphabet", default="default", choices=["default", "task"],
+                   help="tokenizer alphabet: tiny_policy's default or the task's own")
+    p.add_argument("--engine", default="reference", choices=["reference", "simple"],
+                   help="reference: gpu_capture's engine + the controller's episode runner")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--verbose", action="store_true")

@@ -1,0 +1,271 @@
+"""Store-transaction latency of the real controller's pumps while rollout snapshots are
+taken every second, next to the same run with snapshots off, in one process.
+
+    python bench/bench_pump_latency.py                     # 10k groups in flight + 1 GiB (BENCHMARKS.md)
+    python bench/bench_pump_latency.py --groups 2000 --payload-gb 0.2 --steps 20
+    python bench/bench_pump_latency.py --quick             # smoke test
+
+Each phase runs `rolloutdb.controller.controller.Controller` (the rollout pump, the train
+pump and the snapshot pump as threads, the tiny Llama policy, GRPO on the digits task)
+on a config made from `examples/quickstart.yaml` with `algorithm.total_steps=--steps`,
+`rollout_checkpointing.interval_s=1.0` and `rollout_checkpointing.enabled` true in the
+`snapshots` phase and false in the `no snapshots` phase (plus any `--set KEY=VALUE`).
+
+Before the pumps start, the run's live store is filled through the store API
+(`bench/rollout_payload.py`, built once per process and copied into each run directory):
+`--groups` groups reserved and dispatched (every generation a running attempt), of which
+the first have half their generations finished with samples of `--sample-tokens` token
+ids and logprobs until `--payload-gb` is reached. They stay in flight for the whole run:
+they are stamped for no step (target_step NULL), because the rollout pump derives the
+last step it has opened from the ledger's highest target step, so groups stamped for
+steps beyond the run would make it believe every step was already opened; and nothing
+in the run ever finishes them. Every snapshot therefore copies the whole 1 GiB store.
+
+Measured: the wall time of every `Store.atomic()` transaction, per pump thread
+("rollout-pump", "MainThread" = the train pump, "snapshot-pump"), from the store's own
+`Store.tx_time` clock (this script swaps in a subclass that keeps every sample per
+thread, and a `Store` subclass that adds the thread's run-queue wait over the same
+transaction from /proc/thread-self/schedstat, so other people's load on this shared
+machine can be told apart). Reported: p50/p99/max per thread and phase, the same less
+run-queue wait, the transactions that overlapped a snapshot capture, and the ratio
+snapshots / no snapshots. Goals (snapshots phase): p99 <= 5 ms, max <= 20 ms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+import benchlib  # noqa: E402
+from benchlib import RunQueueClock, latency_summary, say  # noqa: E402
+from rollout_payload import Layout, populate  # noqa: E402
+
+from rolloutdb.config import load_config  # noqa: E402
+from rolloutdb.controller.controller import Controller  # noqa: E402
+from rolloutdb.controller.sampler import PromptOrder  # noqa: E402
+from rolloutdb.store import Store  # noqa: E402
+from rolloutdb.store.store import TransactionClock  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+P99_GOAL_MS = 5.0
+MAX_GOAL_MS = 20.0
+PUMPS = ("rollout-pump", "MainThread", "snapshot-pump")
+PHASES = ("snapshots", "no snapshots")
+
+
+class PerThreadClock(TransactionClock):
+    """`Store.tx_time` that also keeps every latency, with its end time, per thread."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.by_thread: dict[str, list[tuple[float, float, float]]] = {}  # (end, wall, run-queue wait)
+
+    def add(self, seconds: float) -> None:
+        super().add(seconds)
+        self.by_thread.setdefault(threading.current_thread().name, []).append((time.perf_counter(), seconds, 0.0))
+
+
+class MeasuredStore(Store):
+    """The real store; `atomic` adds the run-queue wait over each transaction to the
+    sample `tx_time` just took, and `capture` records when each capture ran."""
+
+    _rq = threading.local()
+
+    def __init__(self, db):
+        super().__init__(db)
+        self.tx_time = PerThreadClock()
+        self.capture_windows: list[tuple[float, float]] = []
+
+    @contextlib.contextmanager
+    def atomic(self, *, mutation: bool = True):
+        clock = getattr(self._rq, "clock", None)
+        if clock is None:
+            clock = self._rq.clock = RunQueueClock()
+        w0 = clock()
+        with super().atomic(mutation=mutation) as tx:
+            yield tx
+        samples = self.tx_time.by_thread[threading.current_thread().name]
+        end, wall, _ = samples[-1]
+        samples[-1] = (end, wall, clock() - w0)
+
+    def capture(self, dst, *, at_cut=None):
+        t0 = time.perf_counter()
+        try:
+            return super().capture(dst, at_cut=at_cut)
+        finally:
+            self.capture_windows.append((t0, time.perf_counter()))
+
+
+class BenchController(Controller):
+    """The real controller; only its store comes pre-filled (a copy of the template)."""
+
+    template: Path
+    layout: Layout
+    built: dict = {}
+
+    def create_store(self) -> Store:
+        cfg = self.config
+        if not self.template.exists():
+            t0 = time.perf_counter()
+            store = Store.create(
+                self.template, synchronous="OFF", config_fingerprint=cfg.fingerprint(),
+                dataset_fingerprint=self.dataset.fingerprint(), ledger_dispatch=cfg.ledger_dispatch,
+                replay_capacity=cfg.algorithm.replay_capacity, seed=cfg.run.seed,
+            )
+            try:
+                order = PromptOrder(len(self.dataset), cfg.run.seed)  # the pump's own order
+                BenchController.built = {**populate(store, self.layout, order.at), "build_s": 0.0}
+            finally:
+                store.close()  # folds the WAL: the template is one file
+            BenchController.built["build_s"] = time.perf_counter() - t0
+        shutil.copyfile(self.template, self.dirs.store)
+        return MeasuredStore.open(self.dirs.store)
+
+
+def summarize(store: MeasuredStore) -> dict:
+    windows = store.capture_windows
+    out = {}
+    for name, samples in store.tx_time.by_thread.items():
+        if name not in PUMPS:
+            continue
+        wall = [w for _, w, _ in samples]
+        less_rq = [max(0.0, w - rq) for _, w, rq in samples]
+        during = [w for end, w, _ in samples if any(a <= end and end - w <= b for a, b in windows)]
+        out[name] = {
+            **latency_summary(wall),
+            "less_runqueue": latency_summary(less_rq),
+            "during_capture": latency_summary(during),
+        }
+    every = [w for name, s in store.tx_time.by_thread.items() if name in PUMPS for _, w, _ in s]
+    out["all pumps"] = {**latency_summary(every)}
+    return out
+
+
+def run_phase(name: str, args, work: Path) -> dict:
+    overrides = [
+        f"algorithm.total_steps={args.steps}",
+        "logging.progress=false",
+        "logging.plot=false",
+        f"rollout_checkpointing.enabled={'true' if name == 'snapshots' else 'false'}",
+        f"rollout_checkpointing.interval_s={args.interval_s}",
+        *args.set,
+    ]
+    config = load_config(args.config, overrides)
+    run_dir = work / f"run_{name.replace(' ', '_')}"
+    controller = BenchController(config, run_dir)
+    t0 = time.perf_counter()
+    try:
+        summary = controller.run()
+    finally:
+        wall = time.perf_counter() - t0
+    snaps = controller.snapshotter.results if controller.snapshotter else []
+    published = [r for r in snaps if r.outcome == "published"]
+    outcomes: dict[str, int] = {}
+    for r in snaps:
+        outcomes[r.outcome] = outcomes.get(r.outcome, 0) + 1
+
+    def med(key: str) -> float:
+        vals = [r.timings[key] for r in published if key in r.timings]
+        return statistics.median(vals) if vals else float("nan")
+
+    result = {
+        "steps": summary.steps,
+        "wall_s": wall,
+        "threads": summarize(controller.store),
+        "snapshots": {
+            "outcomes": outcomes,
+            "captures": len(controller.store.capture_windows),
+            "median_copy_s": med("cut_copy"),
+            "median_publish_s": med("publish"),
+            "median_total_s": med("total"),
+        },
+    }
+    shutil.rmtree(run_dir, ignore_errors=True)
+    return result
+
+
+def fmt(s: dict) -> str:
+    if not s.get("n"):
+        return "(none)"
+    return f"p50 {s['p50_ms']:6.2f}  p99 {s['p99_ms']:7.2f}  max {s['max_ms']:7.2f} ms  (n={s['n']})"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--groups", type=int, default=10_000, help="groups in flight before the pumps start")
+    ap.add_argument("--payload-gb", type=float, default=1.0, help="sample payload in the store before the run (GiB)")
+    ap.add_argument("--sample-tokens", type=int, default=16384, help="tokens per pre-filled sample")
+    ap.add_argument("--steps", type=int, default=30, help="train steps per phase")
+    ap.add_argument("--interval-s", type=float, default=1.0, help="rollout_checkpointing.interval_s")
+    ap.add_argument("--repeats", type=int, default=1, help="pairs of phases (order alternates)")
+    ap.add_argument("--config", type=Path, default=REPO / "examples" / "quickstart.yaml")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override (repeatable)")
+    ap.add_argument("--quick", action="store_true", help="tiny sizes (smoke test)")
+    ap.add_argument("--dir", type=Path, default=None, help="where to build (default: a temp dir); needs ~5x the payload")
+    ap.add_argument("--json", default=None, help="write the figures here")
+    args = ap.parse_args()
+    if args.quick:
+        args.groups, args.payload_gb, args.sample_tokens, args.steps = 200, 0.002, 1024, 2
+        args.set = ["algorithm.groups_per_step=2", "algorithm.group_size=4", "environment.dataset_size=64", *args.set]
+    work = Path(tempfile.mkdtemp(prefix="bench_pump_latency_", dir=args.dir))
+    result: dict = {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+                    "machine": benchlib.machine_line(), "phases": {}}
+    try:
+        say(result["machine"])
+        group_size = load_config(args.config, args.set).algorithm.group_size
+        BenchController.template = work / "template.sqlite"
+        BenchController.layout = Layout(
+            in_flight=args.groups, num_generations=group_size, payload_bytes=int(args.payload_gb * 2**30),
+            sample_tokens=args.sample_tokens, finished_per_group=max(1, group_size // 2),
+        )
+        runs: dict[str, list[dict]] = {p: [] for p in PHASES}
+        for r in range(args.repeats):
+            for name in PHASES if r % 2 == 0 else reversed(PHASES):
+                res = run_phase(name, args, work)
+                runs[name].append(res)
+                if not result.get("store"):
+                    size = BenchController.template.stat().st_size
+                    result["store"] = {**BenchController.built, "file_bytes": size}
+                    say(f"pre-filled store: {args.groups} groups in flight, {BenchController.built['samples']} samples, "
+                        f"{size / 2**30:.3f} GiB, built in {BenchController.built['build_s']:.0f} s")
+                say(f"\n[{name}] {res['steps']} steps in {res['wall_s']:.1f} s; snapshots {res['snapshots']}")
+                for thread, s in res["threads"].items():
+                    say(f"  {thread:<14} {fmt(s)}")
+                    if "less_runqueue" in s:
+                        say(f"  {'':<14} less run-queue wait: {fmt(s['less_runqueue'])}")
+                        say(f"  {'':<14} overlapping a capture: {fmt(s['during_capture'])}")
+        result["phases"] = runs
+        say("\nsnapshots / no snapshots (last repeat):")
+        ratios = {}
+        for thread in (*PUMPS, "all pumps"):
+            a = runs["snapshots"][-1]["threads"].get(thread)
+            b = runs["no snapshots"][-1]["threads"].get(thread)
+            if not a or not b or not a.get("n") or not b.get("n"):
+                continue
+            ratios[thread] = {"p50": a["p50_ms"] / b["p50_ms"], "p99": a["p99_ms"] / b["p99_ms"], "max": a["max_ms"] / b["max_ms"]}
+            say(f"  {thread:<14} p50 {ratios[thread]['p50']:.2f}x  p99 {ratios[thread]['p99']:.2f}x  max {ratios[thread]['max']:.2f}x")
+        result["ratios"] = ratios
+        snap = runs["snapshots"][-1]["threads"]
+        worst_p99 = max(s["p99_ms"] for t, s in snap.items() if t != "all pumps" and s.get("n"))
+        worst_max = max(s["max_ms"] for t, s in snap.items() if t != "all pumps" and s.get("n"))
+        result["goals"] = {"p99_ms": worst_p99, "p99_met": worst_p99 <= P99_GOAL_MS,
+                           "max_ms": worst_max, "max_met": worst_max <= MAX_GOAL_MS}
+        say(f"goals with snapshots: worst p99 {worst_p99:.2f} ms (<= {P99_GOAL_MS:.0f}: "
+            f"{'met' if worst_p99 <= P99_GOAL_MS else 'MISSED'}), worst max {worst_max:.2f} ms "
+            f"(<= {MAX_GOAL_MS:.0f}: {'met' if worst_max <= MAX_GOAL_MS else 'MISSED'})")
+        benchlib.write_json(args.json, result)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
