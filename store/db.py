@@ -27,8 +27,8 @@ Two more stalls showed up beside a snapshot of 1M ledger rows and 1 GB of payloa
 grows (100-200 MB here); after it, (1) the held pass copied everything that arrived
 during one long unheld pass (20 ms held), and (2) the writer's first commit after the
 restart truncated the WAL back to the limit, and freeing 100 MB of file took 50 ms.
-So the checkpointer catches up unheld until a pass is quick, holds the writer only when
-no reader pins the WAL, and lowers the writer's ``journal_size_limit`` one step at a time
+So the checkpointer catches up unheld until a pass copies few frames, holds the writer
+only when no reader pins the WAL, and lowers the writer's ``journal_size_limit`` one step at a time
 so that each restart frees at most `WAL_SHRINK_STEP`.
 """
 
@@ -51,7 +51,8 @@ JOURNAL_SIZE_LIMIT = 64 * 1024 * 1024  # without it the WAL file never shrinks
 CHECKPOINT_INTERVAL_S = 0.25
 # Past this WAL size the checkpointer briefly holds the writer to let the WAL restart.
 WAL_RESTART_BYTES = JOURNAL_SIZE_LIMIT // 2
-# Freeing a file's blocks costs about 0.3-0.5 ms per MiB here; a restart frees at most this.
+# Freeing a file's blocks costs several ms per step here (ext4 with online discard); a
+# restart frees at most this much of the WAL file.
 WAL_SHRINK_STEP = 8 * 1024 * 1024
 # Unheld passes repeat (up to this many) while one still copies more than CATCH_UP_FRAMES,
 # so the held pass copies only what a short pass left behind. (Counted in frames, not
