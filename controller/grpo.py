@@ -83,6 +83,8 @@ def group_advantages(rewards: Sequence[float], eps: float = 1e-6,
     n = len(rewards)
     if n == 0:
         return []
+    if max(rewards) == min(rewards):
+        return [0.0] * n  # exactly zero, not float noise around the mean
     mean = sum(rewards) / n
     if not scale:
         return [r - mean for r in rewards]

@@ -32,6 +32,9 @@ from rolloutdb.controller.protocols import Turn
 
 DIGITS = "0123456789"
 TASK_KINDS = ("copy", "successor", "reverse")
+# Every character the task's prompts, answers and feedback use: a tokenizer over just
+# these gives a random policy a 10-in-~20 chance of a digit instead of 10-in-~90.
+TASK_ALPHABET = DIGITS + ": \nokn"
 # Share of the reward for a reply whose length equals the target's (teaches stopping).
 LENGTH_BONUS = 0.2
 
@@ -92,7 +95,8 @@ def score_reply(reply: str, target: str) -> float:
         raise ValueError("empty target")
     hits = sum(1 for a, b in zip(text, target) if a == b)
     exact_length = 1.0 if len(text) == len(target) else 0.0
-    return (1.0 - LENGTH_BONUS) * hits / len(target) + LENGTH_BONUS * exact_length
+    # Rounded so a perfect reply scores exactly 1.0 (0.8 + 0.2 is 1.0000000000000002).
+    return round((1.0 - LENGTH_BONUS) * hits / len(target) + LENGTH_BONUS * exact_length, 12)
 
 
 def prompt_text(digits: str) -> str:
