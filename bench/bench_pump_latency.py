@@ -66,11 +66,12 @@ class PerThreadClock(TransactionClock):
 
     def __init__(self) -> None:
         super().__init__()
-        self.by_thread: dict[str, list[tuple[float, float, float]]] = {}  # (end, wall, run-queue wait)
+        # per thread: [end, wall, run-queue wait, call site]
+        self.by_thread: dict[str, list[list]] = {}
 
-    def add(self, seconds: float) -> None:
-        super().add(seconds)
-        self.by_thread.setdefault(threading.current_thread().name, []).append((time.perf_counter(), seconds, 0.0))
+    def add(self, seconds: float, cpu_seconds: float = 0.0) -> None:
+        super().add(seconds, cpu_seconds)
+        self.by_thread.setdefault(threading.current_thread().name, []).append([time.perf_counter(), seconds, 0.0, "?"])
 
 
 class MeasuredStore(Store):
@@ -83,6 +84,7 @@ class MeasuredStore(Store):
         super().__init__(db)
         self.tx_time = PerThreadClock()
         self.capture_windows: list[tuple[float, float]] = []
+        self.publish_windows: list[tuple[float, float]] = []
 
     @contextlib.contextmanager
     def atomic(self, *, mutation: bool = True):
@@ -90,11 +92,11 @@ class MeasuredStore(Store):
         if clock is None:
             clock = self._rq.clock = RunQueueClock()
         w0 = clock()
+        caller = sys._getframe(2).f_code  # the function whose `with` opened the transaction
         with super().atomic(mutation=mutation) as tx:
             yield tx
-        samples = self.tx_time.by_thread[threading.current_thread().name]
-        end, wall, _ = samples[-1]
-        samples[-1] = (end, wall, clock() - w0)
+        sample = self.tx_time.by_thread[threading.current_thread().name][-1]
+        sample[2], sample[3] = clock() - w0, caller.co_name
 
     def capture(self, dst, *, at_cut=None):
         t0 = time.perf_counter()
@@ -105,7 +107,8 @@ class MeasuredStore(Store):
 
 
 class BenchController(Controller):
-    """The real controller; only its store comes pre-filled (a copy of the template)."""
+    """The real controller; only its store comes pre-filled (a copy of the template), and
+    the time each snapshot's publication ran (hash, fsync, rename) is noted."""
 
     template: Path
     layout: Layout
@@ -127,24 +130,45 @@ class BenchController(Controller):
                 store.close()  # folds the WAL: the template is one file
             BenchController.built["build_s"] = time.perf_counter() - t0
         shutil.copyfile(self.template, self.dirs.store)
-        return MeasuredStore.open(self.dirs.store)
+        store = MeasuredStore.open(self.dirs.store)
+        finish = self.publisher._finish_snapshot
+
+        def timed_finish(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return finish(*a, **k)
+            finally:
+                store.publish_windows.append((t0, time.perf_counter()))
+
+        self.publisher._finish_snapshot = timed_finish
+        return store
+
+
+def _overlaps(end: float, wall: float, windows: list[tuple[float, float]]) -> bool:
+    return any(a <= end and end - wall <= b for a, b in windows)
 
 
 def summarize(store: MeasuredStore) -> dict:
-    windows = store.capture_windows
     out = {}
     for name, samples in store.tx_time.by_thread.items():
         if name not in PUMPS:
             continue
-        wall = [w for _, w, _ in samples]
-        less_rq = [max(0.0, w - rq) for _, w, rq in samples]
-        during = [w for end, w, _ in samples if any(a <= end and end - w <= b for a, b in windows)]
+        wall = [w for _, w, _, _ in samples]
+        slow: dict[str, int] = {}
+        for end, w, rq, site in samples:
+            if w > MAX_GOAL_MS / 1e3:
+                where = "capture" if _overlaps(end, w, store.capture_windows) else (
+                    "publish" if _overlaps(end, w, store.publish_windows) else "no snapshot")
+                key = f"{site} ({where}, {'mostly run-queue' if rq > w / 2 else 'not run-queue'})"
+                slow[key] = slow.get(key, 0) + 1
         out[name] = {
             **latency_summary(wall),
-            "less_runqueue": latency_summary(less_rq),
-            "during_capture": latency_summary(during),
+            "less_runqueue": latency_summary([max(0.0, w - rq) for _, w, rq, _ in samples]),
+            "during_capture": latency_summary([w for e, w, _, _ in samples if _overlaps(e, w, store.capture_windows)]),
+            "during_publish": latency_summary([w for e, w, _, _ in samples if _overlaps(e, w, store.publish_windows)]),
+            "over_max_goal": slow,
         }
-    every = [w for name, s in store.tx_time.by_thread.items() if name in PUMPS for _, w, _ in s]
+    every = [w for name, s in store.tx_time.by_thread.items() if name in PUMPS for _, w, _, _ in s]
     out["all pumps"] = {**latency_summary(every)}
     return out
 
@@ -242,6 +266,9 @@ def main() -> int:
                     if "less_runqueue" in s:
                         say(f"  {'':<14} less run-queue wait: {fmt(s['less_runqueue'])}")
                         say(f"  {'':<14} overlapping a capture: {fmt(s['during_capture'])}")
+                        say(f"  {'':<14} overlapping a publication: {fmt(s['during_publish'])}")
+                        if s["over_max_goal"]:
+                            say(f"  {'':<14} over {MAX_GOAL_MS:.0f} ms: {s['over_max_goal']}")
         result["phases"] = runs
         say("\nsnapshots / no snapshots (last repeat):")
         ratios = {}

@@ -160,8 +160,14 @@ class Controller:
         """How much of each pump's wall time went into store transactions."""
         clock = self.store.tx_time
         shares = {
-            name: {"transactions": int(n), "store_s": round(sec, 4), "share": round(sec / pumps_wall_s, 5)}
-            for name, (n, sec) in clock.totals.items()
+            name: {
+                "transactions": int(n),
+                "store_s": round(sec, 4),
+                "store_cpu_s": round(cpu, 4),
+                "share": round(sec / pumps_wall_s, 5),
+                "cpu_share": round(cpu / pumps_wall_s, 5),
+            }
+            for name, (n, sec, cpu) in clock.totals.items()
         }
         self.metrics.write({"kind": "store_share", "t": time.time(), "pumps_wall_s": pumps_wall_s, "threads": shares})
 

@@ -39,22 +39,25 @@ _BUMP = update(T["run_meta"]).values(mutation_counter=T["run_meta"].c.mutation_c
 
 
 class TransactionClock:
-    """Per-thread count and total seconds of store transactions; optionally every
-    latency (for benchmarks). Cheap: a dict update per transaction."""
+    """Per-thread count, wall seconds and CPU seconds of store transactions; optionally
+    every latency (for benchmarks). Cheap: a dict update per transaction. Wall time
+    includes waiting for the write lock and for the GIL (other threads' Python);
+    CPU time is this thread's own work."""
 
     def __init__(self) -> None:
         self.totals: dict[str, list[float]] = {}
         self.samples: list[float] | None = None
 
-    def add(self, seconds: float) -> None:
-        entry = self.totals.setdefault(threading.current_thread().name, [0, 0.0])
+    def add(self, seconds: float, cpu_seconds: float = 0.0) -> None:
+        entry = self.totals.setdefault(threading.current_thread().name, [0, 0.0, 0.0])
         entry[0] += 1
         entry[1] += seconds
+        entry[2] += cpu_seconds
         if self.samples is not None:
             self.samples.append(seconds)
 
     def seconds(self, thread_name: str) -> float:
-        return self.totals.get(thread_name, [0, 0.0])[1]
+        return self.totals.get(thread_name, [0, 0.0, 0.0])[1]
 
 
 class Store:
@@ -136,12 +139,12 @@ class Store:
         snapshot need not capture (snapshot-attempt outcomes). Each outermost
         transaction's wall time, lock wait included, is added to `tx_time` under the
         calling thread's name (what the pumps pay for the store)."""
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         with self.db.atomic() as tx:
             yield tx
             if mutation:
                 tx.execute(_BUMP)
-        self.tx_time.add(time.perf_counter() - t0)
+        self.tx_time.add(time.perf_counter() - t0, time.thread_time() - c0)
 
     def read(self):
         """A consistent read transaction on its own connection (see `Database.read`)."""
