@@ -5,10 +5,12 @@ weights are loaded from the snapshot's anchor and before the pumps start.
 when every check has passed, in this order:
 
 1. manifest and checksums: every file the manifest lists, hashed; the store file is
-   hashed *while* it is copied beside the live store (one read of the largest file);
+   hashed as it is copied beside the live store (the hash covers the copy's bytes);
 2. schema: an older revision is upgraded on the copy (Alembic), a newer one refused
    with what to do; the snapshot directory itself is only ever read;
-3. ``PRAGMA integrity_check`` of the copy;
+3. ``PRAGMA integrity_check`` of the snapshot's store file, run on its own thread while
+   the copy is made (`restore_io.py` says why that checks the copy's bytes), and again
+   on the copy when it was upgraded;
 4. run_meta: config fingerprint, dataset fingerprint, forest-training settings (and the
    dispatch mode, when the caller says it) equal the run's, or a refusal naming each;
 5. replay groups: each published group holds one permit below capacity (invariant 2);
@@ -49,7 +51,6 @@ from __future__ import annotations
 
 import contextlib
 import errno as errno_mod
-import hashlib
 import json
 import sqlite3
 import time
@@ -57,7 +58,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from sqlalchemy import Connection, delete, func, select
+from sqlalchemy import Connection, delete, func, literal_column, select, update
 
 from . import faults, ledger, pools
 from .db import Database
@@ -69,11 +70,11 @@ from .ledger import Reservation
 from .manifest import (
     KIND_SNAPSHOT, Manifest, ManifestError, describe_files_names, hash_file, member_path, read_manifest,
 )
+from .restore_io import SourceIntegrityCheck, copy_hashing
 from .revision import classify_revision, file_revision, head_revision, run_migrations
 from .schema import T
 from .store import Store
 
-COPY_CHUNK = 4 * 1024 * 1024
 SIDE_SUFFIXES = ("-wal", "-shm", "-journal")
 
 
@@ -188,20 +189,6 @@ def _remove_with_side_files(path: Path) -> None:
         p.unlink(missing_ok=True)
 
 
-def _copy_hashing(src: Path, dst: Path) -> tuple[int, str]:
-    """Copy `src` to the new file `dst`, hashing the bytes on the way: the checksum
-    then covers exactly the bytes every later check reads."""
-    digest = hashlib.sha256()
-    size = 0
-    faults.io("write", dst)
-    with open(src, "rb") as fin, open(dst, "xb") as fout:
-        while chunk := fin.read(COPY_CHUNK):
-            digest.update(chunk)
-            fout.write(chunk)
-            size += len(chunk)
-    return size, digest.hexdigest()
-
-
 def _canonical(settings: object) -> str:
     return json.dumps(settings, sort_keys=True, separators=(",", ":"))
 
@@ -241,7 +228,7 @@ def _verify_and_copy(snapshot_dir: Path, manifest: Manifest, copy: Path) -> None
         if not path.is_file():
             raise SnapshotDamaged(f"{path}: missing (the manifest lists it); restore another snapshot", path)
         if entry.path == SNAPSHOT_DB:
-            size, digest = _copy_hashing(path, copy)
+            size, digest = copy_hashing(path, copy)
         else:
             size, digest = hash_file(path)
         if size != entry.size or digest != entry.sha256:
@@ -256,20 +243,25 @@ def _verify_and_copy(snapshot_dir: Path, manifest: Manifest, copy: Path) -> None
                                   "restore another snapshot", snapshot_dir / name)
 
 
-def _integrity(copy: Path, source: Path) -> None:
-    try:
-        with contextlib.closing(_connect(copy)) as conn:
-            rows = [r[0] for r in conn.execute("PRAGMA integrity_check(3)").fetchall()]
-    except sqlite3.DatabaseError as e:
-        rows = [str(e)]
+def _integrity(copy: Path, source: Path, rows: list[str] | None = None) -> None:
+    """Refuse unless integrity_check passes: on `copy`, or the `rows` a check of the
+    snapshot's own file returned (`SourceIntegrityCheck`)."""
+    if rows is None:
+        try:
+            with contextlib.closing(_connect(copy)) as conn:
+                rows = [r[0] for r in conn.execute("PRAGMA integrity_check(3)").fetchall()]
+        except sqlite3.DatabaseError as e:
+            rows = [str(e)]
     if rows != ["ok"]:
         first = " ".join(rows[0].split())
         raise SnapshotDamaged(f"{source}: integrity_check failed ({first}); restore another snapshot", source)
 
 
-def _bring_to_head(copy: Path, source: Path, manifest: Manifest) -> tuple[str, str | None]:
+def _bring_to_head(copy: Path, source: Path, manifest: Manifest,
+                   source_check: SourceIntegrityCheck) -> tuple[str, str | None]:
     """Phase 2: (snapshot revision, revision upgraded from or None). A newer revision is
-    refused; an older one is migrated on the copy after an integrity check."""
+    refused; an older one is migrated on the copy once the snapshot passed its integrity
+    check."""
     try:
         with contextlib.closing(_connect(copy)) as conn:
             revision = file_revision(conn)
@@ -286,7 +278,7 @@ def _bring_to_head(copy: Path, source: Path, manifest: Manifest) -> tuple[str, s
         raise SnapshotTooNew(f"{e}, then resume again; the snapshot is left as it is") from None
     if kind == "head":
         return revision, None
-    _integrity(copy, source)
+    _integrity(copy, source, source_check.result())
     try:
         run_migrations(copy)
     except Exception as e:  # noqa: BLE001 - any failure leaves the snapshot as is
@@ -395,6 +387,20 @@ def _read_saved_progress(tx: Connection, running: list[int]) -> tuple[dict, dict
     return prefixes, episodes
 
 
+def _abandon_every_running_attempt(tx: Connection) -> int:
+    """What `ledger.abandon_attempts(tx, running, "restart")` does, as three statements
+    over the whole table: restart normalization abandons *every* running attempt, and
+    passing 72k attempt ids through IN lists took 0.7 s of a 100k-group restore
+    (bench/bench_restore.py) where these take a fraction of it."""
+    running = select(rollouts_t.c.attempt_id).where(rollouts_t.c.state == "running")
+    tx.execute(delete(chunks_t).where(chunks_t.c.attempt_id.in_(running)))
+    tx.execute(delete(episodes_t).where(episodes_t.c.attempt_id.in_(running)))
+    return tx.execute(
+        update(rollouts_t).where(rollouts_t.c.state == "running")
+        .values(state="abandoned", abandon_reason="restart", ended_at=time.time())
+    ).rowcount
+
+
 def _normalize_ledger(tx: Connection, source: Path, step: int, counts: dict[str, int],
                       saved: dict) -> tuple[list, list]:
     """Phase 6, inside one transaction on the copy."""
@@ -408,8 +414,7 @@ def _normalize_ledger(tx: Connection, source: Path, step: int, counts: dict[str,
         select(rollouts_t.c.attempt_id).where(rollouts_t.c.state == "running").order_by(rollouts_t.c.attempt_id)
     ).scalars())
     saved["prefixes"], saved["episodes"] = _read_saved_progress(tx, running)
-    ledger.abandon_attempts(tx, running, "restart")
-    counts["abandoned_attempts"] = len(running)
+    counts["abandoned_attempts"] = _abandon_every_running_attempt(tx)
 
     reserved = list(tx.execute(
         select(groups_t.c.group_id).where(groups_t.c.state == "reserved").order_by(groups_t.c.sample_seq)
@@ -429,10 +434,13 @@ def _normalize_ledger(tx: Connection, source: Path, step: int, counts: dict[str,
     counts["published_at_restore"] = len(sealed)
 
     finished: dict[int, set[int]] = {}
+    # `+state`: no index on the rollouts' state, so SQLite starts from the dispatched
+    # groups and reads their rows, not every finished rollout of the run (0.55 s -> 0.02 s
+    # at 100k groups, bench/bench_restore.py).
     for g, i in tx.execute(
         select(rollouts_t.c.group_id, rollouts_t.c.generation_index)
         .join(groups_t, groups_t.c.group_id == rollouts_t.c.group_id)
-        .where(groups_t.c.state == "dispatched", rollouts_t.c.state == "finished")
+        .where(groups_t.c.state == "dispatched", literal_column("+rollouts.state") == "finished")
     ).all():
         finished.setdefault(g, set()).add(i)
     was_reserved = set(reserved)
@@ -547,13 +555,19 @@ def restore_snapshot(
     copy = temp_path_beside(live, "restore")
     _remove_with_side_files(copy)  # our own pid's leftover of an earlier failed restore
     counts: dict[str, int] = {}
+    # Starts now, beside the copy; its verdict is read after the checksums and the
+    # schema, so refusals come in the same order as if it ran after them.
+    source_check = SourceIntegrityCheck(source) if source.is_file() else None
     try:
         with phases("checksums"):
             _verify_and_copy(snapshot_dir, manifest, copy)
         with phases("schema"):
-            revision, upgraded_from = _bring_to_head(copy, source, manifest)
+            revision, upgraded_from = _bring_to_head(copy, source, manifest, source_check)
         with phases("integrity"):
-            _integrity(copy, source)
+            if upgraded_from is None:
+                _integrity(copy, source, source_check.result())
+            else:  # the migrated copy is new bytes
+                _integrity(copy, source)
         with contextlib.closing(_connect(copy)) as conn:
             with phases("run_meta"):
                 mode = _check_run_meta(conn, source, config_fingerprint=config_fingerprint,
@@ -589,6 +603,8 @@ def restore_snapshot(
         raise RestoreError(f"{live}: restore failed in phase {phases.current}: {e.strerror or e} [{name}]; the snapshot "
                            "is unchanged and the live store was not replaced; fix the disk and resume again") from e
     finally:
+        if source_check is not None:
+            source_check.cancel()
         _remove_with_side_files(copy)
     env_export = snapshot_dir / ENV_EXPORT
     return RestorePlan(
