@@ -47,3 +47,40 @@ def test_the_snapshot_latency_benchmark_runs_both_captures_beside_a_live_writer(
         assert len(phases[name]["capture_s"]) == r["args"]["snapshots"]
         assert phases[name]["n"] > 0, f"the writer committed nothing during the {name} captures"
         assert {"p50_ms", "p99_ms", "max_ms", "longest_gap_ms", "wal_max_mb"} <= phases[name].keys()
+
+
+def test_the_pump_latency_benchmark_runs_the_real_controller_with_and_without_snapshots(tmp_path):
+    r = _run_bench("bench_pump_latency.py", tmp_path)
+    assert r["store"]["samples"] > 0 and r["store"]["groups"] == r["args"]["groups"]
+    with_snaps, without = r["phases"]["snapshots"][-1], r["phases"]["no snapshots"][-1]
+    assert with_snaps["steps"] == without["steps"] == r["args"]["steps"]
+    assert with_snaps["snapshots"]["outcomes"].get("published", 0) >= 1
+    assert without["snapshots"]["outcomes"] == {}
+    for phase in (with_snaps, without):
+        for pump in ("rollout-pump", "MainThread"):
+            assert phase["threads"][pump]["n"] > 0, f"{pump} recorded no store transaction"
+            assert {"p50_ms", "p99_ms", "max_ms"} <= phase["threads"][pump].keys()
+    assert {"rollout-pump", "MainThread"} <= r["ratios"].keys()
+    assert {"p99_met", "max_met"} <= r["goals"].keys()
+
+
+def test_the_restore_benchmark_restores_next_to_reading_the_same_file(tmp_path):
+    r = _run_bench("bench_restore.py", tmp_path)
+    warm = r["summary"]["warm"]
+    assert set(warm["median_s"]) == {"restore", "read", "cat", "read+sha256", "copy+sha256+fsync"}
+    assert warm["ratios"]["restore/read"] > 0
+    assert r["restore_counts"]["abandoned_attempts"] > 0
+    assert {"checksums", "integrity", "ledger", "replace"} <= r["restore_phases_s"].keys()
+
+
+def test_the_quickstart_benchmark_reports_wall_time_reward_and_store_share(tmp_path):
+    out = tmp_path / "figures.json"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "bench_quickstart.py"), "--quick", "--json", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=180,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    r = json.loads(out.read_text())
+    assert r["steps"] == 3 and r["summary"].startswith("steps=3")
+    assert {"rollout-pump", "MainThread"} <= set(r["store_share"])
+    assert all(0 < s["share"] < 1 for s in r["store_share"].values())

@@ -36,6 +36,7 @@ def test_killing_the_main_job_at_fault_points_and_random_moments_loses_nothing(t
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(7200)
 def test_hundreds_of_kills_over_many_chains_never_lose_or_duplicate_a_prompt(tmp_path):
     """Long tier: >= 200 kills. Run with `python -m pytest -m slow tests/test_crash_resume.py`;
     the result is recorded in RELIABILITY.md."""
