@@ -8,14 +8,25 @@ by path, with auto-install and auto-load off and every directory DuckDB could wr
 is removed afterwards: no network, and nothing written to ``~/.duckdb``.
 
 The SQL itself lives in `trace_queries`; this module only stacks the files into the base
-views those queries read (see its docstring) and runs them. `open_sqlite_analysis` builds
-the same views in plain SQLite, which runs the same statements (tests compare the two;
-the benchmark times them).
+tables those queries read (see its docstring) and runs them. Each base table is one
+table of the trace file (one event type: `rolloutdb.store.trace`), of which DuckDB copies
+only the columns the figures read, in one scan. The exception is `attempt_dispatched`,
+the largest table of a trace, of which the figures need only the dispatches of attempts
+abandoned with reason 'restart': DuckDB's scanner pushes no filter or join down to
+SQLite, so we send that semi-join to SQLite (`sqlite_query`, answered from the
+(prompt_id, generation_index, attempt) index) and copy only its answer.
+
+A trace file of an older revision is upgraded in a copy in the working directory; the
+file itself is never changed. `open_sqlite_analysis` builds the same base tables as
+views in plain SQLite, which runs the same statements (tests compare the two; the
+benchmark times them).
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import json
 import shutil
 import sqlite3
 import tempfile
@@ -25,17 +36,15 @@ from pathlib import Path
 from urllib.parse import quote
 
 from . import trace_queries
-from .trace import TraceError
+from .revision import file_revision
+from .trace import TraceError, run_trace_migrations, trace_alembic_config, trace_head_revision
 
-EVENT_COLUMNS = (
-    "seq, t, run_id, event, prompt_id, generation_index, group_id, attempt, step, "
-    "policy_version, reason, fields"
-)
-_BASE_TABLES = {
-    "events": EVENT_COLUMNS,
-    "version_tokens": "seq, policy_version, tokens",
-    "event_groups": "seq, group_id",
-}
+# The base table of trace_queries -> its table in a trace file, where the names differ.
+_FILE_TABLE = {"trace_runs": "runs"}
+# Semi-joined in SQLite for DuckDB (see the module docstring).
+_SEMI_JOINED = "attempt_dispatched"
+_DUCKDB_TYPES = {"seq": "BIGINT", "t": "DOUBLE", "run": "BIGINT", "prompt_id": "BIGINT",
+                 "generation_index": "BIGINT", "attempt": "BIGINT"}
 
 
 @dataclass(frozen=True)
@@ -109,18 +118,52 @@ def _dedupe(paths: Sequence[str | Path]) -> list[Path]:
     return out
 
 
-def base_view_statements(aliases: dict[str, list[str]], *, kind: str = "VIEW") -> list[str]:
-    """Statements stacking the attached files of each job ('run', 'baseline') into
-    `events`, `version_tokens` and `event_groups`: views, or (kind="TABLE") copies."""
+def base_view_statements(aliases: dict[str, list[str]], *, kind: str = "VIEW",
+                         skip: frozenset[str] = frozenset()) -> list[str]:
+    """Statements stacking the attached files of each job ('run', 'baseline') into the
+    base tables of `trace_queries.BASE_COLUMNS`: views, or (kind="TABLE") copies."""
     statements = []
-    for table, columns in _BASE_TABLES.items():
+    for table, columns in trace_queries.BASE_COLUMNS.items():
+        if table in skip:
+            continue
         parts = [
-            f"SELECT '{job}' AS job, {src} AS src, {columns} FROM {alias}.{table}"
+            f"SELECT '{job}' AS job, {src} AS src, {columns} FROM {alias}.{_FILE_TABLE.get(table, table)}"
             for job, job_aliases in aliases.items()
             for src, alias in enumerate(job_aliases)
         ]
         statements.append(f"CREATE TEMP {kind} {table} AS\n" + "\nUNION ALL\n".join(parts))
     return statements
+
+
+def _as_text(column: str) -> str:
+    # sqlite_query hands every value over as text; SQLite writes a REAL with 15
+    # significant digits unless told otherwise, and 17 are needed to get the same double
+    # back (the thrown-away time is a difference of two wall times: microseconds count).
+    return f"printf('%!.17g', d.{column}) AS {column}" if _DUCKDB_TYPES[column] == "DOUBLE" else f"d.{column}"
+
+
+def _semi_joined_dispatches(con, aliases: dict[str, list[str]]) -> None:
+    """`attempt_dispatched` in DuckDB: only the dispatches of attempts abandoned with
+    reason 'restart' (what THROWN_AWAY_ATTEMPTS reads), looked up by SQLite itself."""
+    columns = trace_queries.BASE_COLUMNS[_SEMI_JOINED].split(", ")
+    con.execute(f"CREATE TEMP TABLE {_SEMI_JOINED} (job VARCHAR, src INTEGER, "
+                + ", ".join(f"{c} {_DUCKDB_TYPES[c]}" for c in columns) + ")")
+    keys: dict[str, list] = {}
+    for job, p, g, a in con.execute("SELECT DISTINCT job, prompt_id, generation_index, attempt FROM attempt_abandoned "
+                                    "WHERE reason = 'restart' AND prompt_id IS NOT NULL").fetchall():
+        keys.setdefault(job, []).append([p, g, a])
+    for job, job_keys in keys.items():
+        # The abandonment may be in another file of the job than the dispatch: ask each.
+        inner = (
+            f"SELECT {', '.join(_as_text(c) for c in columns)} FROM json_each('{json.dumps(job_keys)}') k "
+            f"JOIN {_SEMI_JOINED} d ON d.prompt_id = json_extract(k.value, '$[0]') "
+            "AND d.generation_index = json_extract(k.value, '$[1]') AND d.attempt = json_extract(k.value, '$[2]')"
+        )
+        for src, alias in enumerate(aliases[job]):
+            # sqlite_query returns text: cast back to the columns' types.
+            casts = ", ".join(f"CAST({c} AS {_DUCKDB_TYPES[c]})" for c in columns)
+            con.execute(f"INSERT INTO {_SEMI_JOINED} SELECT '{job}', {src}, {casts} "
+                        f"FROM sqlite_query('{alias}', '{_sql_string(inner)}')")
 
 
 def derived_view_statements() -> list[str]:
@@ -152,25 +195,28 @@ class TraceAnalysis:
             for job, paths, prefix in (("run", runs, "r"), ("baseline", baseline, "b")):
                 for i, path in enumerate(paths):
                     alias = f"{prefix}{i}"
-                    self._attach(path, alias)
+                    self._attach(at_head(path, self._work_dir / "upgraded" / f"{alias}.sqlite"), alias, path)
                     aliases[job].append(alias)
-            # One scan of each SQLite table into DuckDB's columnar memory: the figures
-            # read `events` several times each, and every read of an attached table is
-            # a scan through SQLite (measured at 2M events: 2-3x slower over the figures).
-            for statement in base_view_statements(aliases, kind="TABLE") + derived_view_statements():
+            # One scan of each table the figures read into DuckDB's columnar memory, only
+            # its columns: the figures read some tables several times each, and every read
+            # of an attached table is a scan through SQLite.
+            for statement in base_view_statements(aliases, kind="TABLE", skip=frozenset({_SEMI_JOINED})):
+                self.con.execute(statement)
+            _semi_joined_dispatches(self.con, aliases)
+            for statement in derived_view_statements():
                 self.con.execute(statement)
         except BaseException:
             self.close()
             raise
 
-    def _attach(self, path: Path, alias: str) -> None:
+    def _attach(self, path: Path, alias: str, named: Path) -> None:
         import duckdb
 
         try:
             self.con.execute(f"ATTACH '{_sql_string(Path(path).resolve())}' AS {alias} (TYPE sqlite, READ_ONLY)")
-            self.con.execute(f"SELECT count(*) FROM {alias}.events WHERE seq < 0").fetchone()
+            self.con.execute(f"SELECT count(*) FROM {alias}.runs WHERE run < 0").fetchone()
         except duckdb.Error as e:
-            raise TraceError(f"{path}: not a readable trace file ({str(e).splitlines()[0]})") from e
+            raise TraceError(f"{named}: not a readable trace file ({str(e).splitlines()[0]})") from e
 
     def attach_snapshot(self, path: str | Path, alias: str) -> None:
         """Attach a rollout snapshot file read-only, to join its tables (``alias.prompt_groups``,
@@ -213,15 +259,52 @@ def open_sqlite_analysis(runs: Sequence[str | Path], baseline: Sequence[str | Pa
     aliases: dict[str, list[str]] = {"run": [], "baseline": []}
     for job, paths, prefix in (("run", runs, "r"), ("baseline", baseline, "b")):
         for i, path in enumerate(paths):
-            path = Path(path).resolve()
-            uri = f"file:{quote(str(path))}?mode=ro"
-            if not Path(f"{path}-wal").exists():
-                uri += "&immutable=1"  # no writer: read without locks or side files
-            conn.execute(f"ATTACH '{_sql_string(uri)}' AS {prefix}{i}")
+            path = at_head(path, None)
+            conn.execute(f"ATTACH '{_sql_string(_readonly_uri(path))}' AS {prefix}{i}")
             aliases[job].append(f"{prefix}{i}")
     for statement in base_view_statements(aliases) + derived_view_statements():
         conn.execute(statement)
     return conn
+
+
+def _readonly_uri(path: Path) -> str:
+    path = Path(path).resolve()
+    uri = f"file:{quote(str(path))}?mode=ro"
+    if not Path(f"{path}-wal").exists():
+        uri += "&immutable=1"  # no writer: read without locks or side files
+    return uri
+
+
+def at_head(path: str | Path, upgraded: Path | None) -> Path:
+    """`path` if its trace revision is head; else a copy at `upgraded`, brought to head by
+    the trace migrations (the file itself is left as it is). A file that is no trace,
+    or from a newer rolloutdb, is refused."""
+    from alembic.script import ScriptDirectory
+
+    path = Path(path)
+    try:
+        with contextlib.closing(sqlite3.connect(_readonly_uri(path), uri=True)) as conn:
+            revision = file_revision(conn)
+    except sqlite3.DatabaseError as e:
+        raise TraceError(f"{path}: not a readable trace file ({e})") from e
+    head = trace_head_revision()
+    if revision == head:
+        return path
+    known = [s.revision for s in ScriptDirectory.from_config(trace_alembic_config()).walk_revisions()]
+    if revision is None or not revision.startswith("trace_"):
+        raise TraceError(f"{path}: not a readable trace file (no trace revision in it)")
+    if revision not in known:
+        raise TraceError(f"{path}: trace revision {revision} is newer than this rolloutdb knows (head {head}); "
+                         "upgrade rolloutdb")
+    if upgraded is None:
+        raise TraceError(f"{path}: trace revision {revision} is older than {head}; analyse it with TraceAnalysis, "
+                         "which upgrades a copy")
+    upgraded.parent.mkdir(parents=True, exist_ok=True)
+    with contextlib.closing(sqlite3.connect(_readonly_uri(path), uri=True)) as src, \
+            contextlib.closing(sqlite3.connect(upgraded)) as dst:
+        src.backup(dst)  # includes what a killed run left in its -wal file
+    run_trace_migrations(upgraded)
+    return upgraded
 
 
 def sqlite_query(conn: sqlite3.Connection, name_or_sql: str) -> Table:

@@ -6,12 +6,17 @@ tuple on a queue; a writer thread commits what it finds there in one transaction
 `FLUSH_INTERVAL_S` (or every `MAX_BATCH` events), so a process killed with SIGKILL loses
 at most the events of the last few milliseconds and never leaves a torn file (WAL).
 
-Each process gets a new ``run_id``; a resumed run appends to the same file, and rows
-match across runs by (prompt_id, generation_index). The fields every analysis joins on
-are real columns of ``events``; the rest are one JSON object in ``events.fields``. Two
-list-valued fields are rows of their own so that SQL can join and sum them:
-``version_token_counts`` ({policy version: tokens}) goes to ``version_tokens`` and
-``group_ids`` goes to ``event_groups``. docs/trace.md describes every event and field.
+Layout (revision trace_v1_1_a): one table per event type, named after the event, with one
+typed column per field (``group_reserved(seq, t, run, group_id, prompt_id, step, ...)``),
+so that an analysis reads only the events and fields it needs, in SQLite's own types.
+``seq`` numbers the events of the file across all tables. Each process is a *run*: a row
+of ``runs`` (its ``run_id``, new for each process, and the first and last ``t`` and last
+``seq`` of its events, kept up to date in the same transaction as every batch), referred
+to by the small integer ``run``. List-valued fields are rows of their own so that SQL can
+join and sum them (`LIST_TABLES`). The view ``events`` shows every event in one table with
+the columns of trace_v1_0_a (run_id, event name, the common columns, other fields as
+JSON), for reading by eye. Rows match across runs by (prompt_id, generation_index).
+docs/trace.md describes every event and field.
 
 The file is created by running the trace's own Alembic migrations
 (``rolloutdb/migrations/trace``); `trace_metadata` below is the schema at head and a test
@@ -65,30 +70,56 @@ TRACE_FILENAME = "rollout_trace.sqlite"
 FLUSH_INTERVAL_S = 0.005  # the most a SIGKILL can lose, plus one commit
 MAX_BATCH = 2000
 
-# Columns every analysis joins on; any event may carry them.
+# Fields that many events carry and that analyses join on.
 COMMON_FIELDS = ("prompt_id", "generation_index", "group_id", "attempt", "step", "policy_version", "reason")
 _ATTEMPT = ("group_id", "prompt_id", "generation_index", "attempt", "step", "policy_version")
 _GROUP = ("group_id", "prompt_id", "step", "policy_version")
 
-# Event name -> the fields it may carry (common columns and JSON fields alike).
+# Event name -> its fields, in the order of its table's columns (after seq, t, run).
 # docs/trace.md says what each one means; tests check the two agree.
-EVENTS: dict[str, frozenset[str]] = {
-    name: frozenset(fields)
-    for name, fields in {
-        "run_started": ("pid", "host"),
-        "group_reserved": _GROUP + ("epoch", "group_size"),
-        "attempt_dispatched": _ATTEMPT + ("prefix_tokens",),
-        "call_cut": _ATTEMPT + ("tokens",),
-        "attempt_abandoned": _ATTEMPT + ("reason", "tokens"),
-        "rollout_finished": _ATTEMPT + ("tokens", "reward", "finish_reason", "version_token_counts"),
-        "group_sealed": _GROUP + ("generations",),
-        "group_published": _GROUP + ("version_token_counts", "tokens"),
-        "group_discarded": _GROUP + ("reason",),
-        "refit": ("step", "policy_version", "old_version", "new_version", "running"),
-        "train_step": ("step", "policy_version", "group_ids", "batch_age", "tokens"),
-        "snapshot_cut": ("step", "policy_version", "cut_time", "snapshot_seq", "anchor", "snapshot", "groups_in_flight"),
-        "restore_done": ("step", "policy_version", "cut_time", "snapshot_seq", "anchor", "snapshot", "groups_restored", "replay_restored"),
-    }.items()
+EVENT_FIELDS: dict[str, tuple[str, ...]] = {
+    "run_started": ("pid", "host"),
+    "group_reserved": _GROUP + ("epoch", "group_size"),
+    "attempt_dispatched": _ATTEMPT + ("prefix_tokens",),
+    "call_cut": _ATTEMPT + ("tokens",),
+    "attempt_abandoned": _ATTEMPT + ("reason", "tokens"),
+    "rollout_finished": _ATTEMPT + ("tokens", "reward", "finish_reason", "version_token_counts"),
+    "group_sealed": _GROUP + ("generations",),
+    "group_published": _GROUP + ("version_token_counts", "tokens"),
+    "group_discarded": _GROUP + ("reason",),
+    "refit": ("step", "policy_version", "old_version", "new_version", "running"),
+    "train_step": ("step", "policy_version", "group_ids", "batch_age", "tokens"),
+    "snapshot_cut": ("step", "policy_version", "cut_time", "snapshot_seq", "anchor", "snapshot", "groups_in_flight"),
+    "restore_done": ("step", "policy_version", "cut_time", "snapshot_seq", "anchor", "snapshot", "groups_restored", "replay_restored"),
+}
+EVENTS: dict[str, frozenset[str]] = {name: frozenset(fields) for name, fields in EVENT_FIELDS.items()}
+
+# Column type of every scalar field; `running` is a JSON list.
+FIELD_TYPES = {
+    **dict.fromkeys(
+        ("prompt_id", "generation_index", "group_id", "attempt", "step", "policy_version", "pid", "epoch", "group_size",
+         "prefix_tokens", "tokens", "generations", "old_version", "new_version", "snapshot_seq", "groups_in_flight",
+         "groups_restored", "replay_restored"),
+        "int"),
+    **dict.fromkeys(("reward", "batch_age", "cut_time"), "float"),
+    **dict.fromkeys(("reason", "host", "finish_reason", "anchor", "snapshot"), "text"),
+    "running": "json",
+}
+
+# List-valued fields, each stored as rows of its own table: (event, field) -> (table, columns).
+LIST_TABLES: dict[tuple[str, str], tuple[str, tuple[str, str]]] = {
+    ("rollout_finished", "version_token_counts"): ("finished_tokens", ("policy_version", "tokens")),
+    ("group_published", "version_token_counts"): ("published_tokens", ("policy_version", "tokens")),
+    ("train_step", "group_ids"): ("trained_groups", ("group_id",)),
+}
+
+# Indexes for SQLite's own look-ups (the DuckDB analysis scans whole tables).
+EVENT_INDEXES = {
+    "group_reserved": ("prompt_id",),
+    "group_sealed": ("prompt_id",),
+    "group_discarded": ("prompt_id",),
+    "group_published": ("group_id",),
+    "attempt_dispatched": ("prompt_id", "generation_index", "attempt"),
 }
 
 ABANDON_REASONS = ("restart", "deadline", "error")
@@ -98,45 +129,47 @@ class TraceError(StoreError):
     """A trace file or directory that cannot be used; the message says what to do."""
 
 
+def event_columns(name: str) -> tuple[str, ...]:
+    """The scalar fields of event `name`, in its table's column order."""
+    return tuple(f for f in EVENT_FIELDS[name] if (name, f) not in LIST_TABLES)
+
+
 # --------------------------------------------------------------------------- schema
 
 trace_metadata = MetaData(naming_convention=NAMING)
+_SQL_TYPES = {"int": Integer, "float": Float, "text": Text, "json": Text}
 
-events = Table(
-    "events",
+runs = Table(
+    "runs",
     trace_metadata,
-    # Assigned by the writer inside its transaction, so child rows can refer to it.
-    Column("seq", Integer, primary_key=True, autoincrement=False),
-    Column("t", Float, nullable=False),  # wall time, seconds since the epoch
-    Column("run_id", String(36), nullable=False),  # new for each process
-    Column("event", String(32), nullable=False),
-    Column("prompt_id", Integer),
-    Column("generation_index", Integer),
-    Column("group_id", Integer),
-    Column("attempt", Integer),
-    Column("step", Integer),
-    Column("policy_version", Integer),
-    Column("reason", String(32)),
-    Column("fields", Text),  # JSON object of the event's other fields, or NULL
-    Index("ix_events_event", "event"),
-    Index("ix_events_prompt_id_generation_index", "prompt_id", "generation_index"),
-    Index("ix_events_group_id", "group_id"),
+    Column("run", Integer, primary_key=True, autoincrement=False),
+    Column("run_id", String(36), nullable=False, unique=True),  # new for each process
+    Column("pid", Integer),
+    Column("host", String(255)),
+    Column("first_t", Float, nullable=False),  # min and max t of its events,
+    Column("last_t", Float, nullable=False),  # updated with every batch it commits
+    Column("last_seq", Integer, nullable=False),
 )
 
-version_tokens = Table(
-    "version_tokens",
-    trace_metadata,
-    Column("seq", Integer, ForeignKey("events.seq"), primary_key=True),
-    Column("policy_version", Integer, primary_key=True),
-    Column("tokens", Integer, nullable=False),
-)
-
-event_groups = Table(
-    "event_groups",
-    trace_metadata,
-    Column("seq", Integer, ForeignKey("events.seq"), primary_key=True),
-    Column("group_id", Integer, primary_key=True),
-)
+event_tables: dict[str, Table] = {}
+for _name in EVENT_FIELDS:
+    event_tables[_name] = Table(
+        _name,
+        trace_metadata,
+        Column("seq", Integer, primary_key=True, autoincrement=False),
+        Column("t", Float, nullable=False),
+        Column("run", Integer, ForeignKey("runs.run"), nullable=False),
+        *(Column(f, _SQL_TYPES[FIELD_TYPES[f]]()) for f in event_columns(_name)),
+        *([Index(f"ix_{_name}_{'_'.join(EVENT_INDEXES[_name])}", *EVENT_INDEXES[_name])] if _name in EVENT_INDEXES else []),
+    )
+list_tables: dict[str, Table] = {}
+for (_name, _field), (_table, _cols) in LIST_TABLES.items():
+    list_tables[_table] = Table(
+        _table,
+        trace_metadata,
+        Column("seq", Integer, ForeignKey(f"{_name}.seq"), primary_key=True),
+        *(Column(c, Integer, primary_key=True) if i == 0 else Column(c, Integer, nullable=False) for i, c in enumerate(_cols)),
+    )
 
 # --------------------------------------------------------------------------- files
 
@@ -257,12 +290,38 @@ class _Flush:
 
 _STOP = object()
 
-_INSERT_EVENT = (
-    "INSERT INTO events (seq, t, run_id, event, prompt_id, generation_index, group_id, attempt, "
-    "step, policy_version, reason, fields) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
-)
-_INSERT_VERSIONS = "INSERT INTO version_tokens (seq, policy_version, tokens) VALUES (?, ?, ?)"
-_INSERT_GROUPS = "INSERT INTO event_groups (seq, group_id) VALUES (?, ?)"
+
+def _insert_sql(table: str, columns: tuple[str, ...]) -> str:
+    return f"INSERT INTO {table} ({', '.join(columns)}) VALUES ({', '.join('?' * len(columns))})"
+
+
+# Event -> its INSERT; (event, list field) -> the INSERT of its rows.
+_INSERT_EVENT = {name: _insert_sql(name, ("seq", "t", "run", *event_columns(name))) for name in EVENT_FIELDS}
+_INSERT_LIST = {key: _insert_sql(table, ("seq", *cols)) for key, (table, cols) in LIST_TABLES.items()}
+_LIST_FIELDS = {name: tuple(f for (e, f) in LIST_TABLES if e == name) for name in EVENT_FIELDS}
+
+
+def _encode(field: str, value):
+    """One field value in its column's type. Plain ints and floats: sqlite3 cannot bind
+    numpy scalars, and one bad value would cost the whole batch."""
+    if value is None:
+        return None
+    kind = FIELD_TYPES[field]
+    if kind == "int":
+        return int(value)
+    if kind == "float":
+        return float(value)
+    if kind == "json":
+        return json.dumps(value, separators=(",", ":"), default=_json_default)
+    return str(value)
+
+
+def _encode_list(event: str, field: str, value) -> tuple[tuple, ...]:
+    if not value:
+        return ()
+    if LIST_TABLES[(event, field)][1] == ("group_id",):
+        return tuple((int(g),) for g in value)
+    return tuple((int(v), int(n)) for v, n in value.items())
 
 
 class Tracer:
@@ -291,6 +350,7 @@ class Tracer:
         self._max_batch = max_batch
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._closed = False
+        self._run_row: int | None = None  # this process's row in `runs`, once committed
         self._close_lock = threading.Lock()
         self._db = Database(self.path, synchronous="NORMAL")
         self._thread = threading.Thread(target=self._run, name=f"rolloutdb-trace:{self.run_id[:8]}", daemon=True)
@@ -309,21 +369,12 @@ class Tracer:
         if self._closed:
             self.dropped += 1
             return
-        # Plain ints: sqlite3 cannot bind numpy integers, and one bad value would cost
-        # the whole batch.
-        common = [_int_or_none(fields.pop(name, None)) for name in COMMON_FIELDS[:-1]]
-        reason = fields.pop("reason", None)
-        common.append(None if reason is None else str(reason))
-        versions = fields.pop("version_token_counts", None)
-        groups = fields.pop("group_ids", None)
         # Encoded here, not in the writer: the caller may change its dicts after emit.
         self._queue.put((
-            self._clock() if t is None else float(t),
             event,
-            *common,
-            json.dumps(fields, separators=(",", ":"), default=_json_default) if fields else None,
-            tuple((int(v), int(n)) for v, n in versions.items()) if versions else None,
-            tuple(int(g) for g in groups) if groups else None,
+            self._clock() if t is None else float(t),
+            tuple(_encode(f, fields.get(f)) for f in event_columns(event)),
+            tuple((f, _encode_list(event, f, fields.get(f))) for f in _LIST_FIELDS[event] if fields.get(f)),
         ))
 
     def flush(self, timeout: float | None = 10.0) -> bool:
@@ -399,26 +450,34 @@ class Tracer:
         try:
             with self._db.atomic() as conn:
                 # Inside BEGIN IMMEDIATE: no other writer can take the same numbers.
-                base = conn.exec_driver_sql("SELECT coalesce(max(seq), 0) FROM events").scalar()
-                rows, version_rows, group_rows = [], [], []
-                for i, (t, name, *common, fields, versions, groups) in enumerate(batch, start=base + 1):
-                    rows.append((i, t, self.run_id, name, *common, fields))
-                    if versions:
-                        version_rows.extend((i, v, n) for v, n in versions)
-                    if groups:
-                        group_rows.extend((i, g) for g in groups)
-                conn.exec_driver_sql(_INSERT_EVENT, rows)
-                if version_rows:
-                    conn.exec_driver_sql(_INSERT_VERSIONS, version_rows)
-                if group_rows:
-                    conn.exec_driver_sql(_INSERT_GROUPS, group_rows)
+                base = conn.exec_driver_sql("SELECT coalesce(max(last_seq), 0) FROM runs").scalar()
+                first_t, last_t = min(item[1] for item in batch), max(item[1] for item in batch)
+                if self._run_row is None:
+                    run = conn.exec_driver_sql("SELECT coalesce(max(run), 0) + 1 FROM runs").scalar()
+                    conn.exec_driver_sql(
+                        "INSERT INTO runs (run, run_id, pid, host, first_t, last_t, last_seq) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                        (run, self.run_id, os.getpid(), socket.gethostname(), first_t, last_t, base + len(batch)),
+                    )
+                else:
+                    run = self._run_row
+                    conn.exec_driver_sql(
+                        "UPDATE runs SET first_t = min(first_t, ?), last_t = max(last_t, ?), last_seq = ? WHERE run = ?",
+                        (first_t, last_t, base + len(batch), run),
+                    )
+                rows: dict[str, list[tuple]] = {}
+                list_rows: dict[tuple[str, str], list[tuple]] = {}
+                for seq, (name, t, values, lists) in enumerate(batch, start=base + 1):
+                    rows.setdefault(name, []).append((seq, t, run, *values))
+                    for field, items in lists:
+                        list_rows.setdefault((name, field), []).extend((seq, *item) for item in items)
+                for name, event_rows in rows.items():
+                    conn.exec_driver_sql(_INSERT_EVENT[name], event_rows)
+                for key, items in list_rows.items():
+                    conn.exec_driver_sql(_INSERT_LIST[key], items)
+            self._run_row = run  # only once its row is committed
         except Exception as e:  # noqa: BLE001 - tracing must never stop the run
             self.dropped += len(batch)
             log.warning("trace: %d events not written to %s: %s", len(batch), self.path, e)
-
-
-def _int_or_none(value) -> int | None:
-    return None if value is None else int(value)
 
 
 def _json_default(value):

@@ -1,18 +1,15 @@
 """The trace analysis as named SQL: read these to write your own queries.
 
 Every statement runs unchanged in DuckDB (what `rolloutdb trace` uses) and in SQLite
-3.40+. They read three base views, which `rolloutdb.store.analysis` builds by stacking
-the trace files it was given (``UNION ALL``):
-
-    events(job, src, seq, t, run_id, event, prompt_id, generation_index, group_id,
-           attempt, step, policy_version, reason, fields)
-    version_tokens(job, src, seq, policy_version, tokens)   -- per-version token counts
-    event_groups(job, src, seq, group_id)                    -- a train step's groups
+3.40+. They read base tables that `rolloutdb.store.analysis` builds by stacking, for each
+trace file it was given, the file's table of the same name (``UNION ALL``), with the
+columns `BASE_COLUMNS` names and two more in front:
 
 ``job`` is 'run' for the traces under analysis (one job, however many times it was
 stopped and resumed, in one or several files) and 'baseline' for a run of the same job
-that never stopped. ``src`` numbers the files of a job; (job, src, seq) names an event.
-docs/trace.md describes every event and field.
+that never stopped. ``src`` numbers the files of a job; (job, src, seq) names an event and
+(job, src, run) a run. ``trace_runs`` is each file's ``runs`` table. docs/trace.md
+describes every event and field.
 
 `VIEWS` build on each other in order (create them as views, in that order); `QUERIES`
 are the figures `rolloutdb trace` prints. Times are seconds.
@@ -20,32 +17,47 @@ are the figures `rolloutdb trace` prints. Times are seconds.
 
 from __future__ import annotations
 
+# --------------------------------------------------------------------------- base tables
+
+# Trace-file table -> the columns the figures read (after job, src). Each is one event
+# type (see rolloutdb.store.trace.EVENT_FIELDS), a list table, or `runs` (as trace_runs).
+BASE_COLUMNS: dict[str, str] = {
+    "trace_runs": "run, run_id, first_t, last_t",
+    "group_reserved": "seq, t, run, prompt_id, group_id",
+    "group_sealed": "seq, t, run, prompt_id, group_id",
+    "group_discarded": "seq, t, run, prompt_id, group_id",
+    "group_published": "seq, t, run, group_id",
+    "published_tokens": "seq, policy_version, tokens",
+    "train_step": "seq, t, run, step, policy_version, batch_age",
+    "trained_groups": "seq, group_id",
+    "restore_done": "seq, t, run, snapshot_seq, cut_time",
+    "attempt_abandoned": "seq, t, run, prompt_id, generation_index, attempt, group_id, reason",
+    "attempt_dispatched": "seq, t, run, prompt_id, generation_index, attempt",
+}
+
 # --------------------------------------------------------------------------- views
 
 RUNS = """
--- One row per run (process) of a job, in the order the runs started.
+-- One row per run (process) of a job, in the order the runs started. started / ended:
+-- its first and last event (the writer keeps them in each file's runs table).
 --   downtime_before: from the previous run's last event to this run's first (0 for
 --     the first run, and 0 if the two overlap);
 --   downtime_until: all downtime of the job up to this run.
 -- A job's *effective* time of an event in this run is
 --   t - job_started - downtime_until,
 -- the time the job would show had it never been down.
-WITH spans AS (
-    SELECT job, run_id, min(t) AS started, max(t) AS ended
-    FROM events
-    GROUP BY job, run_id
-), ordered AS (
-    SELECT job, run_id, started, ended,
-           row_number() OVER (PARTITION BY job ORDER BY started, run_id) AS run_no,
-           lag(ended) OVER (PARTITION BY job ORDER BY started, run_id) AS previous_ended
-    FROM spans
+WITH ordered AS (
+    SELECT job, src, run, run_id, first_t AS started, last_t AS ended,
+           row_number() OVER (PARTITION BY job ORDER BY first_t, run_id) AS run_no,
+           lag(last_t) OVER (PARTITION BY job ORDER BY first_t, run_id) AS previous_ended
+    FROM trace_runs
 ), gaps AS (
-    SELECT job, run_id, started, ended, run_no,
+    SELECT job, src, run, run_id, started, ended, run_no,
            CASE WHEN previous_ended IS NULL OR started <= previous_ended THEN 0.0
                 ELSE started - previous_ended END AS downtime_before
     FROM ordered
 )
-SELECT job, run_id, run_no, started, ended, downtime_before,
+SELECT job, src, run, run_id, run_no, started, ended, downtime_before,
        sum(downtime_before) OVER (PARTITION BY job ORDER BY run_no) AS downtime_until,
        min(started) OVER (PARTITION BY job) AS job_started
 FROM gaps
@@ -66,27 +78,30 @@ SELECT s.job, s.run_no AS stop_no, s.run_id AS stopped_run, r.run_id AS resumed_
 FROM runs s
 JOIN runs r ON r.job = s.job AND r.run_no = s.run_no + 1
 LEFT JOIN (
-    SELECT job, run_id, t,
-           CAST(fields ->> '$.snapshot_seq' AS BIGINT) AS snapshot_seq,
-           CAST(fields ->> '$.cut_time' AS DOUBLE) AS cut_time,
-           row_number() OVER (PARTITION BY job, run_id ORDER BY t, seq) AS nth
-    FROM events
-    WHERE event = 'restore_done'
-) rd ON rd.job = r.job AND rd.run_id = r.run_id AND rd.nth = 1
+    SELECT job, src, run, t, snapshot_seq, cut_time,
+           row_number() OVER (PARTITION BY job, src, run ORDER BY t, seq) AS nth
+    FROM restore_done
+) rd ON rd.job = r.job AND rd.src = r.src AND rd.run = r.run AND rd.nth = 1
 """
 
-TIMELINE = """
--- Every event with its run number, its effective time (downtime removed) and whether
--- it was *kept*: it happened in the last run, or before the cut of the snapshot that
--- the next run restored. An event that was not kept (a group sealed after the cut,
--- say) was lost with the stop and happened again later.
-SELECT e.job, e.src, e.seq, e.t, e.run_id, e.event, e.prompt_id, e.generation_index,
-       e.group_id, e.attempt, e.step, e.policy_version, e.reason,
-       ru.run_no,
+GROUP_TIMELINE = """
+-- Every group_reserved, group_sealed and group_discarded event with its run number, its
+-- effective time (downtime removed) and whether it was *kept*: it happened in the last
+-- run, or before the cut of the snapshot that the next run restored. An event that was
+-- not kept (a group sealed after the cut, say) was lost with the stop and happened
+-- again later.
+WITH group_events AS (
+    SELECT job, src, seq, t, run, 'group_reserved' AS event, prompt_id, group_id FROM group_reserved
+    UNION ALL
+    SELECT job, src, seq, t, run, 'group_sealed' AS event, prompt_id, group_id FROM group_sealed
+    UNION ALL
+    SELECT job, src, seq, t, run, 'group_discarded' AS event, prompt_id, group_id FROM group_discarded
+)
+SELECT e.job, e.src, e.seq, e.t, e.event, e.prompt_id, e.group_id, ru.run_no,
        e.t - ru.job_started - ru.downtime_until AS effective_t,
        CASE WHEN st.stop_no IS NULL OR e.t <= st.cut THEN 1 ELSE 0 END AS kept
-FROM events e
-JOIN runs ru ON ru.job = e.job AND ru.run_id = e.run_id
+FROM group_events e
+JOIN runs ru ON ru.job = e.job AND ru.src = e.src AND ru.run = e.run
 LEFT JOIN stops st ON st.job = e.job AND st.stop_no = ru.run_no
 """
 
@@ -99,10 +114,10 @@ THROWN_AWAY_ATTEMPTS = """
 -- whose resumed run restored a snapshot (normally the run that restored is the run
 -- that recorded it).
 WITH abandoned AS (
-    SELECT e.job, e.prompt_id, e.generation_index, e.attempt, e.group_id, ru.run_no
-    FROM events e
-    JOIN runs ru ON ru.job = e.job AND ru.run_id = e.run_id
-    WHERE e.event = 'attempt_abandoned' AND e.reason = 'restart'
+    SELECT a.job, a.prompt_id, a.generation_index, a.attempt, a.group_id, ru.run_no
+    FROM attempt_abandoned a
+    JOIN runs ru ON ru.job = a.job AND ru.src = a.src AND ru.run = a.run
+    WHERE a.reason = 'restart'
 ), assigned AS (
     SELECT a.*,
            (SELECT min(st.stop_no) FROM stops st
@@ -114,9 +129,8 @@ SELECT x.job, x.stop_no, x.prompt_id, x.generation_index, x.attempt, x.group_id,
        st.cut_time - max(d.t) AS thrown_away_s
 FROM assigned x
 JOIN stops st ON st.job = x.job AND st.stop_no = x.stop_no
-LEFT JOIN events d
-       ON d.job = x.job AND d.event = 'attempt_dispatched'
-      AND d.prompt_id = x.prompt_id AND d.generation_index = x.generation_index
+LEFT JOIN attempt_dispatched d
+       ON d.job = x.job AND d.prompt_id = x.prompt_id AND d.generation_index = x.generation_index
       AND d.attempt = x.attempt AND d.t <= st.cut_time
 GROUP BY x.job, x.stop_no, x.prompt_id, x.generation_index, x.attempt, x.group_id, st.cut_time
 """
@@ -133,12 +147,12 @@ LOST_PROGRESS_GROUPS = """
 -- A prompt sealed several times (epochs) is matched occurrence by occurrence: the n-th
 -- kept seal of the prompt in the run against the n-th seal in the baseline.
 WITH reserved AS (
-    SELECT prompt_id, t, run_no, kept FROM timeline
+    SELECT prompt_id, t, run_no, kept FROM group_timeline
     WHERE job = 'run' AND event = 'group_reserved'
 ), seals AS (
     SELECT job, prompt_id, t, run_no, effective_t,
            row_number() OVER (PARTITION BY job, prompt_id ORDER BY t, src, seq) AS occurrence
-    FROM timeline
+    FROM group_timeline
     WHERE event = 'group_sealed' AND kept = 1
 ), latest AS (
     SELECT st.stop_no, st.cut, r.prompt_id, max(r.t) AS reserved_at
@@ -149,7 +163,7 @@ WITH reserved AS (
 ), settled AS (
     SELECT prompt_id, t, run_no FROM seals WHERE job = 'run'
     UNION ALL
-    SELECT prompt_id, t, run_no FROM timeline
+    SELECT prompt_id, t, run_no FROM group_timeline
     WHERE job = 'run' AND event = 'group_discarded' AND kept = 1
 ), settled_before AS (
     SELECT st.stop_no, s.prompt_id, max(s.t) AS settled_at
@@ -188,40 +202,38 @@ BATCH_AGE_STEPS = """
 -- tokens (negative versions) do not count. logged_batch_age is what the trainer logged
 -- in the same event; the two must agree.
 WITH steps AS (
-    SELECT ts.job, ts.src, ts.seq, ts.t, ts.run_id, ts.step,
-           coalesce(ts.policy_version, ts.step - 1) AS trained_version,
-           CAST(ts.fields ->> '$.batch_age' AS DOUBLE) AS logged_batch_age
-    FROM events ts
-    WHERE ts.event = 'train_step'
+    SELECT job, src, seq, t, run, step,
+           coalesce(policy_version, step - 1) AS trained_version,
+           batch_age AS logged_batch_age
+    FROM train_step
 ), trained AS (
     SELECT s.job, s.src, s.seq, s.t, s.trained_version, g.group_id
     FROM steps s
-    JOIN event_groups g ON g.job = s.job AND g.src = s.src AND g.seq = s.seq
+    JOIN trained_groups g ON g.job = s.job AND g.src = s.src AND g.seq = s.seq
 ), publishes AS (
     SELECT tr.job, tr.src, tr.seq, tr.trained_version, p.src AS p_src, p.seq AS p_seq,
            row_number() OVER (PARTITION BY tr.job, tr.src, tr.seq, tr.group_id
                               ORDER BY p.t DESC, p.src DESC, p.seq DESC) AS nth
     FROM trained tr
-    JOIN events p ON p.job = tr.job AND p.event = 'group_published'
-                 AND p.group_id = tr.group_id AND p.t <= tr.t
+    JOIN group_published p ON p.job = tr.job AND p.group_id = tr.group_id AND p.t <= tr.t
 ), weighted AS (
     SELECT pu.job, pu.src, pu.seq,
            sum(v.tokens) AS tokens,
            sum((pu.trained_version - v.policy_version) * v.tokens) AS weighted_age
     FROM publishes pu
-    JOIN version_tokens v ON v.job = pu.job AND v.src = pu.p_src AND v.seq = pu.p_seq
+    JOIN published_tokens v ON v.job = pu.job AND v.src = pu.p_src AND v.seq = pu.p_seq
     WHERE pu.nth = 1 AND v.policy_version >= 0
     GROUP BY pu.job, pu.src, pu.seq
 ), group_counts AS (
     SELECT job, src, seq, count(*) AS groups FROM trained GROUP BY job, src, seq
 )
-SELECT s.job, ru.run_no, s.run_id, s.step, s.t, s.trained_version,
+SELECT s.job, ru.run_no, ru.run_id, s.step, s.t, s.trained_version,
        coalesce(gc.groups, 0) AS groups,
        coalesce(w.tokens, 0) AS tokens,
        CASE WHEN w.tokens > 0 THEN w.weighted_age * 1.0 / w.tokens END AS batch_age,
        s.logged_batch_age
 FROM steps s
-JOIN runs ru ON ru.job = s.job AND ru.run_id = s.run_id
+JOIN runs ru ON ru.job = s.job AND ru.src = s.src AND ru.run = s.run
 LEFT JOIN weighted w ON w.job = s.job AND w.src = s.src AND w.seq = s.seq
 LEFT JOIN group_counts gc ON gc.job = s.job AND gc.src = s.src AND gc.seq = s.seq
 """
@@ -230,7 +242,7 @@ LEFT JOIN group_counts gc ON gc.job = s.job AND gc.src = s.src AND gc.seq = s.se
 VIEWS: dict[str, str] = {
     "runs": RUNS,
     "stops": STOPS,
-    "timeline": TIMELINE,
+    "group_timeline": GROUP_TIMELINE,
     "thrown_away_attempts": THROWN_AWAY_ATTEMPTS,
     "lost_progress_groups": LOST_PROGRESS_GROUPS,
     "batch_age_steps": BATCH_AGE_STEPS,

@@ -48,8 +48,8 @@ def rows(path, sql, *args):
 
 def test_a_new_trace_file_is_built_by_its_migrations_and_equals_the_trace_metadata(tmp_path):
     path = open_trace_file(tmp_path / "logs" / TRACE_FILENAME)
-    assert rows(path, "SELECT version_num FROM alembic_version") == [("trace_v1_0_a",)]
-    assert trace_head_revision() == "trace_v1_0_a"
+    assert rows(path, "SELECT version_num FROM alembic_version") == [("trace_v1_1_a",)]
+    assert trace_head_revision() == "trace_v1_1_a"
     engine = create_engine(f"sqlite:///{path}", poolclass=NullPool)
     try:
         with engine.connect() as conn:
@@ -102,18 +102,31 @@ def test_each_process_gets_a_new_run_id_and_appends_to_the_same_file(tmp_path):
     assert pid == os.getpid() and host
 
 
-def test_token_counts_and_group_lists_become_rows_and_other_fields_json(tmp_path):
-    with Tracer(tmp_path / TRACE_FILENAME) as tracer:
+def test_each_event_is_a_row_of_its_own_table_with_a_column_per_field_and_lists_as_rows(tmp_path):
+    with Tracer(tmp_path / TRACE_FILENAME, clock=lambda: 1.0) as tracer:
         tracer.emit("group_published", t=5.0, group_id=4, prompt_id=9, version_token_counts={2: 30, 3: 12}, tokens=42)
         tracer.emit("train_step", t=6.0, step=3, policy_version=2, group_ids=[4, 5], batch_age=0.25)
         tracer.emit("attempt_abandoned", t=7.0, prompt_id=9, generation_index=1, attempt=0, reason="restart")
+        tracer.emit("refit", t=8.0, old_version=2, new_version=3, running=[{"prompt_id": 9, "tokens": 4}])
     path = tmp_path / TRACE_FILENAME
-    published, step, abandoned = rows(path, "SELECT seq, t, fields, reason FROM events WHERE seq > 1 ORDER BY seq")
-    assert published[1:3] == (5.0, '{"tokens":42}')
-    assert rows(path, "SELECT policy_version, tokens FROM version_tokens WHERE seq = ? ORDER BY 1", published[0]) == [(2, 30), (3, 12)]
-    assert json.loads(step[2]) == {"batch_age": 0.25}
-    assert rows(path, "SELECT group_id FROM event_groups WHERE seq = ? ORDER BY 1", step[0]) == [(4,), (5,)]
-    assert abandoned[2:] == (None, "restart")
+    assert rows(path, "SELECT seq, t, run, group_id, prompt_id, step, policy_version, tokens FROM group_published") == [
+        (2, 5.0, 1, 4, 9, None, None, 42)]
+    assert rows(path, "SELECT seq, policy_version, tokens FROM published_tokens ORDER BY 2") == [(2, 2, 30), (2, 3, 12)]
+    assert rows(path, "SELECT seq, step, policy_version, batch_age, tokens FROM train_step") == [(3, 3, 2, 0.25, None)]
+    assert rows(path, "SELECT seq, group_id FROM trained_groups ORDER BY 2") == [(3, 4), (3, 5)]
+    assert rows(path, "SELECT reason, tokens FROM attempt_abandoned") == [("restart", None)]
+    assert json.loads(rows(path, "SELECT running FROM refit")[0][0]) == [{"prompt_id": 9, "tokens": 4}]
+    # The run: one row, its first and last event and last seq kept by the writer.
+    (run,) = rows(path, "SELECT run, run_id, pid, first_t, last_t, last_seq FROM runs")
+    assert run[0] == 1 and run[1] == tracer.run_id and run[2] == os.getpid() and run[3:] == (1.0, 8.0, 5)
+    # The `events` view: every event in one table, in the shape of trace_v1_0_a.
+    view = rows(path, "SELECT seq, run_id, event, prompt_id, group_id, reason, fields FROM events WHERE seq > 1 ORDER BY seq")
+    assert [r[:6] for r in view] == [(2, tracer.run_id, "group_published", 9, 4, None),
+                                     (3, tracer.run_id, "train_step", None, None, None),
+                                     (4, tracer.run_id, "attempt_abandoned", 9, None, "restart"),
+                                     (5, tracer.run_id, "refit", None, None, None)]
+    assert json.loads(view[0][6]) == {"tokens": 42}
+    assert json.loads(view[3][6])["running"] == [{"prompt_id": 9, "tokens": 4}]
 
 
 def test_a_caller_cannot_change_an_event_after_emitting_it(tmp_path):
@@ -121,8 +134,8 @@ def test_a_caller_cannot_change_an_event_after_emitting_it(tmp_path):
     with Tracer(tmp_path / TRACE_FILENAME, flush_interval=0.5) as tracer:
         tracer.emit("refit", old_version=0, new_version=1, running=running)
         running[0]["tokens"] = 99
-    fields = rows(tmp_path / TRACE_FILENAME, "SELECT fields FROM events WHERE event = 'refit'")[0][0]
-    assert json.loads(fields)["running"] == [{"prompt_id": 1, "tokens": 3}]
+    running = rows(tmp_path / TRACE_FILENAME, "SELECT running FROM refit")[0][0]
+    assert json.loads(running) == [{"prompt_id": 1, "tokens": 3}]
 
 
 def test_an_unknown_event_or_field_is_refused_where_it_is_emitted(tmp_path):

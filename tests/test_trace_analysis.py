@@ -128,7 +128,7 @@ def test_runs_are_ordered_and_their_downtime_removed_from_the_effective_timeline
         assert got == [("run", 1, 100.0, 110.0, 0.0, 0.0), ("run", 2, 200.0, 210.0, 90.0, 90.0),
                        ("baseline", 1, 1000.0, 1013.0, 0.0, 0.0)]
         # Effective time: t - 100 in run A, t - 100 - 90 in run B.
-        sealed = a.query("SELECT t, effective_t, kept FROM timeline WHERE job = 'run' AND event = 'group_sealed' ORDER BY t").rows
+        sealed = a.query("SELECT t, effective_t, kept FROM group_timeline WHERE job = 'run' AND event = 'group_sealed' ORDER BY t").rows
         # g2's seal at 109 came after the cut at 106: lost with the kill, not kept.
         assert sealed == [(105.0, 5.0, 1), (109.0, 9.0, 0), (206.0, 16.0, 1), (207.0, 17.0, 1), (208.0, 18.0, 1)]
 

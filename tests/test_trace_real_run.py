@@ -25,11 +25,13 @@ from pathlib import Path
 
 import pytest
 
-from crash_harness import EXAMPLE, OVERRIDES, STEPS
+from crash_harness import EXAMPLE, OVERRIDES
 from rolloutdb.store.selection import select_for_restore
 from rolloutdb.store.trace import TRACE_FILENAME
 
 TIMEOUT_S = 240
+STEPS = 8  # a few more than the crash harness's 5: a wider window for the kill
+CONFIG = [o for o in OVERRIDES if not o.startswith("algorithm.total_steps=")] + [f"algorithm.total_steps={STEPS}"]
 PLOTS = ("thrown_away.png", "lost_progress.png", "batch_age.png")
 TABLES = ("thrown_away_per_stop", "thrown_away_by_attempt", "lost_progress_per_stop", "lost_progress_by_group",
           "batch_age_per_step")
@@ -39,7 +41,7 @@ def _train(run_dir: Path, resume: bool = False) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "rolloutdb", "train", "--config", str(EXAMPLE), "--run-dir", str(run_dir)]
     env = {k: v for k, v in os.environ.items() if k != "ROLLOUTDB_FAULT"}
     env["RAY_AUTH_MODE"] = "disabled"
-    return subprocess.Popen(cmd + (["--resume"] if resume else []) + OVERRIDES, env=env,
+    return subprocess.Popen(cmd + (["--resume"] if resume else []) + CONFIG, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
@@ -122,18 +124,16 @@ def test_the_resumed_run_restored_the_snapshot_it_was_killed_after(job):
 
 def test_thrown_away_time_equals_an_independent_computation_from_the_trace_file(job):
     run_dir = job["run_dir"]
-    # Plain SQL and Python, none of the analysis views: the resumed run is the second
-    # run_id to appear; its restore_done names the cut; each attempt it abandoned with
-    # reason 'restart' threw away cut_time - its last dispatch before the cut.
-    runs = [r[0] for r in _trace_rows(run_dir, "SELECT run_id FROM events GROUP BY run_id ORDER BY min(t)")]
+    # Plain SQL and Python over the file's tables, none of the analysis views: the resumed
+    # run is the second in `runs`; its restore_done names the cut; each attempt it
+    # abandoned with reason 'restart' threw away cut_time - its last dispatch before it.
+    runs = [r[0] for r in _trace_rows(run_dir, "SELECT run FROM runs ORDER BY first_t")]
     assert len(runs) == 2
-    (fields,) = _trace_rows(run_dir, "SELECT fields FROM events WHERE event = 'restore_done' AND run_id = ?", runs[1])
-    cut_time = json.loads(fields[0])["cut_time"]
-    abandoned = _trace_rows(run_dir, "SELECT prompt_id, generation_index, attempt FROM events "
-                                     "WHERE event = 'attempt_abandoned' AND reason = 'restart' AND run_id = ?", runs[1])
+    (cut_time,) = [r[0] for r in _trace_rows(run_dir, "SELECT cut_time FROM restore_done WHERE run = ?", runs[1])]
+    abandoned = _trace_rows(run_dir, "SELECT prompt_id, generation_index, attempt FROM attempt_abandoned "
+                                     "WHERE reason = 'restart' AND run = ?", runs[1])
     dispatched: dict[tuple, float] = {}
-    for key_t in _trace_rows(run_dir, "SELECT prompt_id, generation_index, attempt, t FROM events "
-                                      "WHERE event = 'attempt_dispatched'"):
+    for key_t in _trace_rows(run_dir, "SELECT prompt_id, generation_index, attempt, t FROM attempt_dispatched"):
         key, t = key_t[:3], key_t[3]
         if t <= cut_time:
             dispatched[key] = max(t, dispatched.get(key, -math.inf))
@@ -158,18 +158,17 @@ def test_lost_progress_matches_groups_running_at_the_stop_with_the_twin(job):
     # The groups running at the stop, recomputed from the killed run's events: a prompt
     # whose latest reservation was followed by no seal and no discard up to the cut.
     run_dir = job["run_dir"]
-    runs = [r[0] for r in _trace_rows(run_dir, "SELECT run_id FROM events GROUP BY run_id ORDER BY min(t)")]
+    first = _trace_rows(run_dir, "SELECT run FROM runs ORDER BY first_t LIMIT 1")[0][0]
     cut_time = job["json"]["thrown_away_per_stop"][0]["cut_time"]
-    reserved = dict(_trace_rows(run_dir, "SELECT prompt_id, max(t) FROM events WHERE run_id = ? "
-                                         "AND event = 'group_reserved' GROUP BY prompt_id", runs[0]))
-    settled = dict(_trace_rows(run_dir, "SELECT prompt_id, max(t) FROM events WHERE run_id = ? AND t <= ? "
-                                        "AND event IN ('group_sealed', 'group_discarded') GROUP BY prompt_id",
-                               runs[0], cut_time))
+    reserved = dict(_trace_rows(run_dir, "SELECT prompt_id, max(t) FROM group_reserved WHERE run = ? GROUP BY prompt_id",
+                                first))
+    settled = dict(_trace_rows(run_dir, "SELECT prompt_id, max(t) FROM (SELECT prompt_id, t, run FROM group_sealed "
+                                        "UNION ALL SELECT prompt_id, t, run FROM group_discarded) "
+                                        "WHERE run = ? AND t <= ? GROUP BY prompt_id", first, cut_time))
     expected = {p for p, t in reserved.items() if t > settled.get(p, -math.inf)}
     running = [g["prompt_id"] for g in job["json"]["lost_progress_by_group"]]
     assert sorted(running) == sorted(expected) and stop["groups_running"] == len(expected)
-    discarded = {p for (p,) in _trace_rows(run_dir, "SELECT prompt_id FROM events WHERE run_id = ? AND t <= ? "
-                                                    "AND event = 'group_discarded'", runs[0], cut_time)}
+    discarded = _trace_rows(run_dir, "SELECT prompt_id FROM group_discarded WHERE run = ? AND t <= ?", first, cut_time)
     assert discarded, "no group was discarded before the cut: the check above proves less than it should"
 
 
