@@ -197,7 +197,7 @@ BATCH_AGE_STEPS = """
 --   sum over tokens of (trained_version - version that produced the token) / tokens,
 -- where trained_version is the train step's policy_version (the version before the
 -- step's update; step - 1 when the event has none). A group's tokens are the
--- version_token_counts of its latest group_published before the step, so a call that ran
+-- version_token_counts (published_tokens) of its latest group_published before the step, so a call that ran
 -- across a refit counts each token under the version that produced it. Environment
 -- tokens (negative versions) do not count. logged_batch_age is what the trainer logged
 -- in the same event; the two must agree.
