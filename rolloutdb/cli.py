@@ -4,6 +4,7 @@ here; every error the user can cause prints one line starting with `error:` and 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from rolloutdb.store.errors import StoreError
@@ -35,6 +36,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # `rolloutdb inspect ... | head`: the reader left; that is not an error of ours.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":
