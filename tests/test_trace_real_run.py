@@ -31,7 +31,11 @@ from rolloutdb.store.trace import TRACE_FILENAME
 
 TIMEOUT_S = 240
 STEPS = 8  # a few more than the crash harness's 5: a wider window for the kill
-CONFIG = [o for o in OVERRIDES if not o.startswith("algorithm.total_steps=")] + [f"algorithm.total_steps={STEPS}"]
+# Staleness 2 lets the rollout pump run ahead of training, so that a snapshot anchored to
+# a trainer checkpoint usually holds running attempts (with 1 it often finds the pump
+# waiting for new weights, and a kill then throws nothing away).
+CONFIG = [o for o in OVERRIDES if not o.startswith("algorithm.total_steps=")] + [
+    f"algorithm.total_steps={STEPS}", "algorithm.max_staleness=2"]
 PLOTS = ("thrown_away.png", "lost_progress.png", "batch_age.png")
 TABLES = ("thrown_away_per_stop", "thrown_away_by_attempt", "lost_progress_per_stop", "lost_progress_by_group",
           "batch_age_per_step")
