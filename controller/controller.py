@@ -117,13 +117,13 @@ class Controller:
             self.bar.update(event)
 
     def _step_done(self, step: int) -> None:
-        """After a trainer checkpoint, snapshot the rollout state anchored to it at once,
-        on the train pump's thread: no optimizer commit can intervene, so every durable
-        step gets its snapshot unless the process dies in between."""
-        with self.runtime.save_lock:
-            if self.checkpoints.maybe_publish(step) and self.snapshotter is not None:
-                faults.point("train.after_checkpoint")
-                self.snapshotter.attempt(force=True)
+        """After a trainer checkpoint, a snapshot anchored to it: the train pump waits
+        only until its cut is taken (the copy and fsyncs run on the snapshot pump), so
+        no optimizer commit lands first and every durable step gets its snapshot unless
+        the process dies in between."""
+        if self.checkpoints.maybe_publish(step) and self.snapshotter is not None:
+            faults.point("train.after_checkpoint")
+            self.snapshotter.anchor_new_checkpoint(step)
 
     # ------------------------------------------------------------------ run
 

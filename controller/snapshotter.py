@@ -35,6 +35,13 @@ from rolloutdb.store.layout import anchor_name, scan
 from rolloutdb.store.publish import Publisher
 
 
+@dataclass(eq=False)  # compared by identity
+class _CutWaiter:
+    step: int
+    event: threading.Event = field(default_factory=threading.Event)
+    cut_taken: bool = False
+
+
 class AbortedCommit(Exception):
     """An optimizer commit started between resolving the anchor and the cut."""
 
@@ -67,6 +74,8 @@ class Snapshotter:
         self.env = env_checkpoint or NoEnvironmentCheckpoint()
         self._wake = threading.Event()
         self._force = False
+        self._waiters: list[_CutWaiter] = []
+        self._waiters_lock = threading.Lock()
         self._last_counter: int | None = None
         self.results: list[AttemptResult] = []
 
@@ -86,17 +95,47 @@ class Snapshotter:
             rt.fail(e)
 
     def wake(self, *, force: bool = False) -> None:
-        """Take an attempt now (after a trainer checkpoint was published)."""
+        """Take an attempt now."""
         self._force = self._force or force
         self._wake.set()
+
+    def anchor_new_checkpoint(self, step: int, *, timeout: float = 30.0) -> bool:
+        """Called by the train pump right after it published `step_<step>`: a forced
+        attempt anchored to it, and a wait until that attempt's *cut* is taken (or the
+        attempt ended). The copy and the fsyncs then run on the snapshot pump while
+        training goes on; the wait keeps the next optimizer commit from landing before
+        the cut, so every durable checkpoint gets its snapshot. Returns whether a cut
+        anchored to `step` was taken."""
+        waiter = _CutWaiter(step)
+        with self._waiters_lock:
+            self._waiters.append(waiter)
+        self.wake(force=True)
+        waiter.event.wait(timeout)
+        return waiter.cut_taken
+
+    def _release_waiters(self, step: int | None, cut_taken: bool, only: list | None = None) -> None:
+        with self._waiters_lock:
+            keep = []
+            for w in self._waiters:
+                if (step is None or w.step == step) and (only is None or w in only):
+                    w.cut_taken = w.cut_taken or cut_taken
+                    w.event.set()
+                else:
+                    keep.append(w)
+            self._waiters = keep
 
     # ------------------------------------------------------------ one attempt
 
     def attempt(self, *, force: bool = False) -> AttemptResult:
         rt = self.p.runtime
         t0 = time.perf_counter()
-        with rt.save_lock:
-            result = self._attempt_locked(force, t0)
+        with self._waiters_lock:
+            seen = list(self._waiters)  # waiters this attempt can answer
+        try:
+            with rt.save_lock:
+                result = self._attempt_locked(force, t0)
+        finally:
+            self._release_waiters(None, False, only=seen)  # nobody waits past an attempt it saw
         self.results.append(result)
         self.p.store.record_snapshot_attempt(
             result.outcome, anchor=result.anchor, snapshot_seq=result.sequence,
@@ -168,7 +207,9 @@ class Snapshotter:
             try:
                 if self.p.read_progress().step != step:
                     raise AbortedCommit()
-                return self._checked_export(conn)
+                export = self._checked_export(conn)
+                self._release_waiters(step, True)  # the train pump may commit again
+                return export
             finally:
                 rt.commit_lock.release()
                 held[0] = False

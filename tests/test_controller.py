@@ -104,3 +104,23 @@ def test_a_multi_turn_run_trains_on_policy_tokens_only(tmp_path):
     # Every episode has two policy turns and the environment's reply between them:
     # those tokens are in the completions but masked out of the policy's.
     assert all(w["tokens"] > w["policy_tokens"] > 0 for w in waves)
+
+
+def test_every_trainer_checkpoint_gets_a_snapshot_anchored_to_it(tmp_path):
+    from rolloutdb.store.layout import scan
+
+    run_dir = tmp_path / "run"
+    Controller(
+        _config(checkpointing={"interval_steps": 1, "keep_last": 10},
+                rollout_checkpointing={"enabled": True, "interval_s": 30.0, "keep_last": 10}),
+        run_dir,
+    ).run()
+    inv = scan(run_dir / "checkpoints")
+    anchored = {s.anchor for s in inv.complete_snapshots()}
+    steps = {a.anchor for a in inv.complete_anchors() if a.anchor != "bootstrap"}
+    assert steps == {f"step_{n}" for n in range(1, 5)}
+    # The periodic interval (30 s) never fires in this short run: these come from the
+    # train pump handing each new checkpoint to the snapshot pump.
+    assert steps <= anchored
+    events = read_metrics(run_dir / "logs" / "metrics.jsonl", "snapshot")
+    assert all(e["outcome"] in ("published", "skipped_unchanged") for e in events), events
