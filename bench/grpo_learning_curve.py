@@ -145,8 +145,9 @@ def run(args) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     dataset = DigitPromptDataset(size=args.dataset_size, n_digits=args.n_digits, seed=args.seed)
     env = make_environment(args.env, dataset, tokenizer, kind=args.task, turns=args.turns)
-    trainer = GRPOTrainer(model_dir, GRPOConfig(lr=args.lr, clip_eps=args.clip_eps,
-                                                seed=args.seed))
+    trainer = GRPOTrainer(model_dir, GRPOConfig(
+        lr=args.lr, clip_eps=args.clip_eps, seed=args.seed, entropy_coef=args.entropy_coef,
+        scale_rewards=not args.no_std_scaling, kl_coef=args.kl_coef))
     if args.engine == "reference":
         from rolloutdb.gpu_capture.reference_engine import ReferenceEngine
 
@@ -160,6 +161,8 @@ def run(args) -> dict:
     curve = []
     t0 = time.perf_counter()
     gen_time = train_time = 0.0
+    flat_dropped = 0
+    entropy = []
     for step in range(args.steps):
         t = time.perf_counter()
         pids = [order.randrange(len(dataset)) for _ in range(args.groups)]
@@ -171,17 +174,24 @@ def run(args) -> dict:
                                     tokenizer.eos_token_id, gen, trainer.step)
         gen_time += time.perf_counter() - t
         t = time.perf_counter()
-        metrics = trainer.train_step(groups)
-        if args.engine == "reference":
-            engine.load_weights(trainer.export_weights(), trainer.step)  # refit
-        else:
-            sampler.load_state_dict(trainer.export_weights())  # refit
+        rewards = [c.reward for g in groups for c in g.completions]
+        curve.append(sum(rewards) / len(rewards))  # the policy's reward: every sample
+        if not args.keep_flat_groups:
+            # As the controller does: a group whose rewards are all equal has zero
+            # advantages (nothing to learn); drop it rather than dilute the token mean.
+            groups = [g for g in groups if len({c.reward for c in g.completions}) > 1]
+        flat_dropped += args.groups - len(groups)
+        if groups:
+            metrics = trainer.train_step(groups)
+            entropy.append(metrics["entropy"])
+            if args.engine == "reference":
+                engine.load_weights(trainer.export_weights(), trainer.step)  # refit
+            else:
+                sampler.load_state_dict(trainer.export_weights())  # refit
         train_time += time.perf_counter() - t
-        curve.append(metrics["reward_mean"])
         if args.verbose and (step % 10 == 0 or step == args.steps - 1):
-            print(f"step {step:4d} reward {metrics['reward_mean']:.3f} "
-                  f"clip {metrics['clip_fraction']:.3f} t={time.perf_counter() - t0:.1f}s",
-                  file=sys.stderr)
+            print(f"step {step:4d} reward {curve[-1]:.3f} flat groups dropped {flat_dropped} "
+                  f"t={time.perf_counter() - t0:.1f}s", file=sys.stderr)
     wall = time.perf_counter() - t0
     if args.verbose:
         for c in [g.completions[0] for g in groups]:
@@ -196,7 +206,11 @@ def run(args) -> dict:
         "wall_s": round(wall, 1),
         "generate_s": round(gen_time, 1),
         "train_s": round(train_time, 1),
+        "flat_groups_dropped": flat_dropped,
+        "train_steps": trainer.step,
         "curve": [round(r, 3) for r in curve],
+        "entropy_first5": sum(entropy[:5]) / max(1, len(entropy[:5])),
+        "entropy_last5": sum(entropy[-5:]) / max(1, len(entropy[-5:])),
     }
     if args.engine == "reference":
         engine.close()
@@ -218,6 +232,9 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--clip-eps", type=float, default=0.2)
+    p.add_argument("--entropy-coef", type=float, default=0.0)
+    p.add_argument("--kl-coef", type=float, default=0.0)
+    p.add_argument("--no-std-scaling", action="store_true")
     p.add_argument("--max-tokens", type=int, default=6, help="per turn")
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--layers", type=int, default=2)
@@ -227,6 +244,8 @@ def main(argv=None):
                    help="reference: gpu_capture's engine + the controller's episode runner")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--keep-flat-groups", action="store_true",
+                   help="train on zero-variance groups too (the controller discards them)")
     p.add_argument("--verbose", action="store_true")
     p.add_argument("--json", action="store_true", help="print the result as one JSON line")
     args = p.parse_args(argv)
@@ -237,7 +256,8 @@ def main(argv=None):
         print("curve:", " ".join(f"{r:.2f}" for r in result["curve"]))
         print(f"params {result['params']}  reward first5 {result['first5']:.3f} -> last5 "
               f"{result['last5']:.3f}  wall {result['wall_s']}s (generate "
-              f"{result['generate_s']}s, train {result['train_s']}s)")
+              f"{result['generate_s']}s, train {result['train_s']}s); "
+              f"{result['train_steps']} optimizer steps, {result['flat_groups_dropped']} flat groups dropped")
 
 
 if __name__ == "__main__":

@@ -10,7 +10,11 @@ One `train_step` is one optimizer step on a batch of finished groups:
   asynchronous case) are corrected, and the ratio is clipped PPO-style to
   [1 - clip_eps, 1 + clip_eps_high];
 - tokens the environment wrote (`loss_mask` 0) are context, never trained;
-- optional KL penalty to the initial policy (k3 estimator); off by default (KL-free).
+- optional KL penalty to the initial policy (k3 estimator); off by default (KL-free);
+- optional entropy bonus at the policy's tokens; a tiny policy trained with Adam at the
+  learning rates that make it learn in minutes tends to collapse onto one reply per
+  prompt, after which every group is flat and there is nothing left to learn from
+  (bench/grpo_learning_curve.py measures this; 0.01 kept all tried seeds learning).
 
 The model is any causal LM in a Hugging Face directory (config.json, model.safetensors,
 tokenizer files); nothing here depends on how that directory was made.
@@ -59,6 +63,9 @@ class GRPOConfig:
     scale_rewards: bool = True  # divide by the group std (False: Dr. GRPO)
     max_grad_norm: float | None = 1.0
     kl_coef: float = 0.0  # > 0 keeps a frozen copy of the initial weights
+    # > 0 rewards the policy's entropy at its own tokens: keeps a tiny policy from
+    # collapsing onto one reply per prompt (then every group is flat: nothing to learn).
+    entropy_coef: float = 0.0
     # "token_mean": every policy token in the batch weighs the same (long replies are not
     # diluted); "sequence_mean": mean per sequence, then over sequences (original GRPO).
     loss_aggregation: str = "token_mean"
@@ -171,15 +178,19 @@ def pack(completions: Sequence[Completion], advantages: Sequence[float],
     return PackedBatch(input_ids, attention, targets, positions, old, mask, adv)
 
 
-def token_logprobs(model: torch.nn.Module, batch: PackedBatch,
-                   rows: slice = slice(None)) -> torch.Tensor:
-    """Log-probabilities of the output tokens under `model`, [rows, T]."""
+def token_logprobs(model: torch.nn.Module, batch: PackedBatch, rows: slice = slice(None),
+                   with_entropy: bool = False):
+    """Log-probabilities of the output tokens under `model`, [rows, T]; with
+    `with_entropy`, also the entropy of the policy's distribution at each of them."""
     logits = model(input_ids=batch.input_ids[rows],
                    attention_mask=batch.attention_mask[rows]).logits.float()
     picked = torch.gather(logits, 1, batch.gather_positions[rows].unsqueeze(-1)
                           .expand(-1, -1, logits.shape[-1]))
-    return torch.log_softmax(picked, dim=-1).gather(
-        -1, batch.target_ids[rows].unsqueeze(-1)).squeeze(-1)
+    logp_all = torch.log_softmax(picked, dim=-1)
+    logp = logp_all.gather(-1, batch.target_ids[rows].unsqueeze(-1)).squeeze(-1)
+    if not with_entropy:
+        return logp
+    return logp, -(logp_all.exp() * logp_all).sum(-1)
 
 
 # --------------------------------------------------------------------------- trainer
@@ -227,11 +238,11 @@ class GRPOTrainer:
         clip_high = cfg.clip_eps if cfg.clip_eps_high is None else cfg.clip_eps_high
 
         self.optimizer.zero_grad(set_to_none=True)
-        loss_sum = clipped_sum = kl_sum = ratio_sum = 0.0
+        loss_sum = clipped_sum = kl_sum = ratio_sum = entropy_sum = 0.0
         for start in range(0, B, mb):
             rows = slice(start, min(B, start + mb))
             mask = batch.loss_mask[rows]
-            new = token_logprobs(self.model, batch, rows)
+            new, entropy = token_logprobs(self.model, batch, rows, with_entropy=True)
             old = batch.old_logprobs[rows]
             # Environment tokens and padding may carry any "old" logprob; keep them out
             # of exp() so a garbage value cannot turn into inf * 0 = nan.
@@ -245,6 +256,9 @@ class GRPOTrainer:
                 kl = torch.exp(d) - d - 1.0
                 losses = losses + cfg.kl_coef * kl
                 kl_sum += float((kl.detach() * mask).sum())
+            if cfg.entropy_coef:
+                losses = losses - cfg.entropy_coef * entropy
+            entropy_sum += float((entropy.detach() * mask).sum())
             part = aggregate(losses, mask, cfg.loss_aggregation, total_tokens, B)
             part.backward()
             loss_sum += float(part.detach())
@@ -264,6 +278,7 @@ class GRPOTrainer:
             "clip_fraction": clipped_sum / n_tok,
             "ratio_mean": ratio_sum / n_tok,
             "kl": kl_sum / n_tok,
+            "entropy": entropy_sum / n_tok,
             "grad_norm": grad_norm,
             "policy_tokens": n_tok,
             "sequences": float(B),

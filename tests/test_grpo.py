@@ -251,3 +251,14 @@ def test_an_unknown_grpo_setting_is_refused_by_name():
         config_from_dict({"clip_epsilon": 0.2})
     with pytest.raises(ValueError, match="loss_aggregation"):
         GRPOConfig(loss_aggregation="sum")
+
+
+def test_the_entropy_bonus_alone_raises_the_policys_entropy(policy_dir):
+    tr = trainer(policy_dir, entropy_coef=1.0)
+    flat = TrainGroup(0, 0, [on_policy(tr, [3, 4], [5, 6, 7], 0.5), on_policy(tr, [3, 4], [8, 9, 5], 0.5)])
+    # Equal rewards: zero advantages, so the entropy term is the only gradient.
+    first = tr.train_step([flat])["entropy"]
+    for _ in range(4):
+        last = tr.train_step([flat])["entropy"]
+    assert last > first + 1e-3
+    assert trainer(policy_dir).train_step([flat])["loss"] == 0.0  # without it: no signal
