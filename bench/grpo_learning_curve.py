@@ -5,7 +5,8 @@ KV-cache sampler (a separate copy of the policy, standing in for the engine), sc
 with the environment, train one GRPO step, refit the sampler's weights. Prints the reward
 curve, the mean reward of the first and last five steps, and the wall time.
 
-    python bench/grpo_learning_curve.py                       # single turn, defaults
+    python bench/grpo_learning_curve.py                       # single turn, the
+                                                              # recommended quickstart settings
     python bench/grpo_learning_curve.py --env digits_multiturn
     python bench/grpo_learning_curve.py --model-dir DIR       # an existing HF model dir
 
@@ -229,16 +230,16 @@ def main(argv=None):
     p.add_argument("--dataset-size", type=int, default=4096)
     p.add_argument("--group-size", type=int, default=8)
     p.add_argument("--groups", type=int, default=8, help="groups per step")
-    p.add_argument("--steps", type=int, default=60)
-    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--clip-eps", type=float, default=0.2)
-    p.add_argument("--entropy-coef", type=float, default=0.0)
+    p.add_argument("--entropy-coef", type=float, default=0.01)
     p.add_argument("--kl-coef", type=float, default=0.0)
     p.add_argument("--no-std-scaling", action="store_true")
-    p.add_argument("--max-tokens", type=int, default=6, help="per turn")
-    p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--max-tokens", type=int, default=4, help="per turn")
+    p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--alphabet", default="default", choices=["default", "task"],
+    p.add_argument("--alphabet", default="task", choices=["default", "task"],
                    help="tokenizer alphabet: tiny_policy's default or the task's own")
     p.add_argument("--engine", default="reference", choices=["reference", "simple"],
                    help="reference: gpu_capture's engine + the controller's episode runner")

@@ -70,7 +70,7 @@ class GRPOConfig:
     # diluted); "sequence_mean": mean per sequence, then over sequences (original GRPO).
     loss_aggregation: str = "token_mean"
     micro_batch_size: int | None = None  # sequences per forward/backward; None: all
-    seed: int = 0
+    seed: int = 0  # recorded with the checkpoint; a step itself draws no random numbers
 
     def __post_init__(self):
         if self.loss_aggregation not in ("token_mean", "sequence_mean"):
@@ -204,7 +204,8 @@ class GRPOTrainer:
 
         self.config = config or GRPOConfig()
         self.model_dir = Path(model_dir)
-        torch.manual_seed(self.config.seed)
+        # No global torch.manual_seed here: the engine and the controller share this
+        # process, and a step draws no random numbers (weights come from the directory).
         self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32)
         self.model.train()
         self.pad_id = self.model.config.pad_token_id or 0
