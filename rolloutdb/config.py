@@ -52,6 +52,12 @@ class PolicySection(Section):
 
 class GenerationSection(Section):
     backend: Literal["reference", "vllm"] = "reference"
+
+    @model_validator(mode="after")
+    def _backend_landed(self):
+        if self.backend == "vllm":
+            raise ValueError("backend 'vllm' is not available yet (the vLLM engine lands later); use 'reference'")
+        return self
     max_tokens: int = Field(8, ge=1)
     min_tokens: int = Field(0, ge=0)
     temperature: float = Field(1.0, ge=0)
@@ -110,6 +116,12 @@ class LoggingSection(Section):
 class ClusterSection(Section):
     backend: Literal["local", "ray"] = "local"
     torch_threads: int = Field(1, ge=1, description="Torch threads per pump (trainer and engine each).")
+
+    @model_validator(mode="after")
+    def _landed(self):
+        if self.backend == "ray":
+            raise ValueError("backend 'ray' is not available yet (Ray rollout workers land later); use 'local'")
+        return self
 
 
 class Config(Section):

@@ -95,3 +95,10 @@ def test_the_train_command_prints_one_error_line_for_a_bad_config(tmp_path):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error:") and "total_step" in lines[0]
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("override", ["cluster.backend=ray", "generation.backend=vllm"])
+def test_backends_that_have_not_landed_are_refused_with_what_to_use(tmp_path, override):
+    p = _write(tmp_path, "{}\n")
+    with pytest.raises(ConfigError, match="not available yet"):
+        load_config(p, [override])
