@@ -233,7 +233,7 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--clip-eps", type=float, default=0.2)
-    p.add_argument("--entropy-coef", type=float, default=0.01)
+    p.add_argument("--entropy-coef", type=float, default=0.02)
     p.add_argument("--kl-coef", type=float, default=0.0)
     p.add_argument("--no-std-scaling", action="store_true")
     p.add_argument("--max-tokens", type=int, default=4, help="per turn")

@@ -14,7 +14,7 @@ One `train_step` is one optimizer step on a batch of finished groups:
 - optional entropy bonus at the policy's tokens; a tiny policy trained with Adam at the
   learning rates that make it learn in minutes tends to collapse onto one reply per
   prompt, after which every group is flat and there is nothing left to learn from
-  (bench/grpo_learning_curve.py measures this; 0.01 kept all tried seeds learning).
+  (bench/grpo_learning_curve.py measures this; 0.01-0.03 kept every tried seed learning).
 
 The model is any causal LM in a Hugging Face directory (config.json, model.safetensors,
 tokenizer files); nothing here depends on how that directory was made.
