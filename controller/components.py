@@ -66,7 +66,10 @@ def build_trainer(config: Config, policy_dir: Path) -> Trainer:
     from rolloutdb.controller.grpo import GRPOConfig, GRPOTrainer
 
     algo = config.algorithm
-    return GRPOTrainer(policy_dir, GRPOConfig(lr=algo.learning_rate, clip_eps=algo.clip_eps, seed=config.run.seed))
+    return GRPOTrainer(
+        policy_dir,
+        GRPOConfig(lr=algo.learning_rate, clip_eps=algo.clip_eps, entropy_coef=algo.entropy_coef, seed=config.run.seed),
+    )
 
 
 def build_engine(config: Config, policy_dir: Path):

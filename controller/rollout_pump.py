@@ -48,6 +48,7 @@ class RolloutPump:
         )
         # (group, generation indices still to run) for groups a restore handed back
         self._restored = list(restored)
+        self._flat_streak = 0  # zero-variance groups discarded in a row
         self.trace = RolloutTrace(parts.tracer)
         self._last_opened = self._derive_last_opened()
 
@@ -203,8 +204,16 @@ class RolloutPump:
         rewards: dict[int, list[float]] = {}
         for gid, r in rows:
             rewards.setdefault(gid, []).append(r)
+        if self._flat_streak >= self.p.config.algorithm.max_flat_groups_in_a_row:
+            # A policy that answers every prompt the same way (collapsed, or done
+            # learning) makes every group flat; discarding forever would never fill a
+            # step. Train on them instead: their advantages are zero, so the step is
+            # harmless, and the run ends.
+            self._flat_streak = 0
+            return wave, []
         keep = [g for g in wave if np.std(rewards[g.group_id]) > 1e-9]
         drop = [g for g in wave if np.std(rewards[g.group_id]) <= 1e-9]
+        self._flat_streak = 0 if keep else self._flat_streak + len(drop)
         return keep, drop
 
     def _publish(self, groups: list[GroupHandle]) -> None:

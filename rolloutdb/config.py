@@ -41,6 +41,10 @@ class AlgorithmSection(Section):
     clip_eps: float = Field(0.2, gt=0)
     replay_capacity: int = Field(64, ge=1, description="Replay permits: sealed groups waiting to be trained.")
     discard_zero_variance: bool = Field(True, description="Discard groups whose rewards are all equal.")
+    max_flat_groups_in_a_row: int = Field(
+        256, ge=1, description="After this many zero-variance groups in a row, train on them instead of discarding."
+    )
+    entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus: keeps a tiny policy from collapsing.")
 
 
 class PolicySection(Section):

@@ -124,3 +124,18 @@ def test_every_trainer_checkpoint_gets_a_snapshot_anchored_to_it(tmp_path):
     assert steps <= anchored
     events = read_metrics(run_dir / "logs" / "metrics.jsonl", "snapshot")
     assert all(e["outcome"] in ("published", "skipped_unchanged") for e in events), events
+
+
+def test_a_policy_whose_groups_are_all_flat_still_finishes_the_run(tmp_path):
+    # Greedy decoding gives every generation of a group the same reply: every group has
+    # zero reward variance. Discarding them forever would never fill a step.
+    run_dir = tmp_path / "run"
+    Controller(
+        _config(generation={"temperature": 0.0}, algorithm={"total_steps": 2, "max_flat_groups_in_a_row": 6}),
+        run_dir,
+    ).run()
+    steps = read_metrics(run_dir / "logs" / "metrics.jsonl", "train_step")
+    assert [e["step"] for e in steps] == [1, 2]
+    conn = sqlite3.connect(run_dir / "rollout_state.sqlite")
+    discarded = conn.execute("SELECT count(*) FROM prompt_groups WHERE discard_reason = 'zero_reward_variance'").fetchone()[0]
+    assert discarded >= 6
