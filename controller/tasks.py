@@ -25,7 +25,6 @@ import hashlib
 import json
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 from rolloutdb.controller.protocols import Turn

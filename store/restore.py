@@ -60,7 +60,7 @@ from pathlib import Path
 
 from sqlalchemy import Connection, delete, func, literal_column, select, update
 
-from . import faults, ledger, pools
+from . import ledger, pools
 from .db import Database
 from .errors import ReplayFullError, SchemaTooNewError, StoreError
 from .fsio import replace_file, temp_path_beside

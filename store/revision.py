@@ -24,11 +24,13 @@ from .fsio import replace_file, temp_path_beside
 SQLITE_MAGIC = b"SQLite format 3\x00"
 
 
-def alembic_config() -> Config:
-    import rolloutdb.migrations as migrations
+def alembic_config(package: str = "rolloutdb.migrations") -> Config:
+    """Alembic config for a migrations package shipped inside rolloutdb: the store's
+    (default) or the trace's (``rolloutdb.migrations.trace``)."""
+    import importlib
 
     cfg = Config()
-    cfg.set_main_option("script_location", str(Path(migrations.__file__).parent))
+    cfg.set_main_option("script_location", str(Path(importlib.import_module(package).__file__).parent))
     return cfg
 
 
@@ -56,9 +58,10 @@ def _migration_engine(path: Path):
     return engine
 
 
-def run_migrations(path: str | Path, target: str = "head", *, downgrade: bool = False) -> None:
-    """Run Alembic on `path` in place (callers work on a copy or on a new file)."""
-    cfg = alembic_config()
+def run_migrations(path: str | Path, target: str = "head", *, downgrade: bool = False, config: Config | None = None) -> None:
+    """Run Alembic on `path` in place (callers work on a copy or on a new file); the
+    store's migrations unless another package's `config` is given."""
+    cfg = config or alembic_config()
     engine = _migration_engine(Path(path))
     try:
         with engine.begin() as conn:

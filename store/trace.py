@@ -40,7 +40,6 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
-from alembic import command
 from alembic.config import Config
 from alembic.script import ScriptDirectory
 from sqlalchemy import (
@@ -53,15 +52,12 @@ from sqlalchemy import (
     String,
     Table,
     Text,
-    create_engine,
-    event,
 )
-from sqlalchemy.pool import NullPool
 
 from .db import Database
 from .errors import StoreError
 from .fsio import replace_file, temp_path_beside
-from .revision import check_sqlite_file, file_revision
+from .revision import alembic_config, check_sqlite_file, file_revision, run_migrations
 from .schema import NAMING
 
 log = logging.getLogger("rolloutdb.trace")
@@ -175,11 +171,7 @@ for (_name, _field), (_table, _cols) in LIST_TABLES.items():
 
 
 def trace_alembic_config() -> Config:
-    import rolloutdb.migrations.trace as trace_migrations
-
-    cfg = Config()
-    cfg.set_main_option("script_location", str(Path(trace_migrations.__file__).parent))
-    return cfg
+    return alembic_config("rolloutdb.migrations.trace")
 
 
 def trace_head_revision() -> str:
@@ -188,19 +180,7 @@ def trace_head_revision() -> str:
 
 def run_trace_migrations(path: str | Path, target: str = "head") -> None:
     """Run the trace migrations on `path` in place (a new file or one we own)."""
-    cfg = trace_alembic_config()
-    engine = create_engine(f"sqlite:///{path}", poolclass=NullPool)
-
-    @event.listens_for(engine, "connect")
-    def _fk_off(dbapi_conn, _record):  # noqa: ANN001
-        dbapi_conn.execute("PRAGMA foreign_keys = OFF")  # batch mode copies tables
-
-    try:
-        with engine.begin() as conn:
-            cfg.attributes["connection"] = conn
-            command.upgrade(cfg, target)
-    finally:
-        engine.dispose()
+    run_migrations(path, target, config=trace_alembic_config())
 
 
 def trace_file_for(run_or_log_dir: str | Path) -> Path:
