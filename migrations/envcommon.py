@@ -1,0 +1,44 @@
+"""What both Alembic environments (the store's, `env.py`, and the trace's,
+`trace/env.py`) do; each env.py names only its kind of file and its models.
+
+Two ways in:
+- from code (`rolloutdb.store.revision.run_migrations`): a SQLAlchemy connection is
+  passed in ``config.attributes["connection"]`` and used as is;
+- from the command line: ``alembic -x db=PATH upgrade head``.
+
+Batch mode is on because SQLite cannot ALTER most things in place: batch migrations
+copy the table, which is what SQLite's own docs recommend. Only autogenerate
+(``-x autogenerate=1``) loads the live models; the migrations themselves stay frozen.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from sqlalchemy import MetaData, create_engine, pool
+
+
+def run_env(context, kind: str, load_metadata: Callable[[], MetaData]) -> None:
+    """Run the migrations Alembic asked for on a `kind` file ("store", "trace")."""
+    if context.is_offline_mode():
+        raise SystemExit(f"error: offline (--sql) migrations are not supported for rolloutdb {kind} files")
+    xargs = context.get_x_argument(as_dictionary=True)
+    target = load_metadata() if xargs.get("autogenerate") else None
+
+    def run(connection) -> None:
+        context.configure(connection=connection, target_metadata=target, render_as_batch=True, compare_type=True)
+        with context.begin_transaction():
+            context.run_migrations()
+
+    connection = context.config.attributes.get("connection")
+    if connection is not None:
+        run(connection)
+        return
+    db = xargs.get("db")
+    if not db:
+        raise SystemExit(f"error: name the {kind} file: alembic -x db=PATH upgrade head")
+    engine = create_engine(f"sqlite:///{db}", poolclass=pool.NullPool)
+    with engine.connect() as connection:
+        connection.exec_driver_sql("PRAGMA foreign_keys = OFF")  # batch copies tables
+        run(connection)
+        connection.commit()
