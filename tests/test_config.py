@@ -102,3 +102,13 @@ def test_backends_that_have_not_landed_are_refused_with_what_to_use(tmp_path, ov
     p = _write(tmp_path, "{}\n")
     with pytest.raises(ConfigError, match="not available yet"):
         load_config(p, [override])
+
+
+def test_every_config_key_is_explained_in_the_docs():
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "config.md").read_text()
+    for section, field in Config.model_fields.items():
+        assert f"## `{section}`" in doc, section
+        for key in field.annotation.model_fields:
+            assert f"| `{key}` |" in doc, f"{section}.{key}"
