@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from sqlalchemy import MetaData, create_engine, pool
+from sqlalchemy import URL, MetaData, create_engine, pool
 
 
 def run_env(context, kind: str, load_metadata: Callable[[], MetaData]) -> None:
@@ -37,7 +37,7 @@ def run_env(context, kind: str, load_metadata: Callable[[], MetaData]) -> None:
     db = xargs.get("db")
     if not db:
         raise SystemExit(f"error: name the {kind} file: alembic -x db=PATH upgrade head")
-    engine = create_engine(f"sqlite:///{db}", poolclass=pool.NullPool)
+    engine = create_engine(URL.create("sqlite", database=db), poolclass=pool.NullPool)
     with engine.connect() as connection:
         connection.exec_driver_sql("PRAGMA foreign_keys = OFF")  # batch copies tables
         run(connection)

@@ -41,7 +41,7 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
-from sqlalchemy import Connection, Engine, create_engine, event, exc, text
+from sqlalchemy import URL, Connection, Engine, create_engine, event, exc, text
 from sqlalchemy.pool import NullPool
 
 from .errors import NotAStoreError, StoreBusyError
@@ -82,7 +82,7 @@ def make_engine(
     the default is ``IMMEDIATE``.
     """
     engine = create_engine(
-        f"sqlite:///{Path(path)}",
+        URL.create("sqlite", database=str(Path(path))),  # a `?` in the path stays in the name
         poolclass=NullPool,
         # The writer connection is shared by the pumps' threads under a lock.
         connect_args={"check_same_thread": False},

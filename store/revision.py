@@ -15,7 +15,7 @@ from pathlib import Path
 from alembic import command
 from alembic.config import Config
 from alembic.script import ScriptDirectory
-from sqlalchemy import create_engine, event
+from sqlalchemy import URL, create_engine, event
 from sqlalchemy.pool import NullPool
 
 from .errors import NotAStoreError, SchemaTooNewError, SchemaTooOldError
@@ -47,8 +47,14 @@ def known_revisions() -> list[str]:
     return [s.revision for s in reversed(list(script_directory().walk_revisions()))]
 
 
+def sqlite_url(path: str | Path) -> URL:
+    """A SQLAlchemy URL for a file path; built, not formatted, so a `?` or `#` in the
+    path is part of the name and not a query string."""
+    return URL.create("sqlite", database=str(path))
+
+
 def _migration_engine(path: Path):
-    engine = create_engine(f"sqlite:///{path}", poolclass=NullPool)
+    engine = create_engine(sqlite_url(path), poolclass=NullPool)
 
     @event.listens_for(engine, "connect")
     def _fk_off(dbapi_conn, _record):  # noqa: ANN001

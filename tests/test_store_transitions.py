@@ -104,3 +104,17 @@ def test_an_attempt_that_ends_keeps_no_chunks_or_episode(store, second_connectio
     assert conn.execute("SELECT count(*) FROM token_chunks").fetchone()[0] == 0
     assert conn.execute("SELECT count(*) FROM env_episodes").fetchone()[0] == 0
     assert store.check_invariants().ok
+
+
+def test_a_store_can_live_in_a_path_with_a_question_mark_or_hash(tmp_path, second_connection):
+    from rolloutdb.store import Store
+
+    path = tmp_path / "odd?dir#1" / "live?.sqlite"
+    with Store.create(path) as s:
+        s.reserve([Reservation(0, 0, 0)], num_generations=1, target_step=1)
+    with Store.open(path) as s:
+        assert s.check_invariants().ok
+    assert second_connection(path).execute("SELECT count(*) FROM prompt_groups").fetchone()[0] == 1
+    # The whole name was used: nothing was created under the name cut at the `?`.
+    assert {p.name.split("-")[0] for p in path.parent.iterdir()} == {"live?.sqlite"}
+    assert not (tmp_path / "odd").exists()
