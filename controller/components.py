@@ -73,9 +73,7 @@ def build_trainer(config: Config, policy_dir: Path) -> Trainer:
 
 
 def build_engine(config: Config, policy_dir: Path):
-    gen = config.generation
-    if gen.backend == "vllm":
-        raise ValueError("generation.backend 'vllm' is not available yet (it lands with the vLLM engine); use 'reference'")
+    gen = config.generation  # the config refuses backends that have not landed
     from rolloutdb.gpu_capture.reference_engine import ReferenceEngine
 
     return ReferenceEngine(policy_dir, max_batch_size=gen.max_batch_size, num_threads=config.cluster.torch_threads)

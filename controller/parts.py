@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from rolloutdb.config import Config
@@ -71,4 +71,3 @@ class RolloutParts:
     read_progress: Callable[[], Progress]
     log_event: Callable[[dict], None]
     tracer: Any = None  # rolloutdb.store.trace tracer or None
-    extras: dict = field(default_factory=dict)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import threading
+from collections import deque
 import time
 from dataclasses import dataclass, field
 
@@ -77,7 +78,8 @@ class Snapshotter:
         self._waiters: list[_CutWaiter] = []
         self._waiters_lock = threading.Lock()
         self._last_counter: int | None = None
-        self.results: list[AttemptResult] = []
+        # The latest attempts, for tests and benchmarks; bounded for runs of days.
+        self.results: deque[AttemptResult] = deque(maxlen=1024)
 
     # ------------------------------------------------------------ the pump
 
