@@ -14,7 +14,10 @@
         rollout_snapshots/snapshot_<seq>/...
 
 Sequence numbers count over the whole checkpoint directory, not per anchor, so the
-newest snapshot is the one with the highest sequence. Entries whose names start with a
+newest snapshot is the one with the highest sequence. They are never handed out twice:
+``CHECKPOINT_DIR/sequence_high_water`` holds the highest number ever published or
+half-used (written by `rolloutdb.store.publish` before a number can disappear from the
+listing), so deleting directories, by retention, a resume or a person, frees no number. Entries whose names start with a
 dot and end in ``.tmp`` (being published) or ``.trash`` (being deleted) are leftovers,
 never checkpoints. Listing only reads; it never creates or removes anything.
 """
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +39,7 @@ SNAPSHOTS_DIR = "rollout_snapshots"
 SNAPSHOT_DB = "rollout_state.sqlite"
 ENV_EXPORT = "env_export.json"
 CONFIG_FILE = "config.yaml"
+HIGH_WATER = "sequence_high_water"
 
 _STEP = re.compile(r"^step_(\d+)$")
 _SNAPSHOT = re.compile(r"^snapshot_(\d+)$")
@@ -138,6 +143,7 @@ class Inventory:
     root: Path
     anchors: list[Entry]
     snapshots: list[Entry]
+    high_water: int = 0  # the recorded highest sequence (`HIGH_WATER`)
 
     @property
     def entries(self) -> list[Entry]:
@@ -156,9 +162,10 @@ class Inventory:
         return {a.anchor for a in self.anchors if a.complete}
 
     def max_sequence(self) -> int:
-        """Highest sequence seen anywhere, leftovers included (so a crashed attempt's
-        number is not handed out again)."""
-        return max((s.sequence for s in self.snapshots if s.sequence is not None), default=0)
+        """Highest sequence ever used: seen anywhere, leftovers included (so a crashed
+        attempt's number is not handed out again), or recorded in the high-water mark (so
+        a deleted snapshot's is not either)."""
+        return max([s.sequence for s in self.snapshots if s.sequence is not None] + [self.high_water])
 
 
 def _load(path: Path, kind: str, anchor: str, sequence: int | None) -> tuple[str, Manifest | None, str | None]:
@@ -222,4 +229,21 @@ def scan(checkpoint_dir: str | Path) -> Inventory:
         snapshots += _scan_snapshots(name, path, kind)
     anchors.sort(key=lambda e: (anchor_order(e.anchor), not e.complete, e.path.name))
     snapshots.sort(key=lambda e: (e.sequence, not e.complete, e.path.name))
-    return Inventory(root, anchors, snapshots)
+    return Inventory(root, anchors, snapshots, read_high_water(root))
+
+
+def read_high_water(checkpoint_dir: str | Path) -> int:
+    """The recorded highest sequence, 0 when there is no mark. A mark that is not a
+    number (damaged by hand) counts as 0: the listing still bounds the next number, and
+    the next publication writes a good mark."""
+    try:  # O_NONBLOCK: a FIFO planted under the name must not hang the listing
+        fd = os.open(Path(checkpoint_dir) / HIGH_WATER, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError:
+        return 0
+    try:
+        text = os.read(fd, 32).strip() if stat.S_ISREG(os.fstat(fd).st_mode) else b""
+    except OSError:
+        text = b""
+    finally:
+        os.close(fd)
+    return int(text) if text.isdigit() and len(text) < 20 else 0

@@ -35,9 +35,10 @@ from typing import Any
 from . import faults
 from .capture import count_rows
 from .errors import NotAStoreError, StoreError
-from .fsio import fsync_dir, fsync_file, rename_dir, replace_file, temp_path_beside, write_file
+from .fsio import TEMP_SUFFIX, fsync_dir, fsync_file, rename_dir, replace_file, temp_path_beside, write_file
 from .layout import (
-    BOOTSTRAP, CONFIG_FILE, ENV_EXPORT, SNAPSHOT_DB, SNAPSHOTS_DIR, anchor_dir, anchor_name, scan, snapshot_dir,
+    BOOTSTRAP, CONFIG_FILE, ENV_EXPORT, HIGH_WATER, SNAPSHOT_DB, SNAPSHOTS_DIR, anchor_dir, anchor_name,
+    read_high_water, scan, snapshot_dir,
 )
 from .manifest import (
     KIND_SNAPSHOT, KIND_TRAINER, MANIFEST_NAME, FileEntry, Manifest, ManifestError, config_fingerprint,
@@ -134,6 +135,24 @@ def commit_directory(tmp: Path, target: Path, manifest: Manifest, *, skip_dirs: 
     return {"hash_fsync_files": t_files - t0, "manifest_dirs": t_synced - t_files, "rename": t_done - t_synced}
 
 
+def record_high_water(checkpoint_dir: str | Path, sequence: int) -> None:
+    """Make `sequence` the recorded highest snapshot number (`layout.HIGH_WATER`) unless
+    a higher one is recorded already. Called before a number could vanish from the
+    listing: when a snapshot is published (a person may delete it later), before
+    leftovers are removed, before a resume removes the checkpoints of a cut-off branch.
+    Written through the one atomic file write; costs one small file, two fsyncs and a
+    rename per snapshot, next to the snapshot's own fsync of every file."""
+    root = Path(checkpoint_dir)
+    if read_high_water(root) >= sequence:
+        return
+    target = root / HIGH_WATER
+    for stale in root.glob(f".{HIGH_WATER}.*{TEMP_SUFFIX}"):  # a killed or failed earlier write
+        stale.unlink(missing_ok=True)
+    tmp = temp_path_beside(target, "write")
+    write_file(tmp, f"{int(sequence)}\n".encode())
+    replace_file(tmp, target)
+
+
 def _discard_tmp(tmp: Path) -> None:
     """Best effort: whatever stays is a leftover that the next save removes."""
     try:
@@ -202,6 +221,14 @@ class Publisher:
                                       errno=getattr(err, "errno", None)) from err
         self.root.mkdir(parents=True, exist_ok=True)
         inv = scan(self.root)
+        half_used = [e.sequence for e in inv.leftovers() if e.sequence is not None and e.path not in self._busy]
+        try:
+            if half_used:  # a crashed attempt's number must outlive its directory
+                record_high_water(self.root, max(half_used))
+        except OSError as e:  # keep the leftovers (and their numbers visible); retry next save
+            self._pending_warnings.append(f"{self.root}: could not record sequence {max(half_used)} ({e}); "
+                                          "leftovers kept until the next save")
+            return inv, []
         cleaned = remove_leftovers(inv, busy=self._busy)
         self._pending_warnings += cleaned.errors
         return inv, cleaned.deleted
@@ -352,6 +379,7 @@ class Publisher:
                     if not stage.db_path.is_file():
                         raise PublishError(f"{stage.db_path}: nothing was captured into the stage", path=stage.target)
                     revision, counts, states = _read_revision(stage.db_path)
+                    record_high_water(self.root, stage.sequence)  # before anyone can delete it
                     if config_text is not None:
                         write_file(stage.tmp / CONFIG_FILE, config_text.encode() if isinstance(config_text, str) else config_text)
                     if env_export is not None:
@@ -464,5 +492,5 @@ def publish_bootstrap(checkpoint_dir, write_fn=None) -> Published:
 __all__ = [
     "BOOTSTRAP", "AnchorNotDurable", "BackgroundWorkError", "PublishError", "Published", "Publisher",
     "SnapshotStage", "commit_directory", "publish_bootstrap", "publish_rollout_snapshot",
-    "publish_trainer_checkpoint", "publisher_for",
+    "publish_trainer_checkpoint", "publisher_for", "record_high_water",
 ]
