@@ -11,8 +11,9 @@ when every check has passed, in this order:
 3. ``PRAGMA integrity_check`` of the snapshot's store file, run on its own thread while
    the copy is made (`restore_io.py` says why that checks the copy's bytes), and again
    on the copy when it was upgraded;
-4. run_meta: config fingerprint, dataset fingerprint, forest-training settings (and the
-   dispatch mode, when the caller says it) equal the run's, or a refusal naming each;
+4. run_meta: the run id (when the caller gives it), config fingerprint, dataset
+   fingerprint, forest-training settings (and the dispatch mode, when the caller says
+   it) equal the run's, or a refusal naming each;
 5. replay groups: each published group holds one permit below capacity (invariant 2);
 6. the ledger (ledger dispatch only): the payload inventory is checked against the
    ledger *before* anything changes (invariant 3: a mismatch is refused, so nothing is
@@ -291,14 +292,19 @@ def _bring_to_head(copy: Path, source: Path, manifest: Manifest,
 
 
 def _check_run_meta(conn: sqlite3.Connection, source: Path, *, config_fingerprint: str, dataset_fingerprint: str,
-                    forest_training: dict, ledger_dispatch: bool | None) -> bool:
+                    forest_training: dict, ledger_dispatch: bool | None, run_id: str | None) -> bool:
     """Phase 4; returns the snapshot's dispatch mode."""
     row = conn.execute(
-        "SELECT config_fingerprint, dataset_fingerprint, forest_training, ledger_dispatch FROM run_meta"
+        "SELECT config_fingerprint, dataset_fingerprint, forest_training, ledger_dispatch, run_id FROM run_meta"
     ).fetchone()
     if row is None:
         raise SnapshotInconsistent(f"{source}: no run_meta row; restore another snapshot")
-    cfg, data, forest_text, ledger_mode = row
+    cfg, data, forest_text, ledger_mode, their_run = row
+    if run_id is not None and their_run != run_id:
+        # Same config and data, another run (another directory, or started over): its
+        # ledger would replace this run's, so the check comes first and stands alone.
+        raise RunMismatch(f"{source}: the snapshot belongs to another run (run id {their_run}; this run is {run_id}); "
+                          "restore a snapshot of this run (`rolloutdb snapshots RUN_DIR/checkpoints`)", ["run_id"])
     try:
         saved_forest = json.loads(forest_text)
     except json.JSONDecodeError:
@@ -532,12 +538,14 @@ def restore_snapshot(
     groups_per_step: int,
     ledger_dispatch: bool | None = None,
     trainer_step: int | None = None,
+    run_id: str | None = None,
 ) -> RestorePlan:
     """Restore `snapshot_dir` into `live_store_path` (see the module docstring).
 
     No connection may be open on the live store. `ledger_dispatch`, when given, must
     match the snapshot's mode; `trainer_step`, when given, must equal the anchor's step
-    (the weights the caller loaded). Raises a `RestoreError` subclass on any refusal."""
+    (the weights the caller loaded); `run_id`, when given, must be the snapshot's run id
+    (the live store's: a snapshot of another run never replaces it). Raises a `RestoreError` subclass on any refusal."""
     snapshot_dir, live = Path(snapshot_dir), Path(live_store_path)
     phases = _Phases()
     source = snapshot_dir / SNAPSHOT_DB
@@ -572,7 +580,7 @@ def restore_snapshot(
             with phases("run_meta"):
                 mode = _check_run_meta(conn, source, config_fingerprint=config_fingerprint,
                                        dataset_fingerprint=dataset_fingerprint, forest_training=forest_training,
-                                       ledger_dispatch=ledger_dispatch)
+                                       ledger_dispatch=ledger_dispatch, run_id=run_id)
             with phases("replay"):
                 counts["replay_groups"] = _check_replay(conn, source)
             with phases("ledger"):

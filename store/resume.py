@@ -1,11 +1,13 @@
 """Resuming a run: which snapshot to restore, and checking a run's whole history after.
 
 `choose_snapshot` picks what a resume starts from: with ``resume="latest"`` the newest
-complete snapshot whose anchor is a durable trainer checkpoint (`selection`), or the
-directory the user named. It never starts fresh silently: snapshots that exist but are
-all unusable raise `NoRestorableSnapshot`; no snapshot at all beside a durable trainer
-checkpoint raises `TrainerCheckpointOnly`, so the caller decides whether to start the
-store fresh at that step; nothing at all raises `NothingToRestore`.
+complete snapshot whose anchor is a durable trainer checkpoint whose files match its
+manifest (`selection`), or the directory the user named (refused if its anchor's files
+do not match, or, given the run's id, if it belongs to another run). It never starts
+fresh silently: snapshots that exist but are all unusable raise `NoRestorableSnapshot`;
+no snapshot at all beside a durable trainer checkpoint raises `TrainerCheckpointOnly`;
+nothing at all raises `NothingToRestore`. Whether the caller may then start over is its
+decision: `live_store_work` says whether the live store holds anything to lose.
 
 `verify_run` checks exactly-once over every stop a run directory has been through. The
 live store keeps every group the sampler ever handed out (trained and discarded rows stay
@@ -16,6 +18,7 @@ rolled-back work is redone under the same rows), so one read of it sees the whol
 from __future__ import annotations
 
 import contextlib
+import sqlite3
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,9 +30,9 @@ from .invariants import check_invariants
 from .layout import COMPLETE, SNAPSHOTS_DIR, Entry, scan
 from .manifest import KIND_SNAPSHOT, KIND_TRAINER, ManifestError, read_manifest
 from .restore import (
-    RestoreError, RestorePlan, SnapshotDamaged, SnapshotInconsistent, restore_snapshot,
+    RestoreError, RestorePlan, RunMismatch, SnapshotDamaged, SnapshotInconsistent, restore_snapshot,
 )
-from .selection import Selection, select_for_restore
+from .selection import NoRestorableSnapshot, Selection, anchor_problem, run_id_problem, select_for_restore
 from .verification import open_for_checks
 
 LATEST = "latest"
@@ -53,6 +56,11 @@ class TrainerCheckpointOnly(RestoreError):
         self.path = anchor.path
 
 
+class AnchorDamaged(SnapshotDamaged):
+    """The snapshot's anchor (the trainer checkpoint its weights come from) has files
+    that do not match its manifest; they were not loaded."""
+
+
 def _anchor_entry(path: Path) -> Entry:
     try:
         manifest = read_manifest(path)
@@ -66,21 +74,39 @@ def _anchor_entry(path: Path) -> Entry:
 
 def _only_trainer_checkpoint(checkpoint_dir: Path, anchors: list[Entry]) -> RestoreError:
     if not anchors:
-        return NothingToRestore(f"{checkpoint_dir}: no trainer checkpoint and no rollout snapshot to resume from; "
-                                "start a new run (without --resume) or pass the right run directory")
+        return NothingToRestore(f"{checkpoint_dir}: no trainer checkpoint and no rollout snapshot to resume from")
     newest = anchors[-1]
     return TrainerCheckpointOnly(
         f"{checkpoint_dir}: no rollout snapshot, but the trainer checkpoint {newest.anchor} is durable; "
         f"resuming from it alone starts the rollout store fresh at step {newest.step or 0}", newest)
 
 
-def choose_snapshot(checkpoint_dir: str | Path, resume: str | Path = LATEST, *, verify: bool = False) -> Selection:
+def _checked(selection: Selection, run_id: str | None) -> Selection:
+    """A snapshot the user named: refused (nothing loaded, nothing replaced) if its
+    anchor's files fail their manifest or it belongs to another run."""
+    problem = anchor_problem(selection.anchor)
+    if problem:
+        raise AnchorDamaged(f"{selection.anchor.path}: the trainer checkpoint of this snapshot fails verification "
+                            f"({problem}); its files were not loaded; pass another snapshot or --resume latest",
+                            selection.anchor.path)
+    problem = run_id_problem(selection.snapshot.path, run_id)
+    if problem:
+        raise RunMismatch(f"{selection.snapshot.path}: {problem}; pass a snapshot of this run "
+                          "(`rolloutdb snapshots RUN_DIR/checkpoints` lists them) or --resume latest", ["run_id"])
+    return selection
+
+
+def choose_snapshot(checkpoint_dir: str | Path, resume: str | Path = LATEST, *, verify: bool = False,
+                    run_id: str | None = None) -> Selection:
     """The snapshot a resume restores (see the module docstring). `resume` is "latest",
     a snapshot directory, or a trainer checkpoint directory (its newest snapshot).
-    `verify` makes "latest" pass over snapshots that fail their checksums or checks."""
+    Anchors are always checked against their manifests; `verify` makes "latest" also
+    pass over snapshots that fail their checksums or checks. `run_id`, when given,
+    refuses (or with "latest" passes over) snapshots of another run."""
     checkpoint_dir = Path(checkpoint_dir)
     if str(resume) == LATEST:
-        selection = select_for_restore(checkpoint_dir, verify=verify)  # raises NoRestorableSnapshot
+        # raises NoRestorableSnapshot
+        selection = select_for_restore(checkpoint_dir, verify=verify, verify_anchors=True, run_id=run_id)
         if selection is None:
             raise _only_trainer_checkpoint(checkpoint_dir, scan(checkpoint_dir).complete_anchors())
         return selection
@@ -96,13 +122,14 @@ def choose_snapshot(checkpoint_dir: str | Path, resume: str | Path = LATEST, *, 
         snaps = [s for s in scan(path.parent).complete_snapshots() if s.anchor == anchor.anchor]
         if not snaps:
             raise _only_trainer_checkpoint(path.parent, [anchor])
-        return Selection(snaps[-1], anchor)
+        return _checked(Selection(snaps[-1], anchor), run_id)
     if manifest.kind != KIND_SNAPSHOT or path.parent.name != SNAPSHOTS_DIR:
         raise RestoreError(f"{path}: not a rollout snapshot directory (…/{SNAPSHOTS_DIR}/snapshot_<N>)")
     anchor = _anchor_entry(path.parent.parent)
     if anchor.anchor != manifest.anchor:
         raise SnapshotDamaged(f"{path}: manifest says anchor {manifest.anchor} but it lies under {anchor.anchor}", path)
-    return Selection(Entry(KIND_SNAPSHOT, manifest.anchor, path, COMPLETE, manifest.sequence, manifest), anchor)
+    snapshot = Entry(KIND_SNAPSHOT, manifest.anchor, path, COMPLETE, manifest.sequence, manifest)
+    return _checked(Selection(snapshot, anchor), run_id)
 
 
 def select_and_restore(
@@ -111,30 +138,82 @@ def select_and_restore(
     *,
     resume: str | Path = LATEST,
     before_restore: Callable[[Selection], None] | None = None,
+    run_id: str | None = None,
+    selection: Selection | None = None,
     **restore_kwargs,
 ) -> RestorePlan:
-    """Choose a snapshot, call `before_restore(selection)` (load the trainer's weights
-    from `selection.anchor.path`), then `restore_snapshot` into `live_store_path`.
+    """Choose a snapshot (or take `selection`, made by `choose_snapshot` with the same
+    arguments), call `before_restore(selection)` (load the trainer's weights from
+    `selection.anchor.path`, whose files have been checked), then `restore_snapshot` into
+    `live_store_path`. `run_id`: this run's id; a snapshot of another run is refused.
 
     With "latest", the newest candidate is tried without a separate verification pass
     (restore checks every checksum itself); if it turns out damaged or inconsistent, the
-    newest snapshot that verifies is chosen instead (its anchor is loaded again)."""
-    selection = choose_snapshot(checkpoint_dir, resume)
-    if before_restore is not None:
-        before_restore(selection)
-    try:
-        return restore_snapshot(selection.snapshot.path, live_store_path, **restore_kwargs)
-    except (SnapshotDamaged, SnapshotInconsistent) as first:
-        if str(resume) != LATEST:
-            raise
-        fallback = choose_snapshot(checkpoint_dir, LATEST, verify=True)
-        if fallback.snapshot.path == selection.snapshot.path:
-            raise
+    newest snapshot that verifies is chosen instead (its anchor is loaded again), and so
+    on. `plan.passed_over` names every snapshot or anchor passed over, and why."""
+    latest = str(resume) == LATEST
+    selection = selection or choose_snapshot(checkpoint_dir, resume, run_id=run_id)
+    passed_over = list(selection.passed_over)
+    tried: list[Path] = []
+    while True:
         if before_restore is not None:
-            before_restore(fallback)
-        plan = restore_snapshot(fallback.snapshot.path, live_store_path, **restore_kwargs)
-        plan.passed_over = [f"{selection.snapshot.path.name} ({selection.snapshot.anchor}): {first}", *fallback.passed_over]
+            before_restore(selection)
+        try:
+            plan = restore_snapshot(selection.snapshot.path, live_store_path, run_id=run_id, **restore_kwargs)
+        except (SnapshotDamaged, SnapshotInconsistent) as e:
+            if not latest:
+                raise
+            passed_over.append(f"{selection.snapshot.path.name} ({selection.snapshot.anchor}): {e}")
+            tried.append(selection.snapshot.path)
+            try:
+                selection = select_for_restore(checkpoint_dir, verify=True, run_id=run_id, exclude=tried)
+            except NoRestorableSnapshot as none:
+                reasons = passed_over + none.reasons
+                raise NoRestorableSnapshot(f"{checkpoint_dir}: no rollout snapshot can be restored: "
+                                           + "; ".join(reasons[:8]) + ". Refusing to start fresh", reasons) from None
+            if selection is None:  # cannot happen: the one tried is still listed
+                raise
+            passed_over += [r for r in selection.passed_over if r not in passed_over]
+            continue
+        plan.passed_over = passed_over
         return plan
+
+
+# --------------------------------------------------------------------------- the live store
+
+
+def live_run_id(live_store_path: str | Path) -> str | None:
+    """The run id of the live store (read-only), or None when it cannot be read."""
+    try:
+        with contextlib.closing(open_for_checks(live_store_path)) as conn:
+            row = conn.execute("SELECT run_id FROM run_meta").fetchone()
+    except (NotAStoreError, sqlite3.DatabaseError):
+        return None
+    return row[0] if row else None
+
+
+def live_store_work(live_store_path: str | Path, checkpoint_dir: str | Path) -> str | None:
+    """What a start over would throw away: None only when the live store provably holds
+    no work (no prompt ever handed out, nothing in replay, no sample) and no trainer step
+    was ever checkpointed; otherwise one phrase saying what it holds (or that it cannot
+    be read, which proves nothing). Read-only."""
+    steps = [a.anchor for a in scan(checkpoint_dir).anchors if a.step is not None]
+    try:
+        with contextlib.closing(open_for_checks(live_store_path)) as conn:
+            q = lambda sql: conn.execute(sql).fetchone()[0]  # noqa: E731
+            states = dict(conn.execute("SELECT state, count(*) FROM prompt_groups GROUP BY state").fetchall())
+            cursor = q("SELECT coalesce(max(next_seq), 0) FROM sampler_state")
+            spare, replay, samples = (q(f"SELECT count(*) FROM {t}") for t in ("spare_prompts", "replay_groups", "samples"))
+    except (NotAStoreError, sqlite3.DatabaseError) as e:
+        return f"the live store cannot be read ({e}), so it may hold trained work"
+    held = [f"{n} group(s) {state}" for state, n in sorted(states.items(), key=lambda kv: kv[0] != "trained") if n]
+    held += [f"{n} {what}" for n, what in ((spare, "spare prompt(s)"), (replay, "group(s) in replay"),
+                                          (samples, "finished sample(s)")) if n]
+    if cursor and not held:
+        held.append(f"the sampler cursor at {cursor}")
+    if steps:
+        held.append(f"trainer checkpoint(s) {', '.join(steps[-3:])}")
+    return ", ".join(held) or None
 
 
 # --------------------------------------------------------------------------- verify a run
