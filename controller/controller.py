@@ -19,7 +19,7 @@ from rolloutdb.controller import components
 from rolloutdb.controller.dispatch import GroupHandle, LedgerDispatch, NoLedgerDispatch
 from rolloutdb.controller.parts import Progress, RolloutParts, RuntimeState
 from rolloutdb.controller.rollout_pump import RolloutPump
-from rolloutdb.controller.run_dir import RunDir
+from rolloutdb.controller.run_dir import RunDir, RunLock
 from rolloutdb.controller.run_log import MetricsLog, ProgressBar, plot_rewards, read_metrics, summary_line
 from rolloutdb.controller.sampler import PromptOrder, StalenessBound
 from rolloutdb.controller.snapshotter import Snapshotter
@@ -38,10 +38,20 @@ class RunSummary:
 
 
 class Controller:
-    def __init__(self, config: Config, run_dir: str | Path, *, resume: str | None = None):
+    """`resume`: None (a new run), "latest" or a snapshot directory; `start_over` (with
+    "latest"): move the run's state aside and train it again from step 0. `lock` and
+    `resume_plan`: taken and made by `rolloutdb train` before building this (the run
+    lock and `resume.plan_resume`); taken and made here when not given."""
+
+    def __init__(self, config: Config, run_dir: str | Path, *, resume: str | None = None, start_over: bool = False,
+                 lock: RunLock | None = None, resume_plan=None):
         self.config = config
         self.dirs = RunDir(Path(run_dir))
-        self.resume = resume
+        self.resume = "latest" if start_over and not resume else resume
+        self.start_over = start_over
+        self.lock = lock
+        self.resume_plan = resume_plan
+        self.writing = False  # set once the run directory is about to change
         self.runtime = RuntimeState()
         self.restored: list[tuple[GroupHandle, list[int]]] = []
         self.snapshotter: Snapshotter | None = None
@@ -52,9 +62,17 @@ class Controller:
     # ------------------------------------------------------------------ setup
 
     def setup(self) -> None:
+        """Build the parts. A resume decides and restores before the logs are opened or
+        a directory is made, so a refused resume writes nothing (`resume.py`)."""
         cfg = self.config
-        self.dirs.create()
-        if not self.resume:
+        done = None
+        if self.resume:
+            from rolloutdb.controller import resume
+
+            self.resume_plan = self.resume_plan or resume.plan_resume(self.dirs, self.resume, start_over=self.start_over)
+        else:
+            self.writing = True
+            self.dirs.create()
             self.dirs.write_config(cfg)
         components.set_threads(cfg.cluster.torch_threads)
         policy_dir = components.build_policy(cfg, self.dirs.policy)
@@ -62,14 +80,20 @@ class Controller:
         self.trainer = components.build_trainer(cfg, policy_dir)
         self.engine = components.build_engine(cfg, policy_dir)
         self.publisher = components.build_publisher(cfg, self.dirs.checkpoints)
+        if self.resume:
+            done = resume.restore_run(self)
+        self.writing = True
+        self.dirs.create()
+        if done is not None and done.moved_to is not None:
+            self.dirs.write_config(cfg)  # the old one was moved aside with the run
         self.tracer = open_tracer(self.dirs.logs, enabled=cfg.rollout_checkpointing.trace)
         self.metrics = MetricsLog(self.dirs.metrics)
-        if self.resume:
-            from rolloutdb.controller.resume import restore_run
-
-            self.store, self.restored = restore_run(self)
+        if done is not None and done.store is not None:
+            self.store, self.restored = done.store, done.groups
         else:
-            self.store = self.create_store()
+            self.store = self.create_store(run_id=done.plan.run_id if done is not None else None)
+        if done is not None:
+            resume.announce(self, done)
         self.checkpoints = components.TrainerCheckpoints(cfg, self.trainer, self.publisher, self.runtime.save_lock)
         self.checkpoints.publish_bootstrap()
         self.bar = ProgressBar(cfg.algorithm.total_steps, enabled=cfg.logging.progress, start_step=self.trainer.step)
@@ -100,10 +124,11 @@ class Controller:
                 config_text=cfg.to_yaml(),
             )
 
-    def create_store(self) -> Store:
+    def create_store(self, run_id: str | None = None) -> Store:
         cfg = self.config
         return Store.create(
             self.dirs.store,
+            run_id=run_id,
             config_fingerprint=cfg.fingerprint(),
             dataset_fingerprint=self.dataset.fingerprint(),
             ledger_dispatch=cfg.ledger_dispatch,
@@ -129,11 +154,24 @@ class Controller:
 
     def run(self) -> RunSummary:
         t0 = time.time()
+        own_lock = self.lock is None
+        if own_lock:
+            self.lock = self.dirs.lock(create=not self.resume)
         try:
-            self.setup()
+            try:
+                if own_lock:
+                    self.dirs.check_for(resume=bool(self.resume))
+                self.setup()
+            except BaseException:
+                if not self.writing:
+                    self.lock.undo()  # a refusal: leave even the lock file as it was
+                raise
             threads = [threading.Thread(target=RolloutPump(self.parts, self.restored).run, name="rollout-pump", daemon=True)]
             if self.snapshotter is not None:
-                self.snapshotter.wake(force=True)  # the first snapshot right away
+                # The first snapshot before the rollout pump hands out a prompt: a run
+                # killed from then on always has a snapshot to resume from, and one
+                # killed earlier holds no work, so its resume may start over (resume.py).
+                self.snapshotter.attempt(force=True)
                 threads.append(threading.Thread(target=self.snapshotter.run, name="snapshot-pump", daemon=True))
             pumps_started = time.perf_counter()
             for t in threads:
@@ -152,6 +190,8 @@ class Controller:
                 self._log_store_share(time.perf_counter() - pumps_started)
         finally:
             self.close()
+            if own_lock:
+                self.lock.release()
         if self.runtime.error is not None:
             raise self.runtime.error
         return self.finish(time.time() - t0)

@@ -1,71 +1,179 @@
-"""Resuming a run: pick the snapshot, load the trainer from its anchor, restore the live
-store from it, and hand the rollout pump the groups to redo first.
+"""Resuming a run: decide what the resume does before anything is written, then load the
+trainer from the anchor, restore the live store, and hand the rollout pump the groups to
+redo first.
 
-Order (the architecture's): the weights first (the anchor's trainer checkpoint, pushed
-to the engine), then the store (`rolloutdb.store.restore`: schema, integrity, run
-settings, replay, ledger with restart normalization, spare pool, cursor check).
+1. `plan_resume` (read-only; no torch, so `rolloutdb train` calls it under the run lock
+   before building anything): the (snapshot, anchor) pair to restore, whose anchor's
+   files match its manifest and whose store is this run's (the live store's run id);
+   or a start over; or a refusal that says what to do.
+2. `restore_run`: the weights first (the anchor's trainer checkpoint, pushed to the
+   engine), then the store (`rolloutdb.store.restore`: schema, integrity, run settings,
+   replay, ledger with restart normalization, spare pool, cursor check). With `latest`,
+   a pair that fails is passed over for the next sound one. The live store is the first
+   thing written; a refusal before it leaves the run directory as it was.
+3. `announce`, once the logs are open: every snapshot or anchor passed over and why,
+   the anchors of the cut-off branch removed, on stderr and in the metrics.
 
-With no rollout snapshot at all the run had not saved anything it could lose, so it
-starts over in the same directory (the prompts it had dispatched were never trained, so
-handing them out again keeps every prompt trained exactly once). Trainer checkpoints
-without any snapshot cannot be resumed consistently and are refused.
+Starting over is never silent unless it provably loses nothing: with no snapshot to
+restore, a live store that holds no work (no prompt ever handed out, no step trained)
+starts over in place. Otherwise the resume is refused, and `--start-over` moves the
+run's store, checkpoints and config aside (into RUN_DIR/discarded/<time>/, nothing is
+deleted) and trains from step 0.
 """
 
 from __future__ import annotations
 
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from rolloutdb.controller.dispatch import GroupHandle
+from rolloutdb.controller.run_dir import RunDir
 from rolloutdb.controller.tracing import RolloutTrace
 from rolloutdb.store import Store, faults
+from rolloutdb.store.fsio import fsync_dir, rename
 from rolloutdb.store.layout import BOOTSTRAP, scan
 from rolloutdb.store.manifest import KIND_TRAINER
+from rolloutdb.store.publish import record_high_water
+from rolloutdb.store.restore import SIDE_SUFFIXES
+from rolloutdb.store.resume import (
+    LATEST, NothingToRestore, TrainerCheckpointOnly, choose_snapshot, live_run_id, live_store_work,
+    select_and_restore,
+)
 from rolloutdb.store.retention import remove_tree
-from rolloutdb.store.resume import NothingToRestore, TrainerCheckpointOnly, select_and_restore
+from rolloutdb.store.selection import NoRestorableSnapshot, Selection
+
+RESTORE, START_OVER, START_OVER_EMPTY = "restore", "start_over", "start_over_empty"
 
 
 class ResumeError(ValueError):
     """Nothing in the run directory can be resumed; the message says what to do."""
 
 
-def restore_run(ctl) -> tuple[Store, list[tuple[GroupHandle, list[int]]]]:
-    """Restore `ctl` (a Controller whose parts are built, with no store open) and return
-    the live store and the restored groups, in sampler order, with the generations each
-    must redo (none for a group that only waits for its finalizer)."""
-    cfg, dirs = ctl.config, ctl.dirs
-    t0 = time.time()
+@dataclass
+class ResumePlan:
+    action: str  # RESTORE, START_OVER (asked for) or START_OVER_EMPTY (nothing to lose)
+    selection: Selection | None = None
+    run_id: str | None = None  # the live store's; a restore refuses snapshots of other runs
+    why: str = ""
 
-    def load_weights(selection) -> None:
-        ctl.trainer.load_checkpoint(selection.anchor.path)
+
+@dataclass
+class Restored:
+    """What `restore_run` did, for the controller and `announce`."""
+
+    plan: ResumePlan
+    store: Store | None = None  # None: the run starts over (the controller creates the store)
+    groups: list[tuple[GroupHandle, list[int]]] = field(default_factory=list)
+    restore_plan: object = None  # the store's RestorePlan
+    dropped: list[str] = field(default_factory=list)
+    moved_to: Path | None = None
+    t0: float = 0.0
+
+
+def _inside(path: Path, root: Path) -> bool:
+    try:
+        path.resolve().relative_to(root.resolve())
+        return True
+    except ValueError:
+        return False
+
+
+def plan_resume(dirs: RunDir, resume: str, *, start_over: bool = False) -> ResumePlan:
+    """Decide, reading only, what resuming `dirs` does (see the module docstring).
+    Raises ResumeError (or a RestoreError) with one line saying what to do."""
+    if start_over:
+        if str(resume) != LATEST:
+            raise ResumeError("--start-over trains the run again from step 0; it takes no snapshot "
+                              "(drop the path after --resume, or drop --start-over to restore that snapshot)")
+        return ResumePlan(START_OVER)
+    run_id = live_run_id(dirs.store)
+    if run_id is None and str(resume) != LATEST and not _inside(Path(resume), dirs.checkpoints):
+        raise ResumeError(f"{dirs.store}: cannot read this run's id, so {resume} cannot be shown to belong to this run; "
+                          f"pass --resume latest or a snapshot under {dirs.checkpoints}")
+    try:
+        return ResumePlan(RESTORE, choose_snapshot(dirs.checkpoints, resume, run_id=run_id), run_id)
+    except (NothingToRestore, TrainerCheckpointOnly) as e:
+        nothing = e
+    except NoRestorableSnapshot as e:
+        raise ResumeError(f"{e}; or pass --start-over to move this run's state into {dirs.discarded}/ and train "
+                          "from step 0") from None
+    work = live_store_work(dirs.store, dirs.checkpoints)
+    if work is None:
+        # The only silent-safe start over: the store never handed out a prompt and no step
+        # was trained, so starting over hands out the same prompts a restore would have
+        # and loses nothing (a run killed before its first snapshot: the controller takes
+        # that snapshot before the rollout pump dispatches anything).
+        return ResumePlan(START_OVER_EMPTY, run_id=run_id, why=str(nothing))
+    hint = ("; rollout_checkpointing must be on for a run to be resumable"
+            if isinstance(nothing, TrainerCheckpointOnly) and nothing.anchor.anchor != BOOTSTRAP else "")
+    raise ResumeError(f"{nothing}{hint}; the live store holds work ({work}) that starting over would discard, so "
+                      f"nothing was changed: restore {dirs.checkpoints}, pass a snapshot of this run with "
+                      f"--resume SNAPSHOT_DIR, or pass --start-over to move this run's store, checkpoints and config "
+                      f"into {dirs.discarded}/ and train from step 0")
+
+
+def restore_run(ctl) -> Restored:
+    """Carry out `ctl.resume_plan` for `ctl` (a Controller whose parts are built, with no
+    store open). Sets `ctl.writing` once the run directory is about to change."""
+    cfg, dirs = ctl.config, ctl.dirs
+    plan = ctl.resume_plan
+    t0 = time.time()
+    if plan.action == START_OVER:
+        ctl.writing = True
+        return Restored(plan, moved_to=_move_aside(dirs), t0=t0)
+    if plan.action == START_OVER_EMPTY:
+        ctl.writing = True
+        for suffix in ("", *SIDE_SUFFIXES):
+            Path(f"{dirs.store}{suffix}").unlink(missing_ok=True)
+        return Restored(plan, t0=t0)
+
+    def load_weights(selection: Selection) -> None:
+        ctl.trainer.load_checkpoint(selection.anchor.path)  # its files were checked against its manifest
         ctl.engine.load_weights(ctl.trainer.export_weights(), ctl.trainer.step)
 
-    try:
-        plan = select_and_restore(
-            dirs.checkpoints,
-            dirs.store,
-            resume=ctl.resume,
-            before_restore=load_weights,
-            config_fingerprint=cfg.fingerprint(),
-            dataset_fingerprint=ctl.dataset.fingerprint(),
-            forest_training={},
-            groups_per_step=cfg.algorithm.groups_per_step,
-            ledger_dispatch=cfg.ledger_dispatch,
-        )
-    except NothingToRestore:
-        return _start_over(ctl)
-    except TrainerCheckpointOnly as e:
-        if e.anchor.anchor == BOOTSTRAP:
-            return _start_over(ctl)  # killed before the first snapshot: nothing was trained
-        raise ResumeError(f"{e}; rollout_checkpointing must be on for a run to be resumable") from None
+    restore_plan = select_and_restore(
+        dirs.checkpoints,
+        dirs.store,
+        resume=ctl.resume,
+        selection=plan.selection,
+        run_id=plan.run_id,
+        before_restore=load_weights,
+        config_fingerprint=cfg.fingerprint(),
+        dataset_fingerprint=ctl.dataset.fingerprint(),
+        forest_training={},
+        groups_per_step=cfg.algorithm.groups_per_step,
+        ledger_dispatch=cfg.ledger_dispatch,
+    )
+    ctl.writing = True  # the live store was replaced
     faults.point("resume.after_restore")
     dropped = _drop_abandoned_future(dirs.checkpoints, ctl.trainer.step)
     store = Store.open(dirs.store)
-    restored = [
+    groups = [
         (GroupHandle(g.group_id, g.reservation, g.target_step, g.num_generations, attempts={}), list(g.generations_to_run))
-        for g in sorted(plan.redispatch + plan.to_finalize, key=lambda g: g.sample_seq)
+        for g in sorted(restore_plan.redispatch + restore_plan.to_finalize, key=lambda g: g.sample_seq)
     ]
+    return Restored(plan, store, groups, restore_plan, dropped, t0=t0)
+
+
+def announce(ctl, done: Restored) -> None:
+    """Say what the resume did: stderr, the metrics log and the trace (opened by now)."""
+    say = lambda text: print(f"rolloutdb: {text}", file=sys.stderr)  # noqa: E731
+    if done.store is None:
+        if done.plan.action == START_OVER:
+            say(f"--start-over: moved the run's store, checkpoints and config to {done.moved_to}; "
+                "starting the run over from step 0")
+        else:
+            say(f"no rollout snapshot yet and the live store held no work; starting the run over ({done.plan.why})")
+        ctl.metrics.write({"kind": "restore", "t": time.time(), "snapshot": None, "step": 0,
+                           "started_over": done.plan.action, "moved_to": str(done.moved_to) if done.moved_to else None})
+        return
+    plan = done.restore_plan
+    for reason in plan.passed_over:
+        say(f"passed over {reason}")
+    for anchor in done.dropped:
+        say(f"removed {anchor}: newer than the restored anchor, its step is trained again")
     ctl.metrics.write(
         {
             "kind": "restore",
@@ -75,14 +183,14 @@ def restore_run(ctl) -> tuple[Store, list[tuple[GroupHandle, list[int]]]]:
             "snapshot_seq": plan.sequence,
             "cut_time": plan.cut_time,
             "step": ctl.trainer.step,
-            "groups_restored": len(restored),
+            "groups_restored": len(done.groups),
             "passed_over": plan.passed_over,
-            "dropped_anchors": dropped,
+            "dropped_anchors": done.dropped,
             "counts": plan.counts,
-            "restore_s": time.time() - t0,
+            "restore_s": time.time() - done.t0,
         }
     )
-    RolloutTrace(ctl.tracer).abandoned(_abandoned_at_restore(store, t0), "restart")
+    RolloutTrace(ctl.tracer).abandoned(_abandoned_at_restore(done.store, done.t0), "restart")
     ctl.tracer.emit(
         "restore_done",
         step=ctl.trainer.step,
@@ -90,15 +198,11 @@ def restore_run(ctl) -> tuple[Store, list[tuple[GroupHandle, list[int]]]]:
         snapshot_seq=plan.sequence,
         anchor=plan.anchor,
         snapshot=str(plan.snapshot_dir),
-        groups_restored=len(restored),
+        groups_restored=len(done.groups),
         replay_restored=plan.counts.get("replay_groups", 0),
     )
-    print(
-        f"rolloutdb: resumed from {plan.anchor}/snapshot_{plan.sequence} at step {ctl.trainer.step}: "
-        f"{len(restored)} groups to redo first",
-        file=sys.stderr,
-    )
-    return store, restored
+    say(f"resumed from {plan.anchor}/snapshot_{plan.sequence} at step {ctl.trainer.step}: "
+        f"{len(done.groups)} groups to redo first")
 
 
 def _abandoned_at_restore(store: Store, since: float) -> list[tuple]:
@@ -115,19 +219,34 @@ def _abandoned_at_restore(store: Store, since: float) -> list[tuple]:
 def _drop_abandoned_future(checkpoint_dir: Path, step: int) -> list[str]:
     """Trainer checkpoints newer than the restored anchor belong to the branch the stop
     cut off: the rollout state that went with them is gone, and the resumed run will
-    publish those steps again. Remove them (trash rename, then delete) before it does."""
-    dropped = []
-    for entry in scan(checkpoint_dir).entries:
-        if entry.kind == KIND_TRAINER and entry.step is not None and entry.step > step:
-            remove_tree(entry.path, "cleanup")
-            dropped.append(entry.anchor)
-    return dropped
+    publish those steps again. Remove them (trash rename, then delete) before it does,
+    after recording the highest snapshot number, so none of theirs is handed out again."""
+    inv = scan(checkpoint_dir)
+    doomed = [e for e in inv.anchors if e.kind == KIND_TRAINER and e.step is not None and e.step > step]
+    if doomed:
+        record_high_water(checkpoint_dir, inv.max_sequence())
+    for entry in doomed:
+        remove_tree(entry.path, "cleanup")
+    return [e.anchor for e in doomed]
 
 
-def _start_over(ctl) -> tuple[Store, list]:
-    """No snapshot yet and no step trained: the run restarts in the same directory."""
-    for suffix in ("", "-wal", "-shm"):
-        Path(f"{ctl.dirs.store}{suffix}").unlink(missing_ok=True)
-    print("rolloutdb: no rollout snapshot yet; starting the run over", file=sys.stderr)
-    ctl.metrics.write({"kind": "restore", "t": time.time(), "snapshot": None, "step": 0})
-    return ctl.create_store(), []
+def _move_aside(dirs: RunDir) -> Path:
+    """`--start-over`: move the store (with its side files), the checkpoints and the
+    config into RUN_DIR/discarded/<UTC time>/; nothing is deleted. The new checkpoint
+    directory starts with the old high-water mark, so snapshot numbers keep growing."""
+    high = scan(dirs.checkpoints).max_sequence()
+    dest = dirs.discarded / time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    n = 1
+    while dest.exists():
+        n += 1
+        dest = dest.with_name(f"{dest.name.split('.')[0]}.{n}")
+    dest.mkdir(parents=True)
+    for path in (dirs.store, *(Path(f"{dirs.store}{s}") for s in SIDE_SUFFIXES), dirs.checkpoints, dirs.config):
+        if path.exists():
+            rename(path, dest / path.name)
+    fsync_dir(dest)
+    fsync_dir(dirs.root)
+    if high:
+        dirs.checkpoints.mkdir()
+        record_high_water(dirs.checkpoints, high)
+    return dest

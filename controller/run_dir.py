@@ -1,6 +1,8 @@
-"""The run directory: everything one run owns, in one place.
+"""The run directory: everything one run owns, in one place, and the lock that makes it
+one process's at a time.
 
     RUN_DIR/
+      run.lock                  held (flock) by the process training the run; holds its pid
       config.yaml               the resolved config (after overrides)
       rollout_state.sqlite      the live store (WAL)
       policy/                   the initial policy (tiny Llama + tokenizer) when built here
@@ -8,15 +10,25 @@
       logs/metrics.jsonl        one JSON object per event (train steps, rollout waves)
       logs/rollout_trace.sqlite trace events, when rollout_checkpointing.trace is on
       plots/                    reward_curve.png and the trace report's plots
+      discarded/<time>/         what `train --start-over` moved aside (store, checkpoints, config)
 """
 
 from __future__ import annotations
 
+import fcntl
+import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from rolloutdb.config import Config
 from rolloutdb.store.fsio import replace_file, temp_path_beside
+
+LOCK_NAME = "run.lock"
+
+
+class RunDirInUse(ValueError):
+    """Another process holds the run directory's lock."""
 
 
 @dataclass(frozen=True)
@@ -55,8 +67,23 @@ class RunDir:
     def plots(self) -> Path:
         return self.root / "plots"
 
+    @property
+    def lock_file(self) -> Path:
+        return self.root / LOCK_NAME
+
+    @property
+    def discarded(self) -> Path:
+        return self.root / "discarded"
+
     def has_run(self) -> bool:
         return self.store.exists()
+
+    def check_for(self, *, resume: bool) -> None:
+        """A resume needs a run here; a new run needs none (checked under the lock)."""
+        if resume and not self.has_run():
+            raise ValueError(f"{self.root} holds no run to resume; drop --resume to start one there")
+        if not resume and self.has_run():
+            raise ValueError(f"{self.root} already holds a run; pass --resume to continue it, or choose another --run-dir")
 
     def create(self) -> None:
         for d in (self.root, self.checkpoints, self.logs, self.plots):
@@ -66,3 +93,105 @@ class RunDir:
         tmp = temp_path_beside(self.config, "write")
         tmp.write_text(config.to_yaml(), encoding="utf-8")
         replace_file(tmp, self.config)
+
+    def lock(self, *, create: bool) -> RunLock:
+        """Take the run directory for this process (see `RunLock`). `create`: make the
+        directory if it does not exist (a new run); otherwise a missing directory is
+        refused without creating anything."""
+        if not self.root.is_dir():
+            if not create:
+                raise ValueError(f"{self.root} holds no run to resume; drop --resume to start one there")
+            self.root.mkdir(parents=True, exist_ok=True)
+        return RunLock.acquire(self.lock_file)
+
+
+class RunLock:
+    """An exclusive `flock` on RUN_DIR/run.lock, held for the life of the process.
+
+    The kernel drops a flock when the last descriptor of the open file goes, so a process
+    killed with SIGKILL never leaves a stale lock and nothing needs cleaning up after a
+    crash. The descriptor is close-on-exec, so a child process never inherits the lock.
+    The holder writes its pid into the file after locking, for the refusal message of
+    whoever comes next; the file itself is never removed while a run uses the
+    directory (a path removed and recreated would let two processes lock two files).
+    A refusal after the lock was taken (`undo`) puts the file back as it was, so a
+    refused command leaves the run directory byte for byte unchanged."""
+
+    PID_WAIT_S = 1.0  # a holder that has just locked may not have written its pid yet
+
+    def __init__(self, path: Path, fd: int, previous: bytes | None):
+        self.path = path
+        self._fd: int | None = fd
+        self._previous = previous  # the file's bytes before we took it; None: we created it
+
+    @classmethod
+    def acquire(cls, path: Path) -> RunLock:
+        for _ in range(3):
+            try:
+                fd, created = os.open(path, os.O_RDWR | os.O_CLOEXEC), False
+            except FileNotFoundError:
+                try:
+                    fd, created = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644), True
+                except FileExistsError:
+                    continue  # another process created it between our two opens
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = _read_pid(fd, cls.PID_WAIT_S)
+                os.close(fd)
+                who = f"pid {holder}" if holder else "pid unknown"
+                raise RunDirInUse(f"{path.parent}: another rolloutdb process ({who}) is using this run directory; "
+                                  "wait for it to finish or stop it, then resume") from None
+            # Locked, but maybe a file that an `undo` unlinked after we opened it: only the
+            # file at the path counts.
+            try:
+                same = os.stat(path).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                same = False
+            if not same:
+                os.close(fd)
+                continue
+            previous = None if created else _read_all(fd)
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+            return cls(path, fd, previous)
+        raise RunDirInUse(f"{path.parent}: could not take {path.name} (it keeps changing); is another process "
+                          "starting in this run directory?")
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+    def undo(self) -> None:
+        """Release after a refusal that wrote nothing else: the lock file is left as it
+        was before `acquire` (removed if `acquire` created it)."""
+        if self._fd is None:
+            return
+        try:
+            if self._previous is None:
+                self.path.unlink(missing_ok=True)
+            else:
+                os.ftruncate(self._fd, 0)
+                os.pwrite(self._fd, self._previous, 0)
+        finally:
+            self.release()
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # drops the flock
+            self._fd = None
+
+
+def _read_all(fd: int) -> bytes:
+    return os.pread(fd, 1 << 16, 0)
+
+
+def _read_pid(fd: int, wait_s: float) -> int | None:
+    deadline = time.monotonic() + wait_s
+    while True:
+        text = _read_all(fd).decode("ascii", "replace").strip()
+        if text.isdigit():
+            return int(text)
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(0.02)

@@ -29,12 +29,17 @@ def register(sub: argparse._SubParsersAction) -> None:
         metavar="latest|SNAPSHOT_DIR",
         help="continue the run in --run-dir from its newest usable rollout snapshot (or the one given)",
     )
+    p.add_argument(
+        "--start-over",
+        action="store_true",
+        help="train the run in --run-dir again from step 0: its store, checkpoints and config are moved "
+        "into RUN_DIR/discarded/<time>/ first (a --resume that finds nothing to restore says when)",
+    )
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted config overrides, e.g. algorithm.total_steps=5")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from rolloutdb.controller.controller import Controller
     from rolloutdb.controller.run_dir import RunDir
 
     if args.resume and "=" in args.resume and not Path(args.resume).is_dir():
@@ -46,13 +51,26 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as e:
         raise ValueError(str(e)) from None
     run_dir = args.run_dir or Path("runs") / config.run.name
-    resume = args.resume or config.checkpointing.resume
-    if resume and not RunDir(run_dir).has_run():
-        raise ValueError(f"{run_dir} holds no run to resume; drop --resume to start one there")
-    if not resume and RunDir(run_dir).has_run():
-        raise ValueError(f"{run_dir} already holds a run; pass --resume to continue it, or choose another --run-dir")
+    resume = args.resume or config.checkpointing.resume or ("latest" if args.start_over else None)
+    dirs = RunDir(run_dir)
+    # The lock first, so that two processes never both decide; then every check that can
+    # refuse, before the controller (and torch) is even imported. A refusal puts the
+    # lock file back as it was: a refused command changes nothing on disk.
+    lock = dirs.lock(create=not resume)
+    try:
+        dirs.check_for(resume=bool(resume))
+        plan = None
+        if resume:
+            from rolloutdb.controller.resume import plan_resume
+
+            plan = plan_resume(dirs, resume, start_over=args.start_over)
+    except BaseException:
+        lock.undo()
+        raise
+    from rolloutdb.controller.controller import Controller
+
     print(f"rolloutdb: {'resuming' if resume else 'training'} {config.run.name} in {run_dir}", file=sys.stderr)
-    summary = Controller(config, run_dir, resume=resume).run()
+    summary = Controller(config, run_dir, resume=resume, start_over=args.start_over, lock=lock, resume_plan=plan).run()
     if summary.plot is not None:
         print(f"reward curve: {summary.plot}", file=sys.stderr)
     print(summary.line)
