@@ -117,7 +117,7 @@ def plan_resume(dirs: RunDir, resume: str, *, start_over: bool = False) -> Resum
 def restore_run(ctl) -> Restored:
     """Carry out `ctl.resume_plan` for `ctl` (a Controller whose parts are built, with no
     store open). Sets `ctl.writing` once the run directory is about to change."""
-    cfg, dirs = ctl.config, ctl.dirs
+    dirs = ctl.dirs
     plan = ctl.resume_plan
     t0 = time.time()
     if plan.action == START_OVER:
@@ -133,7 +133,25 @@ def restore_run(ctl) -> Restored:
         ctl.trainer.load_checkpoint(selection.anchor.path)  # its files were checked against its manifest
         ctl.engine.load_weights(ctl.trainer.export_weights(), ctl.trainer.step)
 
-    restore_plan = select_and_restore(
+    try:
+        restore_plan = _restore(ctl, plan, load_weights)
+    except NoRestorableSnapshot as e:  # every pair failed at restore: still nothing written
+        raise ResumeError(f"{e}; or pass --start-over to move this run's state into {dirs.discarded}/ and train "
+                          "from step 0") from None
+    ctl.writing = True  # the live store was replaced
+    faults.point("resume.after_restore")
+    dropped = _drop_abandoned_future(dirs.checkpoints, ctl.trainer.step)
+    store = Store.open(dirs.store)
+    groups = [
+        (GroupHandle(g.group_id, g.reservation, g.target_step, g.num_generations, attempts={}), list(g.generations_to_run))
+        for g in sorted(restore_plan.redispatch + restore_plan.to_finalize, key=lambda g: g.sample_seq)
+    ]
+    return Restored(plan, store, groups, restore_plan, dropped, t0=t0)
+
+
+def _restore(ctl, plan: ResumePlan, load_weights):
+    cfg, dirs = ctl.config, ctl.dirs
+    return select_and_restore(
         dirs.checkpoints,
         dirs.store,
         resume=ctl.resume,
@@ -146,15 +164,6 @@ def restore_run(ctl) -> Restored:
         groups_per_step=cfg.algorithm.groups_per_step,
         ledger_dispatch=cfg.ledger_dispatch,
     )
-    ctl.writing = True  # the live store was replaced
-    faults.point("resume.after_restore")
-    dropped = _drop_abandoned_future(dirs.checkpoints, ctl.trainer.step)
-    store = Store.open(dirs.store)
-    groups = [
-        (GroupHandle(g.group_id, g.reservation, g.target_step, g.num_generations, attempts={}), list(g.generations_to_run))
-        for g in sorted(restore_plan.redispatch + restore_plan.to_finalize, key=lambda g: g.sample_seq)
-    ]
-    return Restored(plan, store, groups, restore_plan, dropped, t0=t0)
 
 
 def announce(ctl, done: Restored) -> None:
@@ -235,11 +244,11 @@ def _move_aside(dirs: RunDir) -> Path:
     config into RUN_DIR/discarded/<UTC time>/; nothing is deleted. The new checkpoint
     directory starts with the old high-water mark, so snapshot numbers keep growing."""
     high = scan(dirs.checkpoints).max_sequence()
-    dest = dirs.discarded / time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-    n = 1
-    while dest.exists():
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    dest, n = dirs.discarded / stamp, 1
+    while dest.exists():  # two start-overs in one second
         n += 1
-        dest = dest.with_name(f"{dest.name.split('.')[0]}.{n}")
+        dest = dirs.discarded / f"{stamp}-{n}"
     dest.mkdir(parents=True)
     for path in (dirs.store, *(Path(f"{dirs.store}{s}") for s in SIDE_SUFFIXES), dirs.checkpoints, dirs.config):
         if path.exists():
