@@ -16,6 +16,7 @@ from pathlib import Path
 
 from rolloutdb.config import Config
 from rolloutdb.controller import components
+from rolloutdb.controller import resume as resuming
 from rolloutdb.controller.dispatch import GroupHandle, LedgerDispatch, NoLedgerDispatch
 from rolloutdb.controller.parts import Progress, RolloutParts, RuntimeState
 from rolloutdb.controller.rollout_pump import RolloutPump
@@ -67,9 +68,7 @@ class Controller:
         cfg = self.config
         done = None
         if self.resume:
-            from rolloutdb.controller import resume
-
-            self.resume_plan = self.resume_plan or resume.plan_resume(self.dirs, self.resume, start_over=self.start_over)
+            self.resume_plan = self.resume_plan or resuming.plan_resume(self.dirs, self.resume, start_over=self.start_over)
         else:
             self.writing = True
             self.dirs.create()
@@ -81,7 +80,7 @@ class Controller:
         self.engine = components.build_engine(cfg, policy_dir)
         self.publisher = components.build_publisher(cfg, self.dirs.checkpoints)
         if self.resume:
-            done = resume.restore_run(self)
+            done = resuming.restore_run(self)
         self.writing = True
         self.dirs.create()
         if done is not None and done.moved_to is not None:
@@ -91,9 +90,9 @@ class Controller:
         if done is not None and done.store is not None:
             self.store, self.restored = done.store, done.groups
         else:
-            self.store = self.create_store(run_id=done.plan.run_id if done is not None else None)
+            self.store = self.create_store()
         if done is not None:
-            resume.announce(self, done)
+            resuming.announce(self, done)
         self.checkpoints = components.TrainerCheckpoints(cfg, self.trainer, self.publisher, self.runtime.save_lock)
         self.checkpoints.publish_bootstrap()
         self.bar = ProgressBar(cfg.algorithm.total_steps, enabled=cfg.logging.progress, start_step=self.trainer.step)
@@ -124,11 +123,10 @@ class Controller:
                 config_text=cfg.to_yaml(),
             )
 
-    def create_store(self, run_id: str | None = None) -> Store:
+    def create_store(self) -> Store:
         cfg = self.config
         return Store.create(
             self.dirs.store,
-            run_id=run_id,
             config_fingerprint=cfg.fingerprint(),
             dataset_fingerprint=self.dataset.fingerprint(),
             ledger_dispatch=cfg.ledger_dispatch,

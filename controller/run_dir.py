@@ -15,8 +15,10 @@ one process's at a time.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
+import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -126,14 +128,26 @@ class RunLock:
 
     @classmethod
     def acquire(cls, path: Path) -> RunLock:
+        try:
+            return cls._acquire(path)
+        except OSError as e:  # a directory, a special file or no permission under the name
+            raise ValueError(f"{path}: cannot take the run lock ({e.strerror or e}); "
+                             f"{path.name} must be a regular file this user can write") from None
+
+    @classmethod
+    def _acquire(cls, path: Path) -> RunLock:
+        flags = os.O_RDWR | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOFOLLOW  # never hang on a FIFO, never follow a link
         for _ in range(3):
             try:
-                fd, created = os.open(path, os.O_RDWR | os.O_CLOEXEC), False
+                fd, created = os.open(path, flags), False
             except FileNotFoundError:
                 try:
-                    fd, created = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644), True
+                    fd, created = os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o644), True
                 except FileExistsError:
                     continue  # another process created it between our two opens
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                os.close(fd)
+                raise OSError(errno.EINVAL, "not a regular file")
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:

@@ -4,11 +4,14 @@ reading its files, not through the code under test."""
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 
+import pytest
+
 from train_cli import (
-    GROUPS, STEPS, assert_one_error_line, metrics, start, train, trace_pids, trained_groups, verify, wait_for,
+    GROUPS, STEPS, assert_one_error_line, digest, metrics, start, train, trace_pids, trained_groups, verify, wait_for,
 )
 
 # Long enough that a second process reaches the lock while the first still trains.
@@ -75,3 +78,20 @@ def test_after_kill_9_of_the_holder_a_resume_takes_the_run_over_at_once(tmp_path
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from step_" in resumed.stderr
     _assert_healthy(run_dir, STEPS)
+
+
+@pytest.mark.parametrize("kind", ["directory", "fifo", "symlink"])
+def test_a_run_lock_name_taken_by_something_else_than_a_file_is_refused_in_one_line(tmp_path, kind):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    lock = run_dir / "run.lock"
+    if kind == "directory":
+        lock.mkdir()
+    elif kind == "fifo":
+        os.mkfifo(lock)
+    else:
+        lock.symlink_to(tmp_path / "elsewhere")
+    before = digest(tmp_path)
+    result = train(run_dir, timeout=60)  # a FIFO opened for reading would hang
+    assert_one_error_line(result, "run.lock")
+    assert digest(tmp_path) == before

@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import stat
 import sqlite3
 import subprocess
 import sys
@@ -67,9 +68,13 @@ def digest(root: Path) -> dict[str, str]:
     for dirpath, dirnames, filenames in os.walk(root):
         rel = Path(dirpath).relative_to(root).as_posix()
         out[rel + "/"] = "dir"
-        for name in filenames:
+        for name in filenames + [d for d in dirnames if os.path.islink(os.path.join(dirpath, d))]:
             p = Path(dirpath) / name
-            out[(Path(rel) / name).as_posix()] = hashlib.sha256(p.read_bytes()).hexdigest()
+            mode = os.lstat(p).st_mode
+            if stat.S_ISREG(mode):
+                out[(Path(rel) / name).as_posix()] = hashlib.sha256(p.read_bytes()).hexdigest()
+            else:  # never opened: a FIFO would block
+                out[(Path(rel) / name).as_posix()] = f"mode {stat.S_IFMT(mode):o} -> {os.readlink(p) if p.is_symlink() else ''}"
     return out
 
 
