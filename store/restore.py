@@ -62,7 +62,7 @@ from sqlalchemy import Connection, delete, func, literal_column, select, update
 
 from . import ledger, pools
 from .db import Database
-from .errors import ReplayFullError, SchemaTooNewError, StoreError
+from .errors import NotAStoreError, ReplayFullError, SchemaTooNewError, StoreError
 from .fsio import replace_file, temp_path_beside
 from .invariants import check_invariants
 from .layout import ENV_EXPORT, SNAPSHOT_DB, anchor_step
@@ -71,7 +71,8 @@ from .manifest import (
     KIND_SNAPSHOT, Manifest, ManifestError, describe_files_names, hash_file, member_path, read_manifest,
 )
 from .restore_io import SourceIntegrityCheck, copy_hashing
-from .revision import classify_revision, file_revision, head_revision, run_migrations
+from .identity import check_schema
+from .revision import classify_revision, file_revision, head_revision, known_revisions, run_migrations
 from .schema import T
 from .store import Store
 
@@ -264,9 +265,13 @@ def _bring_to_head(copy: Path, source: Path, manifest: Manifest,
     check."""
     try:
         with contextlib.closing(_connect(copy)) as conn:
-            revision = file_revision(conn)
+            revision = file_revision(conn, source)  # exactly one row: refuses none, two, NULL
+            if revision in known_revisions():
+                check_schema(conn, source, revision)  # the schema is that revision's
     except sqlite3.DatabaseError as e:
         raise SnapshotDamaged(f"{source}: unreadable SQLite file ({e}); restore another snapshot", source) from None
+    except NotAStoreError as e:
+        raise SnapshotDamaged(str(e), source) from None
     if revision is None:
         raise SnapshotDamaged(f"{source}: not a rolloutdb store (no alembic_version); restore another snapshot", source)
     if manifest.schema_revision not in (None, revision):
