@@ -14,6 +14,12 @@ We *test* those locks (``F_OFD_GETLK``, or ``F_GETLK`` where there are no open-f
 description locks), which reports a conflicting lock and its owner's pid without taking
 anything. Files are opened read-only; no byte or mtime changes. An OFD test also sees
 connections of the calling process; ``F_GETLK`` only those of other processes.
+
+A connection that holds no lock (idle in rollback-journal mode, or opened and never
+read) still has the file open: replaced under it, its next commit goes to the unlinked
+old file. Where ``/proc`` exists (Linux) we also look for other processes with a
+descriptor on the same inode (measured: 3 ms with 85 processes; it grows with the
+number of open descriptors); processes of other users whose descriptors we may not read stay unseen.
 """
 
 from __future__ import annotations
@@ -46,6 +52,32 @@ def _lock_holder(path: Path, start: int, length: int) -> int | None:
     return None if kind == fcntl.F_UNLCK else pid
 
 
+def _descriptor_holder(path: Path) -> int | None:
+    """Another process with a descriptor on `path`'s inode, from /proc (None if none
+    can be seen, or there is no /proc)."""
+    try:
+        st = os.stat(path)
+        pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
+    except OSError:
+        return None
+    me = os.getpid()
+    for pid in pids:
+        if pid == me:
+            continue
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:  # gone, or another user's
+            continue
+        for fd in fds:
+            try:
+                other = os.stat(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if other.st_ino == st.st_ino and other.st_dev == st.st_dev:
+                return pid
+    return None
+
+
 def open_elsewhere(path: str | Path) -> int | None:
     """The pid of a process that has SQLite file `path` open (-1 when its pid cannot be
     known), or None when none can be seen (see the module docstring for what cannot)."""
@@ -54,7 +86,7 @@ def open_elsewhere(path: str | Path) -> int | None:
         pid = _lock_holder(file, start, length)
         if pid is not None:
             return pid
-    return None
+    return _descriptor_holder(path)
 
 
 def describe_holder(pid: int) -> str:

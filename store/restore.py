@@ -72,7 +72,9 @@ from .manifest import (
 )
 from .restore_io import SourceIntegrityCheck, copy_hashing
 from .identity import check_schema
-from .revision import classify_revision, file_revision, head_revision, known_revisions, run_migrations
+from .revision import (
+    classify_revision, file_revision, head_revision, known_revisions, refuse_if_open, run_migrations,
+)
 from .schema import T
 from .store import Store
 
@@ -557,6 +559,7 @@ def restore_snapshot(
                            f"load the weights of {manifest.anchor} before restoring its snapshot")
     if not live.parent.is_dir():
         raise RestoreError(f"{live.parent}: no such directory; pass the run directory's store path")
+    refuse_if_open(live, doing="resume")  # replaced under another process, its commits would be lost
     copy = temp_path_beside(live, "restore")
     _remove_with_side_files(copy)  # our own pid's leftover of an earlier failed restore
     counts: dict[str, int] = {}
