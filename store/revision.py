@@ -18,6 +18,7 @@ from alembic.script import ScriptDirectory
 from sqlalchemy import URL, create_engine, event
 from sqlalchemy.pool import NullPool
 
+from . import faults
 from .errors import NotAStoreError, SchemaTooNewError, SchemaTooOldError, StoreBusyError
 from .fsio import TEMP_SUFFIX, replace_file, temp_path_beside
 
@@ -313,7 +314,9 @@ def upgrade_file(path: str | Path, out: str | Path | None = None) -> tuple[str, 
                     src.backup(dst)
         except sqlite3.OperationalError as e:
             raise NotAStoreError(f"{path}: cannot read it for the upgrade ({e}); stop the run, then upgrade") from e
+        faults.point("upgrade.copied")
         _finish_copy(tmp, path, old, journal_mode)
+        faults.point("upgrade.migrated")
         shutil.copymode(target, tmp)
         replace_file(tmp, target)
     finally:

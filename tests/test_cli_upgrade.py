@@ -400,6 +400,23 @@ def test_leftovers_of_a_killed_upgrade_are_removed_by_the_next_upgrade_of_that_f
     assert listing(path.parent) == sorted([path.name, other.name])
 
 
+@pytest.mark.parametrize("point", ["upgrade.copied", "upgrade.migrated"])
+def test_an_upgrade_killed_midway_leaves_the_file_as_it_was_and_the_next_upgrade_cleans_up(tmp_path, point):
+    import os
+
+    path = copy_fixture(OLDEST, tmp_path / "run")
+    before = sha256(path)
+    killed = subprocess.run([sys.executable, "-m", "rolloutdb", "upgrade", str(path)], capture_output=True, text=True,
+                            timeout=120, env={**os.environ, "ROLLOUTDB_FAULT": point})
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    assert sha256(path) == before
+    assert any(name.startswith(f".{path.name}.upgrade.") for name in listing(path.parent))  # what it left
+    result = rolloutdb("upgrade", str(path))
+    assert result.returncode == 0, result.stderr
+    assert listing(path.parent) == [path.name]
+    assert revision_of(path) == HEAD
+
+
 def test_a_refused_upgrade_leaves_the_leftovers_of_a_killed_one_alone(tmp_path):
     path = copy_fixture(OLDEST, tmp_path / "run")
     _make_newer_revision(tmp_path / "run")
