@@ -35,9 +35,9 @@ from pathlib import Path
 from urllib.parse import quote
 
 from .errors import NotAStoreError, ReadOnlyViolation
+from .manifest import MANIFEST_NAME
 from .revision import check_sqlite_file
 
-MANIFEST_NAME = "manifest.json"
 WAL_HEADER = 32
 COPY_ATTEMPTS = 20
 

@@ -328,11 +328,12 @@ def upgrade_file(path: str | Path, out: str | Path | None = None) -> tuple[str, 
 
 def _upgrade_to(path: Path, out: Path) -> tuple[str, str]:
     """`upgrade_file(path, out)`: `path` is only read (`open_readonly`)."""
+    from .manifest import MANIFEST_NAME
     if out.exists() or out.is_symlink():
         raise NotAStoreError(f"{out}: already exists; pass --out a new file name")
     if not out.parent.is_dir():
         raise NotAStoreError(f"{out.parent}: no such directory; pass --out a file in an existing directory")
-    if (out.parent / "manifest.json").exists():
+    if (out.parent / MANIFEST_NAME).exists():
         raise NotAStoreError(f"{out}: inside a snapshot directory (a manifest.json is there), which is never changed; "
                              "pass --out a file elsewhere")
     conn, old, _status = _checked_open(path)
