@@ -16,8 +16,9 @@ abandoned with reason 'restart': DuckDB's scanner pushes no filter or join down 
 SQLite, so we send that semi-join to SQLite (`sqlite_query`, answered from the
 (prompt_id, generation_index, attempt) index) and copy only its answer.
 
-A trace file of an older revision is upgraded in a copy in the working directory; the
-file itself is never changed. `open_sqlite_analysis` builds the same base tables as
+A trace file of an older revision is upgraded in a copy in the working directory, and
+one with a ``-wal`` beside it (a live or killed run's) is read through a private copy
+(`standalone`); the file, its -wal and its -shm are never changed. `open_sqlite_analysis` builds the same base tables as
 views in plain SQLite, which runs the same statements (tests compare the two; the
 benchmark times them).
 """
@@ -36,6 +37,7 @@ from pathlib import Path
 from urllib.parse import quote
 
 from . import trace_queries
+from .readonly import _PrivateCopyConnection, private_copy
 from .revision import file_revision
 from .trace import TraceError, run_trace_migrations, trace_alembic_config, trace_head_revision
 
@@ -195,7 +197,9 @@ class TraceAnalysis:
             for job, paths, prefix in (("run", runs, "r"), ("baseline", baseline, "b")):
                 for i, path in enumerate(paths):
                     alias = f"{prefix}{i}"
-                    self._attach(at_head(path, self._work_dir / "upgraded" / f"{alias}.sqlite"), alias, path)
+                    readable = standalone(path, self._work_dir / "live", alias)
+                    self._attach(at_head(readable, self._work_dir / "upgraded" / f"{alias}.sqlite", shown=path),
+                                 alias, path)
                     aliases[job].append(alias)
             # One scan of each table the figures read into DuckDB's columnar memory, only
             # its columns: the figures read some tables several times each, and every read
@@ -255,16 +259,38 @@ def open_sqlite_analysis(runs: Sequence[str | Path], baseline: Sequence[str | Pa
     """The same views in plain SQLite (files attached read-only): runs every statement of
     `trace_queries` unchanged. For comparisons and benchmarks; `rolloutdb trace` uses DuckDB."""
     runs, baseline = _dedupe(runs), _dedupe(baseline)
-    conn = sqlite3.connect("file::memory:", uri=True, isolation_level=None)
-    aliases: dict[str, list[str]] = {"run": [], "baseline": []}
-    for job, paths, prefix in (("run", runs, "r"), ("baseline", baseline, "b")):
-        for i, path in enumerate(paths):
-            path = at_head(path, None)
-            conn.execute(f"ATTACH '{_sql_string(_readonly_uri(path))}' AS {prefix}{i}")
-            aliases[job].append(f"{prefix}{i}")
-    for statement in base_view_statements(aliases) + derived_view_statements():
-        conn.execute(statement)
+    conn = sqlite3.connect("file::memory:", uri=True, isolation_level=None, factory=_PrivateCopyConnection)
+    conn.tmpdir = tempfile.mkdtemp(prefix="rolloutdb-analysis-")  # removed when conn closes
+    try:
+        aliases: dict[str, list[str]] = {"run": [], "baseline": []}
+        for job, paths, prefix in (("run", runs, "r"), ("baseline", baseline, "b")):
+            for i, path in enumerate(paths):
+                readable = at_head(standalone(path, Path(conn.tmpdir), f"{prefix}{i}"), None, shown=path)
+                conn.execute(f"ATTACH '{_sql_string(_readonly_uri(readable))}' AS {prefix}{i}")
+                aliases[job].append(f"{prefix}{i}")
+        for statement in base_view_statements(aliases) + derived_view_statements():
+            conn.execute(statement)
+    except BaseException:
+        conn.close()
+        raise
     return conn
+
+
+def standalone(path: str | Path, work_dir: Path, name: str) -> Path:
+    """`path` itself when no WAL is beside it; else a private copy of the file and its
+    WAL (`readonly.private_copy`), folded into one file in `work_dir`. A trace that a run
+    still writes, or that a killed run left, is never opened in place: a read-only
+    SQLite connection (ours or DuckDB's scanner) writes into its -shm. The copy costs one
+    read of the file, as for `rolloutdb inspect` of a live store."""
+    path = Path(path)
+    if not Path(f"{path}-wal").exists():
+        return path
+    work_dir.mkdir(parents=True, exist_ok=True)
+    copy = private_copy(path, work_dir, f"{name}.sqlite")
+    with contextlib.closing(sqlite3.connect(copy, isolation_level=None)) as conn:
+        conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        conn.execute("PRAGMA journal_mode = DELETE")
+    return copy
 
 
 def _readonly_uri(path: Path) -> str:
@@ -275,13 +301,19 @@ def _readonly_uri(path: Path) -> str:
     return uri
 
 
-def at_head(path: str | Path, upgraded: Path | None) -> Path:
+def at_head(path: str | Path, upgraded: Path | None, *, shown: str | Path | None = None) -> Path:
     """`path` if its trace revision is head; else a copy at `upgraded`, brought to head by
     the trace migrations (the file itself is left as it is). A file that is no trace,
-    or from a newer rolloutdb, is refused."""
+    or from a newer rolloutdb, is refused, naming `shown` (the user's path, when `path`
+    is a private copy of it)."""
     from alembic.script import ScriptDirectory
 
     path = Path(path)
+    if shown is not None and Path(shown) != path:
+        try:
+            return at_head(path, upgraded)
+        except TraceError as e:
+            raise TraceError(str(e).replace(str(path), str(shown))) from e
     try:
         with contextlib.closing(sqlite3.connect(_readonly_uri(path), uri=True)) as conn:
             revision = file_revision(conn)

@@ -62,7 +62,10 @@ CONTROLLER_POINTS: tuple[str, ...] = (
     "resume.after_restore",
 )
 
-ALL_POINTS = POINTS + CONTROLLER_POINTS
+# Kill points of `rolloutdb upgrade` (store.revision.upgrade_file), between its steps.
+UPGRADE_POINTS: tuple[str, ...] = ("upgrade.copied", "upgrade.migrated")
+
+ALL_POINTS = POINTS + CONTROLLER_POINTS + UPGRADE_POINTS
 
 IO_OPS = ("write", "fsync", "rename")
 

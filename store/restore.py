@@ -63,7 +63,7 @@ from sqlalchemy import Connection, delete, func, literal_column, select, update
 
 from . import ledger, pools
 from .db import Database
-from .errors import ReplayFullError, SchemaTooNewError, StoreError
+from .errors import NotAStoreError, ReplayFullError, SchemaTooNewError, StoreError
 from .fsio import replace_file, temp_path_beside
 from .invariants import check_invariants
 from .layout import ENV_EXPORT, SNAPSHOT_DB, anchor_step
@@ -72,7 +72,10 @@ from .manifest import (
     KIND_SNAPSHOT, Manifest, ManifestError, describe_files_names, hash_file, member_path, read_manifest,
 )
 from .restore_io import SourceIntegrityCheck, copy_hashing
-from .revision import classify_revision, file_revision, head_revision, run_migrations
+from .identity import check_schema
+from .revision import (
+    classify_revision, file_revision, head_revision, known_revisions, refuse_if_open, run_migrations,
+)
 from .schema import T
 from .store import Store
 
@@ -265,9 +268,13 @@ def _bring_to_head(copy: Path, source: Path, manifest: Manifest,
     check."""
     try:
         with contextlib.closing(_connect(copy)) as conn:
-            revision = file_revision(conn)
+            revision = file_revision(conn, source)  # exactly one row: refuses none, two, NULL
+            if revision in known_revisions():
+                check_schema(conn, source, revision)  # the schema is that revision's
     except sqlite3.DatabaseError as e:
         raise SnapshotDamaged(f"{source}: unreadable SQLite file ({e}); restore another snapshot", source) from None
+    except NotAStoreError as e:
+        raise SnapshotDamaged(str(e), source) from None
     if revision is None:
         raise SnapshotDamaged(f"{source}: not a rolloutdb store (no alembic_version); restore another snapshot", source)
     if manifest.schema_revision not in (None, revision):
@@ -560,6 +567,7 @@ def restore_snapshot(
                            f"load the weights of {manifest.anchor} before restoring its snapshot")
     if not live.parent.is_dir():
         raise RestoreError(f"{live.parent}: no such directory; pass the run directory's store path")
+    refuse_if_open(live, doing="resume")  # replaced under another process, its commits would be lost
     copy = temp_path_beside(live, "restore")
     _remove_with_side_files(copy)  # our own pid's leftover of an earlier failed restore
     counts: dict[str, int] = {}

@@ -20,8 +20,9 @@ from .layout import (
 from .manifest import (
     KIND_SNAPSHOT, KIND_TRAINER, MANIFEST_NAME, Manifest, ManifestError, read_manifest, verify_files,
 )
-from .readonly import open_readonly
-from .revision import classify_revision, file_revision, head_revision
+from .identity import identify
+from .readonly import listing_manifest, open_readonly
+from .revision import file_revision, head_revision
 
 INTEGRITY_LINES = 3
 
@@ -86,7 +87,7 @@ def verify_store_file(path: str | Path, *, manifest: Manifest | None = None, bes
 def _revision_of(conn: sqlite3.Connection) -> str | None:
     try:
         return file_revision(conn)
-    except sqlite3.DatabaseError:
+    except (sqlite3.DatabaseError, NotAStoreError):  # already a problem of _check_open_file
         return None
 
 
@@ -102,13 +103,17 @@ def _check_open_file(path: Path, conn: sqlite3.Connection, report: Report) -> No
                                "restore it from another snapshot")
         return
     try:
-        revision = file_revision(conn)
-        if classify_revision(path, revision) == "old":
-            report.notes.append(f"{path}: schema revision {revision} is older than head {head_revision()}; "
-                                f"`rolloutdb upgrade {path}` migrates it (restore upgrades a copy)")
+        revision, status = identify(conn, path)  # one alembic_version row, known, its schema
     except (NotAStoreError, SchemaTooNewError) as e:
         report.problems.append(str(e))
         return
+    if status == "old":
+        if listing_manifest(path) is not None:  # a published file is never changed in place
+            how = (f"it is a published snapshot file, so upgrade a copy: `rolloutdb upgrade {path} --out COPY.sqlite` "
+                   "(restore upgrades a copy itself)")
+        else:
+            how = f"`rolloutdb upgrade {path}` migrates it (restore upgrades a copy)"
+        report.notes.append(f"{path}: schema revision {revision} is older than head {head_revision()}; {how}")
     try:
         inv = check_invariants(conn)
     except sqlite3.DatabaseError as e:

@@ -244,7 +244,7 @@ def test_verify_refuses_a_bad_file_with_one_error_line_and_leaves_it_unchanged(c
     lines = r.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr
     assert {"missing": "no such file", "not sqlite": "not a SQLite database", "truncated": "truncated",
-            "bit-flipped": "integrity_check failed", "newer revision": "newer than this rolloutdb"}[kind] in lines[0]
+            "bit-flipped": "integrity_check failed", "newer revision": "unknown schema revision v9_9_z"}[kind] in lines[0]
     assert tree_state(tmp_path) == before  # no bytes changed, no -wal/-shm created
 
 

@@ -57,7 +57,7 @@ def test_help_describes_the_command_and_names_head():
     assert result.returncode == 0
     assert "usage: rolloutdb upgrade" in result.stdout
     assert f"head: {HEAD}" in result.stdout
-    assert "newer than this rolloutdb" in result.stdout
+    assert "exactly one known revision" in result.stdout and "--out COPY" in result.stdout
 
 
 @pytest.mark.parametrize("revision", [r for r in known_revisions() if r != HEAD])
@@ -225,7 +225,7 @@ BAD_INPUTS = {
     "empty file": (_make_empty, "not a SQLite database"),
     "truncated": (_make_truncated, "truncated"),
     "bit-flipped page": (_make_bit_flipped, "damaged"),
-    "newer revision": (_make_newer_revision, "newer than this rolloutdb knows"),
+    "unknown revision": (_make_newer_revision, "unknown schema revision v9_9_z (known: "),
     "SQLite but not a store": (_make_plain_sqlite, "not a rolloutdb store"),
 }
 
@@ -251,9 +251,184 @@ def test_bad_input_gets_one_error_line_a_nonzero_exit_and_no_change_on_disk(tmp_
     assert after == before  # same bytes, and no -wal, -shm or temporary file left
 
 
-def test_a_newer_revision_is_refused_with_advice_to_upgrade_rolloutdb(tmp_path):
+def test_an_unknown_revision_is_refused_with_advice_to_upgrade_rolloutdb_if_a_newer_one_wrote_it(tmp_path):
     path = _make_newer_revision(tmp_path)
     result = rolloutdb("upgrade", str(path))
     assert result.returncode != 0
     assert "v9_9_z" in result.stderr and "upgrade rolloutdb" in result.stderr
     assert revision_of(path) == "v9_9_z"
+
+
+# ----------------------------------------------------------------------------- files in use
+
+
+def three_files(path: Path) -> dict[str, tuple[str, int] | None]:
+    """sha256 and mtime of the file, its -wal and its -shm (None where absent)."""
+    out = {}
+    for suffix in ("", "-wal", "-shm"):
+        p = Path(f"{path}{suffix}")
+        out[suffix or "main"] = (sha256(p), p.stat().st_mtime_ns) if p.exists() else None
+    return out
+
+
+# A process that opens the file, runs its statements and then holds the connection (and
+# any transaction they left open) until its stdin closes.
+HOLDER = textwrap.dedent("""
+    import sqlite3, sys
+    conn = sqlite3.connect(sys.argv[1], isolation_level=None)
+    conn.execute(f"PRAGMA journal_mode = {sys.argv[2]}")
+    conn.execute("PRAGMA wal_autocheckpoint = 0")
+    for sql in sys.argv[3:]:
+        conn.execute(sql)
+    print("ready", flush=True)
+    sys.stdin.read()
+""")
+
+HOLDS = {
+    "an idle WAL connection": ("WAL", ["INSERT INTO step_shortfall (step, needed) VALUES (99, 7)"]),
+    "an open WAL write transaction": ("WAL", ["INSERT INTO step_shortfall (step, needed) VALUES (99, 7)",
+                                              "BEGIN IMMEDIATE",
+                                              "INSERT INTO step_shortfall (step, needed) VALUES (98, 1)"]),
+    "an open WAL read transaction": ("WAL", ["BEGIN", "SELECT count(*) FROM samples"]),
+    "an open rollback-journal write transaction": ("DELETE", ["BEGIN IMMEDIATE",
+                                                              "INSERT INTO step_shortfall (step, needed) VALUES (98, 1)"]),
+}
+
+
+@pytest.mark.parametrize("hold", list(HOLDS))
+def test_a_file_another_process_holds_open_is_refused_naming_its_pid_and_no_byte_changes(tmp_path, hold):
+    path = copy_fixture(OLDEST, tmp_path / "run")
+    mode, statements = HOLDS[hold]
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(path), mode, *statements],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "ready", holder.poll()
+        before, names = three_files(path), listing(path.parent)
+        result = rolloutdb("upgrade", str(path))
+        assert result.returncode == 2
+        lines = result.stderr.splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+        assert "open in another process" in lines[0] and f"pid {holder.pid}" in lines[0], lines[0]
+        assert three_files(path) == before
+        assert listing(path.parent) == names
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=60)
+    # The holder's own commits were not lost under it.
+    with contextlib.closing(sqlite3.connect(path)) as conn:
+        assert conn.execute("SELECT version_num FROM alembic_version").fetchone() == (OLDEST,)
+        if "WAL" in hold and "read" not in hold:
+            assert conn.execute("SELECT needed FROM step_shortfall WHERE step = 99").fetchone() == (7,)
+
+
+# ----------------------------------------------------------------------------- published snapshots
+
+
+def published_snapshot(directory: Path, revision: str = OLDEST) -> Path:
+    from rolloutdb.store.manifest import KIND_SNAPSHOT, Manifest, describe_files
+
+    directory.mkdir(parents=True)
+    db = directory / "rollout_state.sqlite"
+    shutil.copyfile(FIXTURES / f"store_{revision}.sqlite", db)
+    manifest = Manifest(kind=KIND_SNAPSHOT, anchor="bootstrap", sequence=1, files=describe_files(directory),
+                        schema_revision=revision, cut_time=1.0)
+    (directory / "manifest.json").write_bytes(manifest.to_json())
+    return db
+
+
+def tree(directory: Path) -> dict[str, tuple[str, int]]:
+    return {p.relative_to(directory).as_posix(): (sha256(p), p.stat().st_mtime_ns)
+            for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def test_a_file_inside_a_published_snapshot_is_refused_and_the_way_to_upgrade_a_copy_is_named(tmp_path):
+    db = published_snapshot(tmp_path / "snapshot_1")
+    before = tree(tmp_path)
+    result = rolloutdb("upgrade", str(db))
+    assert result.returncode == 2
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    assert "published snapshot" in lines[0] and "--out" in lines[0], lines[0]
+    assert tree(tmp_path) == before
+    assert rolloutdb("verify", str(db.parent)).returncode == 0
+
+
+def test_verify_advises_upgrading_a_copy_of_an_old_published_snapshot_and_following_it_works(tmp_path):
+    db = published_snapshot(tmp_path / "snapshot_1")
+    result = rolloutdb("verify", str(db))
+    assert result.returncode == 0, result.stderr
+    advice = [line for line in result.stdout.splitlines() if "older than head" in line]
+    assert len(advice) == 1 and "--out" in advice[0] and "restore upgrades a copy" in advice[0], result.stdout
+    before = tree(db.parent)
+    copy = tmp_path / "copy.sqlite"
+    result = rolloutdb("upgrade", str(db), "--out", str(copy))
+    assert result.returncode == 0, result.stderr
+    assert str(copy) in result.stdout
+    assert tree(db.parent) == before  # the published bytes never change
+    assert revision_of(copy) == HEAD and revision_of(db) == OLDEST
+    assert rolloutdb("verify", str(db.parent)).returncode == 0
+    assert rolloutdb("verify", str(copy)).returncode == 0
+
+
+def test_upgrade_out_refuses_an_existing_target_and_a_target_inside_a_snapshot(tmp_path):
+    db = published_snapshot(tmp_path / "snapshot_1")
+    existing = tmp_path / "there.sqlite"
+    existing.write_bytes(b"keep me")
+    before = tree(tmp_path)
+    for out, words in ((existing, "already exists"), (db.parent / "up.sqlite", "inside a snapshot directory"),
+                       (db, "already exists")):
+        result = rolloutdb("upgrade", str(db), "--out", str(out))
+        assert result.returncode == 2
+        assert len(result.stderr.splitlines()) == 1 and words in result.stderr, result.stderr
+    assert tree(tmp_path) == before
+
+
+# ----------------------------------------------------------------------------- leftovers, free pages
+
+
+def test_leftovers_of_a_killed_upgrade_are_removed_by_the_next_upgrade_of_that_file(tmp_path):
+    path = copy_fixture(OLDEST, tmp_path / "run")
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    leftovers = [path.with_name(f".{path.name}.upgrade.{dead.pid}.tmp{s}") for s in ("", "-journal")]
+    for p in leftovers:
+        p.write_bytes(b"half a copy")
+    other = path.with_name(f".other.sqlite.upgrade.{dead.pid}.tmp")  # another file's: not ours to remove
+    other.write_bytes(b"x")
+    result = rolloutdb("upgrade", str(path))
+    assert result.returncode == 0, result.stderr
+    assert listing(path.parent) == sorted([path.name, other.name])
+
+
+@pytest.mark.parametrize("point", ["upgrade.copied", "upgrade.migrated"])
+def test_an_upgrade_killed_midway_leaves_the_file_as_it_was_and_the_next_upgrade_cleans_up(tmp_path, point):
+    import os
+
+    path = copy_fixture(OLDEST, tmp_path / "run")
+    before = sha256(path)
+    killed = subprocess.run([sys.executable, "-m", "rolloutdb", "upgrade", str(path)], capture_output=True, text=True,
+                            timeout=120, env={**os.environ, "ROLLOUTDB_FAULT": point})
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    assert sha256(path) == before
+    assert any(name.startswith(f".{path.name}.upgrade.") for name in listing(path.parent))  # what it left
+    result = rolloutdb("upgrade", str(path))
+    assert result.returncode == 0, result.stderr
+    assert listing(path.parent) == [path.name]
+    assert revision_of(path) == HEAD
+
+
+def test_a_refused_upgrade_leaves_the_leftovers_of_a_killed_one_alone(tmp_path):
+    path = copy_fixture(OLDEST, tmp_path / "run")
+    _make_newer_revision(tmp_path / "run")
+    leftover = path.with_name(f".{path.name}.upgrade.999999999.tmp")
+    leftover.write_bytes(b"half a copy")
+    assert rolloutdb("upgrade", str(path)).returncode == 2
+    assert leftover.exists()
+
+
+def test_an_upgraded_file_has_no_free_pages(tmp_path):
+    path = copy_fixture(OLDEST, tmp_path / "run")
+    assert rolloutdb("upgrade", str(path)).returncode == 0
+    with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as conn:
+        assert conn.execute("PRAGMA freelist_count").fetchone()[0] == 0
+        assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"

@@ -22,8 +22,9 @@ from pathlib import Path
 from typing import Any
 
 from rolloutdb.store.errors import NotAStoreError
-from rolloutdb.store.readonly import open_readonly, quick_check, run_readonly_query
-from rolloutdb.store.revision import classify_revision, file_revision, head_revision
+from rolloutdb.store.identity import identify
+from rolloutdb.store.readonly import listing_manifest, open_readonly, quick_check, run_readonly_query
+from rolloutdb.store.revision import head_revision
 from rolloutdb.store.schema import ABANDON_REASONS, GROUP_STATES, ROLLOUT_STATES, STATE_TABLES
 
 MANIFEST_NAME = "manifest.json"
@@ -33,7 +34,7 @@ DESCRIPTION = """\
 Look inside a rolloutdb store or snapshot file without changing it.
 
 Without --sql, prints a summary: the schema revision (head, or old: then
-`rolloutdb upgrade PATH` migrates it), rows per table, ledger groups per state, rollouts per state
+`rolloutdb upgrade PATH` migrates it, or `--out COPY` for a published snapshot file), rows per table, ledger groups per state, rollouts per state
 with abandon reasons, replay permits used of capacity, the sampler cursor and the
 mutation counter; and, when a manifest.json sits beside the file (a snapshot
 directory), its anchor, kind, sequence and cut time.
@@ -43,8 +44,10 @@ With --sql "SELECT ...", runs exactly one reading query and prints an aligned ta
 that would write (INSERT, UPDATE, DELETE, CREATE, DROP, ATTACH, VACUUM, PRAGMA x = y,
 ...) are refused.
 
-The file is opened read-only: its bytes never change and no -wal/-shm files are left
-beside it, also while a live run has it open (then its committed WAL content is read).
+The file is opened read-only: no byte or mtime of it, its -wal or its -shm changes and no
+side files are left, also while a live run has it open (then a private copy of the file
+and its WAL is read, with its committed WAL content). A stray -wal beside a published
+snapshot file is ignored, with a warning on stderr.
 Before reading, PRAGMA quick_check refuses a damaged file (skip with --no-check).
 
 Errors (missing path, a directory, not SQLite, truncated or damaged, a schema newer than
@@ -82,8 +85,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         if not args.no_check:
             quick_check(conn, path)
-        revision = file_revision(conn)
-        status = classify_revision(path, revision)  # raises for a newer or no revision
+        revision, status = identify(conn, path)  # one alembic_version row, known, its schema
         if args.sql is not None:
             columns, rows = run_readonly_query(conn, args.sql)
             _print_query(path, revision, columns, rows, as_json=args.json)
@@ -99,6 +101,15 @@ def run(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------- the summary
+
+
+def upgrade_advice(path: Path) -> str:
+    """How to bring an old file to head: in place, or, for a file of a published snapshot
+    (never changed), into a copy."""
+    if listing_manifest(path) is not None:
+        return (f"it is a published snapshot file, never changed in place: `rolloutdb upgrade {path} --out COPY.sqlite` "
+                "upgrades a copy (a resume from the snapshot upgrades a copy itself)")
+    return f"run `rolloutdb upgrade {path}` to migrate it"
 
 
 def _tables(conn: sqlite3.Connection) -> list[str]:
@@ -128,9 +139,7 @@ def summarize(conn: sqlite3.Connection, path: Path, revision: str, status: str) 
         "notes": [],
     }
     if status == "old":
-        summary["notes"].append(
-            f"schema revision {revision} is older than head {head}; run `rolloutdb upgrade {path}` to migrate it"
-        )
+        summary["notes"].append(f"schema revision {revision} is older than head {head}; {upgrade_advice(path)}")
     meta = conn.execute(
         "SELECT run_id, mutation_counter, replay_capacity, ledger_dispatch, config_fingerprint FROM run_meta"
     ).fetchone()

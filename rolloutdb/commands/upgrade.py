@@ -18,10 +18,17 @@ Migrate a rolloutdb store or snapshot file to the newest schema revision this ro
 knows (head: {head}). A copy is migrated and then atomically put in place of the file;
 on any error the file is left exactly as it was.
 
+With --out COPY, the upgraded file is written to COPY (a new file) and PATH is only
+read. A file of a published snapshot (a manifest.json beside it lists it) is never
+changed in place: upgrade a copy with --out (a resume from the snapshot upgrades a copy
+itself). Leftovers of an upgrade that was killed are removed by the next upgrade.
+
 Refused, with one line starting with "error:": a missing path, a directory, a file that
-is not SQLite, a truncated or damaged file (integrity_check), and a file whose revision
-is newer than this rolloutdb (upgrade rolloutdb instead). Stop the run that uses the file
-first: a file in use by another process is refused.
+is not SQLite, a truncated or damaged file (integrity_check), a file whose alembic_version
+is not exactly one known revision or whose schema is not that revision's, and a file of a
+published snapshot. Stop the run that uses the file first: a file another process has
+open is refused, naming its pid (an idle connection in rollback-journal mode cannot be
+seen; live stores use WAL, where every connection can).
 """
 
 
@@ -33,20 +40,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("path", metavar="PATH", help="the .sqlite store or snapshot file to upgrade in place")
+    parser.add_argument("--out", metavar="COPY", help="write the upgraded file to COPY (a new file); PATH is only read")
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     try:
-        old, new = upgrade_file(args.path)
+        old, new = upgrade_file(args.path, args.out)
     except StoreError as e:
         # One line, whatever SQLite put in the message.
         raise type(e)(" ".join(str(e).split())) from e
     except OSError as e:
         # A read-only directory or a full disk: the rename never happened.
-        raise NotAStoreError(f"{args.path}: cannot write the upgraded copy beside it ({e.strerror or e}); "
+        raise NotAStoreError(f"{args.out or args.path}: cannot write the upgraded copy beside it ({e.strerror or e}); "
                              "free space or fix permissions, then retry") from e
-    if old == new:
+    if args.out is not None:
+        print(f"{args.path}: upgraded {old} -> {new} into {args.out} ({args.path} left as it is)")
+    elif old == new:
         print(f"{args.path}: up to date ({new})")
     else:
         print(f"{args.path}: upgraded {old} -> {new}")
