@@ -20,6 +20,7 @@ from sqlalchemy.pool import NullPool
 
 from .errors import NotAStoreError, SchemaTooNewError, SchemaTooOldError
 from .fsio import replace_file, temp_path_beside
+from .fsio import refuse_special_file
 
 SQLITE_MAGIC = b"SQLite format 3\x00"
 
@@ -80,6 +81,7 @@ def run_migrations(path: str | Path, target: str = "head", *, downgrade: bool = 
 def check_sqlite_file(path: str | Path) -> Path:
     """Refuse anything that is not an existing, readable SQLite file."""
     path = Path(path)
+    refuse_special_file(path, NotAStoreError)  # FIFOs, devices, sockets: refused before any open
     if not path.exists():
         raise NotAStoreError(f"{path}: no such file; pass the path of a store or snapshot file")
     if path.is_dir():

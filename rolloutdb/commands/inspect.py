@@ -167,8 +167,9 @@ def read_manifest_beside(path: Path, revision: str | None, notes: list[str]) -> 
         return None
     try:
         data = json.loads(manifest_path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as e:
-        notes.append(f"{manifest_path}: unreadable manifest ({' '.join(str(e).split())}); `rolloutdb verify` checks it")
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
+        why = " ".join(str(e).split())[:200]
+        notes.append(f"{manifest_path}: unreadable manifest ({why}); `rolloutdb verify` checks it")
         return None
     if not isinstance(data, dict):
         notes.append(f"{manifest_path}: manifest is not a JSON object; `rolloutdb verify` checks it")
