@@ -81,7 +81,7 @@ class Manifest:
         if not isinstance(d, dict):
             raise ManifestError(f"{where}: not a JSON object")
         version = d.get("format_version")
-        if version != FORMAT_VERSION:
+        if not _is_int(version) or version != FORMAT_VERSION:  # true == 1 in Python
             raise ManifestError(
                 f"{where}: format_version {_show(version)} is not {FORMAT_VERSION}; "
                 "written by a different rolloutdb (upgrade rolloutdb if newer)"

@@ -42,8 +42,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=run)
 
 
+MAX_LINE = 2000  # a forged value (a 4 MB anchor) must not make a 4 MB line
+
+
 def _one_line(text: str) -> str:
-    return " ".join(str(text).split())
+    line = " ".join(str(text).split())
+    return line if len(line) <= MAX_LINE else line[: MAX_LINE - 3] + "..."
 
 
 # --- run directories (store/resume.py, owned by the restore work) -------------------------
