@@ -449,39 +449,54 @@ def test_a_timeout_that_is_not_a_positive_number_is_a_usage_error(store_file, va
     assert_one_error_line(result, "--timeout")
 
 
-def _start_runaway(path: Path, env: dict | None = None) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-m", "rolloutdb.cli", "inspect", str(path), "--sql", RUNAWAY,
-                             "--timeout", "300"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    # Wait (with a deadline) until the query runs: the process has started SQLite's VM
-    # once it has read the file; 3 s covers the interpreter's start-up on a busy machine.
+def _wal_without_shm(store_file: Path, tmp_path: Path) -> Path:
+    """A copy of the store with a WAL and no -shm: inspect reads it through a private copy."""
+    copied = tmp_path / "copied"
+    copied.mkdir()
+    with _live_writer(store_file):
+        shutil.copyfile(store_file, copied / "live.sqlite")
+        shutil.copyfile(f"{store_file}-wal", copied / "live.sqlite-wal")
+    return copied / "live.sqlite"
+
+
+def _start_runaway(path: Path, scratch: Path) -> subprocess.Popen:
+    """Start the runaway query on a private copy made in `scratch`, and return once the
+    copy exists (the command is past start-up, in the part that reads the file)."""
     import time
-    time.sleep(3)
+
+    proc = subprocess.Popen([sys.executable, "-m", "rolloutdb.cli", "inspect", str(path), "--sql", RUNAWAY,
+                             "--timeout", "300"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, TMPDIR=str(scratch)))
+    deadline = time.monotonic() + 60
+    while not list(scratch.iterdir()):
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "the private copy never appeared"
+        time.sleep(0.05)
+    time.sleep(0.5)  # from the copy to the query: well under this
     assert proc.poll() is None, proc.communicate()
     return proc
 
 
-def test_ctrl_c_stops_a_runaway_query_with_one_error_line(store_file):
+def test_ctrl_c_stops_a_runaway_query_with_one_error_line(store_file, tmp_path):
     import signal
 
-    proc = _start_runaway(store_file)
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    proc = _start_runaway(_wal_without_shm(store_file, tmp_path), scratch)
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=20)  # before the fix SIGINT was ignored: this timed out
     assert proc.returncode == 130
     assert err.splitlines() == [err.strip()] and err.startswith("error: ") and "interrupted" in err
     assert "Traceback" not in err
+    assert list(scratch.iterdir()) == [], "the private copy is removed"
 
 
 def test_sigterm_during_a_query_on_a_private_copy_removes_the_copy(store_file, tmp_path):
     import signal
 
-    copied = tmp_path / "copied"
-    copied.mkdir()
-    with _live_writer(store_file):  # a WAL without its -shm: read through a private copy
-        shutil.copyfile(store_file, copied / "live.sqlite")
-        shutil.copyfile(f"{store_file}-wal", copied / "live.sqlite-wal")
     scratch = tmp_path / "scratch"
     scratch.mkdir()
-    proc = _start_runaway(copied / "live.sqlite", env=dict(os.environ, TMPDIR=str(scratch)))
+    proc = _start_runaway(_wal_without_shm(store_file, tmp_path), scratch)
     assert len(list(scratch.iterdir())) == 1, "the private copy exists while the query runs"
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=20)
