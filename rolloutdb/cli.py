@@ -15,6 +15,7 @@ import signal
 import sqlite3
 import sys
 import threading
+from pathlib import Path
 from typing import NoReturn
 
 from rolloutdb.store.errors import StoreError
@@ -39,6 +40,21 @@ class OneLineParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         self.exit(EXIT_USAGE, f"error: {self.prog}: {_one_line(message)}; see {self.prog} --help\n")
+
+
+def path_argument(text: str) -> Path:
+    """argparse `type=` for a PATH argument: one the OS cannot even look up (a NUL byte,
+    a name longer than the file system allows, a parent that may not be searched) is a
+    usage error, one line. A missing path passes: each command says what it expected."""
+    try:
+        os.lstat(text)
+    except (FileNotFoundError, NotADirectoryError):
+        pass
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} contains a NUL byte") from None
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"{text}: {e.strerror}") from None
+    return Path(text)
 
 
 def _one_line(text: object) -> str:

@@ -9,8 +9,8 @@ their limits (0, -1, huge, NaN, +-inf, a boolean, a string, for every numeric ke
 by walking the pydantic model). Concurrent processes are covered with the run lock.
 
 Each case asserts: exactly one stderr line, starting `error:`, the right exit code, no
-traceback, not the CLI's backstop line (a leak the backstop caught is a cause left
-unfixed), no file changed (sha256, size, mode and mtime of every entry under the test's
+traceback, nothing that only the CLI's backstop would catch (it re-raises here, with
+ROLLOUTDB_TRACEBACK=1: a leak is a cause left unfixed), no file changed (sha256, size, mode and mtime of every entry under the test's
 directory), and an end within a deadline (a SIGALRM turns a hang into a failure).
 
 The CLI runs in-process (`rolloutdb.cli.main`, stdout/stderr captured) for speed; the
@@ -73,12 +73,16 @@ def run_cli(*argv: object, deadline: float = DEADLINE_S) -> Result:
     previous = signal.signal(signal.SIGALRM, on_alarm)
     signal.setitimer(signal.ITIMER_REAL, deadline)
     t0 = time.monotonic()
+    # The backstop re-raises: an exception only it would catch fails the case with its
+    # traceback, so a cause left unfixed is seen, not hidden behind a tidy line.
+    os.environ["ROLLOUTDB_TRACEBACK"] = "1"
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             code = cli.main(args)
     except _Deadline:
         pytest.fail(f"rolloutdb {' '.join(args)} did not finish within {deadline} s (a hang)")
     finally:
+        del os.environ["ROLLOUTDB_TRACEBACK"]
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
     return Result(args, code, out.getvalue(), err.getvalue(), time.monotonic() - t0)
@@ -569,3 +573,78 @@ def test_a_config_value_at_its_limit_is_refused_naming_the_key_or_accepted_on_pu
     line = assert_refused(r, {2})
     assert f"{section}.{key}" in line, line
     assert not run_dir.exists()
+
+
+# ----------------------------------------------------------------------------- odd names, wrong types, run directories
+
+ODD_NAMES = {
+    "a newline in the name": "a\nb.sqlite",
+    "a carriage return and a tab": "a\r\tb.sqlite",
+    "bytes that are not UTF-8": os.fsdecode(b"\xff\xfe.sqlite"),
+    "a name longer than NAME_MAX": "n" * 300 + ".sqlite",
+    "a path through a file": "a_file/inside.sqlite",
+}
+
+
+def _odd_name_cases():
+    for command in PATH_ARGS:
+        for name in ODD_NAMES:
+            marks = ([xfail_other_branch(1, "run dir checked before it is created")]
+                     if (command, name) == ("train --run-dir", "a path through a file") else [])
+            yield pytest.param(command, name, id=f"{command}-{name}", marks=marks)
+
+
+@pytest.mark.parametrize("command,name", list(_odd_name_cases()))
+def test_a_missing_path_with_an_odd_name_is_refused_in_one_line(world, tmp_path, command, name):
+    template, _is_dir_arg, codes = PATH_ARGS[command]
+    (tmp_path / "a_file").write_bytes(b"x")
+    target = str(tmp_path / ODD_NAMES[name])
+    subst = {"P": target, "{traced}": str(world["traced"]), "{config}": str(world["config"]),
+             "{fresh}": str(tmp_path / "fresh_run")}
+    if command == "train --run-dir" and name != "a path through a file":
+        pytest.skip("a missing run directory is created: that is how a run starts")
+    if command == "trace --out" and name != "a path through a file":
+        pytest.skip("a missing --out directory is created")
+    with unchanged(tmp_path), unchanged(world["base"]):
+        r = run_cli(*[subst.get(a, a) for a in template])
+    assert_refused(r, codes)
+
+
+def _all_keys() -> list[tuple[str, str]]:
+    return [(section, key) for section, field in Config.model_fields.items()
+            for key in field.annotation.model_fields]
+
+
+@pytest.mark.parametrize("section,key", _all_keys(), ids=[f"{s}.{k}" for s, k in _all_keys()])
+def test_every_config_key_refuses_a_mapping_naming_the_key(world, tmp_path, section, key):
+    run_dir = tmp_path / "run"
+    with unchanged(tmp_path), unchanged(world["base"]):
+        r = run_cli("train", "--config", world["config"], "--run-dir", run_dir, f"{section}.{key}={{a: 1}}")
+    line = assert_refused(r, {2})
+    assert f"{section}.{key}" in line, line
+    assert not run_dir.exists()
+
+
+RUN_CONFIGS = {
+    "not YAML": b"algorithm: [\n",
+    "not UTF-8": b"\xff\xfe\x00",
+    "nested 5000 deep": b"a: " + b"[" * 5000 + b"]" * 5000 + b"\n",
+    "a boolean for groups_per_step": b"algorithm:\n  groups_per_step: true\n",
+    "a list at the top": b"- 1\n",
+}
+RUN_CONFIG_XFAIL = {
+    name: pytest.mark.xfail(strict=True, reason="store/resume.py (another helper's part) reads RUN_DIR/config.yaml "
+                            "with a RecursionError/UnicodeDecodeError left to the CLI's backstop")
+    for name in ("nested 5000 deep",)
+}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[RUN_CONFIG_XFAIL[n]] if n in RUN_CONFIG_XFAIL else [])
+                                  for n in RUN_CONFIGS])
+def test_verify_of_a_run_directory_with_a_forged_config_is_refused_in_one_line(world, tmp_path, name):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    shutil.copyfile(world["store"], run_dir / "rollout_state.sqlite")
+    (run_dir / "config.yaml").write_bytes(RUN_CONFIGS[name])
+    with unchanged(tmp_path):
+        assert_refused(run_cli("verify", run_dir), {1, 2})

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from rolloutdb.cli import path_argument
 from rolloutdb.store.errors import NotAStoreError
 from rolloutdb.store.readonly import (
     DEFAULT_QUERY_TIMEOUT_S, QueryTimeout, open_readonly, quick_check, run_readonly_query,
@@ -68,7 +69,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description=DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("path", metavar="PATH", help="a store or snapshot .sqlite file")
+    parser.add_argument("path", metavar="PATH", type=path_argument, help="a store or snapshot .sqlite file")
     parser.add_argument("--sql", metavar="QUERY", help="one read-only SQL statement (SELECT, WITH, PRAGMA name, ...)")
     parser.add_argument(
         "--timeout", metavar="SECONDS", type=positive_seconds, default=DEFAULT_QUERY_TIMEOUT_S,

@@ -8,6 +8,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from rolloutdb.cli import path_argument
 from rolloutdb.store.revision import head_revision
 from rolloutdb.store.verification import verify_path
 
@@ -37,7 +38,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description=DESCRIPTION.format(head=head_revision()),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("path", metavar="PATH", help="a .sqlite file, a snapshot directory or a checkpoint directory")
+    parser.add_argument("path", metavar="PATH", type=path_argument, help="a .sqlite file, a snapshot directory or a checkpoint directory")
     parser.add_argument("-q", "--quiet", action="store_true", help="print problems only")
     parser.set_defaults(func=run)
 
