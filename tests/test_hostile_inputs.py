@@ -648,3 +648,61 @@ def test_verify_of_a_run_directory_with_a_forged_config_is_refused_in_one_line(w
     (run_dir / "config.yaml").write_bytes(RUN_CONFIGS[name])
     with unchanged(tmp_path):
         assert_refused(run_cli("verify", run_dir), {1, 2})
+
+
+# ----------------------------------------------------------------------------- unreadable files and directories
+
+
+def _without_dac_override() -> None:
+    """Tests run as root, for whom chmod 000 hides nothing: drop CAP_DAC_OVERRIDE and
+    CAP_DAC_READ_SEARCH from the bounding set before exec (PR_CAPBSET_DROP = 24), so
+    the child is refused by permissions as any other user is."""
+    import ctypes
+
+    if os.geteuid() != 0:
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    for cap in (1, 2):
+        if libc.prctl(24, cap, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP)")
+
+
+UNREADABLE = {
+    # what is made unreadable (relative to the checkpoint copy), the command, exit codes
+    "store file / inspect": ("bootstrap/rollout_snapshots/snapshot_1/rollout_state.sqlite", ["inspect", "F"], {2}),
+    "store file / verify": ("bootstrap/rollout_snapshots/snapshot_1/rollout_state.sqlite", ["verify", "F"], {1, 2}),
+    "manifest / verify": ("bootstrap/rollout_snapshots/snapshot_1/manifest.json",
+                          ["verify", "bootstrap/rollout_snapshots/snapshot_1"], {1}),
+    "snapshots dir / snapshots": ("bootstrap/rollout_snapshots", ["snapshots", "."], {2}),
+    "snapshots dir / verify trainer": ("bootstrap/rollout_snapshots", ["verify", "bootstrap"], {1, 2}),
+    "snapshot dir / verify checkpoint": ("bootstrap/rollout_snapshots/snapshot_1", ["verify", "."], {1, 2}),
+}
+UNREADABLE_XFAIL = {
+    "snapshots dir / snapshots": "store/layout.py (another helper's file) leaves scandir's PermissionError to the backstop",
+    "snapshots dir / verify trainer": "store/verification.py (another helper's file) skips an unreadable "
+                                      "rollout_snapshots/ and says ok",
+    "snapshot dir / verify checkpoint": "store/layout.py (another helper's file) leaves PermissionError to the backstop",
+}
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=[pytest.mark.xfail(strict=True, reason=UNREADABLE_XFAIL[c])]
+                                               if c in UNREADABLE_XFAIL else []) for c in UNREADABLE])
+def test_an_unreadable_file_or_directory_is_refused_in_one_line(world, tmp_path, case):
+    import subprocess
+    import sys
+
+    rel, template, codes = UNREADABLE[case]
+    ckpt = Path(shutil.copytree(world["ckpt"], tmp_path / "ckpt"))
+    (ckpt / rel).chmod(0)
+    try:
+        with unchanged(tmp_path):
+            argv = [str(ckpt / rel) if a == "F" else (str(ckpt / a) if "/" in a or a == "." or a == "bootstrap" else a)
+                    for a in template]
+            p = subprocess.run([sys.executable, "-m", "rolloutdb", *argv], capture_output=True, text=True,
+                               timeout=60, preexec_fn=_without_dac_override, cwd=tmp_path,
+                               env=dict(os.environ, ROLLOUTDB_TRACEBACK="1"))
+    finally:
+        (ckpt / rel).chmod(0o755)
+    r = Result(argv, p.returncode, p.stdout, p.stderr, 0.0)
+    line = assert_refused(r, codes)
+    assert "ermission denied" in line, line
