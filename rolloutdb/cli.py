@@ -1,21 +1,71 @@
 """The `rolloutdb` command. Each subcommand lives in its own module and registers itself
-here; every error the user can cause prints one line starting with `error:` and exits 2."""
+here; every error the user can cause prints one line starting with `error:` and exits 2.
+
+The causes are fixed where they arise (special files refused by stat, manifests checked
+for type and depth, queries bounded); `main` also catches whatever is left (an OSError,
+a SQLite error, a RecursionError, any other exception) as one `error:` line, so a user
+never sees a traceback. ``ROLLOUTDB_TRACEBACK=1`` re-raises instead, for debugging.
+"""
 
 from __future__ import annotations
 
 import argparse
 import os
+import signal
+import sqlite3
 import sys
+import threading
+from pathlib import Path
+from typing import NoReturn
 
 from rolloutdb.store.errors import StoreError
 
 EXIT_USAGE = 2
+EXIT_SIGINT = 128 + signal.SIGINT
+EXIT_SIGTERM = 128 + signal.SIGTERM
+# Commands that only read: SIGTERM unwinds them (closing connections, removing private
+# copies) instead of killing them where they stand. `train` keeps the default: its
+# state is in SQLite and a kill at any point is what its crash tests prove safe.
+READING_COMMANDS = {"inspect", "verify", "snapshots", "trace"}
+MAX_MESSAGE = 2000
+
+
+class Terminated(BaseException):
+    """SIGTERM arrived; a BaseException so that no `except Exception` swallows it."""
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, but a usage error is one `error:` line (and exit 2) like every other
+    error, instead of a usage block followed by the message."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"error: {self.prog}: {_one_line(message)}; see {self.prog} --help\n")
+
+
+def path_argument(text: str) -> Path:
+    """argparse `type=` for a PATH argument: one the OS cannot even look up (a NUL byte,
+    a name longer than the file system allows, a parent that may not be searched) is a
+    usage error, one line. A missing path passes: each command says what it expected."""
+    try:
+        os.lstat(text)
+    except (FileNotFoundError, NotADirectoryError):
+        pass
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} contains a NUL byte") from None
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"{text}: {e.strerror}") from None
+    return Path(text)
+
+
+def _one_line(text: object) -> str:
+    s = str(text).replace("\r", "\\r").replace("\n", "\\n")
+    return s if len(s) <= MAX_MESSAGE else s[: MAX_MESSAGE - 3] + "..."
 
 
 def build_parser() -> argparse.ArgumentParser:
     from rolloutdb import commands
 
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="rolloutdb",
         description="Keep the in-flight state of asynchronous RL in SQLite; inspect, upgrade and verify it.",
     )
@@ -25,21 +75,62 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _on_sigterm(_signum, _frame) -> NoReturn:  # noqa: ANN001
+    raise Terminated
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # a usage error (already printed as one line) or --help
+        return e.code if isinstance(e.code, int) else EXIT_USAGE
+    previous = None
+    if args.command in READING_COMMANDS and threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        return _run(args)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _error(message: object, code: int = EXIT_USAGE) -> int:
+    print(f"error: {_one_line(message)}", file=sys.stderr)
+    return code
+
+
+def _run(args: argparse.Namespace) -> int:
     try:
         return int(args.func(args) or 0)
     except (StoreError, FileExistsError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_USAGE
+        return _error(e)
     except KeyboardInterrupt:
-        print("error: interrupted", file=sys.stderr)
-        return 130
+        return _error("interrupted", EXIT_SIGINT)
+    except Terminated:
+        return _error("terminated (SIGTERM)", EXIT_SIGTERM)
     except BrokenPipeError:
         # `rolloutdb inspect ... | head`: the reader left; that is not an error of ours.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    except Exception as e:  # noqa: BLE001 - the backstop: one line, never a traceback
+        if os.environ.get("ROLLOUTDB_TRACEBACK"):
+            raise
+        return _error(_backstop_message(e))
+
+
+def _backstop_message(e: Exception) -> str:
+    if isinstance(e, RecursionError):
+        return "input nested too deeply to process (RecursionError)"
+    if isinstance(e, MemoryError):
+        return "out of memory"
+    if isinstance(e, OSError):
+        where = f"{e.filename}: " if e.filename else ""
+        return f"{where}{e.strerror or e}"
+    if isinstance(e, sqlite3.Error):
+        return f"SQLite: {e}"
+    return (f"unexpected {type(e).__name__}: {e} (a defect in rolloutdb; "
+            "ROLLOUTDB_TRACEBACK=1 shows where)")
 
 
 if __name__ == "__main__":

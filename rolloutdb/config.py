@@ -3,16 +3,25 @@
 Every section is a pydantic model that refuses unknown keys, so a misspelt key fails
 fast with its section named. `docs/config.md` explains every key; `load_config` applies
 ``KEY=VALUE`` overrides (dotted paths, values parsed as YAML) before validation.
+
+Validation is the whole check: a config that passes can run. Types are strict (no
+``true`` for a number, no ``"8"`` for an integer), floats are finite, every number has
+an upper bound it can be stored and waited on with, and the combinations that can never
+make progress (a model shape that cannot be built, a replay buffer a step cannot fit
+in, a conversation longer than the tiny policy's context) are refused naming the key,
+before the run directory is created.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
+from rolloutdb.store.fsio import refuse_special_file
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 
@@ -21,37 +30,102 @@ class ConfigError(ValueError):
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, strict=True, allow_inf_nan=False)
+
+
+# gpu_capture.tiny_policy.DEFAULT_MAX_POSITIONS (not imported: that pulls in torch; a
+# test keeps the two equal).
+TINY_POLICY_CONTEXT = 256
+INT64_MAX = 2**63 - 1  # what SQLite stores (the seed is kept in sampler_state)
+# A run name is one path component: the run directory defaults to runs/<name>.
+_RUN_NAME = re.compile(r"[^/\\\x00-\x1f.][^/\\\x00-\x1f]{0,127}")
 
 
 class RunSection(Section):
     name: str | None = Field(None, description="Run name; defaults to the config file's stem.")
-    seed: int = Field(0, description="Seeds the policy init, sampler order and sampling.")
+    seed: int = Field(0, ge=0, le=INT64_MAX, description="Seeds the policy init, sampler order and sampling.")
+
+    @model_validator(mode="after")
+    def _name_is_one_component(self):
+        if self.name is not None and not _RUN_NAME.fullmatch(self.name):
+            raise ValueError(f"name: {self.name[:60]!r} is not one plain path component (no '/', no control "
+                             "characters, not starting with '.', at most 128); the run directory is runs/<name>")
+        return self
 
 
 class AlgorithmSection(Section):
     name: Literal["grpo"] = "grpo"
-    total_steps: int = Field(30, ge=1)
-    groups_per_step: int = Field(8, ge=1, description="Prompt groups trained per optimizer step.")
-    group_size: int = Field(8, ge=2, description="Generations per prompt (GRPO needs >= 2).")
+    total_steps: int = Field(30, ge=1, le=10**9)
+    groups_per_step: int = Field(8, ge=1, le=100_000, description="Prompt groups trained per optimizer step.")
+    group_size: int = Field(8, ge=2, le=4096, description="Generations per prompt (GRPO needs >= 2).")
     max_staleness: int = Field(
-        1, ge=0, description="A group generated under policy version v trains no later than step v + 1 + max_staleness."
+        1, ge=0, le=10**9,
+        description="A group generated under policy version v trains no later than step v + 1 + max_staleness.",
     )
-    learning_rate: float = Field(3e-3, gt=0)
-    clip_eps: float = Field(0.2, gt=0)
-    replay_capacity: int = Field(64, ge=1, description="Replay permits: sealed groups waiting to be trained.")
+    learning_rate: float = Field(3e-3, gt=0, le=1)
+    clip_eps: float = Field(0.2, gt=0, le=10)
+    # Each publish scans the permits (store/ledger.py `_free_permits`): a million is the
+    # most that stays cheap.
+    replay_capacity: int = Field(64, ge=1, le=1_000_000, description="Replay permits: sealed groups waiting to be trained.")
     discard_zero_variance: bool = Field(True, description="Discard groups whose rewards are all equal.")
     max_flat_groups_in_a_row: int = Field(
-        256, ge=1, description="After this many zero-variance groups in a row, train on them instead of discarding."
+        256, ge=1, le=10**9,
+        description="After this many zero-variance groups in a row, train on them instead of discarding.",
     )
-    entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus: keeps a tiny policy from collapsing.")
+    entropy_coef: float = Field(0.0, ge=0, le=10, description="Entropy bonus: keeps a tiny policy from collapsing.")
+
+    def replay_needed(self) -> int:
+        """The fewest replay permits with which a run always progresses.
+
+        The train pump waits until `groups_per_step` groups stamped for its step are in
+        replay at once (controller/train_pump.py `_wait_for_groups`), so fewer permits
+        than that never train. More subtly, the rollout pump stamps every admissible step
+        at once, up to `max_staleness + 1` steps ahead of the policy (controller/sampler.py
+        `last_admissible_step`), a wave spans several of them, and a wave's sealed groups
+        are published together, waiting while the buffer is full (rollout_pump.py
+        `_publish`): with fewer permits than all those steps' groups, groups of later
+        steps can hold the permits the current step's groups need, and both pumps wait on
+        each other forever. At most groups_per_step groups are live per stamped step (a
+        discard only re-opens its own slot), so groups_per_step x the number of admissible
+        steps (capped by total_steps) is enough, and the bound is tight."""
+        return self.groups_per_step * min(self.max_staleness + 1, self.total_steps)
+
+    @model_validator(mode="after")
+    def _replay_fits_the_window(self):
+        needed = self.replay_needed()
+        if self.replay_capacity < needed:
+            raise ValueError(
+                f"replay_capacity: {self.replay_capacity} permits can deadlock the pumps; at least "
+                f"groups_per_step x min(max_staleness + 1, total_steps) = {needed} are needed "
+                "(every step that may be stamped at once must fit in replay)"
+            )
+        return self
 
 
 class PolicySection(Section):
     model_dir: str | None = Field(None, description="A HF Llama directory; null builds the tiny policy in the run dir.")
-    hidden_size: int = Field(64, ge=8)
-    num_layers: int = Field(2, ge=1)
-    num_heads: int = Field(4, ge=1)
+    hidden_size: int = Field(64, ge=8, le=4096)
+    num_layers: int = Field(2, ge=1, le=64)
+    num_heads: int = Field(4, ge=1, le=64)
+
+    @model_validator(mode="after")
+    def _buildable(self):
+        if self.model_dir is not None:
+            path = Path(self.model_dir)
+            if not path.is_dir():
+                raise ValueError(f"model_dir: {self.model_dir!r} is not a directory; give a Hugging Face model "
+                                 "directory or null for the tiny policy")
+            if not (path / "config.json").is_file():
+                raise ValueError(f"model_dir: {self.model_dir!r} has no config.json; it is not a Hugging Face "
+                                 "model directory")
+            return self
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"hidden_size: {self.hidden_size} is not a multiple of num_heads {self.num_heads}")
+        if (self.hidden_size // self.num_heads) % 2:
+            raise ValueError(f"hidden_size: {self.hidden_size} / num_heads {self.num_heads} = "
+                             f"{self.hidden_size // self.num_heads}, an odd head dimension; rotary "
+                             "position embeddings need an even one")
+        return self
 
 
 class GenerationSection(Section):
@@ -62,17 +136,19 @@ class GenerationSection(Section):
         if self.backend == "vllm":
             raise ValueError("backend 'vllm' is not available yet (the vLLM engine lands later); use 'reference'")
         return self
-    max_tokens: int = Field(8, ge=1)
-    min_tokens: int = Field(0, ge=0)
-    temperature: float = Field(1.0, ge=0)
+    max_tokens: int = Field(8, ge=1, le=1_000_000)
+    min_tokens: int = Field(0, ge=0, le=1_000_000)
+    temperature: float = Field(1.0, ge=0, le=100)
     top_p: float = Field(1.0, gt=0, le=1)
     stop: list[str] = Field(default_factory=list)
-    max_batch_size: int = Field(64, ge=1)
+    max_batch_size: int = Field(64, ge=1, le=4096)
 
     @model_validator(mode="after")
     def _limits(self):
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        if any(not s for s in self.stop):
+            raise ValueError("stop: an empty stop string would end every call at once; remove it")
         return self
 
 
@@ -81,13 +157,13 @@ class EnvironmentSection(Section):
     kind: Literal["copy", "successor", "reverse"] = Field("copy", description="What the answer does to the digits.")
     n_digits: int = Field(3, ge=1, le=12, description="Digits per prompt.")
     turns: int = Field(1, ge=1, le=8, description="1 = single-turn; more = multi-turn episodes.")
-    dataset_size: int = Field(512, ge=1)
+    dataset_size: int = Field(512, ge=1, le=1_000_000)
 
 
 class CheckpointingSection(Section):
     enabled: bool = True
-    interval_steps: int = Field(5, ge=1, description="Publish a trainer checkpoint step_<N>/ every N steps.")
-    keep_last: int = Field(2, ge=1, description="Trainer checkpoints kept.")
+    interval_steps: int = Field(5, ge=1, le=10**9, description="Publish a trainer checkpoint step_<N>/ every N steps.")
+    keep_last: int = Field(2, ge=1, le=1_000_000, description="Trainer checkpoints kept.")
     resume: str | None = Field(None, description="null: fresh run; 'latest' or a snapshot directory: resume.")
 
 
@@ -107,8 +183,8 @@ class RolloutRecoverySection(Section):
 
 class RolloutCheckpointingSection(Section):
     enabled: bool = Field(False, description="Take rollout snapshots between trainer checkpoints.")
-    interval_s: float = Field(5.0, gt=0)
-    keep_last: int = Field(3, ge=1)
+    interval_s: float = Field(5.0, gt=0, le=86_400)  # waited on with threading.Event.wait
+    keep_last: int = Field(3, ge=1, le=1_000_000)
     trace: bool = Field(False, description="Record trace events in logs/rollout_trace.sqlite.")
 
 
@@ -119,7 +195,7 @@ class LoggingSection(Section):
 
 class ClusterSection(Section):
     backend: Literal["local", "ray"] = "local"
-    torch_threads: int = Field(1, ge=1, description="Torch threads per pump (trainer and engine each).")
+    torch_threads: int = Field(1, ge=1, le=1024, description="Torch threads per pump (trainer and engine each).")
 
     @model_validator(mode="after")
     def _landed(self):
@@ -139,6 +215,25 @@ class Config(Section):
     rollout_checkpointing: RolloutCheckpointingSection = Field(default_factory=RolloutCheckpointingSection)
     logging: LoggingSection = Field(default_factory=LoggingSection)
     cluster: ClusterSection = Field(default_factory=ClusterSection)
+
+    @model_validator(mode="after")
+    def _conversation_fits_the_tiny_policy(self):
+        """The tiny policy's context is DEFAULT_MAX_POSITIONS tokens, and the reference
+        engine refuses a call whose prompt is longer (a turn's prompt is the whole
+        conversation so far). Its tokenizer spells the task character by character: a
+        prompt is BOS + the digits + ':'; each later turn adds a reply (at most
+        max_tokens) and the environment's answer (' ok\n' + the next digits + ':')."""
+        if self.policy.model_dir is not None or self.environment.turns == 1:
+            return self
+        n, turns = self.environment.n_digits, self.environment.turns
+        longest = 1 + (n + 1) + (turns - 1) * (self.generation.max_tokens + 4 + n + 1)
+        if longest > TINY_POLICY_CONTEXT:
+            raise ValueError(
+                f"generation.max_tokens: {self.generation.max_tokens} tokens per reply over "
+                f"environment.turns={turns} turns of {n} digits make a last prompt of up to {longest} tokens, "
+                f"more than the tiny policy's context of {TINY_POLICY_CONTEXT}; lower max_tokens or turns"
+            )
+        return self
 
     @property
     def ledger_dispatch(self) -> bool:
@@ -162,9 +257,40 @@ def _first_error(e: ValidationError) -> str:
     if err["type"] == "extra_forbidden":
         section = ".".join(loc[:-1]) or "top level"
         return f"unknown key {loc[-1]!r} in section {section!r}; see docs/config.md for the keys"
-    where = ".".join(loc) or "config"
     msg = err["msg"].removeprefix("Value error, ")
+    # A section's own validator names its key first ("replay_capacity: ..."), a
+    # cross-section one the dotted key ("generation.max_tokens: ..."): keep it whole.
+    head, sep, rest = msg.partition(": ")
+    if sep and re.fullmatch(r"[a-z_]+(\.[a-z_]+)?", head):
+        loc, msg = loc + head.split("."), rest
+    where = ".".join(loc) or "config"
+    if err["type"] not in ("value_error", "assertion_error") and "input" in err:
+        msg += f" (got {_shown(err['input'])})"
     return f"{where}: {msg}"
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+class _Loader(yaml.SafeLoader):
+    """YAML 1.1 reads `1e-3` (an exponent without a dot) as a string; with strict types
+    that would refuse a learning rate written the usual way. Read it as YAML 1.2 does."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:\d[\d_]*)?(?:\.\d*)?[eE][-+]?\d+$"),
+    list("-+0123456789."),
+)
+
+
+def _parse_yaml(text: str):
+    try:
+        return yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
+    except RecursionError:
+        raise ConfigError("the YAML is nested too deeply to be a config") from None
 
 
 def apply_override(data: dict, override: str) -> None:
@@ -181,7 +307,7 @@ def apply_override(data: dict, override: str) -> None:
         if not isinstance(node, dict):
             raise ConfigError(f"override {override!r}: {part!r} is not a section")
     try:
-        node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else None
+        node[parts[-1]] = _parse_yaml(raw) if raw.strip() else None
     except yaml.YAMLError as e:
         raise ConfigError(f"override {override!r}: value is not valid YAML ({e.problem})") from e
 
@@ -196,10 +322,13 @@ def config_from_dict(data: dict[str, Any]) -> Config:
 def load_config(path: str | Path, overrides: list[str] = ()) -> Config:
     """Read a YAML config, apply overrides, validate. Errors are one-line ConfigErrors."""
     path = Path(path)
+    refuse_special_file(path, ConfigError)  # a FIFO would block the read
     if not path.is_file():
         raise ConfigError(f"config file {path} not found; pass --config examples/quickstart.yaml or another file")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = _parse_yaml(path.read_text(encoding="utf-8")) or {}
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: cannot read it as text ({getattr(e, 'strerror', None) or e.reason})") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark else ""
@@ -208,7 +337,8 @@ def load_config(path: str | Path, overrides: list[str] = ()) -> Config:
         raise ConfigError(f"{path}: the top level must be a mapping of sections")
     for override in overrides:
         apply_override(data, override)
-    config = config_from_dict(data)
-    if config.run.name is None:
-        config.run.name = path.stem
-    return config
+    if data.get("run") is None:
+        data["run"] = {}
+    if isinstance(data["run"], dict) and data["run"].get("name") is None:
+        data["run"]["name"] = path.stem  # validated like a name given in the file
+    return config_from_dict(data)

@@ -8,7 +8,9 @@ fsync and rename passes a `faults.io` hook so tests can make the disk fail there
 
 from __future__ import annotations
 
+import errno
 import os
+import stat
 from pathlib import Path
 
 from . import faults
@@ -111,3 +113,33 @@ def leftover_target_name(name: str) -> str:
     """The checkpoint name a temporary or trash entry belongs to (`.snapshot_7.publish.12.tmp`
     -> `snapshot_7`)."""
     return name[1:].split(".", 1)[0]
+
+
+_SPECIAL = (
+    (stat.S_ISFIFO, "a FIFO (named pipe)"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+)
+
+
+def refuse_special_file(path: str | Path, error: type[Exception] = OSError) -> None:
+    """Raise `error` (one line) when `path` is a FIFO, socket or device, a symlink loop,
+    or a file this process may not read; decided by `os.stat`, never by opening it
+    (opening a FIFO for reading waits for a writer forever, a device may block or never
+    end). A missing path or a directory passes: callers say what they expected there."""
+    try:
+        st = os.stat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return
+    except OSError as e:
+        why = "a symlink loop" if e.errno == errno.ELOOP else f"cannot be examined ({e.strerror})"
+        raise error(f"{path}: {why}; pass a regular file") from None
+    if stat.S_ISDIR(st.st_mode) or stat.S_ISREG(st.st_mode) and os.access(path, os.R_OK):
+        return
+    for test, what in _SPECIAL:
+        if test(st.st_mode):
+            raise error(f"{path}: is {what}, not a regular file; pass the file itself")
+    if stat.S_ISREG(st.st_mode):
+        raise error(f"{path}: cannot read it (Permission denied); check the file's permissions")
+    raise error(f"{path}: not a regular file (mode {oct(st.st_mode)}); pass the file itself")

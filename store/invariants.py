@@ -125,14 +125,27 @@ class InvariantReport:
         return not self.problems
 
 
+# Tables a store holds exactly one row of: every check reads its settings from them.
+SINGLETONS = ("run_meta", "sampler_state")
+
+
 def check_invariants(conn: sqlite3.Connection) -> InvariantReport:
-    """Run every check; each failing one adds a line with its count and examples."""
-    ledger = bool(conn.execute("SELECT ledger_dispatch FROM run_meta").fetchone()[0])
+    """Run every check; each failing one adds a line with its count and examples.
+    A store whose singleton tables do not hold exactly one row is reported as such (the
+    checks below read their settings from those rows) and checked no further."""
     counts = dict(conn.execute("SELECT state, count(*) FROM prompt_groups GROUP BY state").fetchall())
     counts["spare"] = conn.execute("SELECT count(*) FROM spare_prompts").fetchone()[0]
     counts["replay"] = conn.execute("SELECT count(*) FROM replay_groups").fetchone()[0]
-    counts["cursor"] = conn.execute("SELECT next_seq FROM sampler_state").fetchone()[0]
     report = InvariantReport(counts=counts)
+    for table in SINGLETONS:
+        n = conn.execute(f"SELECT count(*) FROM {table}").fetchone()[0]
+        if n != 1:
+            report.problems.append(f"integrity: {table} holds {n} rows, a store holds exactly 1 "
+                                   "(not an initialised store, or damaged); restore it from another snapshot")
+    if report.problems:
+        return report
+    ledger = bool(conn.execute("SELECT ledger_dispatch FROM run_meta").fetchone()[0])
+    counts["cursor"] = conn.execute("SELECT next_seq FROM sampler_state").fetchone()[0]
     checks = (_LEDGER_CHECKS if ledger else []) + _ALWAYS_CHECKS
     for number, what, sql in checks:
         rows = [r[0] for r in conn.execute(sql).fetchall()]

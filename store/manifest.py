@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import time
 from dataclasses import asdict, dataclass, field
@@ -23,12 +24,18 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from .errors import StoreError
+from .fsio import refuse_special_file
 
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 KIND_TRAINER = "trainer_checkpoint"
 KIND_SNAPSHOT = "rollout_snapshot"
 KINDS = (KIND_TRAINER, KIND_SNAPSHOT)
+# A manifest is a few levels deep (object -> files -> entry) and small (a trainer
+# checkpoint of 100k files is ~15 MB); anything beyond is forged or damaged, and is
+# refused before it can exhaust the stack or the memory.
+MAX_DEPTH = 8
+MAX_BYTES = 64 << 20
 
 
 class ManifestError(StoreError):
@@ -74,13 +81,13 @@ class Manifest:
         if not isinstance(d, dict):
             raise ManifestError(f"{where}: not a JSON object")
         version = d.get("format_version")
-        if version != FORMAT_VERSION:
+        if not _is_int(version) or version != FORMAT_VERSION:  # true == 1 in Python
             raise ManifestError(
-                f"{where}: format_version {version!r} is not {FORMAT_VERSION}; "
+                f"{where}: format_version {_show(version)} is not {FORMAT_VERSION}; "
                 "written by a different rolloutdb (upgrade rolloutdb if newer)"
             )
         if d.get("kind") not in KINDS:
-            raise ManifestError(f"{where}: kind {d.get('kind')!r} is not one of {', '.join(KINDS)}")
+            raise ManifestError(f"{where}: kind {_show(d.get('kind'))} is not one of {', '.join(KINDS)}")
         if not isinstance(d.get("anchor"), str) or not d["anchor"]:
             raise ManifestError(f"{where}: anchor missing")
         if d["kind"] == KIND_SNAPSHOT and not _is_int(d.get("sequence")):
@@ -90,11 +97,14 @@ class Manifest:
             raise ManifestError(f"{where}: files must be a list")
         files = []
         for f in raw_files:
-            if not (isinstance(f, dict) and isinstance(f.get("path"), str) and _is_int(f.get("size"))
+            if not (isinstance(f, dict) and isinstance(f.get("path"), str) and _is_int(f.get("size")) and f["size"] >= 0
                     and isinstance(f.get("sha256"), str) and len(f["sha256"]) == 64):
-                raise ManifestError(f"{where}: malformed file entry {f!r}")
+                raise ManifestError(f"{where}: malformed file entry {_show(f)}")
             check_member_name(f["path"], where)
             files.append(FileEntry(f["path"], f["size"], f["sha256"]))
+        for key, (check, what) in _FIELD_TYPES.items():
+            if key in d and not check(d[key]):
+                raise ManifestError(f"{where}: field {key} is {_show(d[key])}, expected {what}")
         known = {k: d[k] for k in cls.__dataclass_fields__ if k in d and k != "files"}
         try:
             return cls(files=files, **known)
@@ -104,6 +114,54 @@ class Manifest:
 
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return (_is_int(v) or isinstance(v, float)) and math.isfinite(v)
+
+
+def _optional(check):
+    return lambda v: v is None or check(v)
+
+
+def _mapping_of(check):
+    return lambda v: isinstance(v, dict) and all(isinstance(k, str) and check(x) for k, x in v.items())
+
+
+# The type of every optional field (kind, anchor, sequence and files are checked above),
+# so a forged value is refused here, naming its field, and not where it is first used.
+_FIELD_TYPES = {
+    "sequence": (_optional(lambda v: _is_int(v) and v >= 0), "a non-negative integer or null"),
+    "step": (_optional(lambda v: _is_int(v) and v >= 0), "a non-negative integer or null"),
+    "schema_revision": (_optional(lambda v: isinstance(v, str)), "a string or null"),
+    "created_at": (_is_number, "a finite number of seconds"),
+    "cut_time": (_optional(_is_number), "a finite number of seconds or null"),
+    "mutation_counter": (_optional(_is_int), "an integer or null"),
+    "row_counts": (_mapping_of(_is_int), "an object of integers"),
+    "group_states": (_mapping_of(_is_int), "an object of integers"),
+    "config_fingerprint": (_optional(lambda v: isinstance(v, str)), "a string or null"),
+    "timings": (_mapping_of(_is_number), "an object of numbers"),
+}
+
+
+def _show(v: Any) -> str:
+    text = json.dumps(v) if not isinstance(v, float) else repr(v)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+_TOO_DEEP = object()
+
+
+def _depth_exceeds(data: Any, limit: int) -> bool:
+    """Whether a JSON value nests deeper than `limit` (iterative: never recurses)."""
+    stack = [(data, 1)]
+    while stack:
+        v, depth = stack.pop()
+        if isinstance(v, (dict, list)):
+            if depth > limit:
+                return True
+            stack += [(x, depth + 1) for x in (v.values() if isinstance(v, dict) else v)]
+    return False
 
 
 def check_member_name(name: str, where: str = "manifest") -> PurePosixPath:
@@ -154,7 +212,10 @@ def describe_files(root: Path, *, skip_dirs: tuple[str, ...] = ()) -> list[FileE
 def read_manifest(directory: str | Path) -> Manifest:
     """Load and validate `directory/manifest.json` (structure only; see `verify_files`)."""
     path = Path(directory) / MANIFEST_NAME
+    refuse_special_file(path, ManifestError)  # a FIFO named manifest.json would block the read
     try:
+        if path.stat().st_size > MAX_BYTES:
+            raise ManifestError(f"{path}: {path.stat().st_size} bytes, more than a manifest can be ({MAX_BYTES})")
         raw = path.read_bytes()
     except FileNotFoundError:
         raise ManifestError(f"{path}: no manifest; the directory is not a finished checkpoint") from None
@@ -162,8 +223,12 @@ def read_manifest(directory: str | Path) -> Manifest:
         raise ManifestError(f"{path}: unreadable ({e.strerror})") from e
     try:
         data = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ManifestError(f"{path}: not valid JSON ({e})") from e
+    except RecursionError:
+        data = _TOO_DEEP
+    except ValueError as e:  # also UnicodeDecodeError, and an integer of > 4300 digits
+        raise ManifestError(f"{path}: not valid JSON ({' '.join(str(e).split())[:200]})") from e
+    if data is _TOO_DEEP or _depth_exceeds(data, MAX_DEPTH):
+        raise ManifestError(f"{path}: nested deeper than {MAX_DEPTH} levels; not a manifest rolloutdb wrote")
     return Manifest.from_dict(data, str(path))
 
 

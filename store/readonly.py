@@ -27,14 +27,16 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
 import sqlite3
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from urllib.parse import quote
 
-from .errors import NotAStoreError, ReadOnlyViolation
+from .errors import NotAStoreError, ReadOnlyViolation, StoreError
 from .manifest import MANIFEST_NAME
 from .revision import check_sqlite_file
 
@@ -182,7 +184,33 @@ _READ_PRAGMAS_BARE = {
 }
 
 
+# SQL functions that only compute from their arguments (or read the connection's own
+# counters) and change nothing: an allow-list, so a function this list has not judged
+# (an extension's, a newer SQLite's) is refused rather than trusted. Left out on purpose:
+# load_extension (runs code), fts3_tokenizer (its 2-argument form installs a pointer as a
+# tokenizer), sqlite_log (writes to the error log), and the FTS/R-tree internals
+# (fts5, rtreenode, ..., never needed on a store, which has no such tables).
+SAFE_FUNCTIONS = frozenset("""
+    -> ->> abs avg changes char coalesce concat concat_ws count cume_dist current_date current_time
+    current_timestamp date datetime dense_rank first_value format glob group_concat hex ifnull if iif
+    instr julianday lag last_insert_rowid last_value lead length like likelihood likely lower ltrim
+    max min nth_value ntile nullif octet_length percent_rank printf quote random randomblob rank
+    replace round row_number rtrim sign soundex sqlite_compileoption_get sqlite_compileoption_used
+    sqlite_source_id sqlite_version strftime string_agg substr substring subtype sum time timediff
+    total total_changes trim typeof unhex unicode unistr unixepoch unlikely upper zeroblob
+    acos acosh asin asinh atan atan2 atanh ceil ceiling cos cosh degrees exp floor ln log log10 log2
+    mod pi pow power radians sin sinh sqrt tan tanh trunc
+    json json_array json_array_length json_error_position json_extract json_group_array
+    json_group_object json_insert json_object json_patch json_pretty json_quote json_remove
+    json_replace json_set json_type json_valid json_each json_tree jsonb jsonb_array jsonb_extract
+    jsonb_group_array jsonb_group_object jsonb_insert jsonb_object jsonb_patch jsonb_remove
+    jsonb_replace jsonb_set
+""".split())
+
+
 def _deny_writes(action: int, arg1, arg2, _db, _trigger) -> int:  # noqa: ANN001
+    if action == sqlite3.SQLITE_FUNCTION:
+        return sqlite3.SQLITE_OK if (arg2 or "").lower() in SAFE_FUNCTIONS else sqlite3.SQLITE_DENY
     if action == sqlite3.SQLITE_UPDATE and arg1 == "sqlite_master":
         # SQLite asks this while it declares a table-valued pragma (pragma_table_info);
         # a real UPDATE of the schema table is refused anyway ("may not be modified"
@@ -198,12 +226,44 @@ def _deny_writes(action: int, arg1, arg2, _db, _trigger) -> int:  # noqa: ANN001
     return sqlite3.SQLITE_OK
 
 
-def run_readonly_query(conn: sqlite3.Connection, sql: str) -> tuple[list[str], list[tuple]]:
+class QueryTimeout(StoreError):
+    """A user's query ran past its time limit and was stopped."""
+
+
+DEFAULT_QUERY_TIMEOUT_S = 30.0
+# How often (in SQLite VM instructions) the progress handler runs: each call is a point
+# where Python runs pending signal handlers and the deadline is checked. 10,000
+# instructions take well under a millisecond, and the check costs ~1% of a long scan.
+_PROGRESS_EVERY = 10_000
+
+
+def run_readonly_query(conn: sqlite3.Connection, sql: str, timeout_s: float = DEFAULT_QUERY_TIMEOUT_S
+                       ) -> tuple[list[str], list[tuple]]:
     """Run one statement that only reads; returns (column names, rows). Anything that
-    would write, attach, or run more than one statement raises `ReadOnlyViolation`."""
+    would write, attach, call a function not in `SAFE_FUNCTIONS`, or run more than one
+    statement raises `ReadOnlyViolation`; running past `timeout_s` raises `QueryTimeout`.
+
+    SIGINT and SIGTERM stop the query (SQLite's VM does not return to Python on its own,
+    so without this a runaway recursive query ignores Ctrl-C); the signal is then raised
+    again under the handler that was in place, so the caller's cleanup runs (the
+    connection's close removes a private copy) and the process ends as the signal says."""
     sql = sql.strip().rstrip(";").strip()
     if not sql:
         raise ReadOnlyViolation("empty query; pass one SELECT statement with --sql")
+    deadline = time.monotonic() + timeout_s
+    caught: list[int] = []
+
+    def on_signal(signum, _frame):  # noqa: ANN001
+        caught.append(signum)
+        conn.interrupt()
+
+    def progress() -> int:
+        return 1 if caught or time.monotonic() > deadline else 0
+
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    conn.set_progress_handler(progress, _PROGRESS_EVERY)
     try:
         cur = conn.execute(sql)
         columns = [d[0] for d in cur.description or []]
@@ -212,11 +272,27 @@ def run_readonly_query(conn: sqlite3.Connection, sql: str) -> tuple[list[str], l
         raise ReadOnlyViolation("pass exactly one SQL statement (found more than one)") from e
     except sqlite3.DatabaseError as e:
         msg = " ".join(str(e).split())
-        if "one statement at a time" in msg:
+        if caught or "interrupted" in msg:
+            if not caught:
+                raise QueryTimeout(f"query stopped after {timeout_s:g} s, its time limit") from None
+        elif "one statement at a time" in msg:
             raise ReadOnlyViolation("pass exactly one SQL statement (found more than one)") from e
-        if any(w in msg for w in ("not authorized", "authorization denied", "readonly", "read-only", "may not be modified")):
+        elif "to use function" in msg:
+            raise ReadOnlyViolation(
+                f"refused: {msg}; only functions that read (SQLite's core, math, date and JSON functions) are allowed"
+            ) from e
+        elif any(w in msg for w in ("not authorized", "authorization denied", "readonly", "read-only",
+                                    "may not be modified")):
             raise ReadOnlyViolation(
                 f"refused: the statement would change a file or the connection ({msg}); only reading queries are allowed"
             ) from e
-        raise ReadOnlyViolation(f"query failed: {msg}") from e
+        else:
+            raise ReadOnlyViolation(f"query failed: {msg}") from e
+    finally:
+        conn.set_progress_handler(None, 0)
+        for sig, handler in previous.items():
+            signal.signal(sig, signal.SIG_DFL if handler is None else handler)
+    if caught:
+        signal.raise_signal(caught[0])  # under the caller's handler, now restored
+        raise KeyboardInterrupt  # the caller's handler ignored it: stop anyway
     return columns, rows

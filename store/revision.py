@@ -20,7 +20,7 @@ from sqlalchemy.pool import NullPool
 
 from . import faults
 from .errors import NotAStoreError, SchemaTooNewError, SchemaTooOldError, StoreBusyError
-from .fsio import TEMP_SUFFIX, replace_file, temp_path_beside
+from .fsio import TEMP_SUFFIX, refuse_special_file, replace_file, temp_path_beside
 
 SQLITE_MAGIC = b"SQLite format 3\x00"
 
@@ -81,6 +81,7 @@ def run_migrations(path: str | Path, target: str = "head", *, downgrade: bool = 
 def check_sqlite_file(path: str | Path) -> Path:
     """Refuse anything that is not an existing, readable SQLite file."""
     path = Path(path)
+    refuse_special_file(path, NotAStoreError)  # FIFOs, devices, sockets: refused before any open
     if not path.exists():
         raise NotAStoreError(f"{path}: no such file; pass the path of a store or snapshot file")
     if path.is_dir():

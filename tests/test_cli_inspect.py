@@ -426,3 +426,105 @@ def test_a_wal_without_its_shm_is_read_from_a_private_copy(store_file, tmp_path)
     assert result.stdout.splitlines()[2].strip() == "1"
     assert listing(copied) == files and {n: sha256(copied / n) for n in files} == hashes
     assert list(scratch.iterdir()) == [], "the private copy is removed"
+
+
+# ----------------------------------------------------------------------------- --sql: bounded, interruptible, pure
+
+RUNAWAY = "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c) SELECT count(*) FROM c"
+
+
+def test_a_runaway_query_stops_at_the_timeout_with_one_line_naming_the_option(store_file):
+    before, files = sha256(store_file), listing(store_file.parent)
+    result = subprocess.run([sys.executable, "-m", "rolloutdb.cli", "inspect", str(store_file), "--sql", RUNAWAY,
+                             "--timeout", "1"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert_one_error_line(result, "1 s", "--timeout")
+    assert sha256(store_file) == before and listing(store_file.parent) == files
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf", "x"])
+def test_a_timeout_that_is_not_a_positive_number_is_a_usage_error(store_file, value):
+    result = inspect(store_file, "--sql", "SELECT 1", f"--timeout={value}")
+    assert result.returncode == 2
+    assert_one_error_line(result, "--timeout")
+
+
+def _wal_without_shm(store_file: Path, tmp_path: Path) -> Path:
+    """A copy of the store with a WAL and no -shm: inspect reads it through a private copy."""
+    copied = tmp_path / "copied"
+    copied.mkdir()
+    with _live_writer(store_file):
+        shutil.copyfile(store_file, copied / "live.sqlite")
+        shutil.copyfile(f"{store_file}-wal", copied / "live.sqlite-wal")
+    return copied / "live.sqlite"
+
+
+def _start_runaway(path: Path, scratch: Path) -> subprocess.Popen:
+    """Start the runaway query on a private copy made in `scratch`, and return once the
+    copy exists (the command is past start-up, in the part that reads the file)."""
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-m", "rolloutdb.cli", "inspect", str(path), "--sql", RUNAWAY,
+                             "--timeout", "300"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, TMPDIR=str(scratch)))
+    deadline = time.monotonic() + 60
+    while not list(scratch.iterdir()):
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "the private copy never appeared"
+        time.sleep(0.05)
+    time.sleep(0.5)  # from the copy to the query: well under this
+    assert proc.poll() is None, proc.communicate()
+    return proc
+
+
+def test_ctrl_c_stops_a_runaway_query_with_one_error_line(store_file, tmp_path):
+    import signal
+
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    proc = _start_runaway(_wal_without_shm(store_file, tmp_path), scratch)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=20)  # before the fix SIGINT was ignored: this timed out
+    assert proc.returncode == 130
+    assert err.splitlines() == [err.strip()] and err.startswith("error: ") and "interrupted" in err
+    assert "Traceback" not in err
+    assert list(scratch.iterdir()) == [], "the private copy is removed"
+
+
+def test_sigterm_during_a_query_on_a_private_copy_removes_the_copy(store_file, tmp_path):
+    import signal
+
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    proc = _start_runaway(_wal_without_shm(store_file, tmp_path), scratch)
+    assert len(list(scratch.iterdir())) == 1, "the private copy exists while the query runs"
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=20)
+    assert proc.returncode == 143
+    assert err.splitlines() == [err.strip()] and err.startswith("error: ") and "terminated" in err
+    assert list(scratch.iterdir()) == [], "the private copy is removed"
+
+
+@pytest.mark.parametrize("sql", [
+    "SELECT fts3_tokenizer('simple', x'0000000000000000')",
+    "SELECT fts3_tokenizer('simple')",
+    "SELECT load_extension('/nonexistent')",
+    "SELECT sqlite_log(1, 'x')",
+    "SELECT rtreenode(2, x'00')",
+])
+def test_functions_not_known_to_be_pure_are_refused_naming_the_function(store_file, sql):
+    before, files = sha256(store_file), listing(store_file.parent)
+    result = inspect(store_file, "--sql", sql)
+    assert result.returncode == 2
+    name = sql.split("SELECT ")[1].split("(")[0]
+    assert_one_error_line(result, "refused", name)
+    assert sha256(store_file) == before and listing(store_file.parent) == files
+
+
+def test_ordinary_functions_still_work_under_the_allow_list(store_file):
+    sql = ("SELECT count(*), max(group_id), hex(x'ab'), json_extract('{\"a\": 1}', '$.a'), printf('%d', 3), "
+           "abs(-1), coalesce(NULL, 2), typeof(1.5), round(2.5), length('abc'), group_concat(state), "
+           "row_number() OVER () FROM prompt_groups")
+    result = inspect(store_file, "--sql", sql)
+    assert result.returncode == 0, result.stderr
+    assert inspect(store_file, "--sql", "SELECT key FROM json_each('[1,2]')").returncode == 0

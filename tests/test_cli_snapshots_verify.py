@@ -21,9 +21,9 @@ from rolloutdb.store.layout import SNAPSHOT_DB
 from rolloutdb.store.retention import KeepNewestSnapshots
 
 
-def cli(*args: str) -> subprocess.CompletedProcess:
+def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "rolloutdb.cli", *map(str, args)], capture_output=True, text=True,
-                          timeout=120)
+                          timeout=timeout)
 
 
 def tree_state(root: Path) -> dict[str, str]:
@@ -256,3 +256,116 @@ def test_verify_reports_a_broken_invariant(checkpoint, tmp_path):
     r = cli("verify", p)
     assert r.returncode == 1
     assert "invariant 4" in r.stderr and r.stderr.startswith("error: ")
+
+
+# ---------------------------------------------------------------- hostile input: no traceback, no hang
+
+
+def _one_error_line(r: subprocess.CompletedProcess, *fragments: str) -> str:
+    lines = r.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr
+    assert "Traceback" not in r.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+    return lines[0]
+
+
+@pytest.mark.parametrize("table", ["run_meta", "sampler_state"])
+def test_verify_reports_an_empty_singleton_table_in_one_line_instead_of_a_traceback(checkpoint, tmp_path, table):
+    p = tmp_path / "s.sqlite"
+    shutil.copyfile(_snapshot1(checkpoint) / SNAPSHOT_DB, p)
+    with sqlite3.connect(p) as conn:
+        conn.execute(f"DELETE FROM {table}")
+    before = tree_state(tmp_path)
+    r = cli("verify", p)
+    assert r.returncode == 1
+    _one_error_line(r, table, "0 rows")
+    assert tree_state(tmp_path) == before
+
+
+def _without_dac_override() -> None:
+    """Run as root without CAP_DAC_OVERRIDE/CAP_DAC_READ_SEARCH (dropped from the bounding
+    set before exec), so a chmod 000 file is unreadable as it is for any other user."""
+    import ctypes
+
+    if os.geteuid() != 0:
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    for cap in (1, 2):  # CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH; PR_CAPBSET_DROP is 24
+        if libc.prctl(24, cap, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP)")
+
+
+def cli_unprivileged(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "rolloutdb.cli", *map(str, args)], capture_output=True, text=True,
+                          timeout=120, preexec_fn=_without_dac_override)
+
+
+@pytest.mark.parametrize("what", ["file", "manifest"])
+def test_verify_of_an_unreadable_file_is_one_error_line_naming_the_permission(ckpt, what):
+    snap = _snapshot1(ckpt)
+    target = snap / (SNAPSHOT_DB if what == "file" else "manifest.json")
+    target.chmod(0)
+    r = cli_unprivileged("verify", snap / SNAPSHOT_DB if what == "file" else snap)
+    target.chmod(0o644)
+    assert r.returncode in (1, 2)
+    _one_error_line(r, str(target), "ermission denied")
+
+
+def _deep_manifest(ckpt: Path, depth: int) -> Path:
+    m = _snapshot1(ckpt) / "manifest.json"
+    d = json.loads(m.read_text())
+    d["timings"] = "DEEP"  # json cannot build what it cannot read back: spliced in as text
+    m.write_text(json.dumps(d).replace('"DEEP"', "[" * depth + "]" * depth))
+    return m
+
+
+@pytest.mark.parametrize("depth", [100, 100_000])
+def test_a_manifest_nested_too_deeply_is_one_error_line_for_verify_and_an_invalid_row_for_snapshots(ckpt, depth):
+    m = _deep_manifest(ckpt, depth)
+    before = tree_state(ckpt)
+    r = cli("verify", _snapshot1(ckpt))
+    assert r.returncode == 1
+    _one_error_line(r, str(m), "nested")
+    r = cli("snapshots", ckpt, "--json")
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    row = next(x for x in json.loads(r.stdout) if x["path"] == str(_snapshot1(ckpt)))
+    assert not row["complete"] and "nested" in row["problem"]
+    assert tree_state(ckpt) == before
+
+
+@pytest.mark.parametrize("field,value", [("created_at", "yesterday"), ("cut_time", [1]), ("row_counts", {"a": "b"}),
+                                         ("mutation_counter", 1.5), ("schema_revision", 7), ("sequence", True),
+                                         ("created_at", None), ("group_states", []), ("timings", {"x": "1"})])
+def test_a_manifest_field_of_the_wrong_type_is_refused_naming_the_field(ckpt, field, value):
+    m = _snapshot1(ckpt) / "manifest.json"
+    d = json.loads(m.read_text())
+    d[field] = value
+    m.write_text(json.dumps(d))
+    before = tree_state(ckpt)
+    r = cli("snapshots", ckpt)
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    assert "invalid manifest" in r.stdout or "incomplete" in r.stdout
+    r = cli("verify", _snapshot1(ckpt))
+    assert r.returncode == 1
+    _one_error_line(r, str(m), field)
+    assert tree_state(ckpt) == before
+
+
+def test_a_fifo_as_the_store_path_is_refused_without_waiting_for_a_writer(tmp_path):
+    fifo = tmp_path / "store.sqlite"
+    os.mkfifo(fifo)
+    r = cli("verify", fifo, timeout=30)  # times out (a failure) if it ever opens the FIFO
+    assert r.returncode in (1, 2)
+    _one_error_line(r, str(fifo), "FIFO")
+
+
+def test_a_fifo_named_manifest_json_is_refused_without_waiting_for_a_writer(ckpt):
+    m = _snapshot1(ckpt) / "manifest.json"
+    m.unlink()
+    os.mkfifo(m)
+    r = cli("verify", _snapshot1(ckpt), timeout=30)
+    assert r.returncode == 1
+    _one_error_line(r, str(m), "FIFO")
+    r = cli("snapshots", ckpt, timeout=30)
+    assert r.returncode == 0 and r.stderr == ""

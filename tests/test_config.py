@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import subprocess
 import sys
 
@@ -112,3 +114,96 @@ def test_every_config_key_is_explained_in_the_docs():
         assert f"## `{section}`" in doc, section
         for key in field.annotation.model_fields:
             assert f"| `{key}` |" in doc, f"{section}.{key}"
+
+
+# ---------------------------------------------------------------- the whole config, checked before anything is written
+
+BAD_CONFIGS = {
+    # override(s) -> the key the one error line must name
+    "heads do not divide hidden": (["policy.hidden_size=66"], "policy.hidden_size"),
+    "odd head dimension (RoPE)": (["policy.hidden_size=12", "policy.num_heads=4"], "policy.hidden_size"),
+    "missing model_dir": (["policy.model_dir=/nonexistent/model"], "policy.model_dir"),
+    "model_dir without config.json": (["policy.model_dir={tmp}"], "policy.model_dir"),
+    "negative seed": (["run.seed=-1"], "run.seed"),
+    "seed beyond int64": (["run.seed=9223372036854775808"], "run.seed"),
+    "infinite learning rate": (["algorithm.learning_rate=.inf"], "algorithm.learning_rate"),
+    "NaN temperature": (["generation.temperature=.nan"], "generation.temperature"),
+    "NaN interval": (["rollout_checkpointing.interval_s=.nan"], "rollout_checkpointing.interval_s"),
+    "a boolean for steps": (["algorithm.total_steps=true"], "algorithm.total_steps"),
+    "a boolean for a float": (["algorithm.learning_rate=true"], "algorithm.learning_rate"),
+    "a string for a number": (["algorithm.groups_per_step='8'"], "algorithm.groups_per_step"),
+    "replay capacity 1": (["algorithm.replay_capacity=1"], "algorithm.replay_capacity"),
+    "replay below one step": (["algorithm.replay_capacity=7"], "algorithm.replay_capacity"),
+    "replay below the staleness window": (["algorithm.replay_capacity=15"], "algorithm.replay_capacity"),
+    "an empty stop string": (['generation.stop=[""]'], "generation.stop"),
+    "a run name that leaves runs/": (["run.name=../../elsewhere"], "run.name"),
+    "multi-turn context beyond the tiny policy": (["environment.turns=8", "generation.max_tokens=40"], "generation.max_tokens"),
+    "a huge count": (["algorithm.total_steps=1000000000000000000000000000000"], "algorithm.total_steps"),
+    "an interval too long to wait": (["rollout_checkpointing.interval_s=1e300"], "rollout_checkpointing.interval_s"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_CONFIGS)
+def test_a_config_that_cannot_run_is_refused_in_one_line_naming_the_key_and_no_run_dir_is_made(tmp_path, case):
+    from rolloutdb import cli
+
+    overrides, key = BAD_CONFIGS[case]
+    overrides = [o.replace("{tmp}", str(tmp_path)) for o in overrides]
+    p = _write(tmp_path, "{}\n")
+    run_dir = tmp_path / "run"
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        code = cli.main(["train", "--config", str(p), "--run-dir", str(run_dir), *overrides])
+    lines = err.getvalue().splitlines()
+    assert code == 2
+    assert len(lines) == 1 and lines[0].startswith("error: ") and key in lines[0], lines
+    assert not run_dir.exists()
+
+
+def test_replay_capacity_exactly_one_staleness_window_is_accepted(tmp_path):
+    # groups_per_step 8 x (max_staleness 1 + 1) steps may wait at once
+    cfg = load_config(_write(tmp_path, "{}\n"), ["algorithm.replay_capacity=16"])
+    assert cfg.algorithm.replay_capacity == 16
+    cfg = load_config(_write(tmp_path, "{}\n"), ["algorithm.replay_capacity=8", "algorithm.total_steps=1"])
+    assert cfg.algorithm.replay_capacity == 8  # one step in all: one step's groups suffice
+
+
+def test_an_exponent_without_a_dot_is_read_as_a_number(tmp_path):
+    cfg = load_config(_write(tmp_path, "algorithm:\n  learning_rate: 1e-3\n"), ["algorithm.clip_eps=2e-1"])
+    assert cfg.algorithm.learning_rate == 1e-3 and cfg.algorithm.clip_eps == 0.2
+
+
+def test_a_config_nested_too_deeply_is_one_error_line(tmp_path):
+    p = _write(tmp_path, "run: " + "[" * 5000 + "]" * 5000 + "\n")
+    with pytest.raises(ConfigError, match="nested"):
+        load_config(p)
+
+
+@pytest.mark.slow
+def test_a_corrected_retry_after_a_refusal_trains(tmp_path):
+    p = _write(tmp_path, "algorithm:\n  total_steps: 1\n  groups_per_step: 2\n  group_size: 2\n"
+                         "generation:\n  max_tokens: 2\n  max_batch_size: 4\n"
+                         "environment:\n  dataset_size: 8\n  n_digits: 1\n"
+                         "policy:\n  hidden_size: 16\n  num_layers: 1\n  num_heads: 2\n"
+                         "logging:\n  progress: false\n  plot: false\n")
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "rolloutdb", "train", "--config", str(p), "--run-dir", str(run_dir)]
+    bad = subprocess.run(cmd + ["algorithm.replay_capacity=1"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "algorithm.replay_capacity" in bad.stderr and not run_dir.exists()
+    good = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert good.returncode == 0, good.stderr[-2000:]
+    assert (run_dir / "rollout_state.sqlite").is_file()
+
+
+def test_the_tiny_policy_context_the_config_assumes_is_the_one_built():
+    from rolloutdb.config import TINY_POLICY_CONTEXT
+    from rolloutdb.gpu_capture.tiny_policy import DEFAULT_MAX_POSITIONS
+
+    assert TINY_POLICY_CONTEXT == DEFAULT_MAX_POSITIONS
+
+
+def test_a_config_file_stem_that_is_not_a_plain_name_is_refused_naming_run_name(tmp_path):
+    p = _write(tmp_path, "{}\n", name=".hidden.yaml")
+    with pytest.raises(ConfigError, match=r"run\.name"):
+        load_config(p)
+    assert load_config(p, ["run.name=visible"]).run.name == "visible"

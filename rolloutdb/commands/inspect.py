@@ -21,9 +21,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from rolloutdb.cli import path_argument
 from rolloutdb.store.errors import NotAStoreError
 from rolloutdb.store.identity import identify
-from rolloutdb.store.readonly import listing_manifest, open_readonly, quick_check, run_readonly_query
+from rolloutdb.store.readonly import (
+    DEFAULT_QUERY_TIMEOUT_S, QueryTimeout, listing_manifest, open_readonly, quick_check, run_readonly_query,
+)
 from rolloutdb.store.revision import head_revision
 from rolloutdb.store.schema import ABANDON_REASONS, GROUP_STATES, ROLLOUT_STATES, STATE_TABLES
 
@@ -42,7 +45,9 @@ directory), its anchor, kind, sequence and cut time.
 With --sql "SELECT ...", runs exactly one reading query and prints an aligned table
 (NULL as NULL, BLOBs as <blob N bytes>; select hex(col) to see the bytes). Statements
 that would write (INSERT, UPDATE, DELETE, CREATE, DROP, ATTACH, VACUUM, PRAGMA x = y,
-...) are refused.
+...) are refused, and so is any function outside SQLite's core, math, date and JSON
+functions (load_extension, fts3_tokenizer, ...). A query stops after --timeout seconds
+(default 30) and on Ctrl-C, with one error line.
 
 The file is opened read-only: no byte or mtime of it, its -wal or its -shm changes and no
 side files are left, also while a live run has it open (then a private copy of the file
@@ -67,13 +72,27 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description=DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("path", metavar="PATH", help="a store or snapshot .sqlite file")
+    parser.add_argument("path", metavar="PATH", type=path_argument, help="a store or snapshot .sqlite file")
     parser.add_argument("--sql", metavar="QUERY", help="one read-only SQL statement (SELECT, WITH, PRAGMA name, ...)")
+    parser.add_argument(
+        "--timeout", metavar="SECONDS", type=positive_seconds, default=DEFAULT_QUERY_TIMEOUT_S,
+        help=f"stop a --sql query that runs longer than this (default {DEFAULT_QUERY_TIMEOUT_S:g})",
+    )
     parser.add_argument("--json", action="store_true", help="print machine-readable JSON instead of text")
     parser.add_argument(
         "--no-check", action="store_true", help="skip PRAGMA quick_check (faster on very large files)"
     )
     parser.set_defaults(func=run)
+
+
+def positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of seconds")
+    return value
 
 
 def run(args: argparse.Namespace) -> int:
@@ -87,7 +106,10 @@ def run(args: argparse.Namespace) -> int:
             quick_check(conn, path)
         revision, status = identify(conn, path)  # one alembic_version row, known, its schema
         if args.sql is not None:
-            columns, rows = run_readonly_query(conn, args.sql)
+            try:
+                columns, rows = run_readonly_query(conn, args.sql, timeout_s=args.timeout)
+            except QueryTimeout as e:
+                raise QueryTimeout(f"{e}; pass a larger --timeout SECONDS if the query needs longer") from None
             _print_query(path, revision, columns, rows, as_json=args.json)
         else:
             summary = summarize(conn, path, revision, status)
@@ -176,8 +198,9 @@ def read_manifest_beside(path: Path, revision: str | None, notes: list[str]) -> 
         return None
     try:
         data = json.loads(manifest_path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as e:
-        notes.append(f"{manifest_path}: unreadable manifest ({' '.join(str(e).split())}); `rolloutdb verify` checks it")
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
+        why = " ".join(str(e).split())[:200]
+        notes.append(f"{manifest_path}: unreadable manifest ({why}); `rolloutdb verify` checks it")
         return None
     if not isinstance(data, dict):
         notes.append(f"{manifest_path}: manifest is not a JSON object; `rolloutdb verify` checks it")

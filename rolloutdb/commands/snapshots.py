@@ -9,6 +9,7 @@ import json
 import time
 from pathlib import Path
 
+from rolloutdb.cli import path_argument
 from rolloutdb.store.errors import NotAStoreError
 from rolloutdb.store.layout import Entry, scan
 from rolloutdb.store.manifest import KIND_SNAPSHOT
@@ -31,7 +32,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "snapshots", help="list the trainer checkpoints and rollout snapshots of a checkpoint directory",
         description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("checkpoint_dir", metavar="CHECKPOINT_DIR", help="the run's checkpoint directory")
+    parser.add_argument("checkpoint_dir", metavar="CHECKPOINT_DIR", type=path_argument, help="the run's checkpoint directory")
     parser.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
     parser.set_defaults(func=run)
 

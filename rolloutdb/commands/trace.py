@@ -16,6 +16,7 @@ import json
 import math
 from pathlib import Path
 
+from rolloutdb.cli import path_argument
 from rolloutdb.store.analysis import Table, TraceAnalysis
 from rolloutdb.store.fsio import replace_file, temp_path_beside
 from rolloutdb.store.trace import TraceError, trace_file_for
@@ -57,9 +58,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description=DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directory or its logs/ directory")
-    parser.add_argument("--baseline", metavar="RUN_DIR", help="a run of the same job that never stopped")
-    parser.add_argument("--out", metavar="DIR", help="where to write CSV, JSON and plots (default RUN_DIR/plots)")
+    parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", type=path_argument, help="run directory or its logs/ directory")
+    parser.add_argument("--baseline", metavar="RUN_DIR", type=path_argument, help="a run of the same job that never stopped")
+    parser.add_argument("--out", metavar="DIR", type=path_argument, help="where to write CSV, JSON and plots (default RUN_DIR/plots)")
     parser.set_defaults(func=run)
 
 

@@ -8,6 +8,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from rolloutdb.cli import path_argument
 from rolloutdb.store.revision import head_revision
 from rolloutdb.store.verification import verify_path
 
@@ -37,13 +38,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description=DESCRIPTION.format(head=head_revision()),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("path", metavar="PATH", help="a .sqlite file, a snapshot directory or a checkpoint directory")
+    parser.add_argument("path", metavar="PATH", type=path_argument, help="a .sqlite file, a snapshot directory or a checkpoint directory")
     parser.add_argument("-q", "--quiet", action="store_true", help="print problems only")
     parser.set_defaults(func=run)
 
 
+MAX_LINE = 2000  # a forged value (a 4 MB anchor) must not make a 4 MB line
+
+
 def _one_line(text: str) -> str:
-    return " ".join(str(text).split())
+    line = " ".join(str(text).split())
+    return line if len(line) <= MAX_LINE else line[: MAX_LINE - 3] + "..."
 
 
 # --- run directories (store/resume.py, owned by the restore work) -------------------------

@@ -1,0 +1,165 @@
+"""Hostile input, forged manifests: every field given every wrong JSON type, each
+required field missing, path escapes, huge, deeply nested, unknown kind. `verify`
+refuses each; `snapshots` lists it as incomplete; `inspect` of the file beside it
+still works. Helpers: tests/hostile.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from hostile import assert_refused, run_cli, unchanged, world  # noqa: F401 - world is a fixture
+
+# ----------------------------------------------------------------------------- class 3: forged manifests
+
+# The JSON type each manifest field has, as the format documents it (store/manifest.py's
+# docstring): written here independently of the code that checks it.
+MANIFEST_TYPES = {
+    "format_version": {int}, "kind": {str}, "anchor": {str}, "files": {list}, "sequence": {int},
+    "step": {int, type(None)}, "schema_revision": {str, type(None)}, "created_at": {int, float},
+    "cut_time": {int, float, type(None)}, "mutation_counter": {int, type(None)}, "row_counts": {dict},
+    "group_states": {dict}, "config_fingerprint": {str, type(None)}, "timings": {dict},
+}
+WRONG_VALUES = ["text", 1.5, True, None, [], {"a": "b"}, -7, 10**30]
+
+
+def _forged_field_cases():
+    for key, types in MANIFEST_TYPES.items():
+        for value in WRONG_VALUES:
+            ok = type(value) in types or (float in types and type(value) is int and not isinstance(value, bool))
+            if key in ("sequence",) and value == -7:
+                ok = False
+            if key in ("created_at", "cut_time") and value == 10**30:
+                ok = True  # a number of seconds, far ahead: not a type error
+            if not ok:
+                yield pytest.param(key, value, id=f"{key}={json.dumps(value)}")
+
+
+def _write_manifest(snapshot: Path, doc_or_text) -> Path:
+    m = snapshot / "manifest.json"
+    m.write_text(doc_or_text if isinstance(doc_or_text, str) else json.dumps(doc_or_text))
+    return m
+
+
+@pytest.fixture
+def snapshot(world, tmp_path) -> Path:
+    ckpt = Path(shutil.copytree(world["ckpt"], tmp_path / "ckpt", symlinks=True))
+    return ckpt / "bootstrap" / "rollout_snapshots" / "snapshot_1"
+
+
+def _check_manifest_refused(snapshot: Path, fragment: str | None = None, *, structural: bool = True) -> None:
+    """verify refuses it; `snapshots` lists it as incomplete when the manifest itself is
+    malformed (`structural`; a manifest naming a file it cannot have is found by verify,
+    as a checksum mismatch is); inspect of the file beside it still works."""
+    ckpt = snapshot.parents[2]
+    with unchanged(ckpt.parent):
+        line = assert_refused(run_cli("verify", snapshot), {1})
+        if fragment:
+            assert fragment in line, line
+        assert_refused(run_cli("verify", ckpt), {1})
+        listed = run_cli("snapshots", ckpt, "--json")  # lists, never judges: exit 0
+        assert listed.code == 0 and listed.err == "", listed.err
+        row = next(r for r in json.loads(listed.out) if r["path"] == str(snapshot))
+        assert row["complete"] is not structural
+        shown = run_cli("inspect", snapshot / "rollout_state.sqlite")  # inspect notes, never fails on it
+        assert shown.code == 0 and shown.err == "", shown.err
+
+
+@pytest.mark.parametrize("key,value", list(_forged_field_cases()))
+def test_a_manifest_field_of_a_wrong_type_is_refused_naming_the_field(snapshot, key, value):
+    doc = json.loads((snapshot / "manifest.json").read_text())
+    doc[key] = value
+    _write_manifest(snapshot, doc)
+    _check_manifest_refused(snapshot, key if key not in ("format_version", "kind", "anchor", "files") else None)
+
+
+@pytest.mark.parametrize("key", ["format_version", "kind", "anchor", "files", "sequence"])
+def test_a_manifest_missing_a_required_field_is_refused(snapshot, key):
+    doc = json.loads((snapshot / "manifest.json").read_text())
+    del doc[key]
+    _write_manifest(snapshot, doc)
+    _check_manifest_refused(snapshot)
+
+
+def _escape_dotdot(snapshot: Path, doc: dict) -> None:
+    (snapshot.parent / "outside").write_bytes(b"x")
+    doc["files"][0]["path"] = "../outside"
+
+
+def _escape_absolute(snapshot: Path, doc: dict) -> None:
+    doc["files"][0]["path"] = "/etc/hostname"
+
+
+def _escape_nested_dotdot(snapshot: Path, doc: dict) -> None:
+    doc["files"][0]["path"] = "a/../../outside"
+
+
+def _escape_symlink(snapshot: Path, doc: dict) -> None:
+    os.symlink("/etc/hostname", snapshot / "link")
+    doc["files"][0]["path"] = "link"
+
+
+FORGED_MANIFESTS = {
+    "unknown kind": lambda s, d: d.update(kind="model_checkpoint"),
+    "path ../": _escape_dotdot,
+    "absolute path": _escape_absolute,
+    "a/../../ path": _escape_nested_dotdot,
+    "symlink out": _escape_symlink,
+    "files not a list": lambda s, d: d.update(files={"a": 1}),
+    "file entry not an object": lambda s, d: d.update(files=["x"]),
+    "file size negative": lambda s, d: d["files"][0].update(size=-1),
+    "file sha256 short": lambda s, d: d["files"][0].update(sha256="ab"),
+    "a string of 4 MB": lambda s, d: d.update(kind="a" * (4 << 20)),
+    "anchor not the directory's": lambda s, d: d.update(anchor="step_9"),
+    "sequence not the directory's": lambda s, d: d.update(sequence=9),
+    "an integer of 5000 digits": None,
+    "nested 100000 deep": None,
+    "nested 50 deep": None,
+    "over 64 MiB (sparse)": None,
+    "not an object": None,
+    "not UTF-8": None,
+    "empty": None,
+}
+
+
+# `verify SNAPSHOT_DIR` does not compare the manifest's anchor and sequence with where the
+# directory is (verify CHECKPOINT_DIR and `snapshots` do, through layout.scan).
+MANIFEST_XFAIL = {
+    name: pytest.mark.xfail(strict=True, reason="store/verification.py (another helper's file): "
+                            "verify SNAPSHOT_DIR does not check the manifest's anchor/sequence against its path")
+    for name in ("anchor not the directory's", "sequence not the directory's")
+}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[MANIFEST_XFAIL[n]] if n in MANIFEST_XFAIL else [])
+                                  for n in FORGED_MANIFESTS])
+def test_a_forged_manifest_is_refused_in_one_line(snapshot, name):
+    m = snapshot / "manifest.json"
+    doc = json.loads(m.read_text())
+    text = None
+    if FORGED_MANIFESTS[name] is not None:
+        FORGED_MANIFESTS[name](snapshot, doc)
+    elif name == "an integer of 5000 digits":
+        text = json.dumps(doc).replace('"format_version": 1', '"format_version": ' + "9" * 5000)
+    elif name.startswith("nested"):
+        depth = int(name.split()[1])
+        doc["timings"] = "DEEP"
+        text = json.dumps(doc).replace('"DEEP"', "[" * depth + "]" * depth)
+    elif name.startswith("over 64 MiB"):
+        with open(m, "r+b") as f:
+            f.truncate(65 << 20)
+    elif name == "not an object":
+        text = "[1, 2, 3]"
+    elif name == "not UTF-8":
+        m.write_bytes(b"\xff\xfe{")
+    elif name == "empty":
+        text = ""
+    if text is not None:
+        m.write_text(text)
+    elif name not in ("over 64 MiB (sparse)", "not UTF-8"):
+        _write_manifest(snapshot, doc)
+    _check_manifest_refused(snapshot, structural=name != "symlink out")
