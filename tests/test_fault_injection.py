@@ -23,6 +23,7 @@ import signal
 import sqlite3
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -39,6 +40,7 @@ from rolloutdb.store.verification import open_for_checks, verify_snapshot_dir, v
 
 CHILD = Path(__file__).with_name("publish_child.py")
 KEEP = 2
+CHILD_DEADLINE_S = 120  # a child that runs longer has hung: fail, naming it
 
 
 def child_retention() -> Retention:
@@ -56,15 +58,35 @@ def run_child(workdir: Path, *, fault: str | None = None, iterations: int = 15, 
     cmd = [sys.executable, str(CHILD), str(workdir), "--iterations", str(iterations), "--seed", str(seed),
            "--keep", str(KEEP)]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    if kill_after_s is not None:
-        line = proc.stdout.readline()
-        assert line.strip() == "ready", (line, proc.stderr.read())
-        time.sleep(kill_after_s)
-        proc.send_signal(signal.SIGKILL)
-    out, err = proc.communicate(timeout=120)
+    try:
+        if kill_after_s is not None:
+            line = _read_line(proc, CHILD_DEADLINE_S)
+            assert line.strip() == "ready", (line, proc.stderr.read())
+            time.sleep(kill_after_s)
+            proc.send_signal(signal.SIGKILL)
+        try:
+            out, err = proc.communicate(timeout=CHILD_DEADLINE_S)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"the child ran past {CHILD_DEADLINE_S} s (fault={fault}): killed") from None
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
     if proc.returncode not in (0, -signal.SIGKILL):
         raise AssertionError(f"child failed ({proc.returncode}):\n{err}")
     return proc.returncode
+
+
+def _read_line(proc: subprocess.Popen, timeout: float) -> str:
+    """The child's next stdout line, or a failure naming the wait once `timeout` passes."""
+    box: list[str] = []
+    reader = threading.Thread(target=lambda: box.append(proc.stdout.readline()), daemon=True)
+    reader.start()
+    reader.join(timeout)
+    if not box:
+        proc.kill()
+        raise AssertionError(f"the child printed no line within {timeout} s")
+    return box[0]
 
 
 def check_after_kill(workdir: Path) -> dict:
