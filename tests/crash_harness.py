@@ -258,6 +258,7 @@ def check_chain(run_dir: Path, result: ChainResult) -> None:
             result.problems.append(f"groups per trained step {per_step}")
     finally:
         conn.close()
+    result.problems += restored_work_redone(run_dir)
     for expected, used in result.restores:
         if expected != used:
             result.problems.append(f"restore used {used}, the newest complete snapshot was {expected}")
@@ -350,6 +351,37 @@ def compare_with_twin(run_dir: Path, twin_dir: Path) -> list[str]:
         problems.append(f"before any zero-variance discard, prompts trained at different steps "
                         f"(position, killed chain, twin): {steps_off[:4]}")
     return problems
+
+
+TRACE_FILE = "rollout_trace.sqlite"  # the run's trace, read with plain sqlite3
+
+
+def restored_work_redone(run_dir: Path) -> list[str]:
+    """Every generation a restore handed back was generated again before its group was
+    discarded. A restore abandons the attempts running at the cut (trace event
+    `attempt_abandoned`, reason 'restart') and the rollout pump must dispatch a newer
+    attempt of the same (group, prompt, generation) first. A group discarded for zero
+    variance without that had its variance judged on work that was never done: the
+    algorithm's reason used for a drop. (A kill can lose the last milliseconds of a
+    trace, but a redispatch the trace missed was either lost with the kill too, or
+    abandoned again at the next restore with a newer attempt number, which is then
+    dispatched and traced.)"""
+    trace = run_dir / "logs" / TRACE_FILE
+    if not trace.exists():
+        return [f"{trace}: missing; the harness's config turns the trace on"]
+    with contextlib.closing(sqlite3.connect(f"file:{trace}?mode=ro", uri=True)) as conn:
+        abandoned = conn.execute("SELECT group_id, prompt_id, generation_index, max(attempt) FROM attempt_abandoned "
+                                 "WHERE reason = 'restart' GROUP BY 1, 2, 3").fetchall()
+        dispatched = dict(((g, p, i), a) for g, p, i, a in conn.execute(
+            "SELECT group_id, prompt_id, generation_index, max(attempt) FROM attempt_dispatched GROUP BY 1, 2, 3"))
+    with contextlib.closing(sqlite3.connect(f"file:{run_dir / 'rollout_state.sqlite'}?mode=ro", uri=True)) as conn:
+        discarded = set(conn.execute("SELECT group_id, prompt_id FROM prompt_groups WHERE state = 'discarded'"))
+    not_redone = [(g, p, i) for g, p, i, a in abandoned
+                  if (g, p) in discarded and dispatched.get((g, p, i), -1) <= a]
+    if not_redone:
+        return [f"{len(not_redone)} generation(s) a restore handed back were never generated again before their "
+                f"group was discarded (group, prompt, generation): {not_redone[:4]}"]
+    return []
 
 
 def start_twin(twin_dir: Path) -> subprocess.Popen:
