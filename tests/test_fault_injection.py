@@ -29,6 +29,7 @@ from pathlib import Path
 
 import pytest
 
+from crash_harness import newest_usable_snapshot
 from rolloutdb.store import (
     BackgroundWorkError, FinishedGeneration, PublishError, Publisher, Reservation, Store, check_invariants, scan,
     select_for_restore,
@@ -107,6 +108,10 @@ def check_after_kill(workdir: Path) -> dict:
     # 3. The restore target is the newest complete snapshot with a durable anchor, and it loads.
     selection = select_for_restore(ckpt)
     restorable = [s for s in inv.complete_snapshots() if s.anchor in inv.durable_anchor_names()]
+    # Decided a second way, without the project's listing code: manifests read as JSON,
+    # every file's size and sha256 checked (crash_harness.newest_usable_snapshot).
+    independent = newest_usable_snapshot(ckpt)
+    assert (independent and independent[1]) == (selection and str(selection.snapshot.path)), (independent, selection)
     if restorable:
         assert selection is not None and selection.snapshot.path == restorable[-1].path
         assert not selection.passed_over

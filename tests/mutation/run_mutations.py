@@ -96,7 +96,7 @@ MUTANTS = [
         "restore checks PRAGMA integrity_check before replacing the live store",
         "store/restore.py",
         [('    if rows != ["ok"]:\n        first = ', '    if False:  # MUTANT\n        first = ')],
-        ["tests/test_restore.py"],
+        ["tests/test_restore.py", "tests/test_restore_integrity.py"],
     ),
     Mutant(
         "publish_skips_the_parent_fsync",
