@@ -11,7 +11,7 @@ as pyproject's package-dir maps them) and PYTHONPATH: a package found on sys.pat
 before the editable install's finder, so the copy wins (checked before any mutant runs). Each mutant edits the copy, runs its test files one by one (`-x`, so a
 catch stops early) and is undone before the next. A mutant whose text no longer matches
 the code is reported as `stale`, never silently skipped. Not collected by pytest (the
-file name does not start with test_); it takes about 10 minutes on two cores.
+file name does not start with test_); it takes about 12 minutes on two cores.
 """
 
 from __future__ import annotations
