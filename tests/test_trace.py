@@ -70,7 +70,8 @@ def test_events_from_many_threads_are_all_written_with_the_run_id_and_common_col
     for th in threads:
         th.start()
     for th in threads:
-        th.join()
+        th.join(60)
+        assert not th.is_alive(), "a tracing thread did not finish in 60 s"
     assert tracer.flush()
     path = tmp_path / TRACE_FILENAME
     # Seen by another connection while the tracer is still open: the batches are committed.
