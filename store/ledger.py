@@ -33,6 +33,13 @@ chunks = T["token_chunks"]
 episodes = T["env_episodes"]
 run_meta = T["run_meta"]
 
+# Discard reasons the algorithm owns: a group discarded for one of these was settled by
+# the algorithm's choice (GRPO learns nothing from a group whose rewards are all equal).
+# A discard for any other reason is trained work lost; `verify_run` counts it so. The
+# controller discards with these names; the store never imports the controller.
+ZERO_REWARD_VARIANCE = "zero_reward_variance"
+ALGORITHM_DISCARD_REASONS = frozenset({ZERO_REWARD_VARIANCE})
+
 # Which states each target state may be entered from.
 GROUP_SOURCES = {
     "dispatched": ("reserved",),

@@ -24,6 +24,7 @@ from __future__ import annotations
 import errno as errno_mod
 import logging
 import os
+import sqlite3
 import threading
 import time
 from collections.abc import Callable
@@ -80,6 +81,21 @@ class Published:
     retention: RetentionReport | None = None
     # Failures of earlier background retention, reported once (never fatal).
     background_errors: list[str] = field(default_factory=list)
+
+
+def _as_os_error(e: BaseException) -> OSError | None:
+    """SQLite's own writes (the backup API filling the snapshot file) fail as sqlite3
+    errors, not OSError: SQLITE_FULL is a full disk (ENOSPC); any other SQLITE_IOERR
+    (EFBIG past RLIMIT_FSIZE, EIO) reaches us without its errno, so EIO. Other SQLite
+    errors are not the disk's: None."""
+    if isinstance(e, OSError):
+        return e
+    code = getattr(e, "sqlite_errorcode", 0) & 0xFF
+    if code == sqlite3.SQLITE_FULL:
+        return OSError(errno_mod.ENOSPC, f"{e} (SQLite)")
+    if code == sqlite3.SQLITE_IOERR:
+        return OSError(errno_mod.EIO, f"{e} (SQLite)")
+    return None
 
 
 def _fail(what: str, target: Path, e: OSError) -> PublishError:
@@ -430,10 +446,14 @@ class Publisher:
         stage = self.begin_snapshot(anchor)
         try:
             capture = capture_fn(stage.db_path)
-        except OSError as e:
+        except (OSError, sqlite3.OperationalError) as e:
+            cause = _as_os_error(e)
+            if cause is None:
+                stage.abort()
+                raise
             stage.abort()
             self._record("failed", stage, None, None, str(e))
-            raise _fail("capture", stage.target, e) from e
+            raise _fail("capture", stage.target, cause) from e
         except BaseException:
             stage.abort()
             raise

@@ -28,6 +28,7 @@ import yaml
 from .errors import NotAStoreError
 from .invariants import check_invariants
 from .layout import COMPLETE, SNAPSHOTS_DIR, Entry, scan
+from .ledger import ALGORITHM_DISCARD_REASONS
 from .manifest import KIND_SNAPSHOT, KIND_TRAINER, ManifestError, read_manifest
 from .restore import (
     RestoreError, RestorePlan, RunMismatch, SnapshotDamaged, SnapshotInconsistent, restore_snapshot,
@@ -223,8 +224,10 @@ def live_store_work(live_store_path: str | Path, checkpoint_dir: str | Path) -> 
 class RunVerdict:
     """Exactly-once over a run's whole history. `duplicated`: prompt hand-outs beyond the
     first of the same (epoch, prompt id); `lost`: sampler positions below the cursor in
-    neither the ledger nor the spare pool. `pending`: groups neither trained nor
-    discarded yet (in flight or in replay; zero at the end of a finished run)."""
+    neither the ledger nor the spare pool, plus groups discarded for a reason the
+    algorithm does not own (`discarded_not_owned`: anything but zero reward variance is
+    work thrown away, not a decision of the algorithm). `pending`: groups neither trained
+    nor discarded yet (in flight or in replay; zero at the end of a finished run)."""
 
     run_dir: Path
     ledger_dispatch: bool
@@ -234,6 +237,7 @@ class RunVerdict:
     duplicated: int = 0
     lost: int = 0
     pending: int = 0
+    discarded_not_owned: int = 0
     spare: int = 0
     cursor: int = 0
     steps: int = 0  # highest trained step
@@ -265,9 +269,10 @@ def _examples(items: list) -> str:
     return ", ".join(map(str, items[:MAX_EXAMPLES])) + (", ..." if len(items) > MAX_EXAMPLES else "")
 
 
-def verify_run(run_dir: str | Path) -> RunVerdict:
+def verify_run(run_dir: str | Path, *, algorithm_reasons: frozenset[str] = ALGORITHM_DISCARD_REASONS) -> RunVerdict:
     """Read RUN_DIR/rollout_state.sqlite (read-only; no side files created) and
-    RUN_DIR/config.yaml; count and check exactly-once (see `RunVerdict`)."""
+    RUN_DIR/config.yaml; count and check exactly-once (see `RunVerdict`).
+    `algorithm_reasons`: the discard reasons that settle a group (the store's constant)."""
     run_dir = Path(run_dir)
     groups_per_step = _groups_per_step(run_dir / RUN_CONFIG)
     conn = open_for_checks(run_dir / RUN_STORE)  # open_readonly, for our own SQL
@@ -306,8 +311,30 @@ def verify_run(run_dir: str | Path) -> RunVerdict:
                         v.cursor) if v.cursor else []
             v.problems.append(f"{v.lost} sampler position(s) below the cursor {v.cursor} neither in the ledger nor in the "
                               f"spare pool: {_examples([r[0] for r in missing])}")
+        _check_discard_reasons(q, v, algorithm_reasons)
         _check_steps(q, v)
     return v
+
+
+def _check_discard_reasons(q, v: RunVerdict, algorithm_reasons: frozenset[str]) -> None:
+    """A group discarded for a reason the algorithm does not own is lost work: its
+    sampler position is covered by a ledger row, so the position count cannot see it."""
+    owned = sorted(algorithm_reasons)
+    marks = ", ".join("?" * len(owned)) or "NULL"
+    rows = q(f"SELECT discard_reason, epoch, prompt_id, group_id FROM prompt_groups WHERE state = 'discarded' "
+             f"AND (discard_reason IS NULL OR discard_reason NOT IN ({marks})) ORDER BY sample_seq, group_id", *owned)
+    if not rows:
+        return
+    v.discarded_not_owned = len(rows)
+    v.lost += len(rows)
+    per_reason: dict[str, int] = {}
+    for reason, *_ in rows:
+        per_reason[str(reason)] = per_reason.get(str(reason), 0) + 1
+    v.problems.append(
+        f"{len(rows)} group(s) discarded for a reason the algorithm does not own (it owns only "
+        f"{', '.join(repr(r) for r in owned)}), counted as lost work: "
+        + ", ".join(f"{r!r} x{n}" for r, n in sorted(per_reason.items()))
+        + "; e.g. " + _examples([f"group {g} epoch {e} prompt {p} ({r!r})" for r, e, p, g in rows]))
 
 
 def _check_steps(q, v: RunVerdict) -> None:

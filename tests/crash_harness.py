@@ -4,12 +4,21 @@ whole chain of stops.
 
 Used by tests/test_crash_resume.py (a quick tier in CI, a long tier behind `slow`) and
 runnable by hand:  python tests/crash_harness.py RUN_DIR --kills 20 --seed 1
+
+The harness decides what the resume should have done without the code the resume runs:
+the snapshot it must restore is read from the manifests on disk with `json` and
+`hashlib` (`newest_usable_snapshot`) and checked against the kill log (every snapshot a
+killed process logged as published); the prompts trained are compared with those of a
+never-killed twin of the same seed and config (`compare_with_twin`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
 import os
+import re
 import random
 import signal
 import sqlite3
@@ -48,6 +57,7 @@ class ChainResult:
     killed_at: list[str] = field(default_factory=list)
     restores: list[tuple[str | None, str | None]] = field(default_factory=list)  # (expected, used)
     problems: list[str] = field(default_factory=list)
+    twin_dir: Path | None = None
 
 
 def _command(run_dir: Path, resume: bool) -> list[str]:
@@ -63,11 +73,69 @@ def _env(fault: str | None) -> dict:
     return env
 
 
-def _expected_snapshot(run_dir: Path) -> str | None:
-    from rolloutdb.store.selection import select_for_restore
+_ANCHOR = re.compile(r"^(bootstrap|step_\d+)$")
+_SNAPSHOT = re.compile(r"^snapshot_(\d+)$")
 
-    sel = select_for_restore(run_dir / "checkpoints", verify=False)
-    return None if sel is None else str(sel.snapshot.path)
+
+def _sound(directory: Path, kind: str, anchor: str, sequence: int | None) -> bool:
+    """A checkpoint directory whose manifest.json (plain JSON, read here) is of `kind`,
+    names this anchor (and sequence), and lists files that all exist with their size and
+    sha256: what a resume may trust. The project's manifest reader is not used."""
+    try:
+        m = json.loads((directory / "manifest.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    if not isinstance(m, dict) or m.get("kind") != kind or m.get("anchor") != anchor:
+        return False
+    if sequence is not None and m.get("sequence") != sequence:
+        return False
+    try:
+        for f in m["files"]:
+            data = (directory / f["path"]).read_bytes()
+            if len(data) != f["size"] or hashlib.sha256(data).hexdigest() != f["sha256"]:
+                return False
+    except (OSError, KeyError, TypeError):
+        return False
+    return True
+
+
+def newest_usable_snapshot(checkpoint_dir: Path) -> tuple[int, str] | None:
+    """(sequence, path) of the newest snapshot a resume must restore, decided from the
+    disk alone: the highest-numbered `snapshot_<N>` whose manifest and files are sound
+    and whose anchor directory is a sound trainer checkpoint. Dot-named leftovers
+    (`.x.tmp`, `.x.trash`) never match the name patterns."""
+    best = None
+    if not checkpoint_dir.is_dir():
+        return None
+    for anchor_dir in checkpoint_dir.iterdir():
+        if not (_ANCHOR.match(anchor_dir.name) and anchor_dir.is_dir()):
+            continue
+        snaps = anchor_dir / "rollout_snapshots"
+        if not snaps.is_dir() or not _sound(anchor_dir, "trainer_checkpoint", anchor_dir.name, None):
+            continue
+        for snap in snaps.iterdir():
+            m = _SNAPSHOT.match(snap.name)
+            if m and (best is None or int(m.group(1)) > best[0]) \
+                    and _sound(snap, "rollout_snapshot", anchor_dir.name, int(m.group(1))):
+                best = (int(m.group(1)), str(snap))
+    return best
+
+
+def _logged_published(run_dir: Path) -> list[int]:
+    """The kill log: sequences every process so far logged as published."""
+    return [e["sequence"] for e in _metrics(run_dir) if e.get("kind") == "snapshot"
+            and e.get("outcome") == "published" and isinstance(e.get("sequence"), int)]
+
+
+def _expected_snapshot(run_dir: Path, result: ChainResult) -> str | None:
+    expected = newest_usable_snapshot(run_dir / "checkpoints")
+    logged = _logged_published(run_dir)
+    # Sequence numbers only grow and retention never deletes the newest snapshot, so the
+    # newest snapshot a process logged as published must still be there, or a newer one.
+    if logged and (expected is None or expected[0] < max(logged)):
+        result.problems.append(f"snapshot_{max(logged)} was logged as published before the kill, but the newest "
+                               f"sound snapshot on disk is {expected}")
+    return None if expected is None else expected[1]
 
 
 def _metrics(run_dir: Path) -> list[dict]:
@@ -113,13 +181,16 @@ def run_once(run_dir: Path, result: ChainResult, *, fault: str | None = None, ki
              timeout: float = 300) -> int:
     """One process of the chain; returns its exit code (-9 when killed)."""
     resume = (run_dir / "rollout_state.sqlite").exists()
-    expected = _expected_snapshot(run_dir) if resume else None
+    expected = _expected_snapshot(run_dir, result) if resume else None
     seen = len(_metrics(run_dir))
     proc = subprocess.Popen(_command(run_dir, resume), env=_env(fault), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     if kill_after is not None:
-        deadline = time.time() + timeout
+        deadline = time.monotonic() + timeout
         # A random moment of *this* process's work: count from when it touches the run.
-        while proc.poll() is None and time.time() < deadline and len(_metrics(run_dir)) <= seen and not _touched(run_dir, resume):
+        while proc.poll() is None and len(_metrics(run_dir)) <= seen and not _touched(run_dir, resume):
+            if time.monotonic() > deadline:
+                result.problems.append(f"a run did not touch its run directory within {timeout} s")
+                break
             time.sleep(0.05)
         time.sleep(kill_after)
         if proc.poll() is None:
@@ -140,6 +211,12 @@ def run_once(run_dir: Path, result: ChainResult, *, fault: str | None = None, ki
         restores = [e for e in _metrics(run_dir)[seen:] if e.get("kind") == "restore"]
         if restores:
             result.restores.append((expected, restores[0].get("snapshot")))
+            # What it said on stderr too (a kill may land between the record and the line).
+            said = re.search(r"resumed from (\S+)/snapshot_(\d+) ", err or "")
+            if expected is not None and (said is not None or proc.returncode == 0) and (
+                    said is None or f"{said[1]}/rollout_snapshots/snapshot_{said[2]}"
+                    != str(Path(expected).relative_to(run_dir / "checkpoints"))):
+                result.problems.append(f"the resume said {said and said[0]!r}; the newest sound snapshot was {expected}")
     check_after_kill(run_dir, result)
     return proc.returncode
 
@@ -181,21 +258,171 @@ def check_chain(run_dir: Path, result: ChainResult) -> None:
             result.problems.append(f"groups per trained step {per_step}")
     finally:
         conn.close()
+    result.problems += restored_work_redone(run_dir)
     for expected, used in result.restores:
         if expected != used:
             result.problems.append(f"restore used {used}, the newest complete snapshot was {expected}")
 
 
-def run_chain(run_dir: Path, plan: list[tuple[str | None, float | None]], *, seed: int = 0) -> ChainResult:
-    """`plan`: (fault point spec, None) or (None, seconds after start) per kill."""
+# ------------------------------------------------------------------ the never-killed twin
+
+ZERO_VARIANCE = "zero_reward_variance"  # written here, not imported: the harness's own word
+
+
+def ledger_outcomes(db: Path) -> dict[int, tuple]:
+    """Sampler position -> (epoch, prompt_id, outcome, trained_step) from the finished
+    run's store, read with plain sqlite3. outcome: 'trained', 'zero_variance' (discarded
+    for zero reward variance), 'spare' (handed out, never dispatched), or what else the
+    row says ('discarded:<reason>', a state)."""
+    with contextlib.closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True)) as conn:
+        rows = conn.execute("SELECT sample_seq, epoch, prompt_id, state, discard_reason, trained_step "
+                            "FROM prompt_groups").fetchall()
+        spare = conn.execute("SELECT sample_seq, epoch, prompt_id FROM spare_prompts").fetchall()
+    out: dict[int, tuple] = {seq: (e, p, "spare", None) for seq, e, p in spare}
+    for seq, e, p, state, reason, step in rows:
+        outcome = state if state != "discarded" else ("zero_variance" if reason == ZERO_VARIANCE else f"discarded:{reason}")
+        if seq in out:  # two rows for one position: a hand-out twice (verify_run counts it too)
+            outcome = f"twice:{out[seq][2]}+{outcome}"
+        out[seq] = (e, p, outcome, step)
+    return out
+
+
+def compare_with_twin(run_dir: Path, twin_dir: Path) -> list[str]:
+    """The prompts the killed chain trained against those of a never-killed run with the
+    same seed and config.
+
+    What must agree, and why. Both runs hand out the same dataloader order (position i is
+    the same (epoch, prompt) in both), so one run's hand-outs are a prefix of the other's.
+    What a position becomes is not deterministic: a group's rewards depend on the policy
+    version it was generated with, which depends on timing (asynchronous pumps; a resumed
+    group is generated again under the restored weights), so a group can have zero reward
+    variance, be discarded and be replaced by the next prompt in one run and be trained in
+    the other. The step a prompt is trained at depends on those discards too (a discard
+    raises its step's shortfall, and when the next step was opened meanwhile depends on
+    timing), so steps are compared only where no discard came before. Hence:
+      1. every position dispatched in either run ends trained or discarded for zero
+         variance, never otherwise (a prompt handed out and then dropped is lost);
+      2. a position dispatched in both runs and trained in one is, in the other, trained
+         or discarded for zero variance: trained ∪ zero-variance agree over the common
+         prefix, and the multiset of (epoch, prompt_id) trained per epoch holds each
+         prompt at most once in each run;
+      3. both trained steps x groups_per_step groups, and each run handed out exactly as
+         many positions beyond its trained ones as it discarded for zero variance (plus
+         spares): no replacement prompt without a zero-variance discard;
+      4. positions before the first zero-variance discard of either run were trained at
+         the same step in both (stamping is deterministic until then).
+    The planted bug "the rollout pump drops the groups a restore hands back (discard as
+    restart, refill their steps with new prompts)" breaks 1, 2 and 3."""
+    problems = []
+    run, twin = ledger_outcomes(run_dir / "rollout_state.sqlite"), ledger_outcomes(twin_dir / "rollout_state.sqlite")
+    for name, led in (("killed chain", run), ("twin", twin)):
+        bad = sorted((seq, o) for seq, (_, _, o, _) in led.items() if o not in ("trained", "zero_variance", "spare"))
+        if bad:
+            problems.append(f"{name}: {len(bad)} handed-out prompt(s) neither trained nor discarded for zero "
+                            f"variance, e.g. {bad[:4]}")
+        per_epoch: dict[int, list[int]] = {}
+        for e, p, o, _ in led.values():
+            if o == "trained":
+                per_epoch.setdefault(e, []).append(p)
+        for e, prompts in per_epoch.items():
+            if len(prompts) != len(set(prompts)):
+                problems.append(f"{name}: epoch {e} trained a prompt more than once")
+        trained = sum(len(v) for v in per_epoch.values())
+        dispatched = sum(1 for _, _, o, _ in led.values() if o != "spare")
+        zero = sum(1 for _, _, o, _ in led.values() if o == "zero_variance")
+        if trained != STEPS * GROUPS or dispatched != trained + zero:
+            problems.append(f"{name}: trained {trained} of {dispatched} dispatched with {zero} zero-variance discards "
+                            f"(expected trained = {STEPS * GROUPS} = dispatched - zero-variance)")
+    common = sorted(set(run) & set(twin))
+    differ = [(seq, run[seq][:2], run[seq][2], twin[seq][2]) for seq in common if run[seq][:2] != twin[seq][:2]]
+    if differ:
+        problems.append(f"the two runs handed out different prompts at the same positions: {differ[:4]}")
+    settled = ("trained", "zero_variance")
+    disagree = [(seq, run[seq][:2], run[seq][2], twin[seq][2]) for seq in common
+                if "spare" not in (run[seq][2], twin[seq][2]) and "trained" in (run[seq][2], twin[seq][2])
+                and not (run[seq][2] in settled and twin[seq][2] in settled)]
+    if disagree:
+        problems.append(f"prompts trained in one run and not settled by the algorithm in the other "
+                        f"(position, (epoch, prompt), killed chain, twin): {disagree[:4]}")
+    first_zero = min([seq for led in (run, twin) for seq, v in led.items() if v[2] == "zero_variance"], default=None)
+    steps_off = [(seq, run[seq][3], twin[seq][3]) for seq in common if (first_zero is None or seq < first_zero)
+                 and run[seq][2] == twin[seq][2] == "trained" and run[seq][3] != twin[seq][3]]
+    if steps_off:
+        problems.append(f"before any zero-variance discard, prompts trained at different steps "
+                        f"(position, killed chain, twin): {steps_off[:4]}")
+    return problems
+
+
+TRACE_FILE = "rollout_trace.sqlite"  # the run's trace, read with plain sqlite3
+
+
+def restored_work_redone(run_dir: Path) -> list[str]:
+    """Every generation a restore handed back was generated again before its group was
+    discarded. A restore abandons the attempts running at the cut (trace event
+    `attempt_abandoned`, reason 'restart') and the rollout pump must dispatch a newer
+    attempt of the same (group, prompt, generation) first. A group discarded for zero
+    variance without that had its variance judged on work that was never done: the
+    algorithm's reason used for a drop. (A kill can lose the last milliseconds of a
+    trace, but a redispatch the trace missed was either lost with the kill too, or
+    abandoned again at the next restore with a newer attempt number, which is then
+    dispatched and traced.)"""
+    trace = run_dir / "logs" / TRACE_FILE
+    if not trace.exists():
+        return [f"{trace}: missing; the harness's config turns the trace on"]
+    with contextlib.closing(sqlite3.connect(f"file:{trace}?mode=ro", uri=True)) as conn:
+        abandoned = conn.execute("SELECT group_id, prompt_id, generation_index, max(attempt) FROM attempt_abandoned "
+                                 "WHERE reason = 'restart' GROUP BY 1, 2, 3").fetchall()
+        dispatched = dict(((g, p, i), a) for g, p, i, a in conn.execute(
+            "SELECT group_id, prompt_id, generation_index, max(attempt) FROM attempt_dispatched GROUP BY 1, 2, 3"))
+    with contextlib.closing(sqlite3.connect(f"file:{run_dir / 'rollout_state.sqlite'}?mode=ro", uri=True)) as conn:
+        discarded = set(conn.execute("SELECT group_id, prompt_id FROM prompt_groups WHERE state = 'discarded'"))
+    not_redone = [(g, p, i) for g, p, i, a in abandoned
+                  if (g, p) in discarded and dispatched.get((g, p, i), -1) <= a]
+    if not_redone:
+        return [f"{len(not_redone)} generation(s) a restore handed back were never generated again before their "
+                f"group was discarded (group, prompt, generation): {not_redone[:4]}"]
+    return []
+
+
+def start_twin(twin_dir: Path) -> subprocess.Popen:
+    """The never-killed run, started beside the chain (one extra run per chain)."""
+    return subprocess.Popen(_command(twin_dir, False), env=_env(None), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def run_chain(run_dir: Path, plan: list[tuple[str | None, float | None]], *, seed: int = 0,
+              twin: bool = True, timeout: float = 300) -> ChainResult:
+    """`plan`: (fault point spec, None) or (None, seconds after start) per kill. With
+    `twin`, a never-killed run of the same config runs in RUN_DIR.twin beside the chain
+    and the trained prompts are compared with it at the end."""
     result = ChainResult()
-    for fault, delay in plan:
-        run_once(run_dir, result, fault=fault, kill_after=delay)
-    finish(run_dir, result)
-    if result.finished:
-        check_chain(run_dir, result)
-    else:
-        result.problems.append("the run never finished")
+    twin_proc = None
+    if twin:
+        result.twin_dir = run_dir.with_name(run_dir.name + ".twin")
+        twin_proc = start_twin(result.twin_dir)
+    try:
+        for fault, delay in plan:
+            run_once(run_dir, result, fault=fault, kill_after=delay)
+        finish(run_dir, result)
+        if result.finished:
+            check_chain(run_dir, result)
+        else:
+            result.problems.append("the run never finished")
+        if twin_proc is not None:
+            try:
+                _, err = twin_proc.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                twin_proc.kill()
+                _, err = twin_proc.communicate()
+                result.problems.append(f"the never-killed twin did not finish within {timeout} s")
+            if twin_proc.returncode != 0:
+                result.problems.append(f"the never-killed twin exited {twin_proc.returncode}: {err.strip()[-500:]}")
+            elif result.finished:
+                result.problems += compare_with_twin(run_dir, result.twin_dir)
+    finally:
+        if twin_proc is not None and twin_proc.poll() is None:
+            twin_proc.kill()
+            twin_proc.wait()
     return result
 
 

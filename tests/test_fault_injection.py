@@ -23,11 +23,13 @@ import signal
 import sqlite3
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
+from crash_harness import newest_usable_snapshot
 from rolloutdb.store import (
     BackgroundWorkError, FinishedGeneration, PublishError, Publisher, Reservation, Store, check_invariants, scan,
     select_for_restore,
@@ -39,6 +41,7 @@ from rolloutdb.store.verification import open_for_checks, verify_snapshot_dir, v
 
 CHILD = Path(__file__).with_name("publish_child.py")
 KEEP = 2
+CHILD_DEADLINE_S = 120  # a child that runs longer has hung: fail, naming it
 
 
 def child_retention() -> Retention:
@@ -56,15 +59,35 @@ def run_child(workdir: Path, *, fault: str | None = None, iterations: int = 15, 
     cmd = [sys.executable, str(CHILD), str(workdir), "--iterations", str(iterations), "--seed", str(seed),
            "--keep", str(KEEP)]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    if kill_after_s is not None:
-        line = proc.stdout.readline()
-        assert line.strip() == "ready", (line, proc.stderr.read())
-        time.sleep(kill_after_s)
-        proc.send_signal(signal.SIGKILL)
-    out, err = proc.communicate(timeout=120)
+    try:
+        if kill_after_s is not None:
+            line = _read_line(proc, CHILD_DEADLINE_S)
+            assert line.strip() == "ready", (line, proc.stderr.read())
+            time.sleep(kill_after_s)
+            proc.send_signal(signal.SIGKILL)
+        try:
+            out, err = proc.communicate(timeout=CHILD_DEADLINE_S)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"the child ran past {CHILD_DEADLINE_S} s (fault={fault}): killed") from None
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
     if proc.returncode not in (0, -signal.SIGKILL):
         raise AssertionError(f"child failed ({proc.returncode}):\n{err}")
     return proc.returncode
+
+
+def _read_line(proc: subprocess.Popen, timeout: float) -> str:
+    """The child's next stdout line, or a failure naming the wait once `timeout` passes."""
+    box: list[str] = []
+    reader = threading.Thread(target=lambda: box.append(proc.stdout.readline()), daemon=True)
+    reader.start()
+    reader.join(timeout)
+    if not box:
+        proc.kill()
+        raise AssertionError(f"the child printed no line within {timeout} s")
+    return box[0]
 
 
 def check_after_kill(workdir: Path) -> dict:
@@ -85,6 +108,10 @@ def check_after_kill(workdir: Path) -> dict:
     # 3. The restore target is the newest complete snapshot with a durable anchor, and it loads.
     selection = select_for_restore(ckpt)
     restorable = [s for s in inv.complete_snapshots() if s.anchor in inv.durable_anchor_names()]
+    # Decided a second way, without the project's listing code: manifests read as JSON,
+    # every file's size and sha256 checked (crash_harness.newest_usable_snapshot).
+    independent = newest_usable_snapshot(ckpt)
+    assert (independent and independent[1]) == (selection and str(selection.snapshot.path)), (independent, selection)
     if restorable:
         assert selection is not None and selection.snapshot.path == restorable[-1].path
         assert not selection.passed_over

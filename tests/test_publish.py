@@ -263,3 +263,53 @@ def test_a_manifest_path_through_a_symlink_outside_is_refused(tmp_path):
     (tmp_path / "inside" / "link").symlink_to(tmp_path / "outside.bin")
     with pytest.raises(ManifestError, match="resolves outside"):
         member_path(tmp_path / "inside", "link")
+
+
+def _record_durability(monkeypatch) -> list[tuple]:
+    """Every real fsync (by the path its descriptor names, and whether a manifest.json
+    stood beside it then) and rename the process makes, in order: what reaches the
+    disk, whichever helper or thread calls it."""
+    events: list[tuple] = []
+    real_fsync, real_rename, real_replace = os.fsync, os.rename, os.replace
+
+    def fsync(fd):
+        path = os.readlink(f"/proc/self/fd/{fd}")
+        events.append(("fsync", path, os.path.exists(os.path.join(os.path.dirname(path), "manifest.json"))))
+        return real_fsync(fd)
+
+    def rename(src, dst, *a, **kw):
+        events.append(("rename", str(src), str(dst)))
+        return real_rename(src, dst, *a, **kw)
+
+    def replace(src, dst, *a, **kw):
+        events.append(("rename", str(src), str(dst)))
+        return real_replace(src, dst, *a, **kw)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "rename", rename)
+    monkeypatch.setattr(os, "replace", replace)
+    return events
+
+
+def test_a_publish_makes_files_durable_before_the_manifest_and_the_rename_durable_last(pub, store, monkeypatch):
+    """The commit protocol's order as the disk sees it: every payload file fsynced before
+    the manifest exists, the manifest fsynced, the temporary directory fsynced, the
+    rename, and the parent fsynced after the rename (without that fsync a power cut can
+    undo the rename: the snapshot would vanish although publish returned)."""
+    _work(store, 0)
+    pub.publish_bootstrap(_weights)
+    events = _record_durability(monkeypatch)
+    published = snap(pub, store, env_export=b'{"episodes": []}')
+    monkeypatch.undo()
+    target = str(published.path)
+    (rename_at,) = [i for i, e in enumerate(events) if e[0] == "rename" and e[2] == target]
+    tmp = events[rename_at][1]
+    fsynced = {e[1]: i for i, e in enumerate(events) if e[0] == "fsync"}  # the last fsync of each path
+    for name in (SNAPSHOT_DB, CONFIG_FILE, ENV_EXPORT):
+        payload = [e for e in events if e[0] == "fsync" and e[1] == f"{tmp}/{name}"]
+        assert payload, f"{name} was never fsynced"
+        assert not any(e[2] for e in payload), f"{name} was fsynced only after the manifest was written"
+    manifest = f"{tmp}/manifest.json"
+    assert fsynced[manifest] < fsynced[tmp] < rename_at, "the manifest and directory must be durable before the rename"
+    parent = str(published.path.parent)
+    assert fsynced.get(parent, -1) > rename_at, "the parent directory was not fsynced after the rename"

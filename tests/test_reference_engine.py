@@ -13,6 +13,7 @@ import json
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 import torch
@@ -286,8 +287,10 @@ def test_calls_joining_a_running_batch_decode_what_they_decode_alone(engine, pol
         joined = {}
         joiner = threading.Thread(target=lambda: joined.update(out=eng.generate(later)))
         joiner.start()
+        deadline = time.monotonic() + 60
         while "k1" not in eng.running_tokens():  # queued while the first calls are paused
             assert joiner.is_alive()
+            assert time.monotonic() < deadline, "the later calls never joined the running batch in 60 s"
         gate.finish(thread, box)  # next step: their prefill rows beside the decode rows
         joiner.join(30)
     for got, expected in zip(box["out"] + joined["out"], alone):
@@ -416,7 +419,9 @@ def test_running_tokens_polled_during_generation_are_always_prefixes(engine):
     box, snapshots = {}, []
     thread = threading.Thread(target=lambda: box.update(out=engine.generate(batch)))
     thread.start()
+    deadline = time.monotonic() + 120
     while thread.is_alive():
+        assert time.monotonic() < deadline, "generation did not finish in 120 s"
         snapshots.append(engine.running_tokens())
     thread.join()
     final = {r.request_id: r.token_ids for r in box["out"]}

@@ -167,7 +167,9 @@ def _writing(store, preload=20_000):
 
 def _wait_for_commits(store, at_least):
     target = store.mutation_counter + at_least
+    deadline = time.monotonic() + 60
     while store.mutation_counter < target:
+        assert time.monotonic() < deadline, f"the writer made fewer than {at_least} commits in 60 s"
         time.sleep(0.001)
 
 

@@ -70,7 +70,8 @@ def test_events_from_many_threads_are_all_written_with_the_run_id_and_common_col
     for th in threads:
         th.start()
     for th in threads:
-        th.join()
+        th.join(60)
+        assert not th.is_alive(), "a tracing thread did not finish in 60 s"
     assert tracer.flush()
     path = tmp_path / TRACE_FILENAME
     # Seen by another connection while the tracer is still open: the batches are committed.
@@ -249,7 +250,7 @@ def test_a_sigkilled_run_leaves_an_intact_trace_missing_only_its_last_millisecon
         if child.poll() is None:
             child.kill()
             child.wait()
-    assert last_index >= 3000
+    assert last_index >= 3000, f"the child emitted only {last_index + 1} events in 60 s"
     assert rows(path, "PRAGMA integrity_check") == [("ok",)]
     kept = [r[0] for r in rows(path, "SELECT prompt_id FROM events WHERE event = 'attempt_dispatched' ORDER BY seq")]
     # A prefix of what was emitted, in order: no gap, nothing torn, nothing invented.

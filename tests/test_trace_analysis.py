@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import signal
 import sqlite3
 import subprocess
@@ -214,6 +215,90 @@ def test_batch_age_per_step_matches_the_hand_worked_answer_and_the_logged_value(
         (2, 2, 209.0, 1, 2, 40, 0.125, 0.125),
         (2, 3, 210.0, 2, 1, 10, 1.0, 1.0),
     ]
+
+
+def write_misreported_job(path) -> Tracer:
+    """One run whose trainer logged a wrong batch age at two of three steps. Versions
+    and tokens: g1 publishes v0: 10, v1: 30; g2 publishes v1: 20 at t=3, then again at
+    t=6 (after step 1, so step 1 reads the t=3 publish) with v1: 5, v2: 15, and -1: 9
+    environment tokens; g3 publishes v0: 4."""
+    tr = Tracer(path, clock=lambda: 0.0)
+    e = tr.emit
+    e("group_published", t=2, group_id=1, prompt_id=1, version_token_counts={0: 10, 1: 30})
+    e("group_published", t=3, group_id=2, prompt_id=2, version_token_counts={1: 20})
+    e("group_published", t=4, group_id=3, prompt_id=3, version_token_counts={0: 4})
+    # Step 1 trained with version 2: g1 (10 tokens 2 behind, 30 tokens 1 behind) and g2's
+    # t=3 publish (20 tokens 1 behind): (2 * 10 + 1 * 30 + 1 * 20) / 60 = 70 / 60. Logged: 0.5.
+    e("train_step", t=5, step=1, policy_version=2, group_ids=[1, 2], batch_age=0.5)
+    e("group_published", t=6, group_id=2, prompt_id=2, version_token_counts={1: 5, 2: 15, -1: 9})
+    # Step 2 trained with version 3: g2's t=6 publish (5 tokens 2 behind, 15 tokens 1
+    # behind; environment tokens do not count) and g3 (4 tokens 3 behind):
+    # (2 * 5 + 1 * 15 + 3 * 4) / 24 = 37 / 24. Logged right.
+    e("train_step", t=7, step=2, policy_version=3, group_ids=[2, 3], batch_age=37 / 24)
+    # Step 3 without policy_version: trained with step - 1 = 2; g3: (2 - 0) * 4 / 4 = 2. Logged: 0.
+    e("train_step", t=8, step=3, group_ids=[3], batch_age=0.0)
+    return tr
+
+
+def test_batch_age_is_recomputed_from_the_tokens_even_where_the_trainer_logged_a_wrong_value(tmp_path, capsys):
+    run = tmp_path / "run" / "logs" / TRACE_FILENAME
+    write_misreported_job(run).close()
+    with TraceAnalysis([run]) as a:
+        rows = a.query("batch_age_per_step").rows
+    # (run_no, step, t, trained_version, groups, tokens, batch_age, logged)
+    assert [r[:6] for r in rows] == [(1, 1, 5.0, 2, 2, 60), (1, 2, 7.0, 3, 2, 24), (1, 3, 8.0, 2, 1, 4)]
+    assert [r[6] for r in rows] == pytest.approx([70 / 60, 37 / 24, 2.0], rel=1e-12)
+    assert [r[7] for r in rows] == pytest.approx([0.5, 37 / 24, 0.0])
+    assert main(["trace", str(run.parent.parent), "--out", str(tmp_path / "out")]) == 0
+    printed = capsys.readouterr().out
+    assert "recomputed value differs from the logged one at 2 of 3 steps (steps 1, 3)" in printed
+    assert "equal to the logged value" not in printed
+
+
+def _generated_job(path, seed: int) -> list[tuple[int, float | None]]:
+    """A random single-run trace: groups published (some twice, the second time possibly
+    after the step that trains them), steps with and without policy_version, and a
+    logged batch age that is always wrong. Returns (step, batch age) computed here in
+    plain Python from what was written, by the definition in docs/trace.md."""
+    rng = random.Random(seed)
+    tr = Tracer(path, clock=lambda: 0.0)
+    t, published, expected = 1.0, {}, []
+    group_ids = list(range(1, 13))
+    for step in range(1, 7):
+        for g in rng.sample(group_ids, 3):
+            counts = {v: rng.randrange(1, 50) for v in rng.sample(range(-1, step + 1), rng.randrange(1, 4))}
+            tr.emit("group_published", t=t, group_id=g, prompt_id=100 + g, version_token_counts=counts)
+            published.setdefault(g, []).append((t, counts))
+            t += 1.0
+        trained = rng.sample(sorted(published), min(2, len(published)))
+        version = None if rng.random() < 0.3 else step + rng.randrange(0, 2)
+        tv = step - 1 if version is None else version
+        tokens = weighted = 0
+        for g in trained:
+            counts = max((p for p in published[g] if p[0] <= t), key=lambda p: p[0])[1]
+            for v, n in counts.items():
+                if v >= 0:
+                    tokens += n
+                    weighted += (tv - v) * n
+        age = weighted / tokens if tokens else None
+        fields = {} if version is None else {"policy_version": version}
+        tr.emit("train_step", t=t, step=step, group_ids=trained, batch_age=-7.0 - step, **fields)
+        expected.append((step, age))
+        t += 1.0
+    tr.close()
+    return expected
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_batch_age_equals_an_independent_computation_on_generated_traces(tmp_path, seed):
+    path = tmp_path / TRACE_FILENAME
+    expected = _generated_job(path, seed)
+    with TraceAnalysis([path]) as a:
+        rows = a.query("SELECT step, batch_age, logged_batch_age FROM batch_age_steps WHERE job = 'run' ORDER BY t").rows
+    assert [r[0] for r in rows] == [s for s, _ in expected]
+    for (step, age, logged), (_, want) in zip(rows, expected):
+        assert logged == -7.0 - step
+        assert (age is None and want is None) or age == pytest.approx(want, rel=1e-12, abs=1e-12), (step, age, want)
 
 
 def test_every_named_query_gives_the_same_answer_in_duckdb_and_in_sqlite(job):

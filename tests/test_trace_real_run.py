@@ -26,8 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from crash_harness import EXAMPLE, OVERRIDES
-from rolloutdb.store.selection import select_for_restore
+from crash_harness import EXAMPLE, OVERRIDES, newest_usable_snapshot
 from rolloutdb.store.trace import TRACE_FILENAME
 
 TIMEOUT_S = 240
@@ -62,6 +61,10 @@ def _metrics(run_dir: Path) -> list[dict]:
     return out
 
 
+def _anchor_of(snapshot: str) -> str:
+    return Path(snapshot).parents[1].name  # CHECKPOINTS/<anchor>/rollout_snapshots/snapshot_<N>
+
+
 def _running_attempts(snapshot_db: Path) -> int:
     uri = f"file:{snapshot_db}?mode=ro&immutable=1"  # a published snapshot never changes
     with contextlib.closing(sqlite3.connect(uri, uri=True)) as conn:
@@ -81,11 +84,14 @@ def _kill_once_beyond_bootstrap(run_dir: Path, proc: subprocess.Popen) -> str | 
             continue
         proc.send_signal(signal.SIGSTOP)  # nothing is published while we look
         try:
-            sel = select_for_restore(run_dir / "checkpoints", verify=False)
-            if sel is not None and sel.step and _running_attempts(sel.db_path) > 0:
+            # Decided from the manifests on disk (read as JSON, files hashed), not with
+            # the selection code the resume runs: the resume must agree with this.
+            newest = newest_usable_snapshot(run_dir / "checkpoints")
+            if newest is not None and _anchor_of(newest[1]).startswith("step_") \
+                    and _running_attempts(Path(newest[1]) / "rollout_state.sqlite") > 0:
                 proc.send_signal(signal.SIGKILL)
                 proc.wait(timeout=30)
-                return str(sel.snapshot.path)
+                return newest[1]
         finally:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGCONT)
@@ -110,13 +116,15 @@ def job(tmp_path_factory):
         pytest.fail(f"{KILL_TRIES} runs ended before a snapshot beyond bootstrap with running attempts was published")
     assert first.returncode == -signal.SIGKILL
     resumed = _train(run_dir, resume=True)
-    for proc in (twin, resumed):
-        _, err = proc.communicate(timeout=TIMEOUT_S)
-        assert proc.returncode == 0, err[-2000:]
+    errs = {}
+    for name, proc in (("twin", twin), ("resumed", resumed)):
+        _, errs[name] = proc.communicate(timeout=TIMEOUT_S)
+        assert proc.returncode == 0, errs[name][-2000:]
     report = subprocess.run([sys.executable, "-m", "rolloutdb", "trace", str(run_dir), "--baseline", str(twin_dir),
                              "--out", str(out)], capture_output=True, text=True, timeout=TIMEOUT_S)
     assert report.returncode == 0, report.stderr
     return {"run_dir": run_dir, "twin_dir": twin_dir, "out": out, "printed": report.stdout, "snapshot": snapshot,
+            "resume_stderr": errs["resumed"],
             "json": json.loads((out / "trace_report.json").read_text())}
 
 
@@ -134,7 +142,17 @@ def _printed_table(printed: str, title: str) -> list[list[str]]:
 def test_the_resumed_run_restored_the_snapshot_it_was_killed_after(job):
     restores = [e for e in _metrics(job["run_dir"]) if e.get("kind") == "restore"]
     assert [r["snapshot"] for r in restores] == [job["snapshot"]]
-    assert restores[0]["anchor"].startswith("step_")
+    assert restores[0]["anchor"] == _anchor_of(job["snapshot"]) and restores[0]["anchor"].startswith("step_")
+    seq = int(Path(job["snapshot"]).name.removeprefix("snapshot_"))
+    assert f"resumed from {_anchor_of(job['snapshot'])}/snapshot_{seq} " in job["resume_stderr"]
+    # The kill log: the newest snapshot the killed process logged as published is the one.
+    logged = [e["sequence"] for e in _metrics(job["run_dir"])[: _restore_index(job["run_dir"])]
+              if e.get("kind") == "snapshot" and e.get("outcome") == "published"]
+    assert logged and max(logged) <= seq
+
+
+def _restore_index(run_dir: Path) -> int:
+    return next(i for i, e in enumerate(_metrics(run_dir)) if e.get("kind") == "restore")
 
 
 def test_thrown_away_time_equals_an_independent_computation_from_the_trace_file(job):
@@ -212,6 +230,33 @@ def test_batch_age_is_printed_for_every_step_and_equals_the_logged_value(job):
             assert step == logged_step and math.isclose(age, logged_age, rel_tol=1e-9, abs_tol=1e-12), (n, step)
     for r in rows:
         assert math.isclose(r["batch_age"], r["logged_batch_age"], rel_tol=1e-9, abs_tol=1e-12)
+    # And against a computation from the trace file in plain Python (the logged value
+    # could be wrong in the same way): per train_step, its groups' latest group_published
+    # at or before it, tokens per policy version >= 0, age = trained version - version.
+    run_dir = job["run_dir"]
+    publishes: dict[int, list[tuple[float, int]]] = {}
+    for seq, t, group_id in _trace_rows(run_dir, "SELECT seq, t, group_id FROM group_published"):
+        publishes.setdefault(group_id, []).append((t, seq))
+    tokens: dict[int, list[tuple[int, int]]] = {}
+    for seq, version, n in _trace_rows(run_dir, "SELECT seq, policy_version, tokens FROM published_tokens"):
+        tokens.setdefault(seq, []).append((version, n))
+    members: dict[int, list[int]] = {}
+    for seq, group_id in _trace_rows(run_dir, "SELECT seq, group_id FROM trained_groups"):
+        members.setdefault(seq, []).append(group_id)
+    by_hand = []
+    for seq, t, step, version in _trace_rows(run_dir, "SELECT seq, t, step, policy_version FROM train_step ORDER BY t, seq"):
+        trained_version = step - 1 if version is None else version
+        total = weighted = 0
+        for g in members.get(seq, []):
+            latest = max(p for p in publishes[g] if p[0] <= t)[1]
+            for v, n in tokens.get(latest, []):
+                if v >= 0:
+                    total += n
+                    weighted += (trained_version - v) * n
+        by_hand.append((step, weighted / total))
+    assert len(by_hand) == len(rows)
+    for (step, age), r in zip(by_hand, rows):
+        assert step == r["step"] and math.isclose(age, r["batch_age"], rel_tol=1e-9, abs_tol=1e-12), (step, age, r)
     printed = _printed_table(job["printed"], "Batch age per train step")
     assert [(int(p[0]), int(p[1])) for p in printed] == [(r["run_no"], r["step"]) for r in rows]
     assert [p[6] for p in printed] == [f"{r['batch_age']:.3f}" for r in rows]
