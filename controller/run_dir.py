@@ -101,9 +101,15 @@ class RunDir:
         directory if it does not exist (a new run); otherwise a missing directory is
         refused without creating anything."""
         if not self.root.is_dir():
+            if os.path.lexists(self.root):  # a file, a FIFO, a dangling or looping link
+                raise ValueError(f"{self.root}: exists and is not a directory; pass a directory as --run-dir")
             if not create:
                 raise ValueError(f"{self.root} holds no run to resume; drop --resume to start one there")
-            self.root.mkdir(parents=True, exist_ok=True)
+            try:
+                self.root.mkdir(parents=True, exist_ok=True)
+            except OSError as e:  # a parent that is a file, a read-only file system
+                raise ValueError(f"{self.root}: cannot create the run directory ({e.strerror or e}); "
+                                 "pass another --run-dir") from None
         return RunLock.acquire(self.lock_file)
 
 

@@ -31,6 +31,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from .errors import NotAStoreError
 from .fsio import leftover_kind, leftover_target_name
 from .manifest import KIND_SNAPSHOT, KIND_TRAINER, MANIFEST_NAME, Manifest, ManifestError, read_manifest
 
@@ -169,8 +170,12 @@ class Inventory:
 
 
 def _load(path: Path, kind: str, anchor: str, sequence: int | None) -> tuple[str, Manifest | None, str | None]:
-    if not (path / MANIFEST_NAME).exists():
+    try:
+        os.stat(path / MANIFEST_NAME)
+    except (FileNotFoundError, NotADirectoryError):
         return NO_MANIFEST, None, f"{path}: no {MANIFEST_NAME}"
+    except OSError as e:  # an unreadable directory: not a checkpoint we can vouch for
+        return BAD_MANIFEST, None, f"{path}: cannot read it ({e.strerror}); fix its permissions"
     try:
         m = read_manifest(path)
     except ManifestError as e:
@@ -189,6 +194,9 @@ def _list_dir(path: Path) -> list[os.DirEntry]:
             return [e for e in it if e.is_dir(follow_symlinks=False)]
     except (FileNotFoundError, NotADirectoryError):
         return []
+    except PermissionError as e:
+        # An unreadable directory must not look empty: that would hide its checkpoints.
+        raise NotAStoreError(f"{path}: cannot list it ({e.strerror}); fix its permissions") from None
 
 
 def _scan_snapshots(anchor: str, anchor_path: Path, leftover: str | None) -> list[Entry]:

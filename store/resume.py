@@ -26,6 +26,7 @@ from pathlib import Path
 import yaml
 
 from .errors import NotAStoreError
+from .fsio import refuse_special_file
 from .invariants import check_invariants
 from .layout import COMPLETE, SNAPSHOTS_DIR, Entry, scan
 from .ledger import ALGORITHM_DISCARD_REASONS
@@ -253,12 +254,14 @@ class RunVerdict:
 
 
 def _groups_per_step(config_path: Path) -> int:
+    refuse_special_file(config_path, NotAStoreError)
     try:
         data = yaml.safe_load(config_path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise NotAStoreError(f"{config_path}: missing; `rolloutdb verify RUN_DIR` needs the run's config.yaml") from None
-    except yaml.YAMLError:
-        raise NotAStoreError(f"{config_path}: not valid YAML; restore the run's config.yaml") from None
+    except (yaml.YAMLError, UnicodeDecodeError, RecursionError):
+        # RecursionError: PyYAML's composer recurses once per nesting level.
+        raise NotAStoreError(f"{config_path}: not valid UTF-8 YAML of a sane depth; restore the run's config.yaml") from None
     value = ((data or {}).get("algorithm") or {}).get("groups_per_step") if isinstance(data, dict) else None
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise NotAStoreError(f"{config_path}: algorithm.groups_per_step missing or not a positive integer")

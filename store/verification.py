@@ -8,6 +8,7 @@ Every function returns a `Report`: `problems` (each one line; empty means sound)
 
 from __future__ import annotations
 
+import os
 import sqlite3
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,7 +16,7 @@ from pathlib import Path
 from .errors import NotAStoreError, SchemaTooNewError
 from .invariants import check_invariants
 from .layout import (
-    BAD_MANIFEST, BOOTSTRAP, COMPLETE, NO_MANIFEST, SNAPSHOT_DB, SNAPSHOTS_DIR, anchor_step, scan,
+    BAD_MANIFEST, BOOTSTRAP, COMPLETE, NO_MANIFEST, SNAPSHOT_DB, SNAPSHOTS_DIR, anchor_step, scan, snapshot_name,
 )
 from .manifest import (
     KIND_SNAPSHOT, KIND_TRAINER, MANIFEST_NAME, Manifest, ManifestError, read_manifest, verify_files,
@@ -138,6 +139,13 @@ def verify_snapshot_dir(path: str | Path) -> Report:
     if manifest.kind != KIND_SNAPSHOT:
         report.problems.append(f"{path / MANIFEST_NAME}: kind {manifest.kind}, expected {KIND_SNAPSHOT}")
         return report
+    if path.parent.name == SNAPSHOTS_DIR:
+        # The manifest must describe the place it was published to: a manifest copied from
+        # another snapshot would make a restore believe the wrong anchor or sequence.
+        anchor, name = path.parent.parent.name, path.name
+        if manifest.anchor != anchor or snapshot_name(manifest.sequence or 0) != name:
+            report.problems.append(f"{path / MANIFEST_NAME}: says anchor {manifest.anchor} snapshot_{manifest.sequence}, "
+                                   f"but the directory is {anchor}/{SNAPSHOTS_DIR}/{name}; restore the right manifest")
     file_problems = verify_files(path, manifest)
     report.problems += file_problems
     db = path / SNAPSHOT_DB
@@ -165,7 +173,14 @@ def verify_trainer_dir(path: str | Path, *, with_snapshots: bool = True) -> Repo
         else:
             report.problems += verify_files(path, manifest, skip_dirs=(SNAPSHOTS_DIR,))
     if with_snapshots:
-        for snap in sorted((path / SNAPSHOTS_DIR).glob("snapshot_*")):
+        try:
+            snaps = sorted((path / SNAPSHOTS_DIR).glob("snapshot_*"))
+            if (path / SNAPSHOTS_DIR).is_dir():
+                os.listdir(path / SNAPSHOTS_DIR)  # glob hides an unreadable directory as empty
+        except PermissionError as e:
+            report.problems.append(f"{path / SNAPSHOTS_DIR}: cannot list it ({e.strerror}); fix its permissions")
+            snaps = []
+        for snap in snaps:
             if snap.is_dir():
                 report.extend(verify_snapshot_dir(snap))
     return report

@@ -108,10 +108,6 @@ def unchanged(root: Path):
     assert not changed, f"files changed: {changed[:5]}"
 
 
-def xfail_other_branch(item: int, what: str):
-    return pytest.mark.xfail(strict=True, reason=f"W2-R item {item}: fixed on another branch ({what})")
-
-
 # ----------------------------------------------------------------------------- what the commands read
 
 

@@ -106,15 +106,9 @@ RUN_CONFIGS = {
     "a boolean for groups_per_step": b"algorithm:\n  groups_per_step: true\n",
     "a list at the top": b"- 1\n",
 }
-RUN_CONFIG_XFAIL = {
-    name: pytest.mark.xfail(strict=True, reason="store/resume.py (another helper's part) reads RUN_DIR/config.yaml "
-                            "with a RecursionError/UnicodeDecodeError left to the CLI's backstop")
-    for name in ("nested 5000 deep",)
-}
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=[RUN_CONFIG_XFAIL[n]] if n in RUN_CONFIG_XFAIL else [])
-                                  for n in RUN_CONFIGS])
+@pytest.mark.parametrize("name", list(RUN_CONFIGS))
 def test_verify_of_a_run_directory_with_a_forged_config_is_refused_in_one_line(world, tmp_path, name):
     run_dir = tmp_path / "run"
     run_dir.mkdir()

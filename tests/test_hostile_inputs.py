@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 
 from hostile import (  # noqa: F401 - world is a fixture
-    Result, assert_refused, run_cli, unchanged, world, xfail_other_branch,
+    Result, assert_refused, run_cli, unchanged, world,
 )
 
 # ----------------------------------------------------------------------------- class 1: special files
@@ -69,17 +69,10 @@ PATH_ARGS = {
 }
 
 
-# `train` prints its banner, then fails creating a run directory where a file is: the
-# run-directory checks before anything is written are on the run-lock branch.
-SPECIAL_XFAIL = {("train --run-dir", k): xfail_other_branch(1, "run dir checked before the banner")
-                 for k in ("fifo", "socket", "symlink_loop", "dev_null", "empty")}
-
-
 def _special_cases():
     for command in PATH_ARGS:
         for kind in SPECIALS:
-            marks = [SPECIAL_XFAIL[(command, kind)]] if (command, kind) in SPECIAL_XFAIL else []
-            yield pytest.param(command, kind, id=f"{command}-{kind}", marks=marks)
+            yield pytest.param(command, kind, id=f"{command}-{kind}")
 
 
 @pytest.mark.parametrize("command,kind", list(_special_cases()))
@@ -117,9 +110,7 @@ ODD_NAMES = {
 def _odd_name_cases():
     for command in PATH_ARGS:
         for name in ODD_NAMES:
-            marks = ([xfail_other_branch(1, "run dir checked before it is created")]
-                     if (command, name) == ("train --run-dir", "a path through a file") else [])
-            yield pytest.param(command, name, id=f"{command}-{name}", marks=marks)
+            yield pytest.param(command, name, id=f"{command}-{name}")
 
 
 @pytest.mark.parametrize("command,name", list(_odd_name_cases()))
@@ -207,12 +198,6 @@ FORGED = {
     "run_meta emptied": _forge_version("DELETE FROM run_meta;"),
     "sampler_state emptied": _forge_version("DELETE FROM sampler_state;"),
 }
-# Item 5 (strict schema identification) is another branch's: a version table with two
-# rows is taken at its first row today.
-FORGED_XFAIL = {
-    ("alembic_version with two rows", c): xfail_other_branch(5, "two version rows pass")
-    for c in ("inspect", "inspect --sql", "verify", "upgrade")
-}
 # `inspect` reads an uninitialised store without complaint (a note): by design it
 # describes what is there; `verify` judges it.
 # `upgrade` migrates the schema, whatever the rows: a head file is "up to date".
@@ -234,8 +219,7 @@ def _file_cases():
         for name in FORGED:
             if (name, command) in FORGED_SKIP:
                 continue
-            marks = [FORGED_XFAIL[(name, command)]] if (name, command) in FORGED_XFAIL else []
-            yield pytest.param(command, "forge", name, id=f"{command}-{name}", marks=marks)
+            yield pytest.param(command, "forge", name, id=f"{command}-{name}")
 
 
 @pytest.mark.parametrize("command,how,name", list(_file_cases()))
@@ -281,16 +265,9 @@ UNREADABLE = {
     "snapshots dir / verify trainer": ("bootstrap/rollout_snapshots", ["verify", "bootstrap"], {1, 2}),
     "snapshot dir / verify checkpoint": ("bootstrap/rollout_snapshots/snapshot_1", ["verify", "."], {1, 2}),
 }
-UNREADABLE_XFAIL = {
-    "snapshots dir / snapshots": "store/layout.py (another helper's file) leaves scandir's PermissionError to the backstop",
-    "snapshots dir / verify trainer": "store/verification.py (another helper's file) skips an unreadable "
-                                      "rollout_snapshots/ and says ok",
-    "snapshot dir / verify checkpoint": "store/layout.py (another helper's file) leaves PermissionError to the backstop",
-}
 
 
-@pytest.mark.parametrize("case", [pytest.param(c, marks=[pytest.mark.xfail(strict=True, reason=UNREADABLE_XFAIL[c])]
-                                               if c in UNREADABLE_XFAIL else []) for c in UNREADABLE])
+@pytest.mark.parametrize("case", list(UNREADABLE))
 def test_an_unreadable_file_or_directory_is_refused_in_one_line(world, tmp_path, case):
     import subprocess
     import sys

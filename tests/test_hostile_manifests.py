@@ -126,17 +126,7 @@ FORGED_MANIFESTS = {
 }
 
 
-# `verify SNAPSHOT_DIR` does not compare the manifest's anchor and sequence with where the
-# directory is (verify CHECKPOINT_DIR and `snapshots` do, through layout.scan).
-MANIFEST_XFAIL = {
-    name: pytest.mark.xfail(strict=True, reason="store/verification.py (another helper's file): "
-                            "verify SNAPSHOT_DIR does not check the manifest's anchor/sequence against its path")
-    for name in ("anchor not the directory's", "sequence not the directory's")
-}
-
-
-@pytest.mark.parametrize("name", [pytest.param(n, marks=[MANIFEST_XFAIL[n]] if n in MANIFEST_XFAIL else [])
-                                  for n in FORGED_MANIFESTS])
+@pytest.mark.parametrize("name", list(FORGED_MANIFESTS))
 def test_a_forged_manifest_is_refused_in_one_line(snapshot, name):
     m = snapshot / "manifest.json"
     doc = json.loads(m.read_text())
