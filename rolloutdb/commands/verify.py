@@ -16,10 +16,11 @@ EXIT_PROBLEMS = 1
 
 DESCRIPTION = """\
 Verify what PATH is:
-  a store or snapshot file   PRAGMA integrity_check, a schema revision this rolloutdb
-                             knows (older is fine and said so; newer is an error; head:
-                             {head}), the four invariants, and the checksums of every
-                             file when a manifest.json sits beside it;
+  a store or snapshot file   PRAGMA integrity_check, exactly one alembic_version row
+                             naming a revision this rolloutdb knows, whose schema the
+                             file has (older is fine and said so; unknown is an error;
+                             head: {head}), the four invariants, and the checksums of
+                             every file when a manifest.json sits beside it;
   a snapshot directory       every file against its manifest.json, then the file checks;
   a trainer checkpoint       (bootstrap/, step_<N>/) its files against its manifest, and
                              every snapshot under it;
