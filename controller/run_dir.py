@@ -80,6 +80,17 @@ class RunDir:
     def has_run(self) -> bool:
         return self.store.exists()
 
+    def is_run_dir(self) -> bool:
+        """Whether root is a run directory, as the CLI's `verify`, `snapshots` and `trace`
+        take it: a directory holding rollout_state.sqlite and config.yaml. A snapshot
+        directory holds the same two files; it has a manifest (or lies under
+        rollout_snapshots/ when its manifest is missing), a run directory never."""
+        root = self.root
+        if not (root.is_dir() and self.store.is_file() and self.config.is_file()):
+            return False
+        return not ((root / "manifest.json").exists() or root.parent.name == "rollout_snapshots"
+                    or root.name.startswith("snapshot_"))
+
     def check_for(self, *, resume: bool) -> None:
         """A resume needs a run here; a new run needs none (checked under the lock)."""
         if resume and not self.has_run():

@@ -95,6 +95,34 @@ def test_snapshots_json_gives_counts_and_completeness_and_lists_leftovers_as_inc
     assert tree_state(ckpt) == before  # listing removes nothing
 
 
+def _run_dir_around(ckpt: Path, tmp_path: Path) -> Path:
+    """A run directory (store, config.yaml) whose checkpoints/ is a copy of ckpt."""
+    run = tmp_path / "run"
+    shutil.copytree(ckpt, run / "checkpoints")
+    Store.create(run / "rollout_state.sqlite", replay_capacity=8).close()
+    (run / "config.yaml").write_text("algorithm:\n  groups_per_step: 1\n")
+    return run
+
+
+def test_snapshots_of_a_run_directory_lists_its_checkpoints_directory(ckpt, tmp_path):
+    run = _run_dir_around(ckpt, tmp_path)
+    from_run, from_ckpt = cli("snapshots", run, "--json"), cli("snapshots", run / "checkpoints", "--json")
+    assert from_run.returncode == 0, from_run.stderr
+    rows = json.loads(from_run.stdout)
+    assert [(r["sequence"], r["anchor"]) for r in rows] == [(None, "bootstrap"), (1, "bootstrap"), (2, "bootstrap"),
+                                                              (None, "step_1"), (3, "step_1")]
+    assert [r["path"] for r in rows] == [r["path"] for r in json.loads(from_ckpt.stdout)]
+
+
+def test_snapshots_of_a_run_directory_without_checkpoints_is_one_error_line(tmp_path):
+    run = tmp_path / "run"
+    Store.create(run / "rollout_state.sqlite", replay_capacity=8).close()
+    (run / "config.yaml").write_text("algorithm:\n  groups_per_step: 1\n")
+    r = cli("snapshots", run)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1
+    assert r.stderr.startswith("error: ") and "checkpoints: no such directory" in r.stderr
+
+
 def test_snapshots_of_a_missing_directory_is_one_error_line(tmp_path):
     r = cli("snapshots", tmp_path / "nope")
     assert r.returncode != 0

@@ -1,4 +1,4 @@
-"""`rolloutdb snapshots CHECKPOINT_DIR`: list the anchors and rollout snapshots of a
+"""`rolloutdb snapshots CHECKPOINT_DIR|RUN_DIR`: list the anchors and rollout snapshots of a
 checkpoint directory, complete or not. Read-only: nothing is opened for writing, and
 leftovers are listed (as incomplete), never removed."""
 
@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 from rolloutdb.cli import path_argument
+from rolloutdb.controller.run_dir import RunDir
 from rolloutdb.store.errors import NotAStoreError
 from rolloutdb.store.layout import Entry, scan
 from rolloutdb.store.manifest import KIND_SNAPSHOT
@@ -19,7 +20,8 @@ List a checkpoint directory: one row per anchor (bootstrap/, step_<N>/: trainer
 checkpoints) and one per rollout snapshot under it, with sequence number, anchor, kind,
 age, size, row counts and whether it is complete. Only complete entries are
 checkpoints; temporary or half-deleted directories left by a crash are listed as
-incomplete and removed by the next save. Nothing on disk is changed.
+incomplete and removed by the next save. Nothing on disk is changed. Given a run
+directory (holding rollout_state.sqlite and config.yaml), lists RUN_DIR/checkpoints.
 """
 
 # Row counts shown in the table (all of them are in --json).
@@ -32,7 +34,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "snapshots", help="list the trainer checkpoints and rollout snapshots of a checkpoint directory",
         description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("checkpoint_dir", metavar="CHECKPOINT_DIR", type=path_argument, help="the run's checkpoint directory")
+    parser.add_argument("checkpoint_dir", metavar="CHECKPOINT_DIR", type=path_argument,
+                        help="the run's checkpoint directory, or the run directory holding it")
     parser.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
     parser.set_defaults(func=run)
 
@@ -87,6 +90,11 @@ def _counts(row: dict) -> str:
 
 def run(args: argparse.Namespace) -> int:
     root = Path(args.checkpoint_dir)
+    run_dir = RunDir(root)
+    if run_dir.is_run_dir():
+        root = run_dir.checkpoints
+        if not root.exists():
+            raise NotAStoreError(f"{root}: no such directory; the run has published no checkpoint yet")
     if not root.exists():
         raise NotAStoreError(f"{root}: no such directory; pass the run's checkpoint directory")
     if not root.is_dir():

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from rolloutdb.cli import path_argument
+from rolloutdb.controller.run_dir import RunDir
 from rolloutdb.store.revision import head_revision
 from rolloutdb.store.verification import verify_path
 
@@ -56,15 +57,6 @@ def _one_line(text: str) -> str:
 # RUN_DIR holding rollout_state.sqlite and config.yaml: exactly-once over every stop.
 
 
-def _is_run_dir(path: Path) -> bool:
-    """A snapshot directory holds the same two files; it has a manifest (or lies under
-    rollout_snapshots/ when its manifest is missing), a run directory never."""
-    if not (path.is_dir() and (path / "rollout_state.sqlite").is_file() and (path / "config.yaml").is_file()):
-        return False
-    return not ((path / "manifest.json").exists() or path.parent.name == "rollout_snapshots"
-                or path.name.startswith("snapshot_"))
-
-
 def run_run_dir(args: argparse.Namespace) -> int:
     from rolloutdb.store.resume import verify_run
 
@@ -82,7 +74,7 @@ def run_run_dir(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    if _is_run_dir(Path(args.path)):
+    if RunDir(Path(args.path)).is_run_dir():
         return run_run_dir(args)
     report = verify_path(args.path)
     for problem in report.problems:
