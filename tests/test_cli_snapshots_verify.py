@@ -143,6 +143,31 @@ def test_verify_passes_a_sound_checkpoint_directory_trainer_checkpoint_snapshot_
     assert tree_state(ckpt) == before
 
 
+def test_verify_json_gives_ok_problems_notes_and_what_was_checked_with_the_same_exit_code(ckpt):
+    r = cli("verify", ckpt, "--json")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["ok"] is True and doc["problems"] == [] and isinstance(doc["notes"], list)
+    assert len(doc["checked"]) >= 5
+    (_snapshot1(ckpt) / "config.yaml").unlink()
+    r = cli("verify", ckpt, "--json")
+    assert r.returncode == 1
+    doc = json.loads(r.stdout)
+    assert doc["ok"] is False and any("config.yaml: missing" in p for p in doc["problems"])
+
+
+def test_verify_json_of_a_run_directory_gives_the_verdict_counts(tmp_path):
+    from test_verify_run_lost_work import build_run
+
+    run = build_run(tmp_path, {1: "zero_reward_variance"})
+    r = cli("verify", run, "--json")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["ok"] is True and doc["problems"] == []
+    assert {k: doc[k] for k in ("trained", "discarded", "duplicated", "lost")} == {
+        "trained": 4, "discarded": 1, "duplicated": 0, "lost": 0}
+
+
 def test_verify_accepts_an_older_revision_and_says_so(tmp_path):
     old = tmp_path / "old.sqlite"
     shutil.copyfile(FIXTURES / "store_v1_0_a.sqlite", old)

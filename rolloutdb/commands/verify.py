@@ -5,6 +5,7 @@ and one line per problem, each starting with `error:`. Read-only throughout."""
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -42,6 +43,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("path", metavar="PATH", type=path_argument, help="a .sqlite file, a snapshot directory or a checkpoint directory")
     parser.add_argument("-q", "--quiet", action="store_true", help="print problems only")
+    parser.add_argument("--json", action="store_true",
+                        help="print one JSON object (ok, problems, notes, checked; for a run directory also "
+                             "trained, discarded, duplicated, lost) instead of text; exit codes are the same")
     parser.set_defaults(func=run)
 
 
@@ -63,6 +67,12 @@ def run_run_dir(args: argparse.Namespace) -> int:
     verdict = verify_run(args.path)
     for problem in verdict.problems:
         print(f"error: {_one_line(problem)}", file=sys.stderr)
+    if args.json:
+        counts = {k: getattr(verdict, k) for k in ("trained", "discarded", "duplicated", "lost", "pending",
+                                                   "discarded_not_owned", "spare", "cursor", "steps")}
+        _print_json(verdict.ok, verdict.problems, verdict.notes, [str(Path(args.path) / "rollout_state.sqlite")],
+                    kind="run_dir", **counts)
+        return 0 if verdict.ok else EXIT_PROBLEMS
     if not args.quiet:
         for note in verdict.notes:
             print(f"note: {_one_line(note)}")
@@ -73,12 +83,23 @@ def run_run_dir(args: argparse.Namespace) -> int:
 # ------------------------------------------------------------------------------------------
 
 
+def _print_json(ok: bool, problems: list[str], notes: list[str], checked: list[str], **extra) -> None:
+    """--json: the same verdict as the text, one object on stdout (problems also stay on
+    stderr as `error:` lines, so a script reading only the exit code and stderr sees no change)."""
+    doc = {"ok": ok, "problems": [_one_line(p) for p in problems], "notes": [_one_line(n) for n in notes],
+           "checked": [str(c) for c in checked], **extra}
+    print(json.dumps(doc, indent=2))
+
+
 def run(args: argparse.Namespace) -> int:
     if RunDir(Path(args.path)).is_run_dir():
         return run_run_dir(args)
     report = verify_path(args.path)
     for problem in report.problems:
         print(f"error: {_one_line(problem)}", file=sys.stderr)
+    if args.json:
+        _print_json(report.ok, report.problems, report.notes, report.checked, kind="checkpoint")
+        return 0 if report.ok else EXIT_PROBLEMS
     if not args.quiet:
         for note in report.notes:
             print(f"note: {_one_line(note)}")
