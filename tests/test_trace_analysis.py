@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 
 from rolloutdb.cli import main
+from rolloutdb.commands import trace as trace_cli
 from rolloutdb.store import trace_queries
 from rolloutdb.store.analysis import TraceAnalysis, open_sqlite_analysis, sqlite_query
 from rolloutdb.store.trace import TRACE_FILENAME, TraceError, Tracer
@@ -430,3 +431,35 @@ def test_rolloutdb_trace_refuses_bad_input_in_one_line_and_writes_nothing(job, t
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and message in err[0]
     assert not (run.parent.parent / "plots").exists()
+
+
+def test_rolloutdb_trace_json_prints_the_document_that_trace_report_json_holds(job, capsys):
+    run, _ = job
+    assert main(["trace", str(run.parent.parent), "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed == json.loads((run.parent.parent / "plots" / "trace_report.json").read_text())
+    assert printed["traces"] == [str(run)] and len(printed["batch_age_per_step"]) == 4
+
+
+def _long_trace(path, steps: int) -> None:
+    """A trace whose printed report is far longer than a pipe holds (64 KiB)."""
+    tr = Tracer(path, clock=lambda: 0.0)
+    for step in range(1, steps + 1):
+        tr.emit("group_published", t=step, group_id=step, prompt_id=step, version_token_counts={step - 1: 10})
+        tr.emit("train_step", t=step + 0.5, step=step, policy_version=step, group_ids=[step], batch_age=1.0)
+    tr.close()
+
+
+def test_rolloutdb_trace_piped_into_a_reader_that_leaves_after_one_line_still_writes_every_file(tmp_path):
+    run = tmp_path / "run"
+    _long_trace(run / "logs" / TRACE_FILENAME, 2500)
+    # `rolloutdb trace RUN_DIR | head -1`, unbuffered so that every line reaches the pipe at once.
+    proc = subprocess.Popen([sys.executable, "-u", "-m", "rolloutdb", "trace", str(run)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    assert proc.stdout.readline().startswith(b"trace: ")
+    proc.stdout.close()
+    assert proc.wait(timeout=300) == 0, proc.stderr.read()
+    written = sorted(p.name for p in (run / "plots").iterdir())
+    assert written == sorted([f"{name}.csv" for name, _ in trace_cli.TABLES]
+                             + ["trace_report.json", "thrown_away.png", "lost_progress.png", "batch_age.png"])
+    assert len(json.loads((run / "plots" / "trace_report.json").read_text())["batch_age_per_step"]) == 2500

@@ -60,6 +60,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", type=path_argument, help="run directory or its logs/ directory")
     parser.add_argument("--baseline", metavar="RUN_DIR", type=path_argument, help="a run of the same job that never stopped")
+    parser.add_argument("--json", action="store_true",
+                        help="print the report document (what trace_report.json holds) instead of text")
     parser.add_argument("--out", metavar="DIR", type=path_argument, help="where to write CSV, JSON and plots (default RUN_DIR/plots)")
     parser.set_defaults(func=run)
 
@@ -76,6 +78,16 @@ def run(args: argparse.Namespace) -> int:
         raise TraceError(f"{out}: is a file; pass a directory with --out")
     with TraceAnalysis(traces, baseline) as analysis:
         report = {name: analysis.query(name) for name, _ in TABLES}
+    document = _document(report, traces, baseline)
+    # The files first, then stdout: a reader that leaves early (`| head -1`) must not
+    # cost the report its files.
+    try:
+        written = _write_outputs(out, report, document, bool(baseline))
+    except OSError as e:
+        raise TraceError(f"{out}: cannot write the report there ({e.strerror or e}); pass another --out") from e
+    if args.json:
+        print(json.dumps(document, indent=1))
+        return 0
     print(f"trace: {', '.join(map(str, traces))}" + (f"; baseline: {baseline[0]}" if baseline else ""))
     for name, title in TABLES:
         if name not in PRINTED:
@@ -85,10 +97,6 @@ def run(args: argparse.Namespace) -> int:
             print("  (pass --baseline RUN_DIR, a run that never stopped, to measure lost progress)")
         print(_format(report[name]))
     print("\n" + _agreement(report["batch_age_per_step"]))
-    try:
-        written = _write_outputs(out, report, traces, baseline)
-    except OSError as e:
-        raise TraceError(f"{out}: cannot write the report there ({e.strerror or e}); pass another --out") from e
     print(f"\nwrote {len(written)} files to {out}")
     return 0
 
@@ -150,17 +158,21 @@ def _json_safe(value):
     return None if isinstance(value, float) and not math.isfinite(value) else value
 
 
-def _write_outputs(out: Path, report: dict[str, Table], traces: list[Path], baseline: list[Path]) -> list[Path]:
+def _document(report: dict[str, Table], traces: list[Path], baseline: list[Path]) -> dict:
+    """The report as one JSON document: trace_report.json, and stdout with --json."""
+    return {
+        "traces": [str(p) for p in traces],
+        "baseline": [str(p) for p in baseline],
+        **{name: [{k: _json_safe(v) for k, v in row.items()} for row in t.as_dicts()] for name, t in report.items()},
+    }
+
+
+def _write_outputs(out: Path, report: dict[str, Table], document: dict, has_baseline: bool) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     written = []
     for name, table in report.items():
         written.append(out / f"{name}.csv")
         _publish_bytes(written[-1], _csv_bytes(table))
-    document = {
-        "traces": [str(p) for p in traces],
-        "baseline": [str(p) for p in baseline],
-        **{name: [{k: _json_safe(v) for k, v in row.items()} for row in t.as_dicts()] for name, t in report.items()},
-    }
     written.append(out / "trace_report.json")
     _publish_bytes(written[-1], json.dumps(document, indent=1).encode())
     for filename, plot in (
@@ -169,7 +181,7 @@ def _write_outputs(out: Path, report: dict[str, Table], traces: list[Path], base
         ("batch_age.png", _plot_batch_age),
     ):
         written.append(out / filename)
-        _publish_bytes(written[-1], _png(plot, report, bool(baseline)))
+        _publish_bytes(written[-1], _png(plot, report, has_baseline))
     return written
 
 
