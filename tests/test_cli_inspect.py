@@ -154,7 +154,7 @@ def _snapshot_dir(store_file: Path, tmp_path: Path, manifest) -> tuple[Path, obj
     return snap, cap
 
 
-def test_a_snapshot_shows_the_anchor_and_cut_time_of_the_manifest_beside_it(store_file, tmp_path):
+def test_a_snapshot_shows_the_anchor_and_the_cut_time_of_the_manifest_beside_it_in_iso_8601_utc(store_file, tmp_path):
     def manifest(cap):
         return {"format_version": 1, "kind": "rollout_snapshot", "anchor": "step_3", "sequence": 7,
                 "cut_time": 1767225600.25, "schema_revision": cap.revision, "mutation_counter": cap.mutation_counter,
@@ -165,11 +165,11 @@ def test_a_snapshot_shows_the_anchor_and_cut_time_of_the_manifest_beside_it(stor
     text = inspect(snap / "rollouts.sqlite")
     assert text.returncode == 0, text.stderr
     assert "manifest          rollout_snapshot #7, anchor step_3" in text.stdout
-    assert "cut time          2026-01-01 00:00:00.250 UTC" in text.stdout
+    assert "cut time          2026-01-01T00:00:00.250Z (" in text.stdout
     assert "note:" not in text.stdout
     data = json.loads(inspect(snap / "rollouts.sqlite", "--json").stdout)
     assert data["manifest"]["anchor"] == "step_3" and data["manifest"]["sequence"] == 7
-    assert data["manifest"]["cut_time"] == 1767225600.25
+    assert data["manifest"]["cut_time"] == "2026-01-01T00:00:00.250Z"  # ISO-8601 UTC, never an epoch float
     assert data["mutation_counter"] == cap.mutation_counter
     assert data["row_counts"] == cap.row_counts
     assert sha256(snap / "rollouts.sqlite") == before and listing(snap) == files

@@ -123,6 +123,20 @@ def test_snapshots_of_a_run_directory_without_checkpoints_is_one_error_line(tmp_
     assert r.stderr.startswith("error: ") and "checkpoints: no such directory" in r.stderr
 
 
+def test_snapshots_json_shows_times_as_iso_8601_utc_and_ages_in_seconds_never_epoch_floats(ckpt):
+    import re
+    import time
+
+    rows = json.loads(cli("snapshots", ckpt, "--json").stdout)
+    iso = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d{3})?Z$")
+    snaps = [r for r in rows if r["kind"] == "rollout_snapshot"]
+    assert snaps and all(iso.match(r["cut_time"]) for r in snaps)
+    assert all(iso.match(r["created_at"]) for r in rows)
+    assert all(0 <= r["age_s"] < 3600 for r in rows)  # a relative age, not a point in time
+    floats = [v for r in rows for v in r.values() if isinstance(v, float)]
+    assert all(v < time.time() / 2 for v in floats), floats
+
+
 def test_snapshots_of_a_missing_directory_is_one_error_line(tmp_path):
     r = cli("snapshots", tmp_path / "nope")
     assert r.returncode != 0

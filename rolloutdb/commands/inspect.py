@@ -29,6 +29,7 @@ from rolloutdb.store.readonly import (
 )
 from rolloutdb.store.revision import head_revision
 from rolloutdb.store.schema import ABANDON_REASONS, GROUP_STATES, ROLLOUT_STATES, STATE_TABLES
+from rolloutdb.timefmt import iso_utc
 
 MANIFEST_NAME = "manifest.json"
 MAX_CELL = 80  # text tables cut longer cells; --json keeps them whole
@@ -113,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
             _print_query(path, revision, columns, rows, as_json=args.json)
         else:
             summary = summarize(conn, path, revision, status)
-            print(json.dumps(summary, indent=2, default=str) if args.json else render_summary(summary))
+            print(json.dumps(_json_view(summary), indent=2, default=str) if args.json else render_summary(summary))
     except sqlite3.DatabaseError as e:
         raise NotAStoreError(f"{path}: unreadable SQLite file ({' '.join(str(e).split())}); "
                              "run `rolloutdb verify` or restore another snapshot") from e
@@ -213,7 +214,6 @@ def read_manifest_beside(path: Path, revision: str | None, notes: list[str]) -> 
     if cut is not None and not (isinstance(cut, (int, float)) and not isinstance(cut, bool) and math.isfinite(cut)):
         notes.append(f"{manifest_path}: cut_time {cut!r} is not a number of seconds")
         found["cut_time"] = cut = None
-    found["cut_time_utc"] = _utc(cut) if cut is not None else None
     if found["schema_revision"] not in (None, revision):
         notes.append(f"manifest says schema revision {found['schema_revision']}, the file holds {revision}")
     files = data.get("files")
@@ -223,8 +223,12 @@ def read_manifest_beside(path: Path, revision: str | None, notes: list[str]) -> 
     return found
 
 
-def _utc(seconds: float) -> str:
-    return time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(seconds)) + f".{int(seconds % 1 * 1000):03d} UTC"
+def _json_view(s: dict[str, Any]) -> dict[str, Any]:
+    """The summary as --json prints it: times as ISO-8601 UTC strings, never epoch floats."""
+    m = s["manifest"]
+    if m is None or m.get("cut_time") is None:
+        return s
+    return {**s, "manifest": {**m, "cut_time": iso_utc(m["cut_time"])}}
 
 
 def render_summary(s: dict[str, Any]) -> str:
@@ -239,7 +243,7 @@ def render_summary(s: dict[str, Any]) -> str:
         lines.append(f"manifest          {m.get('kind') or '?'}{seq}, anchor {m.get('anchor') or '?'}")
         if m.get("cut_time") is not None:
             ago = _duration(time.time() - m["cut_time"])
-            lines.append(f"cut time          {m['cut_time_utc']} ({ago} ago)")
+            lines.append(f"cut time          {iso_utc(m['cut_time'])} ({ago} ago)")
     lines.append(f"run id            {s['run_id']}")
     lines.append(f"mutation counter  {s['mutation_counter']}")
     c = s["sampler"]

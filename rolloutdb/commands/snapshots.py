@@ -14,6 +14,7 @@ from rolloutdb.controller.run_dir import RunDir
 from rolloutdb.store.errors import NotAStoreError
 from rolloutdb.store.layout import Entry, scan
 from rolloutdb.store.manifest import KIND_SNAPSHOT
+from rolloutdb.timefmt import iso_utc
 
 DESCRIPTION = """\
 List a checkpoint directory: one row per anchor (bootstrap/, step_<N>/: trainer
@@ -53,7 +54,8 @@ def _row(e: Entry, now: float) -> dict:
         "age_s": e.age_s(now),
         "size_bytes": e.size_bytes(),
         "schema_revision": m.schema_revision if m else None,
-        "cut_time": m.cut_time if m else None,
+        "created_at": iso_utc(m.created_at) if m else None,
+        "cut_time": iso_utc(m.cut_time) if m else None,
         "mutation_counter": m.mutation_counter if m else None,
         "row_counts": m.row_counts if m else {},
         "group_states": m.group_states if m else {},
