@@ -20,6 +20,7 @@ from rolloutdb.cli import path_argument
 from rolloutdb.store.analysis import Table, TraceAnalysis
 from rolloutdb.store.fsio import replace_file, temp_path_beside
 from rolloutdb.store.trace import TraceError, trace_file_for
+from rolloutdb.timefmt import iso_utc
 
 DESCRIPTION = """\
 Report what the stops of a run cost and the batch age of its train steps, from its trace
@@ -49,6 +50,15 @@ TABLES = (
 )
 PRINTED = {"thrown_away_per_stop", "lost_progress_per_stop", "batch_age_per_step"}
 AGREE_TOLERANCE = 1e-9
+# Columns holding a point in time (epoch seconds in the trace): printed as ISO-8601 UTC.
+# The CSV and JSON files keep the epoch seconds at full precision (data for further
+# analysis, joined against the trace's own `t`). Durations and effective times (seconds
+# since the job started) stay numbers everywhere.
+TIME_COLUMNS = frozenset({"cut_time", "dispatched_at", "t"})
+
+
+def _shown(column: str, value):
+    return iso_utc(value) if column in TIME_COLUMNS and value is not None else value
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -117,7 +127,7 @@ def _cell(value) -> str:
 def _format(table: Table) -> str:
     if not table.rows:
         return "  (none)"
-    cells = [table.columns] + [[_cell(v) for v in row] for row in table.rows]
+    cells = [table.columns] + [[_cell(_shown(c, v)) for c, v in zip(table.columns, row)] for row in table.rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(table.columns))]
     return "\n".join("  " + "  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in cells)
 
