@@ -97,7 +97,7 @@ class Controller:
         self.checkpoints.publish_bootstrap()
         self.bar = ProgressBar(cfg.algorithm.total_steps, enabled=cfg.logging.progress, start_step=self.trainer.step)
         if cfg.ledger_dispatch:
-            dispatcher = LedgerDispatch()
+            dispatcher: LedgerDispatch | NoLedgerDispatch = LedgerDispatch()
         else:
             with self.store.atomic(mutation=False) as tx:
                 dispatcher = NoLedgerDispatch.resuming(tx)

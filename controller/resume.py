@@ -25,13 +25,15 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from rolloutdb.controller.dispatch import GroupHandle
 from rolloutdb.controller.run_dir import RunDir
 from rolloutdb.controller.tracing import RolloutTrace
-from rolloutdb.store import Store, faults
+from rolloutdb.store import RestorePlan, Store, faults
 from rolloutdb.store.fsio import fsync_dir, rename
 from rolloutdb.store.layout import BOOTSTRAP, scan
 from rolloutdb.store.manifest import KIND_TRAINER
@@ -43,6 +45,9 @@ from rolloutdb.store.resume import (
 )
 from rolloutdb.store.retention import remove_tree
 from rolloutdb.store.selection import NoRestorableSnapshot, Selection
+
+if TYPE_CHECKING:
+    from sqlalchemy import Row
 
 RESTORE, START_OVER, START_OVER_EMPTY = "restore", "start_over", "start_over_empty"
 
@@ -66,7 +71,7 @@ class Restored:
     plan: ResumePlan
     store: Store | None = None  # None: the run starts over (the controller creates the store)
     groups: list[tuple[GroupHandle, list[int]]] = field(default_factory=list)
-    restore_plan: object = None  # the store's RestorePlan
+    restore_plan: RestorePlan | None = None
     dropped: list[str] = field(default_factory=list)
     moved_to: Path | None = None
     t0: float = 0.0
@@ -214,7 +219,7 @@ def announce(ctl, done: Restored) -> None:
         f"{len(done.groups)} groups to redo first")
 
 
-def _abandoned_at_restore(store: Store, since: float) -> list[tuple]:
+def _abandoned_at_restore(store: Store, since: float) -> Sequence[Row[Any]]:
     """The attempts this restore's normalization abandoned (reason `restart`)."""
     with store.atomic(mutation=False) as tx:
         return tx.exec_driver_sql(

@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 
-def probe_tiled_linear(shapes: set[tuple[int, int]], tile_rows: int, seed: int = 0) -> bool:
+def probe_tiled_linear(shapes: set[tuple[int, ...]], tile_rows: int, seed: int = 0) -> bool:
     """True when, for every weight shape (out, in), a row's F.linear result on a tile of
     `tile_rows` rows is independent of its position in the tile and of its tile mates."""
     gen = torch.Generator().manual_seed(seed)

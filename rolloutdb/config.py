@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -319,7 +320,7 @@ def config_from_dict(data: dict[str, Any]) -> Config:
         raise ConfigError(_first_error(e)) from None
 
 
-def load_config(path: str | Path, overrides: list[str] = ()) -> Config:
+def load_config(path: str | Path, overrides: Sequence[str] = ()) -> Config:
     """Read a YAML config, apply overrides, validate. Errors are one-line ConfigErrors."""
     path = Path(path)
     refuse_special_file(path, ConfigError)  # a FIFO would block the read
@@ -328,7 +329,7 @@ def load_config(path: str | Path, overrides: list[str] = ()) -> Config:
     try:
         data = _parse_yaml(path.read_text(encoding="utf-8")) or {}
     except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{path}: cannot read it as text ({getattr(e, 'strerror', None) or e.reason})") from None
+        raise ConfigError(f"{path}: cannot read it as text ({getattr(e, 'strerror', None) or getattr(e, 'reason', None) or e})") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark else ""

@@ -253,9 +253,9 @@ def verify_files(directory: str | Path, manifest: Manifest, *, skip_dirs: tuple[
             problems.append(f"{path}: size {size} bytes, manifest says {entry.size}")
         elif digest != entry.sha256:
             problems.append(f"{path}: sha256 differs from the manifest (the file was changed or damaged)")
-    for entry in describe_files_names(root, skip_dirs):
-        if entry not in named:
-            problems.append(f"{root / entry}: not listed in the manifest")
+    for name in describe_files_names(root, skip_dirs):
+        if name not in named:
+            problems.append(f"{root / name}: not listed in the manifest")
     return problems
 
 

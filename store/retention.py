@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-from collections.abc import Iterable
+from collections.abc import Iterable, Set
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -174,7 +174,7 @@ def apply_retention(checkpoint_dir: str | Path, retention: Retention, inventory:
     return report
 
 
-def remove_leftovers(inventory: Inventory, *, busy: set[Path] = frozenset()) -> RetentionReport:
+def remove_leftovers(inventory: Inventory, *, busy: Set[Path] = frozenset()) -> RetentionReport:
     """Remove temporary and trash directories (other than `busy` ones, which this
     process is still writing). Failures are reported, never raised."""
     report = RetentionReport()

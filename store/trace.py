@@ -103,7 +103,7 @@ FIELD_TYPES = {
 }
 
 # List-valued fields, each stored as rows of its own table: (event, field) -> (table, columns).
-LIST_TABLES: dict[tuple[str, str], tuple[str, tuple[str, str]]] = {
+LIST_TABLES: dict[tuple[str, str], tuple[str, tuple[str, ...]]] = {
     ("rollout_finished", "version_token_counts"): ("finished_tokens", ("policy_version", "tokens")),
     ("group_published", "version_token_counts"): ("published_tokens", ("policy_version", "tokens")),
     ("train_step", "group_ids"): ("trained_groups", ("group_id",)),
