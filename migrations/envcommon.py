@@ -4,11 +4,12 @@
 Two ways in:
 - from code (`rolloutdb.store.revision.run_migrations`): a SQLAlchemy connection is
   passed in ``config.attributes["connection"]`` and used as is;
-- from the command line: ``alembic -x db=PATH upgrade head``.
+- from the command line: ``alembic -x db=PATH upgrade head`` (also ``check`` and
+  ``revision --autogenerate``; see README in this folder).
 
 Batch mode is on because SQLite cannot ALTER most things in place: batch migrations
-copy the table, which is what SQLite's own docs recommend. Only autogenerate
-(``-x autogenerate=1``) loads the live models; the migrations themselves stay frozen.
+copy the table, which is what SQLite's own docs recommend. Only the command line loads the
+live models (autogenerate compares a file with them); the migrations themselves stay frozen.
 """
 
 from __future__ import annotations
@@ -23,14 +24,16 @@ def run_env(context, kind: str, load_metadata: Callable[[], MetaData]) -> None:
     if context.is_offline_mode():
         raise SystemExit(f"error: offline (--sql) migrations are not supported for rolloutdb {kind} files")
     xargs = context.get_x_argument(as_dictionary=True)
-    target = load_metadata() if xargs.get("autogenerate") else None
+    connection = context.config.attributes.get("connection")
+    # From the command line (`alembic check`, `revision --autogenerate`) autogenerate compares
+    # the file with the live models; from code only migrations run, so the models stay unloaded.
+    target = load_metadata() if connection is None else None
 
     def run(connection) -> None:
         context.configure(connection=connection, target_metadata=target, render_as_batch=True, compare_type=True)
         with context.begin_transaction():
             context.run_migrations()
 
-    connection = context.config.attributes.get("connection")
     if connection is not None:
         run(connection)
         return
