@@ -29,6 +29,17 @@ class ConfigError(ValueError):
     """A config file or override the schema refuses; the message is one line."""
 
 
+# Values a later issue builds. Each key's type (a Literal) accepts only what is built, so
+# pydantic refuses these like any typo; this table only lets the one error line say that
+# the value is planned, not misspelt. When one lands, widening its Literal is the whole
+# change to the schema (delete its entry here too: a test names an entry left behind).
+NOT_BUILT_YET: dict[str, dict[str, str]] = {
+    "generation.backend": {"vllm": "the vLLM engine"},
+    "cluster.backend": {"ray": "Ray rollout workers"},
+    "rollout_recovery.target_level": {"turn": "turn-level recovery", "prefix": "prefix-level recovery"},
+}
+
+
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, strict=True, allow_inf_nan=False)
 
@@ -129,13 +140,8 @@ class PolicySection(Section):
 
 
 class GenerationSection(Section):
-    backend: Literal["reference", "vllm"] = "reference"
-
-    @model_validator(mode="after")
-    def _backend_landed(self):
-        if self.backend == "vllm":
-            raise ValueError("backend 'vllm' is not available yet (the vLLM engine lands later); use 'reference'")
-        return self
+    # Built engines only ('vllm': NOT_BUILT_YET); widening this Literal is the whole change.
+    backend: Literal["reference"] = "reference"
     max_tokens: int = Field(8, ge=1, le=1_000_000)
     min_tokens: int = Field(0, ge=0, le=1_000_000)
     temperature: float = Field(1.0, ge=0, le=100)
@@ -168,17 +174,10 @@ class CheckpointingSection(Section):
 
 
 class RolloutRecoverySection(Section):
-    target_level: Literal["none", "group", "turn", "prefix"] = Field(
+    # Built levels only ('turn', 'prefix': NOT_BUILT_YET); widening this Literal is the whole change.
+    target_level: Literal["none", "group"] = Field(
         "group", description="none: no ledger; group: ledger dispatch, unfinished groups redone."
     )
-
-    @model_validator(mode="after")
-    def _landed(self):
-        if self.target_level in ("turn", "prefix"):
-            raise ValueError(
-                f"target_level {self.target_level!r} is not available yet (it lands with turn/prefix recovery); use 'group' or 'none'"
-            )
-        return self
 
 
 class RolloutCheckpointingSection(Section):
@@ -194,14 +193,9 @@ class LoggingSection(Section):
 
 
 class ClusterSection(Section):
-    backend: Literal["local", "ray"] = "local"
+    # Built backends only ('ray': NOT_BUILT_YET); widening this Literal is the whole change.
+    backend: Literal["local"] = "local"
     torch_threads: int = Field(1, ge=1, le=1024, description="Torch threads per pump (trainer and engine each).")
-
-    @model_validator(mode="after")
-    def _landed(self):
-        if self.backend == "ray":
-            raise ValueError("backend 'ray' is not available yet (Ray rollout workers land later); use 'local'")
-        return self
 
 
 class Config(Section):
@@ -257,6 +251,8 @@ def _first_error(e: ValidationError) -> str:
     if err["type"] == "extra_forbidden":
         section = ".".join(loc[:-1]) or "top level"
         return f"unknown key {loc[-1]!r} in section {section!r}; see docs/config.md for the keys"
+    if err["type"] == "literal_error":
+        return f"{'.'.join(loc)}: {_literal_message(loc, err)}"
     msg = err["msg"].removeprefix("Value error, ")
     # A section's own validator names its key first ("replay_capacity: ..."), a
     # cross-section one the dotted key ("generation.max_tokens: ..."): keep it whole.
@@ -267,6 +263,18 @@ def _first_error(e: ValidationError) -> str:
     if err["type"] not in ("value_error", "assertion_error") and "input" in err:
         msg += f" (got {_shown(err['input'])})"
     return f"{where}: {msg}"
+
+
+def _literal_message(loc: list[str], err: dict) -> str:
+    """A value outside a key's Literal: planned (NOT_BUILT_YET) or simply unknown; either
+    way the line lists the values that are accepted."""
+    # pydantic's ctx: "'a'", "'a' or 'b'", "'a', 'b' or 'c'"
+    accepted = str(err.get("ctx", {}).get("expected") or err["msg"].removeprefix("Input should be ")).replace(" or ", ", ")
+    value = err.get("input")
+    later = NOT_BUILT_YET.get(".".join(loc), {}).get(value) if isinstance(value, str) else None
+    if later:
+        return f"{value!r} is not built yet (it lands with {later}); accepted: {accepted}"
+    return f"{_shown(value)} is not one of the accepted values: {accepted}"
 
 
 def _shown(value: Any) -> str:
