@@ -436,3 +436,21 @@ def test_a_fifo_named_manifest_json_is_refused_without_waiting_for_a_writer(ckpt
     _one_error_line(r, str(m), "FIFO")
     r = cli("snapshots", ckpt, timeout=30)
     assert r.returncode == 0 and r.stderr == ""
+
+
+def test_snapshots_and_inspect_write_the_same_age_the_same_way(ckpt):
+    import time
+
+    # An hour and a bit ago: "1h2m" (the one style), where the two commands once wrote
+    # "1.0h" and "1h2m".
+    snap = _snapshot1(ckpt)
+    manifest = json.loads((snap / "manifest.json").read_text())
+    manifest["created_at"] = manifest["cut_time"] = time.time() - 3725
+    (snap / "manifest.json").write_text(json.dumps(manifest))
+    table = cli("snapshots", ckpt)
+    assert table.returncode == 0, table.stderr
+    (row,) = [line.split() for line in table.stdout.splitlines() if line.split()[:2] == ["1", "bootstrap"]]
+    assert row[3] == "1h2m", row
+    summary = cli("inspect", snap / SNAPSHOT_DB)
+    assert summary.returncode == 0, summary.stderr
+    assert "(1h2m ago)" in summary.stdout, summary.stdout
