@@ -28,6 +28,7 @@ import pytest
 
 from crash_harness import EXAMPLE, OVERRIDES, newest_usable_snapshot
 from rolloutdb.store.trace import TRACE_FILENAME
+from rolloutdb.timefmt import iso_utc
 
 TIMEOUT_S = 240
 KILL_TRIES = 3
@@ -155,14 +156,23 @@ def _restore_index(run_dir: Path) -> int:
     return next(i for i, e in enumerate(_metrics(run_dir)) if e.get("kind") == "restore")
 
 
+def _restored_cut_time(run_dir: Path) -> float:
+    """The cut time (epoch seconds, full precision) of the snapshot the resumed run
+    restored, from the trace file: the report shows it as ISO-8601 (milliseconds), too
+    coarse to join events on."""
+    runs = [r[0] for r in _trace_rows(run_dir, "SELECT run FROM runs ORDER BY first_t")]
+    assert len(runs) == 2
+    (cut_time,) = [r[0] for r in _trace_rows(run_dir, "SELECT cut_time FROM restore_done WHERE run = ?", runs[1])]
+    return cut_time
+
+
 def test_thrown_away_time_equals_an_independent_computation_from_the_trace_file(job):
     run_dir = job["run_dir"]
     # Plain SQL and Python over the file's tables, none of the analysis views: the resumed
     # run is the second in `runs`; its restore_done names the cut; each attempt it
     # abandoned with reason 'restart' threw away cut_time - its last dispatch before it.
+    cut_time = _restored_cut_time(run_dir)
     runs = [r[0] for r in _trace_rows(run_dir, "SELECT run FROM runs ORDER BY first_t")]
-    assert len(runs) == 2
-    (cut_time,) = [r[0] for r in _trace_rows(run_dir, "SELECT cut_time FROM restore_done WHERE run = ?", runs[1])]
     abandoned = _trace_rows(run_dir, "SELECT prompt_id, generation_index, attempt FROM attempt_abandoned "
                                      "WHERE reason = 'restart' AND run = ?", runs[1])
     dispatched: dict[tuple, float] = {}
@@ -176,7 +186,7 @@ def test_thrown_away_time_equals_an_independent_computation_from_the_trace_file(
     assert stop["attempts"] == len(abandoned) > 0
     assert stop["thrown_away_s"] >= 0
     assert math.isclose(stop["thrown_away_s"], expected, rel_tol=1e-9, abs_tol=1e-9)
-    assert math.isclose(stop["cut_time"], cut_time)
+    assert stop["cut_time"] == iso_utc(cut_time)  # the report shows points in time as ISO-8601 UTC
     assert len(job["json"]["thrown_away_by_attempt"]) == len(abandoned)
     assert _printed_table(job["printed"], "Thrown-away time per stop")[0][6] == str(len(abandoned))
 
@@ -191,7 +201,8 @@ def test_lost_progress_matches_groups_running_at_the_stop_with_the_twin(job):
     # whose latest reservation was followed by no seal and no discard up to the cut.
     run_dir = job["run_dir"]
     first = _trace_rows(run_dir, "SELECT run FROM runs ORDER BY first_t LIMIT 1")[0][0]
-    cut_time = job["json"]["thrown_away_per_stop"][0]["cut_time"]
+    cut_time = _restored_cut_time(run_dir)
+    assert job["json"]["thrown_away_per_stop"][0]["cut_time"] == iso_utc(cut_time)
     reserved = dict(_trace_rows(run_dir, "SELECT prompt_id, max(t) FROM group_reserved WHERE run = ? GROUP BY prompt_id",
                                 first))
     settled = dict(_trace_rows(run_dir, "SELECT prompt_id, max(t) FROM (SELECT prompt_id, t, run FROM group_sealed "
