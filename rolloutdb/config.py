@@ -184,7 +184,12 @@ class RolloutCheckpointingSection(Section):
     enabled: bool = Field(False, description="Take rollout snapshots between trainer checkpoints.")
     interval_s: float = Field(5.0, gt=0, le=86_400)  # waited on with threading.Event.wait
     keep_last: int = Field(3, ge=1, le=1_000_000)
-    trace: bool = Field(False, description="Record trace events in logs/rollout_trace.sqlite.")
+
+
+class TraceSection(Section):
+    # Its own section: the trace records the whole run (dispatch, seals, refits, train
+    # steps, restores) and `rolloutdb trace` needs it with rollout snapshots off too.
+    enabled: bool = Field(False, description="Record trace events in logs/rollout_trace.sqlite.")
 
 
 class LoggingSection(Section):
@@ -207,8 +212,28 @@ class Config(Section):
     checkpointing: CheckpointingSection = Field(default_factory=CheckpointingSection)
     rollout_recovery: RolloutRecoverySection = Field(default_factory=RolloutRecoverySection)
     rollout_checkpointing: RolloutCheckpointingSection = Field(default_factory=RolloutCheckpointingSection)
+    trace: TraceSection = Field(default_factory=TraceSection)
     logging: LoggingSection = Field(default_factory=LoggingSection)
     cluster: ClusterSection = Field(default_factory=ClusterSection)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _old_trace_key(cls, data: Any) -> Any:
+        """`rollout_checkpointing.trace` (before the trace had its own section) still
+        loads, as `trace.enabled`; the resolved config.yaml spells it the new way."""
+        if not isinstance(data, dict) or not isinstance(data.get("rollout_checkpointing"), dict) \
+                or "trace" not in data["rollout_checkpointing"]:
+            return data
+        old = {k: v for k, v in data["rollout_checkpointing"].items() if k != "trace"}
+        value = data["rollout_checkpointing"]["trace"]
+        new = data.get("trace")
+        if new is not None and not isinstance(new, dict):
+            return {**data, "rollout_checkpointing": old}  # the trace section's own error says what is wrong
+        if isinstance(new, dict) and "enabled" in new and new["enabled"] != value:
+            raise ValueError(f"trace.enabled: {new['enabled']!r} disagrees with the old key rollout_checkpointing.trace "
+                             f"{value!r}; keep only trace.enabled")
+        return {**data, "rollout_checkpointing": old,
+                "trace": {**(new if isinstance(new, dict) else {}), "enabled": value}}
 
     @model_validator(mode="after")
     def _conversation_fits_the_tiny_policy(self):

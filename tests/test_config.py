@@ -238,3 +238,26 @@ def test_a_config_file_stem_that_is_not_a_plain_name_is_refused_naming_run_name(
     with pytest.raises(ConfigError, match=r"run\.name"):
         load_config(p)
     assert load_config(p, ["run.name=visible"]).run.name == "visible"
+
+
+def test_tracing_is_its_own_section_and_the_resolved_config_spells_it_there(tmp_path):
+    cfg = load_config(_write(tmp_path, "trace:\n  enabled: true\n"))
+    assert cfg.trace.enabled is True and Config().trace.enabled is False
+    assert "trace:\n  enabled: true\n" in cfg.to_yaml()
+
+
+def test_a_config_with_the_old_rollout_checkpointing_trace_key_still_loads_into_trace_enabled(tmp_path):
+    import yaml
+
+    cfg = load_config(_write(tmp_path, "rollout_checkpointing:\n  enabled: true\n  trace: true\n"))
+    assert cfg.trace.enabled is True and cfg.rollout_checkpointing.enabled is True
+    resolved = yaml.safe_load(cfg.to_yaml())
+    assert "trace" not in resolved["rollout_checkpointing"] and resolved["trace"] == {"enabled": True}
+    assert load_config(_write(tmp_path, "{}\n"), ["rollout_checkpointing.trace=true"]).trace.enabled is True
+
+
+def test_the_old_and_the_new_trace_key_disagreeing_is_one_line_naming_the_new_key(tmp_path):
+    p = _write(tmp_path, "rollout_checkpointing:\n  trace: true\ntrace:\n  enabled: false\n")
+    with pytest.raises(ConfigError, match=r"^trace\.enabled: .*rollout_checkpointing\.trace") as e:
+        load_config(p)
+    assert "\n" not in str(e.value)

@@ -24,7 +24,7 @@ from rolloutdb.timefmt import iso_utc
 
 DESCRIPTION = """\
 Report what the stops of a run cost and the batch age of its train steps, from its trace
-(RUN_DIR/logs/rollout_trace.sqlite, recorded with rollout_checkpointing.trace: true).
+(RUN_DIR/logs/rollout_trace.sqlite, recorded with trace.enabled: true).
 
 Pass the run directory (or its logs/ directory). Several RUN_DIRs are read as one job,
 for a job resumed into a new directory. --baseline names a run of the same job that never
