@@ -454,3 +454,23 @@ def test_snapshots_and_inspect_write_the_same_age_the_same_way(ckpt):
     summary = cli("inspect", snap / SNAPSHOT_DB)
     assert summary.returncode == 0, summary.stderr
     assert "(1h2m ago)" in summary.stdout, summary.stdout
+
+
+def _epoch_like_floats(doc) -> list:
+    """Every number in a JSON document that could be a point in time (after 2001)."""
+    if isinstance(doc, dict):
+        return [x for v in doc.values() for x in _epoch_like_floats(v)]
+    if isinstance(doc, list):
+        return [x for v in doc for x in _epoch_like_floats(v)]
+    return [doc] if isinstance(doc, float) and doc > 1e9 else []
+
+
+def test_every_report_command_prints_parseable_json_with_no_epoch_float(ckpt):
+    snap = _snapshot1(ckpt)
+    for args in (("inspect", snap / SNAPSHOT_DB, "--json"), ("snapshots", ckpt, "--json"), ("verify", ckpt, "--json"),
+                 ("verify", snap, "--json")):
+        r = cli(*args)
+        assert r.returncode == 0, (args, r.stderr)
+        doc = json.loads(r.stdout)
+        assert doc, args
+        assert _epoch_like_floats(doc) == [], args

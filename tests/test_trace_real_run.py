@@ -283,3 +283,21 @@ def test_the_report_files_and_plots_are_written(job):
             rows = list(csv.reader(f))
         assert len(rows) - 1 == len(job["json"][name]), name
     assert job["json"]["baseline"] == [str(job["twin_dir"] / "logs" / TRACE_FILENAME)]
+
+
+def test_trace_json_from_a_subprocess_is_the_report_document_with_points_in_time_in_iso_8601(job, tmp_path):
+    import re
+
+    r = subprocess.run([sys.executable, "-m", "rolloutdb", "trace", str(job["run_dir"]), "--baseline",
+                        str(job["twin_dir"]), "--out", str(tmp_path), "--json"], capture_output=True, text=True,
+                       timeout=TIMEOUT_S)
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc == json.loads((tmp_path / "trace_report.json").read_text())
+    iso = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d{3})?Z$")
+    times = [row[c] for name in TABLES for row in doc[name] for c in ("cut_time", "dispatched_at", "t")
+             if row.get(c) is not None]
+    assert times and all(isinstance(v, str) and iso.match(v) for v in times), times[:5]
+    with open(tmp_path / "thrown_away_by_attempt.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert rows and all(iso.match(row["dispatched_at"]) and iso.match(row["cut_time"]) for row in rows)
