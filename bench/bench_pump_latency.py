@@ -8,7 +8,7 @@ taken every second, next to the same run with snapshots off, in one process.
 Each phase runs `rolloutdb.controller.controller.Controller` (the rollout pump, the train
 pump and the snapshot pump as threads, the tiny Llama policy, GRPO on the digits task)
 on a config made from `examples/quickstart.yaml` with `algorithm.total_steps=--steps`,
-`checkpointing.interval_steps=5`, `rollout_checkpointing.trace=false`, `keep_last=3`,
+`checkpointing.interval_steps=5`, `trace.enabled=false`, `keep_last=3`,
 `rollout_checkpointing.interval_s=1.0` and `rollout_checkpointing.enabled` true in the
 `snapshots` phase and false in the `no snapshots` phase (plus any `--set KEY=VALUE`).
 
@@ -180,7 +180,7 @@ def run_phase(name: str, args, work: Path) -> dict:
         # Pinned, so the figures do not move when the quickstart's own settings do: a
         # trainer checkpoint (and its forced snapshot) every 5 steps, no trace.
         "checkpointing.interval_steps=5",
-        "rollout_checkpointing.trace=false",
+        "trace.enabled=false",
         "rollout_checkpointing.keep_last=3",
         "logging.progress=false",
         "logging.plot=false",

@@ -85,7 +85,7 @@ class Controller:
         self.dirs.create()
         if done is not None and done.moved_to is not None:
             self.dirs.write_config(cfg)  # the old one was moved aside with the run
-        self.tracer = open_tracer(self.dirs.logs, enabled=cfg.rollout_checkpointing.trace)
+        self.tracer = open_tracer(self.dirs.logs, enabled=cfg.trace.enabled)
         self.metrics = MetricsLog(self.dirs.metrics)
         if done is not None and done.store is not None:
             self.store, self.restored = done.store, done.groups
@@ -113,7 +113,7 @@ class Controller:
             runtime=self.runtime,
             read_progress=self._progress,
             log_event=self._log,
-            tracer=self.tracer if cfg.rollout_checkpointing.trace else None,
+            tracer=self.tracer if cfg.trace.enabled else None,
         )
         if cfg.rollout_checkpointing.enabled:
             self.snapshotter = Snapshotter(

@@ -8,7 +8,7 @@ one process's at a time.
       policy/                   the initial policy (tiny Llama + tokenizer) when built here
       checkpoints/              bootstrap/, step_<N>/, rollout snapshots under them
       logs/metrics.jsonl        one JSON object per event (train steps, rollout waves)
-      logs/rollout_trace.sqlite trace events, when rollout_checkpointing.trace is on
+      logs/rollout_trace.sqlite trace events, when trace.enabled is on
       plots/                    reward_curve.png and the trace report's plots
       discarded/<time>/         what `train --start-over` moved aside (store, checkpoints, config)
 """

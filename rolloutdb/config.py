@@ -30,6 +30,17 @@ class ConfigError(ValueError):
     """A config file or override the schema refuses; the message is one line."""
 
 
+# Values a later issue builds. Each key's type (a Literal) accepts only what is built, so
+# pydantic refuses these like any typo; this table only lets the one error line say that
+# the value is planned, not misspelt. When one lands, widening its Literal is the whole
+# change to the schema (delete its entry here too: a test names an entry left behind).
+NOT_BUILT_YET: dict[str, dict[str, str]] = {
+    "generation.backend": {"vllm": "the vLLM engine"},
+    "cluster.backend": {"ray": "Ray rollout workers"},
+    "rollout_recovery.target_level": {"turn": "turn-level recovery", "prefix": "prefix-level recovery"},
+}
+
+
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, strict=True, allow_inf_nan=False)
 
@@ -130,13 +141,8 @@ class PolicySection(Section):
 
 
 class GenerationSection(Section):
-    backend: Literal["reference", "vllm"] = "reference"
-
-    @model_validator(mode="after")
-    def _backend_landed(self):
-        if self.backend == "vllm":
-            raise ValueError("backend 'vllm' is not available yet (the vLLM engine lands later); use 'reference'")
-        return self
+    # Built engines only ('vllm': NOT_BUILT_YET); widening this Literal is the whole change.
+    backend: Literal["reference"] = "reference"
     max_tokens: int = Field(8, ge=1, le=1_000_000)
     min_tokens: int = Field(0, ge=0, le=1_000_000)
     temperature: float = Field(1.0, ge=0, le=100)
@@ -169,24 +175,22 @@ class CheckpointingSection(Section):
 
 
 class RolloutRecoverySection(Section):
-    target_level: Literal["none", "group", "turn", "prefix"] = Field(
+    # Built levels only ('turn', 'prefix': NOT_BUILT_YET); widening this Literal is the whole change.
+    target_level: Literal["none", "group"] = Field(
         "group", description="none: no ledger; group: ledger dispatch, unfinished groups redone."
     )
-
-    @model_validator(mode="after")
-    def _landed(self):
-        if self.target_level in ("turn", "prefix"):
-            raise ValueError(
-                f"target_level {self.target_level!r} is not available yet (it lands with turn/prefix recovery); use 'group' or 'none'"
-            )
-        return self
 
 
 class RolloutCheckpointingSection(Section):
     enabled: bool = Field(False, description="Take rollout snapshots between trainer checkpoints.")
     interval_s: float = Field(5.0, gt=0, le=86_400)  # waited on with threading.Event.wait
     keep_last: int = Field(3, ge=1, le=1_000_000)
-    trace: bool = Field(False, description="Record trace events in logs/rollout_trace.sqlite.")
+
+
+class TraceSection(Section):
+    # Its own section: the trace records the whole run (dispatch, seals, refits, train
+    # steps, restores) and `rolloutdb trace` needs it with rollout snapshots off too.
+    enabled: bool = Field(False, description="Record trace events in logs/rollout_trace.sqlite.")
 
 
 class LoggingSection(Section):
@@ -195,14 +199,9 @@ class LoggingSection(Section):
 
 
 class ClusterSection(Section):
-    backend: Literal["local", "ray"] = "local"
+    # Built backends only ('ray': NOT_BUILT_YET); widening this Literal is the whole change.
+    backend: Literal["local"] = "local"
     torch_threads: int = Field(1, ge=1, le=1024, description="Torch threads per pump (trainer and engine each).")
-
-    @model_validator(mode="after")
-    def _landed(self):
-        if self.backend == "ray":
-            raise ValueError("backend 'ray' is not available yet (Ray rollout workers land later); use 'local'")
-        return self
 
 
 class Config(Section):
@@ -214,8 +213,28 @@ class Config(Section):
     checkpointing: CheckpointingSection = Field(default_factory=CheckpointingSection)
     rollout_recovery: RolloutRecoverySection = Field(default_factory=RolloutRecoverySection)
     rollout_checkpointing: RolloutCheckpointingSection = Field(default_factory=RolloutCheckpointingSection)
+    trace: TraceSection = Field(default_factory=TraceSection)
     logging: LoggingSection = Field(default_factory=LoggingSection)
     cluster: ClusterSection = Field(default_factory=ClusterSection)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _old_trace_key(cls, data: Any) -> Any:
+        """`rollout_checkpointing.trace` (before the trace had its own section) still
+        loads, as `trace.enabled`; the resolved config.yaml spells it the new way."""
+        if not isinstance(data, dict) or not isinstance(data.get("rollout_checkpointing"), dict) \
+                or "trace" not in data["rollout_checkpointing"]:
+            return data
+        old = {k: v for k, v in data["rollout_checkpointing"].items() if k != "trace"}
+        value = data["rollout_checkpointing"]["trace"]
+        new = data.get("trace")
+        if new is not None and not isinstance(new, dict):
+            return {**data, "rollout_checkpointing": old}  # the trace section's own error says what is wrong
+        if isinstance(new, dict) and "enabled" in new and new["enabled"] != value:
+            raise ValueError(f"trace.enabled: {new['enabled']!r} disagrees with the old key rollout_checkpointing.trace "
+                             f"{value!r}; keep only trace.enabled")
+        return {**data, "rollout_checkpointing": old,
+                "trace": {**(new if isinstance(new, dict) else {}), "enabled": value}}
 
     @model_validator(mode="after")
     def _conversation_fits_the_tiny_policy(self):
@@ -258,6 +277,8 @@ def _first_error(e: ValidationError) -> str:
     if err["type"] == "extra_forbidden":
         section = ".".join(loc[:-1]) or "top level"
         return f"unknown key {loc[-1]!r} in section {section!r}; see docs/config.md for the keys"
+    if err["type"] == "literal_error":
+        return f"{'.'.join(loc)}: {_literal_message(loc, err)}"
     msg = err["msg"].removeprefix("Value error, ")
     # A section's own validator names its key first ("replay_capacity: ..."), a
     # cross-section one the dotted key ("generation.max_tokens: ..."): keep it whole.
@@ -268,6 +289,18 @@ def _first_error(e: ValidationError) -> str:
     if err["type"] not in ("value_error", "assertion_error") and "input" in err:
         msg += f" (got {_shown(err['input'])})"
     return f"{where}: {msg}"
+
+
+def _literal_message(loc: list[str], err: dict) -> str:
+    """A value outside a key's Literal: planned (NOT_BUILT_YET) or simply unknown; either
+    way the line lists the values that are accepted."""
+    # pydantic's ctx: "'a'", "'a' or 'b'", "'a', 'b' or 'c'"
+    accepted = str(err.get("ctx", {}).get("expected") or err["msg"].removeprefix("Input should be ")).replace(" or ", ", ")
+    value = err.get("input")
+    later = NOT_BUILT_YET.get(".".join(loc), {}).get(value) if isinstance(value, str) else None
+    if later:
+        return f"{value!r} is not built yet (it lands with {later}); accepted: {accepted}"
+    return f"{_shown(value)} is not one of the accepted values: {accepted}"
 
 
 def _shown(value: Any) -> str:

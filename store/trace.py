@@ -196,7 +196,7 @@ def trace_file_for(run_or_log_dir: str | Path) -> Path:
             return candidate
     raise TraceError(
         f"{d}: no trace file (looked for logs/{TRACE_FILENAME}); "
-        "run with rollout_checkpointing.trace: true to record one"
+        "run with trace.enabled: true to record one"
     )
 
 

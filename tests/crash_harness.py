@@ -43,7 +43,7 @@ OVERRIDES = [
     "checkpointing.interval_steps=1",
     "rollout_checkpointing.enabled=true",
     "rollout_checkpointing.interval_s=0.1",
-    "rollout_checkpointing.trace=true",
+    "trace.enabled=true",
     "logging.progress=false",
     "logging.plot=false",
 ]

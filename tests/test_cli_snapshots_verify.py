@@ -436,3 +436,41 @@ def test_a_fifo_named_manifest_json_is_refused_without_waiting_for_a_writer(ckpt
     _one_error_line(r, str(m), "FIFO")
     r = cli("snapshots", ckpt, timeout=30)
     assert r.returncode == 0 and r.stderr == ""
+
+
+def test_snapshots_and_inspect_write_the_same_age_the_same_way(ckpt):
+    import time
+
+    # An hour and a bit ago: "1h2m" (the one style), where the two commands once wrote
+    # "1.0h" and "1h2m".
+    snap = _snapshot1(ckpt)
+    manifest = json.loads((snap / "manifest.json").read_text())
+    manifest["created_at"] = manifest["cut_time"] = time.time() - 3725
+    (snap / "manifest.json").write_text(json.dumps(manifest))
+    table = cli("snapshots", ckpt)
+    assert table.returncode == 0, table.stderr
+    (row,) = [line.split() for line in table.stdout.splitlines() if line.split()[:2] == ["1", "bootstrap"]]
+    assert row[3] == "1h2m", row
+    summary = cli("inspect", snap / SNAPSHOT_DB)
+    assert summary.returncode == 0, summary.stderr
+    assert "(1h2m ago)" in summary.stdout, summary.stdout
+
+
+def _epoch_like_floats(doc) -> list:
+    """Every number in a JSON document that could be a point in time (after 2001)."""
+    if isinstance(doc, dict):
+        return [x for v in doc.values() for x in _epoch_like_floats(v)]
+    if isinstance(doc, list):
+        return [x for v in doc for x in _epoch_like_floats(v)]
+    return [doc] if isinstance(doc, float) and doc > 1e9 else []
+
+
+def test_every_report_command_prints_parseable_json_with_no_epoch_float(ckpt):
+    snap = _snapshot1(ckpt)
+    for args in (("inspect", snap / SNAPSHOT_DB, "--json"), ("snapshots", ckpt, "--json"), ("verify", ckpt, "--json"),
+                 ("verify", snap, "--json")):
+        r = cli(*args)
+        assert r.returncode == 0, (args, r.stderr)
+        doc = json.loads(r.stdout)
+        assert doc, args
+        assert _epoch_like_floats(doc) == [], args

@@ -465,7 +465,7 @@ def test_rolloutdb_trace_piped_into_a_reader_that_leaves_after_one_line_still_wr
     assert len(json.loads((run / "plots" / "trace_report.json").read_text())["batch_age_per_step"]) == 2500
 
 
-def test_rolloutdb_trace_prints_points_in_time_as_iso_8601_utc_and_keeps_epoch_seconds_in_its_files(job, capsys):
+def test_rolloutdb_trace_writes_points_in_time_as_iso_8601_utc_in_its_text_csv_and_json(job, capsys):
     run, base = job
     run_dir = run.parent.parent
     assert main(["trace", str(run_dir), "--baseline", str(base.parent.parent)]) == 0
@@ -473,4 +473,9 @@ def test_rolloutdb_trace_prints_points_in_time_as_iso_8601_utc_and_keeps_epoch_s
     assert "1970-01-01T00:01:46Z" in printed and "1970-01-01T00:01:47Z" in printed  # cut_time 106, step 1 at t=107
     assert "106.000" not in printed and "107.000" not in printed
     doc = json.loads((run_dir / "plots" / "trace_report.json").read_text())
-    assert doc["thrown_away_per_stop"][0]["cut_time"] == 106.0 and doc["batch_age_per_step"][0]["t"] == 107.0
+    assert doc["thrown_away_per_stop"][0]["cut_time"] == "1970-01-01T00:01:46Z"
+    assert doc["batch_age_per_step"][0]["t"] == "1970-01-01T00:01:47Z"
+    assert doc["thrown_away_per_stop"][0]["thrown_away_s"] == 12.5  # a duration stays seconds
+    csv_text = (run_dir / "plots" / "thrown_away_by_attempt.csv").read_text()
+    assert "1970-01-01T00:01:46Z" in csv_text and ",106.0" not in csv_text
+    assert "1970-01-01T00:01:47Z" in (run_dir / "plots" / "batch_age_per_step.csv").read_text()

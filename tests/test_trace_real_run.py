@@ -28,6 +28,7 @@ import pytest
 
 from crash_harness import EXAMPLE, OVERRIDES, newest_usable_snapshot
 from rolloutdb.store.trace import TRACE_FILENAME
+from rolloutdb.timefmt import iso_utc
 
 TIMEOUT_S = 240
 KILL_TRIES = 3
@@ -155,14 +156,23 @@ def _restore_index(run_dir: Path) -> int:
     return next(i for i, e in enumerate(_metrics(run_dir)) if e.get("kind") == "restore")
 
 
+def _restored_cut_time(run_dir: Path) -> float:
+    """The cut time (epoch seconds, full precision) of the snapshot the resumed run
+    restored, from the trace file: the report shows it as ISO-8601 (milliseconds), too
+    coarse to join events on."""
+    runs = [r[0] for r in _trace_rows(run_dir, "SELECT run FROM runs ORDER BY first_t")]
+    assert len(runs) == 2
+    (cut_time,) = [r[0] for r in _trace_rows(run_dir, "SELECT cut_time FROM restore_done WHERE run = ?", runs[1])]
+    return cut_time
+
+
 def test_thrown_away_time_equals_an_independent_computation_from_the_trace_file(job):
     run_dir = job["run_dir"]
     # Plain SQL and Python over the file's tables, none of the analysis views: the resumed
     # run is the second in `runs`; its restore_done names the cut; each attempt it
     # abandoned with reason 'restart' threw away cut_time - its last dispatch before it.
+    cut_time = _restored_cut_time(run_dir)
     runs = [r[0] for r in _trace_rows(run_dir, "SELECT run FROM runs ORDER BY first_t")]
-    assert len(runs) == 2
-    (cut_time,) = [r[0] for r in _trace_rows(run_dir, "SELECT cut_time FROM restore_done WHERE run = ?", runs[1])]
     abandoned = _trace_rows(run_dir, "SELECT prompt_id, generation_index, attempt FROM attempt_abandoned "
                                      "WHERE reason = 'restart' AND run = ?", runs[1])
     dispatched: dict[tuple, float] = {}
@@ -176,7 +186,7 @@ def test_thrown_away_time_equals_an_independent_computation_from_the_trace_file(
     assert stop["attempts"] == len(abandoned) > 0
     assert stop["thrown_away_s"] >= 0
     assert math.isclose(stop["thrown_away_s"], expected, rel_tol=1e-9, abs_tol=1e-9)
-    assert math.isclose(stop["cut_time"], cut_time)
+    assert stop["cut_time"] == iso_utc(cut_time)  # the report shows points in time as ISO-8601 UTC
     assert len(job["json"]["thrown_away_by_attempt"]) == len(abandoned)
     assert _printed_table(job["printed"], "Thrown-away time per stop")[0][6] == str(len(abandoned))
 
@@ -191,7 +201,8 @@ def test_lost_progress_matches_groups_running_at_the_stop_with_the_twin(job):
     # whose latest reservation was followed by no seal and no discard up to the cut.
     run_dir = job["run_dir"]
     first = _trace_rows(run_dir, "SELECT run FROM runs ORDER BY first_t LIMIT 1")[0][0]
-    cut_time = job["json"]["thrown_away_per_stop"][0]["cut_time"]
+    cut_time = _restored_cut_time(run_dir)
+    assert job["json"]["thrown_away_per_stop"][0]["cut_time"] == iso_utc(cut_time)
     reserved = dict(_trace_rows(run_dir, "SELECT prompt_id, max(t) FROM group_reserved WHERE run = ? GROUP BY prompt_id",
                                 first))
     settled = dict(_trace_rows(run_dir, "SELECT prompt_id, max(t) FROM (SELECT prompt_id, t, run FROM group_sealed "
@@ -272,3 +283,21 @@ def test_the_report_files_and_plots_are_written(job):
             rows = list(csv.reader(f))
         assert len(rows) - 1 == len(job["json"][name]), name
     assert job["json"]["baseline"] == [str(job["twin_dir"] / "logs" / TRACE_FILENAME)]
+
+
+def test_trace_json_from_a_subprocess_is_the_report_document_with_points_in_time_in_iso_8601(job, tmp_path):
+    import re
+
+    r = subprocess.run([sys.executable, "-m", "rolloutdb", "trace", str(job["run_dir"]), "--baseline",
+                        str(job["twin_dir"]), "--out", str(tmp_path), "--json"], capture_output=True, text=True,
+                       timeout=TIMEOUT_S)
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc == json.loads((tmp_path / "trace_report.json").read_text())
+    iso = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d{3})?Z$")
+    times = [row[c] for name in TABLES for row in doc[name] for c in ("cut_time", "dispatched_at", "t")
+             if row.get(c) is not None]
+    assert times and all(isinstance(v, str) and iso.match(v) for v in times), times[:5]
+    with open(tmp_path / "thrown_away_by_attempt.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert rows and all(iso.match(row["dispatched_at"]) and iso.match(row["cut_time"]) for row in rows)

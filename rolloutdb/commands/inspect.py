@@ -29,7 +29,7 @@ from rolloutdb.store.readonly import (
 )
 from rolloutdb.store.revision import head_revision
 from rolloutdb.store.schema import ABANDON_REASONS, GROUP_STATES, ROLLOUT_STATES, STATE_TABLES
-from rolloutdb.timefmt import iso_utc
+from rolloutdb.timefmt import ago, iso_utc
 
 MANIFEST_NAME = "manifest.json"
 MAX_CELL = 80  # text tables cut longer cells; --json keeps them whole
@@ -242,8 +242,8 @@ def render_summary(s: dict[str, Any]) -> str:
         seq = f" #{m['sequence']}" if m.get("sequence") is not None else ""
         lines.append(f"manifest          {m.get('kind') or '?'}{seq}, anchor {m.get('anchor') or '?'}")
         if m.get("cut_time") is not None:
-            ago = _duration(time.time() - m["cut_time"])
-            lines.append(f"cut time          {iso_utc(m['cut_time'])} ({ago} ago)")
+            since = ago(time.time() - m["cut_time"])
+            lines.append(f"cut time          {iso_utc(m['cut_time'])} ({since} ago)")
     lines.append(f"run id            {s['run_id']}")
     lines.append(f"mutation counter  {s['mutation_counter']}")
     c = s["sampler"]
@@ -275,17 +275,6 @@ def _size(n: float) -> str:
         n /= 1024
     return str(n)
 
-
-def _duration(seconds: float) -> str:
-    s = max(0, int(seconds))
-    d, s = divmod(s, 86400)
-    h, s = divmod(s, 3600)
-    m, s = divmod(s, 60)
-    if d:
-        return f"{d}d{h}h"
-    if h:
-        return f"{h}h{m}m"
-    return f"{m}m{s}s" if m else f"{s}s"
 
 
 # ---------------------------------------------------------------- --sql

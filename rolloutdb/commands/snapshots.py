@@ -14,7 +14,7 @@ from rolloutdb.controller.run_dir import RunDir
 from rolloutdb.store.errors import NotAStoreError
 from rolloutdb.store.layout import Entry, scan
 from rolloutdb.store.manifest import KIND_SNAPSHOT
-from rolloutdb.timefmt import iso_utc
+from rolloutdb.timefmt import ago, iso_utc
 
 DESCRIPTION = """\
 List a checkpoint directory: one row per anchor (bootstrap/, step_<N>/: trainer
@@ -62,15 +62,6 @@ def _row(e: Entry, now: float) -> dict:
         "files": len(m.files) if m else None,
     }
 
-
-def _age(seconds: float | None) -> str:
-    if seconds is None:
-        return "-"
-    seconds = max(0.0, seconds)
-    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
-        if seconds >= size:
-            return f"{seconds / size:.1f}{unit}"
-    return f"{seconds:.0f}s"
 
 
 def _size(n: float) -> str:
@@ -120,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
             str(r["sequence"]) if r["sequence"] is not None else "-",
             r["anchor"],
             "snapshot" if r["kind"] == KIND_SNAPSHOT else "trainer",
-            _age(r["age_s"]),
+            ago(r["age_s"]),
             _size(r["size_bytes"]),
             _counts(r),
             r["status"],

@@ -24,7 +24,7 @@ from rolloutdb.timefmt import iso_utc
 
 DESCRIPTION = """\
 Report what the stops of a run cost and the batch age of its train steps, from its trace
-(RUN_DIR/logs/rollout_trace.sqlite, recorded with rollout_checkpointing.trace: true).
+(RUN_DIR/logs/rollout_trace.sqlite, recorded with trace.enabled: true).
 
 Pass the run directory (or its logs/ directory). Several RUN_DIRs are read as one job,
 for a job resumed into a new directory. --baseline names a run of the same job that never
@@ -50,15 +50,19 @@ TABLES = (
 )
 PRINTED = {"thrown_away_per_stop", "lost_progress_per_stop", "batch_age_per_step"}
 AGREE_TOLERANCE = 1e-9
-# Columns holding a point in time (epoch seconds in the trace): printed as ISO-8601 UTC.
-# The CSV and JSON files keep the epoch seconds at full precision (data for further
-# analysis, joined against the trace's own `t`). Durations and effective times (seconds
-# since the job started) stay numbers everywhere.
+# Columns holding a point in time (epoch seconds in the trace): ISO-8601 UTC in the text,
+# the CSVs and the JSON alike (milliseconds; the trace file keeps full precision for a
+# join). Durations and effective times (seconds since the job started) stay numbers.
 TIME_COLUMNS = frozenset({"cut_time", "dispatched_at", "t"})
 
 
 def _shown(column: str, value):
     return iso_utc(value) if column in TIME_COLUMNS and value is not None else value
+
+
+def _shown_rows(table: Table) -> list[list]:
+    """The table's rows as every report shows them (points in time as ISO-8601 UTC)."""
+    return [[_shown(c, v) for c, v in zip(table.columns, row)] for row in table.rows]
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -127,7 +131,7 @@ def _cell(value) -> str:
 def _format(table: Table) -> str:
     if not table.rows:
         return "  (none)"
-    cells = [table.columns] + [[_cell(_shown(c, v)) for c, v in zip(table.columns, row)] for row in table.rows]
+    cells = [table.columns] + [[_cell(v) for v in row] for row in _shown_rows(table)]
     widths = [max(len(r[i]) for r in cells) for i in range(len(table.columns))]
     return "\n".join("  " + "  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in cells)
 
@@ -160,7 +164,7 @@ def _csv_bytes(table: Table) -> bytes:
     buf = io.StringIO()
     writer = csv.writer(buf, lineterminator="\n")
     writer.writerow(table.columns)
-    writer.writerows(table.rows)
+    writer.writerows(_shown_rows(table))
     return buf.getvalue().encode()
 
 
@@ -173,7 +177,8 @@ def _document(report: dict[str, Table], traces: list[Path], baseline: list[Path]
     return {
         "traces": [str(p) for p in traces],
         "baseline": [str(p) for p in baseline],
-        **{name: [{k: _json_safe(v) for k, v in row.items()} for row in t.as_dicts()] for name, t in report.items()},
+        **{name: [{c: _json_safe(v) for c, v in zip(t.columns, row)} for row in _shown_rows(t)]
+           for name, t in report.items()},
     }
 
 
