@@ -20,21 +20,34 @@ import bench_transitions as bt
 import benchlib
 from benchlib import latency_summary, say
 
-import rolloutdb.store.store as store_module
+import rolloutdb.store.live.store as store_module
 from rolloutdb.store import Store, ledger, pools
 
 REPO = Path(__file__).resolve().parents[1]
 
 
+# Before W2-A the store was one flat folder: a module of such a revision imports its
+# siblings as `.codec`, `.errors`, `.schema`; these names point it at today's modules.
+FLAT_NAMES = {"codec": "live.codec", "schema": "live.schema", "ledger": "live.ledger", "errors": "errors"}
+
+
 def module_at(rev: str, name: str, workdir: Path):
-    """`store/<name>.py` as it was at `rev`, loaded as a sibling of the live module (so
-    its relative imports resolve to today's codec, schema and errors)."""
-    src = subprocess.run(["git", "show", f"{rev}:store/{name}.py"], cwd=REPO, capture_output=True, text=True)
-    if src.returncode != 0:
-        sys.exit(f"error: cannot read store/{name}.py at {rev!r} ({src.stderr.strip()}); pass a commit of this repository")
+    """`store/live/<name>.py` (or the flat `store/<name>.py` of a revision before W2-A) as it
+    was at `rev`, loaded beside today's modules (so its relative imports resolve to today's
+    codec, schema and errors)."""
+    for where, package in ((f"store/live/{name}.py", "rolloutdb.store.live"), (f"store/{name}.py", "rolloutdb.store")):
+        src = subprocess.run(["git", "show", f"{rev}:{where}"], cwd=REPO, capture_output=True, text=True)
+        if src.returncode == 0:
+            break
+    else:
+        sys.exit(f"error: cannot read store/live/{name}.py at {rev!r} ({src.stderr.strip()}); "
+                 "pass a commit of this repository")
+    if package == "rolloutdb.store":
+        for old, new in FLAT_NAMES.items():
+            sys.modules.setdefault(f"rolloutdb.store.{old}", importlib.import_module(f"rolloutdb.store.{new}"))
     path = workdir / f"{name}_at_rev.py"
     path.write_text(src.stdout)
-    spec = importlib.util.spec_from_file_location(f"rolloutdb.store.{name}_at_rev", path)
+    spec = importlib.util.spec_from_file_location(f"{package}.{name}_at_rev", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)

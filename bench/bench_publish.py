@@ -37,7 +37,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).parent))
 from benchlib import machine_line  # noqa: E402
 
-from rolloutdb.store import FinishedGeneration, KeepNewestSnapshots, Publisher, Reservation, Retention, Store, ledger  # noqa: E402
+from rolloutdb.store import FinishedGeneration, KeepNewestSnapshots, Publisher, Reservation, Retention, Store, ledger
 
 TOKENS_PER_SAMPLE = 16384  # 64 KiB of token ids + 64 KiB of logprobs per sample
 GROUP_SIZE = 4

@@ -52,8 +52,8 @@ from rollout_payload import Layout, populate  # noqa: E402
 from rolloutdb.config import load_config  # noqa: E402
 from rolloutdb.controller.controller import Controller  # noqa: E402
 from rolloutdb.controller.sampler import PromptOrder  # noqa: E402
-from rolloutdb.store import Store  # noqa: E402
-from rolloutdb.store.store import TransactionClock  # noqa: E402
+from rolloutdb.store import Store
+from rolloutdb.store.live.store import TransactionClock
 
 REPO = Path(__file__).resolve().parent.parent
 P99_GOAL_MS = 5.0

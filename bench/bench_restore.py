@@ -48,10 +48,10 @@ import benchlib  # noqa: E402
 from benchlib import say  # noqa: E402
 from rollout_payload import Layout, populate  # noqa: E402
 
-from rolloutdb.store import Publisher, Reservation, Store  # noqa: E402
-from rolloutdb.store.layout import SNAPSHOT_DB  # noqa: E402
-from rolloutdb.store.restore import restore_snapshot  # noqa: E402
-from rolloutdb.store.retention import KeepNewestSnapshots, Retention  # noqa: E402
+from rolloutdb.store import Publisher, Reservation, Store
+from rolloutdb.store.checkpoints.layout import SNAPSHOT_DB
+from rolloutdb.store.restore.apply import restore_snapshot
+from rolloutdb.store.checkpoints.retention import KeepNewestSnapshots, Retention
 
 CHUNK = 4 * 2**20
 RATIO_GOAL = 2.0

@@ -37,7 +37,7 @@ import benchlib
 from benchlib import fmt_latency, latency_summary, say
 
 from rolloutdb.store import FinishedGeneration, Reservation, Store, capture_snapshot
-from rolloutdb.store.db import JOURNAL_SIZE_LIMIT
+from rolloutdb.store.sqlite.database import JOURNAL_SIZE_LIMIT
 from rolloutdb.store.fsio import fsync_file
 
 P99_GOAL_MS = 5.0

@@ -35,10 +35,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from rolloutdb.store import trace_queries
-from rolloutdb.store.analysis import TraceAnalysis, open_sqlite_analysis, sqlite_query
-from rolloutdb.store.revision import file_revision
-from rolloutdb.store.trace import run_trace_migrations, trace_head_revision
+from rolloutdb.store.trace import queries as trace_queries
+from rolloutdb.store.trace.analysis import TraceAnalysis, open_sqlite_analysis, sqlite_query
+from rolloutdb.store.sqlite.revision import file_revision
+from rolloutdb.store.trace.writer import run_trace_migrations, trace_head_revision
 
 GENERATIONS = 8  # per group
 GROUPS_PER_STEP = 16

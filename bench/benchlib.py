@@ -11,7 +11,7 @@ import sqlite3
 import sys
 from pathlib import Path
 
-from rolloutdb.store.db import BUSY_TIMEOUT_MS, JOURNAL_SIZE_LIMIT
+from rolloutdb.store.sqlite.database import BUSY_TIMEOUT_MS, JOURNAL_SIZE_LIMIT
 
 
 def percentile(sorted_values: list[float], q: float) -> float:

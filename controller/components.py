@@ -10,7 +10,7 @@ import torch
 
 from rolloutdb.config import Config
 from rolloutdb.controller.protocols import Trainer
-from rolloutdb.store.publish import Publisher
+from rolloutdb.store.checkpoints.publish import Publisher
 
 
 def set_threads(n: int) -> None:
@@ -81,7 +81,7 @@ def build_engine(config: Config, policy_dir: Path):
 
 def build_publisher(config: Config, checkpoint_dir: Path) -> Publisher:
     """The one publisher of the run's checkpoint directory, with retention from config."""
-    from rolloutdb.store.retention import (
+    from rolloutdb.store.checkpoints.retention import (
         KeepNewestSnapshotPerAnchor,
         KeepNewestSnapshots,
         KeepNewestTrainerCheckpoints,
@@ -114,7 +114,7 @@ class TrainerCheckpoints:
 
     def publish_bootstrap(self) -> None:
         """Once per run directory: a resumed run keeps the bootstrap it has."""
-        from rolloutdb.store.layout import BOOTSTRAP, scan
+        from rolloutdb.store.checkpoints.layout import BOOTSTRAP, scan
 
         with self.save_lock:
             if BOOTSTRAP not in scan(self.publisher.root).durable_anchor_names():

@@ -26,7 +26,7 @@ from rolloutdb.controller.sampler import PromptOrder, StalenessBound
 from rolloutdb.controller.snapshotter import Snapshotter
 from rolloutdb.controller.train_pump import TrainPump
 from rolloutdb.store import Store, faults
-from rolloutdb.store.trace import open_tracer
+from rolloutdb.store.trace.writer import open_tracer
 
 
 @dataclass

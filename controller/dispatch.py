@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from sqlalchemy import Connection, func, select
 
 from rolloutdb.store import FinishedGeneration, Reservation, ledger
-from rolloutdb.store.schema import T
+from rolloutdb.store.live.schema import T
 
 
 @dataclass

@@ -35,16 +35,21 @@ from rolloutdb.controller.run_dir import RunDir
 from rolloutdb.controller.tracing import RolloutTrace
 from rolloutdb.store import RestorePlan, Store, faults
 from rolloutdb.store.fsio import fsync_dir, rename
-from rolloutdb.store.layout import BOOTSTRAP, scan
-from rolloutdb.store.manifest import KIND_TRAINER
-from rolloutdb.store.publish import record_high_water
-from rolloutdb.store.restore import SIDE_SUFFIXES
-from rolloutdb.store.resume import (
-    LATEST, NothingToRestore, TrainerCheckpointOnly, choose_snapshot, live_run_id, live_store_work,
+from rolloutdb.store.checkpoints.layout import BOOTSTRAP, scan
+from rolloutdb.store.checkpoints.manifest import KIND_TRAINER
+from rolloutdb.store.checkpoints.publish import record_high_water
+from rolloutdb.store.restore.apply import SIDE_SUFFIXES
+from rolloutdb.store.restore.choice import (
+    LATEST,
+    NothingToRestore,
+    TrainerCheckpointOnly,
+    choose_snapshot,
+    live_run_id,
+    live_store_work,
     select_and_restore,
 )
-from rolloutdb.store.retention import remove_tree
-from rolloutdb.store.selection import NoRestorableSnapshot, Selection
+from rolloutdb.store.checkpoints.retention import remove_tree
+from rolloutdb.store.restore.selection import NoRestorableSnapshot, Selection
 
 if TYPE_CHECKING:
     from sqlalchemy import Row

@@ -24,8 +24,8 @@ from rolloutdb.controller.episodes import EpisodeSpec, call_seed, run_episodes
 from rolloutdb.controller.parts import RolloutParts
 from rolloutdb.controller.tracing import RolloutTrace
 from rolloutdb.gpu_capture.protocol import SamplingParams
-from rolloutdb.store import FinishedGeneration, ReplayFullError, Reservation, codec, faults, ledger, pools
-from rolloutdb.store.schema import T
+from rolloutdb.store import FinishedGeneration, ReplayFullError, Reservation, faults, codec, ledger, pools
+from rolloutdb.store.live.schema import T
 from sqlalchemy import func, select
 
 ZERO_VARIANCE = ledger.ZERO_REWARD_VARIANCE  # the store owns the names of the reasons the algorithm owns

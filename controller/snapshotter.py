@@ -32,8 +32,8 @@ from dataclasses import dataclass, field
 from rolloutdb.controller.env_checkpoint import EnvironmentCheckpoint, NoEnvironmentCheckpoint
 from rolloutdb.controller.parts import RolloutParts
 from rolloutdb.store import faults
-from rolloutdb.store.layout import anchor_name, scan
-from rolloutdb.store.publish import Publisher
+from rolloutdb.store.checkpoints.layout import anchor_name, scan
+from rolloutdb.store.checkpoints.publish import Publisher
 
 
 @dataclass(eq=False)  # compared by identity

@@ -18,8 +18,8 @@ from rolloutdb.controller.episodes import ENV_TOKEN_VERSION
 from rolloutdb.controller.parts import RolloutParts
 from rolloutdb.controller.protocols import Completion, TrainGroup
 from rolloutdb.controller.tracing import RolloutTrace
-from rolloutdb.store import codec, faults
-from rolloutdb.store.schema import T
+from rolloutdb.store import faults, codec
+from rolloutdb.store.live.schema import T
 
 POLL_S = 0.5
 

@@ -9,7 +9,7 @@ from rolloutdb.migrations.envcommon import run_env
 
 
 def _metadata():
-    from rolloutdb.store.schema import metadata
+    from rolloutdb.store.live.schema import metadata
 
     return metadata
 

@@ -4,9 +4,9 @@ Knows nothing of the controller. The controller reaches it only through what is
 exported here and through the transition functions of `ledger` and `pools`.
 """
 
-from . import codec, ledger, pools
-from .capture import Capture, capture_snapshot
-from .db import Database
+from .live import codec, ledger, pools
+from .live.capture import Capture, capture_snapshot
+from .sqlite.database import Database
 from .errors import (
     IllegalTransition,
     NotAStoreError,
@@ -17,13 +17,13 @@ from .errors import (
     StoreBusyError,
     StoreError,
 )
-from .invariants import InvariantReport, check_invariants
-from .ledger import FinishedGeneration, Reservation
-from .revision import head_revision, known_revisions, upgrade_file
-from .store import Store
-from .layout import BOOTSTRAP, Entry, Inventory, anchor_name, scan
-from .manifest import Manifest, ManifestError, read_manifest
-from .publish import (
+from .live.invariants import InvariantReport, check_invariants
+from .live.ledger import FinishedGeneration, Reservation
+from .sqlite.revision import head_revision, known_revisions, upgrade_file
+from .live.store import Store
+from .checkpoints.layout import BOOTSTRAP, Entry, Inventory, anchor_name, scan
+from .checkpoints.manifest import Manifest, ManifestError, read_manifest
+from .checkpoints.publish import (
     AnchorNotDurable,
     BackgroundWorkError,
     Published,
@@ -35,7 +35,7 @@ from .publish import (
     publish_trainer_checkpoint,
     publisher_for,
 )
-from .retention import (
+from .checkpoints.retention import (
     KeepNewestSnapshotPerAnchor,
     KeepNewestSnapshots,
     KeepNewestTrainerCheckpoints,
@@ -43,9 +43,9 @@ from .retention import (
     Retention,
     default_retention,
 )
-from .selection import NoRestorableSnapshot, Selection, select_for_restore
-from .verification import Report, verify_path
-from .restore import (
+from .restore.selection import NoRestorableSnapshot, Selection, select_for_restore
+from .restore.verification import Report, verify_path
+from .restore.apply import (
     PayloadInventoryMismatch,
     RestoredGroup,
     RestoreError,
@@ -56,7 +56,14 @@ from .restore import (
     SnapshotTooNew,
     restore_snapshot,
 )
-from .resume import NothingToRestore, RunVerdict, TrainerCheckpointOnly, choose_snapshot, select_and_restore, verify_run
+from .restore.choice import (
+    NothingToRestore,
+    RunVerdict,
+    TrainerCheckpointOnly,
+    choose_snapshot,
+    select_and_restore,
+    verify_run,
+)
 
 __all__ = [
     # restore (store/restore.py, store/resume.py)

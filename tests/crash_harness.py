@@ -153,9 +153,9 @@ def _metrics(run_dir: Path) -> list[dict]:
 
 def check_after_kill(run_dir: Path, result: ChainResult) -> None:
     """What must hold at any moment a kill can leave behind."""
-    from rolloutdb.store.invariants import check_invariants
-    from rolloutdb.store.layout import scan
-    from rolloutdb.store.verification import verify_path
+    from rolloutdb.store.live.invariants import check_invariants
+    from rolloutdb.store.checkpoints.layout import scan
+    from rolloutdb.store.restore.verification import verify_path
 
     ckpt = run_dir / "checkpoints"
     if ckpt.exists():
@@ -235,7 +235,7 @@ def finish(run_dir: Path, result: ChainResult, attempts: int = 3) -> None:
 def check_chain(run_dir: Path, result: ChainResult) -> None:
     """Exactly-once and the other promises, over the whole chain of stops."""
     from rolloutdb.controller.sampler import PromptOrder
-    from rolloutdb.store.resume import verify_run
+    from rolloutdb.store.restore.choice import verify_run
 
     verdict = verify_run(run_dir)
     if not verdict.ok:

@@ -116,8 +116,8 @@ def world(tmp_path_factory) -> dict[str, Path]:
     """Sound inputs, built once: a store file, a checkpoint directory with a snapshot,
     a trace, and a config that would train in seconds."""
     from rolloutdb.store import FinishedGeneration, Publisher, Reservation, Retention, Store
-    from rolloutdb.store.retention import KeepNewestSnapshots
-    from rolloutdb.store.trace import open_tracer
+    from rolloutdb.store.checkpoints.retention import KeepNewestSnapshots
+    from rolloutdb.store.trace.writer import open_tracer
 
     base = tmp_path_factory.mktemp("world")
     with Store.create(base / "live.sqlite", replay_capacity=8) as store:

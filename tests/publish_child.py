@@ -22,10 +22,8 @@ import random
 import sys
 from pathlib import Path
 
-from rolloutdb.store import (
-    FinishedGeneration, Publisher, Reservation, Retention, Store, pools, scan,
-)
-from rolloutdb.store.retention import KeepNewestSnapshotPerAnchor, KeepNewestSnapshots, PruneBootstrap
+from rolloutdb.store import FinishedGeneration, Publisher, Reservation, Retention, Store, scan, pools
+from rolloutdb.store.checkpoints.retention import KeepNewestSnapshotPerAnchor, KeepNewestSnapshots, PruneBootstrap
 
 CONFIG = "run:\n  name: crash-test\n  snapshot_every_s: 0\n"
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from rolloutdb.store import FinishedGeneration, Reservation, Store, pools
-from rolloutdb.store.revision import head_revision, known_revisions
+from rolloutdb.store.sqlite.revision import head_revision, known_revisions
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO / "tests" / "fixtures"

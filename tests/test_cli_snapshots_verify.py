@@ -17,8 +17,8 @@ import pytest
 
 from conftest import FIXTURES
 from rolloutdb.store import FinishedGeneration, Publisher, Reservation, Retention, Store
-from rolloutdb.store.layout import SNAPSHOT_DB
-from rolloutdb.store.retention import KeepNewestSnapshots
+from rolloutdb.store.checkpoints.layout import SNAPSHOT_DB
+from rolloutdb.store.checkpoints.retention import KeepNewestSnapshots
 
 
 def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from rolloutdb.store.invariants import check_invariants
-from rolloutdb.store.revision import head_revision, known_revisions
+from rolloutdb.store.live.invariants import check_invariants
+from rolloutdb.store.sqlite.revision import head_revision, known_revisions
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO / "tests" / "fixtures"
@@ -325,7 +325,7 @@ def test_a_file_another_process_holds_open_is_refused_naming_its_pid_and_no_byte
 
 
 def published_snapshot(directory: Path, revision: str = OLDEST) -> Path:
-    from rolloutdb.store.manifest import KIND_SNAPSHOT, Manifest, describe_files
+    from rolloutdb.store.checkpoints.manifest import KIND_SNAPSHOT, Manifest, describe_files
 
     directory.mkdir(parents=True)
     db = directory / "rollout_state.sqlite"

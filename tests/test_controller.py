@@ -107,7 +107,7 @@ def test_a_multi_turn_run_trains_on_policy_tokens_only(tmp_path):
 
 
 def test_every_trainer_checkpoint_gets_a_snapshot_anchored_to_it(tmp_path):
-    from rolloutdb.store.layout import scan
+    from rolloutdb.store.checkpoints.layout import scan
 
     run_dir = tmp_path / "run"
     Controller(

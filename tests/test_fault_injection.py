@@ -31,13 +31,25 @@ import pytest
 
 from crash_harness import newest_usable_snapshot
 from rolloutdb.store import (
-    BackgroundWorkError, FinishedGeneration, PublishError, Publisher, Reservation, Store, check_invariants, scan,
+    BackgroundWorkError,
+    FinishedGeneration,
+    PublishError,
+    Publisher,
+    Reservation,
+    Store,
+    check_invariants,
+    scan,
     select_for_restore,
 )
 from rolloutdb.store import faults
-from rolloutdb.store.layout import TEMPORARY, TRASH
-from rolloutdb.store.retention import KeepNewestSnapshotPerAnchor, KeepNewestSnapshots, PruneBootstrap, Retention
-from rolloutdb.store.verification import open_for_checks, verify_snapshot_dir, verify_trainer_dir
+from rolloutdb.store.checkpoints.layout import TEMPORARY, TRASH
+from rolloutdb.store.checkpoints.retention import (
+    KeepNewestSnapshotPerAnchor,
+    KeepNewestSnapshots,
+    PruneBootstrap,
+    Retention,
+)
+from rolloutdb.store.restore.verification import open_for_checks, verify_snapshot_dir, verify_trainer_dir
 
 CHILD = Path(__file__).with_name("publish_child.py")
 KEEP = 2

@@ -48,7 +48,7 @@ _CHILD = textwrap.dedent(
     import json, os, resource, signal, sqlite3, sys
     from pathlib import Path
     from rolloutdb.store import FinishedGeneration, PublishError, Publisher, Reservation, Store
-    from rolloutdb.store.retention import KeepNewestSnapshots, Retention
+    from rolloutdb.store.checkpoints.retention import KeepNewestSnapshots, Retention
 
     live, ckpt, mode = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
     store = Store.create(live, replay_capacity=64)

@@ -25,9 +25,9 @@ from sqlalchemy import create_engine
 from sqlalchemy.pool import NullPool
 
 from rolloutdb.store import FinishedGeneration, Reservation, Store, codec
-from rolloutdb.store.invariants import check_invariants
-from rolloutdb.store.revision import head_revision, known_revisions, run_migrations, upgrade_file
-from rolloutdb.store.schema import metadata
+from rolloutdb.store.live.invariants import check_invariants
+from rolloutdb.store.sqlite.revision import head_revision, known_revisions, run_migrations, upgrade_file
+from rolloutdb.store.live.schema import metadata
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO / "tests" / "fixtures"

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from rolloutdb.store.errors import StoreBusyError
-from rolloutdb.store.inuse import open_elsewhere
+from rolloutdb.store.sqlite.inuse import open_elsewhere
 
 HOLDER = textwrap.dedent("""
     import sqlite3, sys

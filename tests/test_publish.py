@@ -12,12 +12,24 @@ from pathlib import Path
 import pytest
 
 from rolloutdb.store import (
-    AnchorNotDurable, FinishedGeneration, KeepNewestSnapshotPerAnchor, KeepNewestSnapshots,
-    KeepNewestTrainerCheckpoints, NoRestorableSnapshot, PruneBootstrap, PublishError, Publisher, Reservation,
-    Retention, Store, read_manifest, scan, select_for_restore,
+    AnchorNotDurable,
+    FinishedGeneration,
+    KeepNewestSnapshotPerAnchor,
+    KeepNewestSnapshots,
+    KeepNewestTrainerCheckpoints,
+    NoRestorableSnapshot,
+    PruneBootstrap,
+    PublishError,
+    Publisher,
+    Reservation,
+    Retention,
+    Store,
+    read_manifest,
+    scan,
+    select_for_restore,
 )
-from rolloutdb.store.layout import CONFIG_FILE, ENV_EXPORT, NO_MANIFEST, SNAPSHOT_DB, TEMPORARY
-from rolloutdb.store.manifest import ManifestError, member_path, verify_files
+from rolloutdb.store.checkpoints.layout import CONFIG_FILE, ENV_EXPORT, NO_MANIFEST, SNAPSHOT_DB, TEMPORARY
+from rolloutdb.store.checkpoints.manifest import ManifestError, member_path, verify_files
 
 CONFIG = "model: tiny\nsnapshot_every_s: 5\n"
 

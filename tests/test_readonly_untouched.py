@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from rolloutdb.store import Store
-from rolloutdb.store.manifest import KIND_SNAPSHOT, Manifest, describe_files
-from rolloutdb.store.revision import head_revision
+from rolloutdb.store.checkpoints.manifest import KIND_SNAPSHOT, Manifest, describe_files
+from rolloutdb.store.sqlite.revision import head_revision
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO / "tests" / "fixtures"

@@ -21,14 +21,19 @@ import pytest
 
 from rolloutdb.store import FinishedGeneration, Publisher, Reservation, Store, ledger, pools
 from rolloutdb.store.errors import SchemaTooNewError
-from rolloutdb.store.invariants import check_invariants
-from rolloutdb.store.manifest import describe_files, read_manifest
-from rolloutdb.store.restore import (
-    PayloadInventoryMismatch, RestoreError, RunMismatch, SnapshotDamaged, SnapshotInconsistent, SnapshotTooNew,
+from rolloutdb.store.live.invariants import check_invariants
+from rolloutdb.store.checkpoints.manifest import describe_files, read_manifest
+from rolloutdb.store.restore.apply import (
+    PayloadInventoryMismatch,
+    RestoreError,
+    RunMismatch,
+    SnapshotDamaged,
+    SnapshotInconsistent,
+    SnapshotTooNew,
     restore_snapshot,
 )
-from rolloutdb.store.revision import head_revision
-from rolloutdb.store.selection import NoRestorableSnapshot
+from rolloutdb.store.sqlite.revision import head_revision
+from rolloutdb.store.restore.selection import NoRestorableSnapshot
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 CFG, DATA, FOREST = "cfg-fingerprint", "data-fingerprint", {"enabled": False}
@@ -371,7 +376,7 @@ def test_without_the_ledger_in_flight_groups_are_dropped_and_each_steps_shortfal
 
 
 def test_latest_falls_back_to_an_older_snapshot_when_the_newest_is_damaged(tmp_path, second_connection):
-    from rolloutdb.store.resume import select_and_restore
+    from rolloutdb.store.restore.choice import select_and_restore
 
     run = build_ledger_run(tmp_path)
     with Store.open(run.live) as store:
@@ -387,7 +392,7 @@ def test_latest_falls_back_to_an_older_snapshot_when_the_newest_is_damaged(tmp_p
 
 
 def test_a_named_snapshot_is_restored_even_when_newer_ones_exist(tmp_path):
-    from rolloutdb.store.resume import select_and_restore
+    from rolloutdb.store.restore.choice import select_and_restore
 
     run = build_ledger_run(tmp_path)
     with Store.open(run.live) as store:
@@ -397,7 +402,7 @@ def test_a_named_snapshot_is_restored_even_when_newer_ones_exist(tmp_path):
 
 
 def test_snapshots_that_all_fail_are_refused_never_a_silent_fresh_start(tmp_path):
-    from rolloutdb.store.resume import select_and_restore
+    from rolloutdb.store.restore.choice import select_and_restore
 
     run = build_ledger_run(tmp_path)
     (run.snap / "config.yaml").write_bytes(b"changed\n")
@@ -408,7 +413,7 @@ def test_snapshots_that_all_fail_are_refused_never_a_silent_fresh_start(tmp_path
 
 
 def test_a_durable_trainer_checkpoint_without_snapshots_is_reported_to_the_caller(tmp_path):
-    from rolloutdb.store.resume import NothingToRestore, TrainerCheckpointOnly, choose_snapshot
+    from rolloutdb.store.restore.choice import NothingToRestore, TrainerCheckpointOnly, choose_snapshot
 
     with pytest.raises(NothingToRestore):
         choose_snapshot(tmp_path / "ckpt")
@@ -454,7 +459,7 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_verify_run_counts_a_clean_history_and_the_cli_prints_it(tmp_path):
-    from rolloutdb.store.resume import verify_run
+    from rolloutdb.store.restore.choice import verify_run
 
     run_dir = build_run_dir(tmp_path)
     before = tree_digest(run_dir)
@@ -469,7 +474,7 @@ def test_verify_run_counts_a_clean_history_and_the_cli_prints_it(tmp_path):
 
 
 def test_verify_run_counts_a_prompt_handed_out_twice_as_duplicated(tmp_path):
-    from rolloutdb.store.resume import verify_run
+    from rolloutdb.store.restore.choice import verify_run
 
     def hand_out_again(store):
         with store.atomic() as tx:  # position 6 is the prompt of position 0 again
@@ -487,7 +492,7 @@ def test_verify_run_counts_a_prompt_handed_out_twice_as_duplicated(tmp_path):
 
 
 def test_verify_run_counts_positions_nobody_holds_as_lost(tmp_path):
-    from rolloutdb.store.resume import verify_run
+    from rolloutdb.store.restore.choice import verify_run
 
     def skip_two(store):
         with store.atomic() as tx:
@@ -499,7 +504,7 @@ def test_verify_run_counts_positions_nobody_holds_as_lost(tmp_path):
 
 
 def test_verify_run_checks_every_step_trained_groups_per_step_groups(tmp_path):
-    from rolloutdb.store.resume import verify_run
+    from rolloutdb.store.restore.choice import verify_run
 
     verdict = verify_run(build_run_dir(tmp_path, groups_per_step=3))
     assert (verdict.duplicated, verdict.lost) == (0, 0) and not verdict.ok
@@ -507,7 +512,7 @@ def test_verify_run_checks_every_step_trained_groups_per_step_groups(tmp_path):
 
 
 def test_verify_run_after_a_restore_sees_the_whole_history(tmp_path):
-    from rolloutdb.store.resume import verify_run
+    from rolloutdb.store.restore.choice import verify_run
 
     run = build_ledger_run(tmp_path)
     restore(run.snap, run.live)
@@ -520,7 +525,7 @@ def test_verify_run_after_a_restore_sees_the_whole_history(tmp_path):
 
 def test_verify_run_without_a_config_is_refused_with_what_is_missing(tmp_path):
     from rolloutdb.store.errors import NotAStoreError
-    from rolloutdb.store.resume import verify_run
+    from rolloutdb.store.restore.choice import verify_run
 
     run_dir = build_run_dir(tmp_path)
     (run_dir / "config.yaml").unlink()

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from rolloutdb.store.identity import revision_fingerprints, schema_fingerprint
-from rolloutdb.store.revision import head_revision, known_revisions, upgrade_file
+from rolloutdb.store.sqlite.identity import revision_fingerprints, schema_fingerprint
+from rolloutdb.store.sqlite.revision import head_revision, known_revisions, upgrade_file
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO / "tests" / "fixtures"
@@ -72,7 +72,7 @@ def test_the_fingerprint_ignores_sqlite_internal_tables(tmp_path):
 
 
 def test_the_cli_starts_without_running_the_migrations():
-    code = ("import rolloutdb.cli as c, rolloutdb.store.identity as i; c.build_parser(); "
+    code = ("import rolloutdb.cli as c, rolloutdb.store.sqlite.identity as i; c.build_parser(); "
             "print(i.revision_fingerprints.cache_info().currsize)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "0", out.stderr
@@ -166,7 +166,7 @@ def test_restore_refuses_a_mislabelled_snapshot_and_changes_nothing(case, tmp_pa
 
 
 def _reseal(snap: Path) -> None:
-    from rolloutdb.store.manifest import describe_files, read_manifest
+    from rolloutdb.store.checkpoints.manifest import describe_files, read_manifest
 
     manifest = read_manifest(snap)
     manifest.files = describe_files(snap)

@@ -27,8 +27,8 @@ from rolloutdb.store import (
     ledger,
     pools,
 )
-from rolloutdb.store.db import JOURNAL_SIZE_LIMIT
-from rolloutdb.store.schema import T
+from rolloutdb.store.sqlite.database import JOURNAL_SIZE_LIMIT
+from rolloutdb.store.live.schema import T
 
 
 def _gen(n=3, reward=1.0, version=0):

@@ -25,7 +25,7 @@ from alembic.migration import MigrationContext
 from sqlalchemy import create_engine
 from sqlalchemy.pool import NullPool
 
-from rolloutdb.store.trace import (
+from rolloutdb.store.trace.writer import (
     EVENTS,
     TRACE_FILENAME,
     NullTracer,
@@ -214,7 +214,7 @@ def test_every_event_and_field_is_documented_in_docs_trace_md():
 _CHILD = textwrap.dedent(
     """
     import mmap, struct, sys, time
-    from rolloutdb.store.trace import Tracer
+    from rolloutdb.store.trace.writer import Tracer
     tracer = Tracer(sys.argv[1])
     with open(sys.argv[2], "r+b") as f:
         progress = mmap.mmap(f.fileno(), 16)

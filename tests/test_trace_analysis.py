@@ -26,9 +26,9 @@ import pytest
 
 from rolloutdb.cli import main
 from rolloutdb.commands import trace as trace_cli
-from rolloutdb.store import trace_queries
-from rolloutdb.store.analysis import TraceAnalysis, open_sqlite_analysis, sqlite_query
-from rolloutdb.store.trace import TRACE_FILENAME, TraceError, Tracer
+from rolloutdb.store.trace import queries as trace_queries
+from rolloutdb.store.trace.analysis import TraceAnalysis, open_sqlite_analysis, sqlite_query
+from rolloutdb.store.trace.writer import TRACE_FILENAME, TraceError, Tracer
 
 HERE = Path(__file__).resolve().parent
 
@@ -327,7 +327,7 @@ def test_a_job_resumed_into_another_directory_reads_as_one_job(tmp_path, job):
 _ANALYSE = textwrap.dedent(
     """
     import sys
-    from rolloutdb.store.analysis import TraceAnalysis
+    from rolloutdb.store.trace.analysis import TraceAnalysis
     with TraceAnalysis([sys.argv[1]], [sys.argv[2]]) as a:
         print(a.query("thrown_away_per_stop").rows[0][-1])
     """

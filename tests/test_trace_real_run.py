@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 
 from crash_harness import EXAMPLE, OVERRIDES, newest_usable_snapshot
-from rolloutdb.store.trace import TRACE_FILENAME
+from rolloutdb.store.trace.writer import TRACE_FILENAME
 from rolloutdb.timefmt import iso_utc
 
 TIMEOUT_S = 240

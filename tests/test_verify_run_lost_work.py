@@ -14,8 +14,8 @@ import sys
 from pathlib import Path
 
 from rolloutdb.store import FinishedGeneration, Reservation, Store, pools
-from rolloutdb.store.ledger import ALGORITHM_DISCARD_REASONS, ZERO_REWARD_VARIANCE
-from rolloutdb.store.resume import verify_run
+from rolloutdb.store.live.ledger import ALGORITHM_DISCARD_REASONS, ZERO_REWARD_VARIANCE
+from rolloutdb.store.restore.choice import verify_run
 
 
 def _gen(reward: float) -> FinishedGeneration:

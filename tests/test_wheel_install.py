@@ -29,7 +29,7 @@ print(json.dumps(found))
 MAKE_FILES = """
 import sys
 from rolloutdb.store import Store
-from rolloutdb.store.trace import open_tracer
+from rolloutdb.store.trace.writer import open_tracer
 Store.create(sys.argv[1]).close()
 open_tracer(sys.argv[2]).close()
 """

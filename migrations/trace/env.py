@@ -10,7 +10,7 @@ from rolloutdb.migrations.envcommon import run_env
 
 
 def _metadata():
-    from rolloutdb.store.trace import trace_metadata
+    from rolloutdb.store.trace.writer import trace_metadata
 
     return trace_metadata
 

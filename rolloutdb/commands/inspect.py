@@ -23,12 +23,17 @@ from typing import Any
 
 from rolloutdb.cli import path_argument
 from rolloutdb.store.errors import NotAStoreError
-from rolloutdb.store.identity import identify
-from rolloutdb.store.readonly import (
-    DEFAULT_QUERY_TIMEOUT_S, QueryTimeout, listing_manifest, open_readonly, quick_check, run_readonly_query,
+from rolloutdb.store.sqlite.identity import identify
+from rolloutdb.store.sqlite.readonly import (
+    DEFAULT_QUERY_TIMEOUT_S,
+    QueryTimeout,
+    listing_manifest,
+    open_readonly,
+    quick_check,
+    run_readonly_query,
 )
-from rolloutdb.store.revision import head_revision
-from rolloutdb.store.schema import ABANDON_REASONS, GROUP_STATES, ROLLOUT_STATES, STATE_TABLES
+from rolloutdb.store.sqlite.revision import head_revision
+from rolloutdb.store.live.schema import ABANDON_REASONS, GROUP_STATES, ROLLOUT_STATES, STATE_TABLES
 from rolloutdb.timefmt import ago, iso_utc
 
 MANIFEST_NAME = "manifest.json"

@@ -11,8 +11,8 @@ from pathlib import Path
 
 from rolloutdb.cli import path_argument
 from rolloutdb.controller.run_dir import RunDir
-from rolloutdb.store.revision import head_revision
-from rolloutdb.store.verification import verify_path
+from rolloutdb.store.sqlite.revision import head_revision
+from rolloutdb.store.restore.verification import verify_path
 
 EXIT_PROBLEMS = 1
 
@@ -62,7 +62,7 @@ def _one_line(text: str) -> str:
 
 
 def run_run_dir(args: argparse.Namespace) -> int:
-    from rolloutdb.store.resume import verify_run
+    from rolloutdb.store.restore.choice import verify_run
 
     verdict = verify_run(args.path)
     for problem in verdict.problems:

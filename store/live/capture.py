@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .revision import file_revision
+from ..sqlite.revision import file_revision
 from .schema import STATE_TABLES
 
 

@@ -21,8 +21,8 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import StoreError
-from .layout import SNAPSHOT_DB, Entry, scan
+from ..errors import StoreError
+from ..checkpoints.layout import SNAPSHOT_DB, Entry, scan
 from .verification import open_for_checks, verify_snapshot_dir, verify_trainer_dir
 
 MAX_REASONS = 8

@@ -27,12 +27,12 @@ from sqlalchemy import Connection, insert, select, update
 
 from . import ledger, pools
 from .capture import Capture, capture_snapshot
-from .db import BUSY_TIMEOUT_MS, Database
-from .errors import NotAStoreError
+from ..sqlite.database import BUSY_TIMEOUT_MS, Database
+from ..errors import NotAStoreError
 from .invariants import InvariantReport, check_invariants
 from .ledger import FinishedGeneration, Reservation
-from .readonly import open_readonly
-from .revision import check_sqlite_file, create_store_file, file_revision, require_head
+from ..sqlite.readonly import open_readonly
+from ..sqlite.revision import check_sqlite_file, create_store_file, file_revision, require_head
 from .schema import T
 
 _BUMP = update(T["run_meta"]).values(mutation_counter=T["run_meta"].c.mutation_counter + 1)

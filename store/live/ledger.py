@@ -21,7 +21,7 @@ from functools import lru_cache
 from sqlalchemy import Connection, bindparam, case, delete, func, insert, or_, select, update
 
 from .codec import encode_logprobs, encode_tokens, encode_version_counts
-from .errors import IllegalTransition, ReplayFullError
+from ..errors import IllegalTransition, ReplayFullError
 from .schema import ABANDON_REASONS, T
 
 groups = T["prompt_groups"]

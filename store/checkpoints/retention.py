@@ -26,8 +26,8 @@ from collections.abc import Iterable, Set
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import faults
-from .fsio import fsync_dir, leftover_kind, rename, trash_path_beside
+from .. import faults
+from ..fsio import fsync_dir, leftover_kind, rename, trash_path_beside
 from .layout import BOOTSTRAP, SNAPSHOT_DB, Entry, Inventory, anchor_order, scan
 
 log = logging.getLogger(__name__)

@@ -36,10 +36,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import quote
 
-from . import trace_queries
-from .readonly import _PrivateCopyConnection, private_copy
-from .revision import file_revision
-from .trace import TraceError, run_trace_migrations, trace_alembic_config, trace_head_revision
+from . import queries as trace_queries
+from ..sqlite.readonly import _PrivateCopyConnection, private_copy
+from ..sqlite.revision import file_revision
+from .writer import TraceError, run_trace_migrations, trace_alembic_config, trace_head_revision
 
 # The base table of trace_queries -> its table in a trace file, where the names differ.
 _FILE_TABLE = {"trace_runs": "runs"}

@@ -18,9 +18,9 @@ from alembic.script import ScriptDirectory
 from sqlalchemy import URL, create_engine, event
 from sqlalchemy.pool import NullPool
 
-from . import faults
-from .errors import NotAStoreError, SchemaTooNewError, SchemaTooOldError, StoreBusyError
-from .fsio import TEMP_SUFFIX, refuse_special_file, replace_file, temp_path_beside
+from .. import faults
+from ..errors import NotAStoreError, SchemaTooNewError, SchemaTooOldError, StoreBusyError
+from ..fsio import TEMP_SUFFIX, refuse_special_file, replace_file, temp_path_beside
 
 SQLITE_MAGIC = b"SQLite format 3\x00"
 
@@ -176,7 +176,7 @@ def create_store_file(path: str | Path) -> Path:
 def _checked_open(path: Path) -> tuple[sqlite3.Connection, str, str]:
     """A read-only connection on a file that passed ``PRAGMA integrity_check`` and strict
     identification (`identity.identify`), with (revision, 'head' or 'old')."""
-    from .identity import identify  # identity and readonly import this module
+    from .identity import identify
     from .readonly import open_readonly
 
     path = check_sqlite_file(path)
@@ -329,7 +329,7 @@ def upgrade_file(path: str | Path, out: str | Path | None = None) -> tuple[str, 
 
 def _upgrade_to(path: Path, out: Path) -> tuple[str, str]:
     """`upgrade_file(path, out)`: `path` is only read (`open_readonly`)."""
-    from .manifest import MANIFEST_NAME
+    from ..checkpoints.manifest import MANIFEST_NAME
     if out.exists() or out.is_symlink():
         raise NotAStoreError(f"{out}: already exists; pass --out a new file name")
     if not out.parent.is_dir():

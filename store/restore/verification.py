@@ -13,17 +13,31 @@ import sqlite3
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import NotAStoreError, SchemaTooNewError
-from .invariants import check_invariants
-from .layout import (
-    BAD_MANIFEST, BOOTSTRAP, COMPLETE, NO_MANIFEST, SNAPSHOT_DB, SNAPSHOTS_DIR, anchor_step, scan, snapshot_name,
+from ..errors import NotAStoreError, SchemaTooNewError
+from ..live.invariants import check_invariants
+from ..checkpoints.layout import (
+    BAD_MANIFEST,
+    BOOTSTRAP,
+    COMPLETE,
+    NO_MANIFEST,
+    SNAPSHOT_DB,
+    SNAPSHOTS_DIR,
+    anchor_step,
+    scan,
+    snapshot_name,
 )
-from .manifest import (
-    KIND_SNAPSHOT, KIND_TRAINER, MANIFEST_NAME, Manifest, ManifestError, read_manifest, verify_files,
+from ..checkpoints.manifest import (
+    KIND_SNAPSHOT,
+    KIND_TRAINER,
+    MANIFEST_NAME,
+    Manifest,
+    ManifestError,
+    read_manifest,
+    verify_files,
 )
-from .identity import identify
-from .readonly import listing_manifest, open_readonly
-from .revision import file_revision, head_revision
+from ..sqlite.identity import identify
+from ..sqlite.readonly import listing_manifest, open_readonly
+from ..sqlite.revision import file_revision, head_revision
 
 INTEGRITY_LINES = 3
 

@@ -36,8 +36,8 @@ import time
 from pathlib import Path
 from urllib.parse import quote
 
-from .errors import NotAStoreError, ReadOnlyViolation, StoreError
-from .manifest import MANIFEST_NAME
+from ..errors import NotAStoreError, ReadOnlyViolation, StoreError
+from ..checkpoints.manifest import MANIFEST_NAME
 from .revision import check_sqlite_file
 
 WAL_HEADER = 32

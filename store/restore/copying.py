@@ -32,7 +32,7 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
-from . import faults
+from .. import faults
 
 COPY_STEP = 64 * 1024 * 1024  # bytes the kernel copies between two hash hand-offs
 HASH_CHUNK = 4 * 1024 * 1024

@@ -25,15 +25,13 @@ from pathlib import Path
 
 import yaml
 
-from .errors import NotAStoreError
-from .fsio import refuse_special_file
-from .invariants import check_invariants
-from .layout import COMPLETE, SNAPSHOTS_DIR, Entry, scan
-from .ledger import ALGORITHM_DISCARD_REASONS
-from .manifest import KIND_SNAPSHOT, KIND_TRAINER, ManifestError, read_manifest
-from .restore import (
-    RestoreError, RestorePlan, RunMismatch, SnapshotDamaged, SnapshotInconsistent, restore_snapshot,
-)
+from ..errors import NotAStoreError
+from ..fsio import refuse_special_file
+from ..live.invariants import check_invariants
+from ..checkpoints.layout import COMPLETE, SNAPSHOTS_DIR, Entry, scan
+from ..live.ledger import ALGORITHM_DISCARD_REASONS
+from ..checkpoints.manifest import KIND_SNAPSHOT, KIND_TRAINER, ManifestError, read_manifest
+from .apply import RestoreError, RestorePlan, RunMismatch, SnapshotDamaged, SnapshotInconsistent, restore_snapshot
 from .selection import NoRestorableSnapshot, Selection, anchor_problem, run_id_problem, select_for_restore
 from .verification import open_for_checks
 

@@ -44,7 +44,7 @@ from pathlib import Path
 from sqlalchemy import URL, Connection, Engine, create_engine, event, exc, text
 from sqlalchemy.pool import NullPool
 
-from .errors import NotAStoreError, StoreBusyError
+from ..errors import NotAStoreError, StoreBusyError
 
 BUSY_TIMEOUT_MS = 5000
 JOURNAL_SIZE_LIMIT = 64 * 1024 * 1024  # without it the WAL file never shrinks

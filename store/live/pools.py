@@ -13,7 +13,7 @@ from sqlalchemy import Connection, bindparam, delete, func, insert, select, upda
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
 from .codec import decode_tokens, encode_tokens
-from .errors import IllegalTransition
+from ..errors import IllegalTransition
 from .ledger import Reservation
 from .schema import T
 

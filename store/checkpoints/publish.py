@@ -33,17 +33,33 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import faults
-from .capture import count_rows
-from .errors import NotAStoreError, StoreError
-from .fsio import TEMP_SUFFIX, fsync_dir, fsync_file, rename_dir, replace_file, temp_path_beside, write_file
+from .. import faults
+from ..live.capture import count_rows
+from ..errors import NotAStoreError, StoreError
+from ..fsio import TEMP_SUFFIX, fsync_dir, fsync_file, rename_dir, replace_file, temp_path_beside, write_file
 from .layout import (
-    BOOTSTRAP, CONFIG_FILE, ENV_EXPORT, HIGH_WATER, SNAPSHOT_DB, SNAPSHOTS_DIR, anchor_dir, anchor_name,
-    read_high_water, scan, snapshot_dir,
+    BOOTSTRAP,
+    CONFIG_FILE,
+    ENV_EXPORT,
+    HIGH_WATER,
+    SNAPSHOT_DB,
+    SNAPSHOTS_DIR,
+    anchor_dir,
+    anchor_name,
+    read_high_water,
+    scan,
+    snapshot_dir,
 )
 from .manifest import (
-    KIND_SNAPSHOT, KIND_TRAINER, MANIFEST_NAME, FileEntry, Manifest, ManifestError, config_fingerprint,
-    hash_file, read_manifest,
+    KIND_SNAPSHOT,
+    KIND_TRAINER,
+    MANIFEST_NAME,
+    FileEntry,
+    Manifest,
+    ManifestError,
+    config_fingerprint,
+    hash_file,
+    read_manifest,
 )
 from .retention import Retention, RetentionReport, apply_retention, default_retention, remove_leftovers, remove_tree
 
@@ -181,8 +197,8 @@ def _discard_tmp(tmp: Path) -> None:
 
 def _read_revision(db_path: Path) -> tuple[str | None, dict[str, int], dict[str, int]]:
     """Schema revision (from the file's alembic_version) and row counts of a snapshot file."""
-    from .readonly import open_readonly
-    from .revision import file_revision
+    from ..sqlite.readonly import open_readonly
+    from ..sqlite.revision import file_revision
 
     conn = open_readonly(db_path)
     try:

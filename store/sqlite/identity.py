@@ -23,7 +23,7 @@ import functools
 import sqlite3
 from pathlib import Path
 
-from .errors import NotAStoreError
+from ..errors import NotAStoreError
 from .revision import alembic_config, classify_revision, file_revision, known_revisions
 
 # (table name -> (sorted columns, sorted indexes)), plus ("view"/"trigger", name) entries.

@@ -54,11 +54,11 @@ from sqlalchemy import (
     Text,
 )
 
-from .db import Database
-from .errors import StoreError
-from .fsio import replace_file, temp_path_beside
-from .revision import alembic_config, check_sqlite_file, file_revision, run_migrations
-from .schema import NAMING
+from ..sqlite.database import Database
+from ..errors import StoreError
+from ..fsio import replace_file, temp_path_beside
+from ..sqlite.revision import alembic_config, check_sqlite_file, file_revision, run_migrations
+from ..live.schema import NAMING
 
 log = logging.getLogger("rolloutdb.trace")
 

@@ -61,23 +61,34 @@ from pathlib import Path
 
 from sqlalchemy import Connection, delete, func, literal_column, select, update
 
-from . import ledger, pools
-from .db import Database
-from .errors import NotAStoreError, ReplayFullError, SchemaTooNewError, StoreError
-from .fsio import replace_file, temp_path_beside
-from .invariants import check_invariants
-from .layout import ENV_EXPORT, SNAPSHOT_DB, anchor_step
-from .ledger import Reservation
-from .manifest import (
-    KIND_SNAPSHOT, Manifest, ManifestError, describe_files_names, hash_file, member_path, read_manifest,
+from ..live import ledger, pools
+from ..sqlite.database import Database
+from ..errors import NotAStoreError, ReplayFullError, SchemaTooNewError, StoreError
+from ..fsio import replace_file, temp_path_beside
+from ..live.invariants import check_invariants
+from ..checkpoints.layout import ENV_EXPORT, SNAPSHOT_DB, anchor_step
+from ..live.ledger import Reservation
+from ..checkpoints.manifest import (
+    KIND_SNAPSHOT,
+    Manifest,
+    ManifestError,
+    describe_files_names,
+    hash_file,
+    member_path,
+    read_manifest,
 )
-from .restore_io import SourceIntegrityCheck, copy_hashing
-from .identity import check_schema
-from .revision import (
-    classify_revision, file_revision, head_revision, known_revisions, refuse_if_open, run_migrations,
+from .copying import SourceIntegrityCheck, copy_hashing
+from ..sqlite.identity import check_schema
+from ..sqlite.revision import (
+    classify_revision,
+    file_revision,
+    head_revision,
+    known_revisions,
+    refuse_if_open,
+    run_migrations,
 )
-from .schema import T
-from .store import Store
+from ..live.schema import T
+from ..live.store import Store
 
 SIDE_SUFFIXES = ("-wal", "-shm", "-journal")
 

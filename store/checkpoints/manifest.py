@@ -23,8 +23,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from .errors import StoreError
-from .fsio import refuse_special_file
+from ..errors import StoreError
+from ..fsio import refuse_special_file
 
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"

@@ -31,8 +31,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import NotAStoreError
-from .fsio import leftover_kind, leftover_target_name
+from ..errors import NotAStoreError
+from ..fsio import leftover_kind, leftover_target_name
 from .manifest import KIND_SNAPSHOT, KIND_TRAINER, MANIFEST_NAME, Manifest, ManifestError, read_manifest
 
 BOOTSTRAP = "bootstrap"
