@@ -24,6 +24,7 @@ from typing import Any, Literal
 import yaml
 from rolloutdb.store.fsio import refuse_special_file
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic_core import ErrorDetails
 
 
 class ConfigError(ValueError):
@@ -291,7 +292,7 @@ def _first_error(e: ValidationError) -> str:
     return f"{where}: {msg}"
 
 
-def _literal_message(loc: list[str], err: dict) -> str:
+def _literal_message(loc: list[str], err: ErrorDetails) -> str:
     """A value outside a key's Literal: planned (NOT_BUILT_YET) or simply unknown; either
     way the line lists the values that are accepted."""
     # pydantic's ctx: "'a'", "'a' or 'b'", "'a', 'b' or 'c'"

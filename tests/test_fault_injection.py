@@ -314,7 +314,7 @@ def test_an_unknown_fault_point_in_the_environment_is_refused(monkeypatch):
 
 def test_every_named_fault_point_is_called_in_the_code_and_every_call_is_named():
     store_dir = Path(faults.__file__).parent
-    source = "".join(p.read_text() for p in store_dir.glob("*.py") if p.name != "faults.py")
+    source = "".join(p.read_text() for p in sorted(store_dir.rglob("*.py")) if p.name != "faults.py")
     for point in faults.POINTS:
         stage, _, name = point.partition(".")
         assert f'"{point}"' in source or f'f"{{stage}}.{name}"' in source, point
