@@ -15,16 +15,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rolloutdb.config import Config
-from rolloutdb.controller import components
+from rolloutdb.controller import build
 from rolloutdb.controller import resume as resuming
 from rolloutdb.controller.dispatch import GroupHandle, LedgerDispatch, NoLedgerDispatch
-from rolloutdb.controller.parts import Progress, RolloutParts, RuntimeState
+from rolloutdb.controller.runtime import Progress, RolloutParts, RuntimeState
 from rolloutdb.controller.rollout_pump import RolloutPump
 from rolloutdb.controller.run_dir import RunDir, RunLock
 from rolloutdb.controller.run_log import MetricsLog, ProgressBar, plot_rewards, read_metrics, summary_line
 from rolloutdb.controller.sampler import PromptOrder, StalenessBound
-from rolloutdb.controller.snapshotter import Snapshotter
+from rolloutdb.controller.snapshot_pump import Snapshotter
 from rolloutdb.controller.train_pump import TrainPump
+from rolloutdb.controller.trainer_checkpoints import TrainerCheckpoints
 from rolloutdb.store import Store, faults
 from rolloutdb.store.trace.writer import open_tracer
 
@@ -73,12 +74,12 @@ class Controller:
             self.writing = True
             self.dirs.create()
             self.dirs.write_config(cfg)
-        components.set_threads(cfg.cluster.torch_threads)
-        policy_dir = components.build_policy(cfg, self.dirs.policy)
-        self.dataset, self.env = components.build_task(cfg, policy_dir)
-        self.trainer = components.build_trainer(cfg, policy_dir)
-        self.engine = components.build_engine(cfg, policy_dir)
-        self.publisher = components.build_publisher(cfg, self.dirs.checkpoints)
+        build.set_threads(cfg.cluster.torch_threads)
+        policy_dir = build.build_policy(cfg, self.dirs.policy)
+        self.dataset, self.env = build.build_task(cfg, policy_dir)
+        self.trainer = build.build_trainer(cfg, policy_dir)
+        self.engine = build.build_engine(cfg, policy_dir)
+        self.publisher = build.build_publisher(cfg, self.dirs.checkpoints)
         if self.resume:
             done = resuming.restore_run(self)
         self.writing = True
@@ -93,7 +94,7 @@ class Controller:
             self.store = self.create_store()
         if done is not None:
             resuming.announce(self, done)
-        self.checkpoints = components.TrainerCheckpoints(cfg, self.trainer, self.publisher, self.runtime.save_lock)
+        self.checkpoints = TrainerCheckpoints(cfg, self.trainer, self.publisher, self.runtime.save_lock)
         self.checkpoints.publish_bootstrap()
         self.bar = ProgressBar(cfg.algorithm.total_steps, enabled=cfg.logging.progress, start_step=self.trainer.step)
         if cfg.ledger_dispatch:

@@ -21,7 +21,7 @@ import numpy as np
 
 from rolloutdb.controller.dispatch import GroupHandle
 from rolloutdb.controller.episodes import EpisodeSpec, call_seed, run_episodes
-from rolloutdb.controller.parts import RolloutParts
+from rolloutdb.controller.runtime import RolloutParts
 from rolloutdb.controller.tracing import RolloutTrace
 from rolloutdb.gpu_capture.protocol import SamplingParams
 from rolloutdb.store import FinishedGeneration, ReplayFullError, Reservation, faults, codec, ledger, pools

@@ -15,7 +15,7 @@ import numpy as np
 from sqlalchemy import select
 
 from rolloutdb.controller.episodes import ENV_TOKEN_VERSION
-from rolloutdb.controller.parts import RolloutParts
+from rolloutdb.controller.runtime import RolloutParts
 from rolloutdb.controller.protocols import Completion, TrainGroup
 from rolloutdb.controller.tracing import RolloutTrace
 from rolloutdb.store import faults, codec

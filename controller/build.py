@@ -96,33 +96,3 @@ def build_publisher(config: Config, checkpoint_dir: Path) -> Publisher:
         PruneBootstrap(),
     )
     return Publisher(checkpoint_dir, retention=retention)
-
-
-class TrainerCheckpoints:
-    """Publishes `bootstrap/` before the first step and `step_<N>/` every
-    `checkpointing.interval_steps`, through the one commit protocol, under the save lock
-    that rollout snapshots take too."""
-
-    def __init__(self, config: Config, trainer: Trainer, publisher: Publisher, save_lock):
-        self.config = config.checkpointing
-        self.trainer = trainer
-        self.publisher = publisher
-        self.save_lock = save_lock
-
-    def _write(self, tmp: Path) -> None:
-        self.trainer.save_checkpoint(tmp)
-
-    def publish_bootstrap(self) -> None:
-        """Once per run directory: a resumed run keeps the bootstrap it has."""
-        from rolloutdb.store.checkpoints.layout import BOOTSTRAP, scan
-
-        with self.save_lock:
-            if BOOTSTRAP not in scan(self.publisher.root).durable_anchor_names():
-                self.publisher.publish_bootstrap(self._write)
-
-    def maybe_publish(self, step: int) -> bool:
-        if not self.config.enabled or step % self.config.interval_steps:
-            return False
-        with self.save_lock:
-            self.publisher.publish_trainer_checkpoint(step, self._write)
-        return True

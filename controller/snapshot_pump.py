@@ -30,7 +30,7 @@ import time
 from dataclasses import dataclass, field
 
 from rolloutdb.controller.env_checkpoint import EnvironmentCheckpoint, NoEnvironmentCheckpoint
-from rolloutdb.controller.parts import RolloutParts
+from rolloutdb.controller.runtime import RolloutParts
 from rolloutdb.store import faults
 from rolloutdb.store.checkpoints.layout import anchor_name, scan
 from rolloutdb.store.checkpoints.publish import Publisher
