@@ -1,6 +1,6 @@
 """The store's transition code at another git revision next to the working tree's, in one
 run: batched rounds and one-transition transactions alternate between the two versions
-of `store/ledger.py` and `store/pools.py` on the same live store, so a change to the
+of `store/live/ledger.py` and `store/live/pools.py` on the same live store, so a change to the
 hot paths is judged by a ratio measured side by side.
 
     python bench/bench_ledger_ab.py --rev c38c2a6      # the store skeleton's ledger

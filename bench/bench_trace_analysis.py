@@ -12,7 +12,7 @@ the real migration (timed), so the benchmark also measures upgrading a 10M-event
 Then, side by side in one run, it computes the batch-age and lost-work report (batch age
 per step, thrown-away time per stop, lost progress per stop):
 
-  duckdb  `rolloutdb.store.analysis.TraceAnalysis`: the named SQL over the SQLite files
+  duckdb  `rolloutdb.store.trace.analysis.TraceAnalysis`: the named SQL over the SQLite files
           attached read-only (what `rolloutdb trace` does);
   sqlite  the same SQL text in SQLite, files attached read-only (`open_sqlite_analysis`);
   pandas  the same aggregations in pandas, after reading with read_sql the same tables
@@ -37,8 +37,7 @@ from pathlib import Path
 
 from rolloutdb.store.trace import queries as trace_queries
 from rolloutdb.store.trace.analysis import TraceAnalysis, open_sqlite_analysis, sqlite_query
-from rolloutdb.store.sqlite.revision import file_revision
-from rolloutdb.store.trace.writer import run_trace_migrations, trace_head_revision
+from rolloutdb.store.sqlite.revision import file_revision, run_trace_migrations, trace_head_revision
 
 GENERATIONS = 8  # per group
 GROUPS_PER_STEP = 16

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rolloutdb.config import Config
-from rolloutdb.store.fsio import replace_file, temp_path_beside
+from rolloutdb.store.fsio import write_file_atomic
 
 LOCK_NAME = "run.lock"
 
@@ -103,9 +103,7 @@ class RunDir:
             d.mkdir(parents=True, exist_ok=True)
 
     def write_config(self, config: Config) -> None:
-        tmp = temp_path_beside(self.config, "write")
-        tmp.write_text(config.to_yaml(), encoding="utf-8")
-        replace_file(tmp, self.config)
+        write_file_atomic(self.config, config.to_yaml())
 
     def lock(self, *, create: bool) -> RunLock:
         """Take the run directory for this process (see `RunLock`). `create`: make the

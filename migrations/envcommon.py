@@ -2,7 +2,7 @@
 `trace/env.py`) do; each env.py names only its kind of file and its models.
 
 Two ways in:
-- from code (`rolloutdb.store.revision.run_migrations`): a SQLAlchemy connection is
+- from code (`rolloutdb.store.sqlite.revision.run_migrations`): a SQLAlchemy connection is
   passed in ``config.attributes["connection"]`` and used as is;
 - from the command line: ``alembic -x db=PATH upgrade head`` (also ``check`` and
   ``revision --autogenerate``; see README in this folder).

@@ -10,16 +10,26 @@ from .sqlite.database import Database
 from .errors import (
     IllegalTransition,
     NotAStoreError,
+    NothingToRestore,
+    NoRestorableSnapshot,
+    PayloadInventoryMismatch,
     ReadOnlyViolation,
     ReplayFullError,
+    RestoreError,
+    RunMismatch,
     SchemaTooNewError,
     SchemaTooOldError,
+    SnapshotDamaged,
+    SnapshotInconsistent,
+    SnapshotTooNew,
     StoreBusyError,
     StoreError,
+    TrainerCheckpointOnly,
 )
 from .live.invariants import InvariantReport, check_invariants
 from .live.ledger import FinishedGeneration, Reservation
-from .sqlite.revision import head_revision, known_revisions, upgrade_file
+from .sqlite.revision import head_revision, known_revisions
+from .sqlite.upgrade import upgrade_file
 from .live.store import Store
 from .checkpoints.layout import BOOTSTRAP, Entry, Inventory, anchor_name, scan
 from .checkpoints.manifest import Manifest, ManifestError, read_manifest
@@ -30,10 +40,6 @@ from .checkpoints.publish import (
     PublishError,
     Publisher,
     SnapshotStage,
-    publish_bootstrap,
-    publish_rollout_snapshot,
-    publish_trainer_checkpoint,
-    publisher_for,
 )
 from .checkpoints.retention import (
     KeepNewestSnapshotPerAnchor,
@@ -43,30 +49,21 @@ from .checkpoints.retention import (
     Retention,
     default_retention,
 )
-from .restore.selection import NoRestorableSnapshot, Selection, select_for_restore
+from .restore.selection import Selection, select_for_restore
 from .restore.verification import Report, verify_path
+from .restore.plan import RestoredGroup, RestorePlan
 from .restore.apply import (
-    PayloadInventoryMismatch,
-    RestoredGroup,
-    RestoreError,
-    RestorePlan,
-    RunMismatch,
-    SnapshotDamaged,
-    SnapshotInconsistent,
-    SnapshotTooNew,
     restore_snapshot,
 )
 from .restore.choice import (
-    NothingToRestore,
     RunVerdict,
-    TrainerCheckpointOnly,
     choose_snapshot,
     select_and_restore,
     verify_run,
 )
 
 __all__ = [
-    # restore (store/restore.py, store/resume.py)
+    # restore (store/restore/, its errors in store/errors.py)
     "NothingToRestore",
     "PayloadInventoryMismatch",
     "RestoredGroup",
@@ -103,10 +100,6 @@ __all__ = [
     "SnapshotStage",
     "anchor_name",
     "default_retention",
-    "publish_bootstrap",
-    "publish_rollout_snapshot",
-    "publish_trainer_checkpoint",
-    "publisher_for",
     "read_manifest",
     "scan",
     "select_for_restore",

@@ -1,8 +1,9 @@
 """Durable file operations. The one commit protocol of rolloutdb is built from these:
 write beside the target, fsync, rename into place, fsync the parent directory.
 
-Files go through `replace_file`; directories (checkpoints, snapshots) through
-`rolloutdb.store.publish`, which uses `fsync_tree` and `rename_dir` below. Every write,
+Files go through `write_file_atomic` (which ends in `replace_file`); directories
+(checkpoints, snapshots) through `rolloutdb.store.checkpoints.publish`, which uses
+`fsync_tree` and `rename_dir` below. Every write,
 fsync and rename passes a `faults.io` hook so tests can make the disk fail there.
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
+from collections.abc import Callable
 from pathlib import Path
 
 from . import faults
@@ -57,6 +59,27 @@ def replace_file(tmp: str | Path, target: str | Path) -> None:
     fsync_file(tmp)
     rename(tmp, target)
     fsync_dir(target.parent)
+
+
+def write_file_atomic(path: str | Path, data: bytes | str | Callable[[Path], object], *, tag: str = "write") -> Path:
+    """Put a file at `path` so that a reader or a crash sees the old file or the whole new
+    one, never part of it: written beside it (`temp_path_beside`), fsynced, renamed into
+    place, the directory fsynced (`replace_file`). `data` is the content (a str is
+    written as UTF-8), or a function that builds the file at the temporary path it is
+    given (a SQLite file made by running migrations). This process's leftover of an
+    earlier failed write is replaced; on failure nothing is left beside `path`."""
+    path = Path(path)
+    tmp = temp_path_beside(path, tag)
+    tmp.unlink(missing_ok=True)
+    try:
+        if callable(data):
+            data(tmp)
+        else:
+            write_file(tmp, data.encode() if isinstance(data, str) else data)
+        replace_file(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
 
 
 def rename_dir(tmp: str | Path, target: str | Path) -> None:

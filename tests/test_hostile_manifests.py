@@ -16,7 +16,7 @@ from hostile import assert_refused, run_cli, unchanged, world  # noqa: F401 - wo
 
 # ----------------------------------------------------------------------------- class 3: forged manifests
 
-# The JSON type each manifest field has, as the format documents it (store/manifest.py's
+# The JSON type each manifest field has, as the format documents it (store/checkpoints/manifest.py's
 # docstring): written here independently of the code that checks it.
 MANIFEST_TYPES = {
     "format_version": {int}, "kind": {str}, "anchor": {str}, "files": {list}, "sequence": {int},

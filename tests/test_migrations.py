@@ -26,7 +26,8 @@ from sqlalchemy.pool import NullPool
 
 from rolloutdb.store import FinishedGeneration, Reservation, Store, codec
 from rolloutdb.store.live.invariants import check_invariants
-from rolloutdb.store.sqlite.revision import head_revision, known_revisions, run_migrations, upgrade_file
+from rolloutdb.store.sqlite.revision import head_revision, known_revisions, run_migrations
+from rolloutdb.store.sqlite.upgrade import upgrade_file
 from rolloutdb.store.live.schema import metadata
 
 REPO = Path(__file__).resolve().parents[1]

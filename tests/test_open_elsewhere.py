@@ -1,5 +1,5 @@
 """Who has a store file open, asked of SQLite's own locks without changing anything
-(`rolloutdb.store.inuse`), and the refusal to replace a file another process holds: a
+(`rolloutdb.store.sqlite.inuse`), and the refusal to replace a file another process holds: a
 restore must not swap the live store under a process that would go on committing into
 the unlinked old file."""
 

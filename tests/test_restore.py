@@ -1,5 +1,5 @@
 """Restore: real stores built through the Store API, real snapshots published through
-store/publish.py, restored into a live path and read back through a second connection.
+store/checkpoints/publish.py, restored into a live path and read back through a second connection.
 
 Every refusal is checked to leave the live store's bytes, the snapshot's bytes and the
 live directory's listing exactly as they were.
@@ -20,20 +20,20 @@ from types import SimpleNamespace
 import pytest
 
 from rolloutdb.store import FinishedGeneration, Publisher, Reservation, Store, ledger, pools
-from rolloutdb.store.errors import SchemaTooNewError
-from rolloutdb.store.live.invariants import check_invariants
-from rolloutdb.store.checkpoints.manifest import describe_files, read_manifest
-from rolloutdb.store.restore.apply import (
+from rolloutdb.store.errors import (
+    NoRestorableSnapshot,
     PayloadInventoryMismatch,
     RestoreError,
     RunMismatch,
+    SchemaTooNewError,
     SnapshotDamaged,
     SnapshotInconsistent,
     SnapshotTooNew,
-    restore_snapshot,
 )
+from rolloutdb.store.live.invariants import check_invariants
+from rolloutdb.store.checkpoints.manifest import describe_files, read_manifest
+from rolloutdb.store.restore.apply import restore_snapshot
 from rolloutdb.store.sqlite.revision import head_revision
-from rolloutdb.store.restore.selection import NoRestorableSnapshot
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 CFG, DATA, FOREST = "cfg-fingerprint", "data-fingerprint", {"enabled": False}
@@ -413,7 +413,8 @@ def test_snapshots_that_all_fail_are_refused_never_a_silent_fresh_start(tmp_path
 
 
 def test_a_durable_trainer_checkpoint_without_snapshots_is_reported_to_the_caller(tmp_path):
-    from rolloutdb.store.restore.choice import NothingToRestore, TrainerCheckpointOnly, choose_snapshot
+    from rolloutdb.store.errors import NothingToRestore, TrainerCheckpointOnly
+    from rolloutdb.store.restore.choice import choose_snapshot
 
     with pytest.raises(NothingToRestore):
         choose_snapshot(tmp_path / "ckpt")

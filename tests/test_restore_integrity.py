@@ -13,7 +13,7 @@ from __future__ import annotations
 import sqlite3
 
 from rolloutdb.store.checkpoints.manifest import describe_files, read_manifest
-from rolloutdb.store.restore.apply import SnapshotDamaged
+from rolloutdb.store.errors import SnapshotDamaged
 from test_restore import assert_refused_and_unchanged, build_ledger_run
 
 

@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from rolloutdb.store.sqlite.identity import revision_fingerprints, schema_fingerprint
-from rolloutdb.store.sqlite.revision import head_revision, known_revisions, upgrade_file
+from rolloutdb.store.sqlite.revision import head_revision, known_revisions
+from rolloutdb.store.sqlite.upgrade import upgrade_file
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO / "tests" / "fixtures"

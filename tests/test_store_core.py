@@ -299,16 +299,16 @@ def _violate_cursor_covers(conn, _gid):
 
 
 @pytest.mark.parametrize(
-    "violate, expected",
+    "violate, number, expected",
     [
-        (_violate_exactly_once, r"invariant 1: 1 prompts both in the ledger and in the spare pool: epoch 0 prompt 1"),
-        (_violate_replay_xor_in_flight, r"invariant 2: 1 groups in replay that still have a running attempt: group \d+"),
-        (_violate_no_orphans, r"invariant 3: 1 samples of no live group: sample \d+ \(group 4242\)"),
-        (_violate_cursor_covers, r"invariant 4: 2 ledger groups beyond the sampler cursor: group \d+ at sample_seq 1"),
+        (_violate_exactly_once, 1, r"invariant 1: 1 prompts both in the ledger and in the spare pool: epoch 0 prompt 1"),
+        (_violate_replay_xor_in_flight, 2, r"invariant 2: 1 groups in replay that still have a running attempt: group \d+"),
+        (_violate_no_orphans, 3, r"invariant 3: 1 samples of no live group: sample \d+ \(group 4242\)"),
+        (_violate_cursor_covers, 4, r"invariant 4: 2 ledger groups beyond the sampler cursor: group \d+ at sample_seq 1"),
     ],
     ids=["exactly_once", "replay_xor_in_flight", "no_orphan_payloads", "cursor_covers_groups"],
 )
-def test_each_invariant_broken_behind_the_stores_back_is_reported(store, violate, expected):
+def test_each_invariant_broken_behind_the_stores_back_is_reported_with_its_number(store, violate, number, expected):
     _published_group(store, 0)
     gid = _published_group(store, 1)
     store.reserve([Reservation(2, 0, 2)], num_generations=1, target_step=2)
@@ -318,7 +318,11 @@ def test_each_invariant_broken_behind_the_stores_back_is_reported(store, violate
         conn.commit()
     report = store.check_invariants()
     assert not report.ok
-    assert any(re.match(expected, p) for p in report.problems), report.problems
+    matching = [i for i, p in enumerate(report.problems) if re.match(expected, p)]
+    assert matching, report.problems
+    # The number is data beside each line, not something to parse back out of it.
+    assert len(report.invariants) == len(report.problems)
+    assert report.invariants[matching[0]] == number
 
 
 def test_the_invariant_report_counts_groups_spares_replay_and_the_cursor(store):

@@ -25,8 +25,8 @@ from alembic.migration import MigrationContext
 from sqlalchemy import create_engine
 from sqlalchemy.pool import NullPool
 
+from rolloutdb.store.trace.events import EVENTS, trace_metadata
 from rolloutdb.store.trace.writer import (
-    EVENTS,
     TRACE_FILENAME,
     NullTracer,
     TraceError,
@@ -34,9 +34,8 @@ from rolloutdb.store.trace.writer import (
     open_trace_file,
     open_tracer,
     trace_file_for,
-    trace_head_revision,
-    trace_metadata,
 )
+from rolloutdb.store.sqlite.revision import trace_head_revision
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -23,7 +23,8 @@ from sqlalchemy.pool import NullPool
 
 from rolloutdb.store.trace import queries as trace_queries
 from rolloutdb.store.trace.analysis import TraceAnalysis
-from rolloutdb.store.trace.writer import TRACE_FILENAME, Tracer, trace_alembic_config
+from rolloutdb.store.sqlite.revision import trace_alembic_config
+from rolloutdb.store.trace.writer import TRACE_FILENAME, Tracer
 from test_trace_analysis import write_baseline, write_run_a, write_run_b
 
 V1_0_A = importlib.import_module("rolloutdb.migrations.trace.versions.trace_v1_0_a_events")

@@ -1,6 +1,6 @@
 """Alembic environment for rolloutdb trace files (see `../envcommon.py`).
 
-From code: `rolloutdb.store.trace.run_trace_migrations`. For developers, with a config
+From code: `rolloutdb.store.sqlite.revision.run_trace_migrations`. For developers, with a config
 whose script_location is this folder: ``alembic -x db=PATH upgrade head``.
 """
 
@@ -10,7 +10,7 @@ from rolloutdb.migrations.envcommon import run_env
 
 
 def _metadata():
-    from rolloutdb.store.trace.writer import trace_metadata
+    from rolloutdb.store.trace.events import trace_metadata
 
     return trace_metadata
 

@@ -5,7 +5,7 @@ and rollouts per state, replay permits, sampler cursor, mutation counter, and th
 and cut time from a ``manifest.json`` beside the file. With ``--sql`` it runs one reading
 query and prints the rows. ``--json`` makes either machine-readable.
 
-The file is opened through `rolloutdb.store.readonly`: never created, never changed, no
+The file is opened through `rolloutdb.store.sqlite.readonly`: never created, never changed, no
 ``-wal``/``-shm`` left behind, writes refused. Old schema revisions are read as they are
 (every query here uses only columns every known revision has); a newer revision is
 refused, since this code cannot know what its tables mean.
@@ -24,12 +24,12 @@ from typing import Any
 from rolloutdb.cli import path_argument
 from rolloutdb.store.errors import NotAStoreError
 from rolloutdb.store.sqlite.identity import identify
+from rolloutdb.store.sqlite.integrity import quick_check
 from rolloutdb.store.sqlite.readonly import (
     DEFAULT_QUERY_TIMEOUT_S,
     QueryTimeout,
     listing_manifest,
     open_readonly,
-    quick_check,
     run_readonly_query,
 )
 from rolloutdb.store.sqlite.revision import head_revision

@@ -1,8 +1,8 @@
 """`rolloutdb trace RUN_DIR [RUN_DIR ...] [--baseline RUN_DIR] [--out DIR]`: what the stops
 of a run cost, and the batch age of every train step, from the run's trace.
 
-The figures are the named SQL of `rolloutdb.store.trace_queries`, run by DuckDB over the
-trace files attached read-only (`rolloutdb.store.analysis`). Each result is printed,
+The figures are the named SQL of `rolloutdb.store.trace.queries`, run by DuckDB over the
+trace files attached read-only (`rolloutdb.store.trace.analysis`). Each result is printed,
 written as CSV and, all together, as JSON, and plotted (matplotlib's Agg canvas, no
 display needed). Every file is written beside its target and renamed into place.
 """
@@ -18,7 +18,7 @@ from pathlib import Path
 
 from rolloutdb.cli import path_argument
 from rolloutdb.store.trace.analysis import Table, TraceAnalysis
-from rolloutdb.store.fsio import replace_file, temp_path_beside
+from rolloutdb.store.fsio import write_file_atomic
 from rolloutdb.store.trace.writer import TraceError, trace_file_for
 from rolloutdb.timefmt import iso_utc
 
@@ -152,12 +152,7 @@ def _agreement(batch_age: Table) -> str:
 
 
 def _publish_bytes(path: Path, data: bytes) -> None:
-    tmp = temp_path_beside(path, "write")
-    try:
-        tmp.write_bytes(data)
-        replace_file(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    write_file_atomic(path, data)
 
 
 def _csv_bytes(table: Table) -> bytes:

@@ -16,7 +16,7 @@
 Sequence numbers count over the whole checkpoint directory, not per anchor, so the
 newest snapshot is the one with the highest sequence. They are never handed out twice:
 ``CHECKPOINT_DIR/sequence_high_water`` holds the highest number ever published or
-half-used (written by `rolloutdb.store.publish` before a number can disappear from the
+half-used (written by `rolloutdb.store.checkpoints.publish` before a number can disappear from the
 listing), so deleting directories, by retention, a resume or a person, frees no number. Entries whose names start with a
 dot and end in ``.tmp`` (being published) or ``.trash`` (being deleted) are leftovers,
 never checkpoints. Listing only reads; it never creates or removes anything.

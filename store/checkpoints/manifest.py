@@ -25,9 +25,9 @@ from typing import Any
 
 from ..errors import StoreError
 from ..fsio import refuse_special_file
+from ..sqlite.readonly import MANIFEST_NAME  # defined with the readers that must recognise it
 
 FORMAT_VERSION = 1
-MANIFEST_NAME = "manifest.json"
 KIND_TRAINER = "trainer_checkpoint"
 KIND_SNAPSHOT = "rollout_snapshot"
 KINDS = (KIND_TRAINER, KIND_SNAPSHOT)

@@ -34,9 +34,11 @@ from pathlib import Path
 from typing import Any
 
 from .. import faults
-from ..live.capture import count_rows
 from ..errors import NotAStoreError, StoreError
-from ..fsio import TEMP_SUFFIX, fsync_dir, fsync_file, rename_dir, replace_file, temp_path_beside, write_file
+from ..fsio import TEMP_SUFFIX, fsync_dir, fsync_file, rename_dir, temp_path_beside, write_file, write_file_atomic
+from ..live.capture import count_rows
+from ..sqlite.readonly import open_readonly
+from ..sqlite.revision import file_revision
 from .layout import (
     BOOTSTRAP,
     CONFIG_FILE,
@@ -181,9 +183,7 @@ def record_high_water(checkpoint_dir: str | Path, sequence: int) -> None:
     target = root / HIGH_WATER
     for stale in root.glob(f".{HIGH_WATER}.*{TEMP_SUFFIX}"):  # a killed or failed earlier write
         stale.unlink(missing_ok=True)
-    tmp = temp_path_beside(target, "write")
-    write_file(tmp, f"{int(sequence)}\n".encode())
-    replace_file(tmp, target)
+    write_file_atomic(target, f"{int(sequence)}\n")
 
 
 def _discard_tmp(tmp: Path) -> None:
@@ -197,9 +197,6 @@ def _discard_tmp(tmp: Path) -> None:
 
 def _read_revision(db_path: Path) -> tuple[str | None, dict[str, int], dict[str, int]]:
     """Schema revision (from the file's alembic_version) and row counts of a snapshot file."""
-    from ..sqlite.readonly import open_readonly
-    from ..sqlite.revision import file_revision
-
     conn = open_readonly(db_path)
     try:
         return file_revision(conn), *count_rows(conn)
@@ -228,8 +225,9 @@ class SnapshotStage:
 
 
 class Publisher:
-    """Publishes into one checkpoint directory. One Publisher per directory and process
-    (`publisher_for` keeps one); it is thread-safe."""
+    """Publishes into one checkpoint directory; thread-safe. Keep one per directory and
+    process (the controller builds it once, `controller/build.py`): two would race for
+    sequence numbers and remove each other's temporary directories as leftovers."""
 
     def __init__(self, checkpoint_dir: str | Path, *, retention: Retention | None = None,
                  background_retention: bool = False, store: Any = None):
@@ -345,7 +343,6 @@ class Publisher:
             if (target / MANIFEST_NAME).exists():
                 raise PublishError(f"{target}: already sealed (it has a manifest)", path=target)
             manifest = Manifest(kind=KIND_TRAINER, anchor=anchor, files=[], step=step)
-            tmp_manifest = temp_path_beside(target / MANIFEST_NAME, "seal")
             try:
                 files = []
                 for dirpath, dirnames, filenames in os.walk(target):
@@ -359,12 +356,9 @@ class Publisher:
                     fsync_dir(dirpath)
                 manifest.files = sorted(files, key=lambda f: f.path)
                 faults.point("publish.files_fsynced")
-                tmp_manifest.unlink(missing_ok=True)
-                write_file(tmp_manifest, manifest.to_json())
-                replace_file(tmp_manifest, target / MANIFEST_NAME)
+                write_file_atomic(target / MANIFEST_NAME, manifest.to_json(), tag="seal")
                 faults.point("publish.parent_fsynced")
             except OSError as e:
-                tmp_manifest.unlink(missing_ok=True)
                 raise _fail("sealing trainer checkpoint", target, e) from e
             return Published(KIND_TRAINER, anchor, target, manifest, None, {}, cleaned, self._retain(),
                              self._take_warnings())
@@ -501,33 +495,7 @@ class Publisher:
             self._executor = None
 
 
-_publishers: dict[str, Publisher] = {}
-_publishers_lock = threading.Lock()
-
-
-def publisher_for(checkpoint_dir: str | Path, **kwargs) -> Publisher:
-    """The process's Publisher for a directory (created on first use with `kwargs`)."""
-    key = os.path.realpath(checkpoint_dir)
-    with _publishers_lock:
-        if key not in _publishers:
-            _publishers[key] = Publisher(checkpoint_dir, **kwargs)
-        return _publishers[key]
-
-
-def publish_rollout_snapshot(checkpoint_dir, anchor: str, capture_fn, config_text=None, env_export=None) -> Published:
-    return publisher_for(checkpoint_dir).publish_rollout_snapshot(anchor, capture_fn, config_text, env_export)
-
-
-def publish_trainer_checkpoint(checkpoint_dir, step: int, write_fn) -> Published:
-    return publisher_for(checkpoint_dir).publish_trainer_checkpoint(step, write_fn)
-
-
-def publish_bootstrap(checkpoint_dir, write_fn=None) -> Published:
-    return publisher_for(checkpoint_dir).publish_bootstrap(write_fn)
-
-
 __all__ = [
     "BOOTSTRAP", "AnchorNotDurable", "BackgroundWorkError", "PublishError", "Published", "Publisher",
-    "SnapshotStage", "commit_directory", "publish_bootstrap", "publish_rollout_snapshot",
-    "publish_trainer_checkpoint", "publisher_for", "record_high_water",
+    "SnapshotStage", "commit_directory", "record_high_water",
 ]

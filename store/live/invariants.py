@@ -117,12 +117,21 @@ MAX_EXAMPLES = 5
 
 @dataclass
 class InvariantReport:
+    """`problems`: one line each; `invariants[i]`: the number of the invariant
+    `problems[i]` breaks (0: the file's integrity, not one of the four). Callers read
+    the number here, never back out of the line."""
+
     counts: dict[str, int]
     problems: list[str] = field(default_factory=list)
+    invariants: list[int] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
         return not self.problems
+
+    def add(self, invariant: int, line: str) -> None:
+        self.problems.append(line)
+        self.invariants.append(invariant)
 
 
 # Tables a store holds exactly one row of: every check reads its settings from them.
@@ -140,7 +149,7 @@ def check_invariants(conn: sqlite3.Connection) -> InvariantReport:
     for table in SINGLETONS:
         n = conn.execute(f"SELECT count(*) FROM {table}").fetchone()[0]
         if n != 1:
-            report.problems.append(f"integrity: {table} holds {n} rows, a store holds exactly 1 "
+            report.add(0, f"integrity: {table} holds {n} rows, a store holds exactly 1 "
                                    "(not an initialised store, or damaged); restore it from another snapshot")
     if report.problems:
         return report
@@ -152,5 +161,5 @@ def check_invariants(conn: sqlite3.Connection) -> InvariantReport:
         if rows:
             label = f"invariant {number}" if number else "integrity"
             examples = ", ".join(rows[:MAX_EXAMPLES]) + (", ..." if len(rows) > MAX_EXAMPLES else "")
-            report.problems.append(f"{label}: {len(rows)} {what}: {examples}")
+            report.add(number, f"{label}: {len(rows)} {what}: {examples}")
     return report

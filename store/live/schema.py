@@ -25,6 +25,8 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
+from ..sqlite.revision import NAMING
+
 # Group states, in the order a group moves through them. `discarded` is terminal too.
 GROUP_STATES = ("reserved", "dispatched", "sealed", "published", "trained", "discarded")
 ROLLOUT_STATES = ("running", "finished", "abandoned")
@@ -38,14 +40,6 @@ SNAPSHOT_OUTCOMES = (
     "failed",
 )
 
-# Stable constraint names, so batch-mode migrations and compare_metadata agree.
-NAMING = {
-    "ix": "ix_%(table_name)s_%(column_0_N_name)s",
-    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
-    "ck": "ck_%(table_name)s_%(constraint_name)s",
-    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
-    "pk": "pk_%(table_name)s",
-}
 
 
 def _in(column: str, values: tuple[str, ...]) -> str:

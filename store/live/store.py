@@ -32,7 +32,8 @@ from ..errors import NotAStoreError
 from .invariants import InvariantReport, check_invariants
 from .ledger import FinishedGeneration, Reservation
 from ..sqlite.readonly import open_readonly
-from ..sqlite.revision import check_sqlite_file, create_store_file, file_revision, require_head
+from ..sqlite.integrity import check_sqlite_file
+from ..sqlite.revision import create_store_file, file_revision, require_head
 from .schema import T
 
 _BUMP = update(T["run_meta"]).values(mutation_counter=T["run_meta"].c.mutation_counter + 1)

@@ -25,40 +25,30 @@ from pathlib import Path
 
 import yaml
 
-from ..errors import NotAStoreError
+from ..errors import (
+    AnchorDamaged,
+    NotAStoreError,
+    NothingToRestore,
+    NoRestorableSnapshot,
+    RestoreError,
+    RunMismatch,
+    SnapshotDamaged,
+    SnapshotInconsistent,
+    TrainerCheckpointOnly,
+)
 from ..fsio import refuse_special_file
 from ..live.invariants import check_invariants
 from ..checkpoints.layout import COMPLETE, SNAPSHOTS_DIR, Entry, scan
 from ..live.ledger import ALGORITHM_DISCARD_REASONS
 from ..checkpoints.manifest import KIND_SNAPSHOT, KIND_TRAINER, ManifestError, read_manifest
-from .apply import RestoreError, RestorePlan, RunMismatch, SnapshotDamaged, SnapshotInconsistent, restore_snapshot
-from .selection import NoRestorableSnapshot, Selection, anchor_problem, run_id_problem, select_for_restore
+from .apply import RestorePlan, restore_snapshot
+from .selection import Selection, anchor_problem, run_id_problem, select_for_restore
 from .verification import open_for_checks
 
 LATEST = "latest"
 RUN_STORE = "rollout_state.sqlite"
 RUN_CONFIG = "config.yaml"
 MAX_EXAMPLES = 5
-
-
-class NothingToRestore(RestoreError):
-    """A resume was asked for but the checkpoint directory holds no checkpoint at all."""
-
-
-class TrainerCheckpointOnly(RestoreError):
-    """No rollout snapshot, but a durable trainer checkpoint: the caller may restore the
-    trainer from it and start the store fresh at its step (in-flight work is lost)."""
-
-    def __init__(self, message: str, anchor: Entry):
-        super().__init__(message)
-        self.anchor = anchor
-        self.step = anchor.step or 0
-        self.path = anchor.path
-
-
-class AnchorDamaged(SnapshotDamaged):
-    """The snapshot's anchor (the trainer checkpoint its weights come from) has files
-    that do not match its manifest; they were not loaded."""
 
 
 def _anchor_entry(path: Path) -> Entry:

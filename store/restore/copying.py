@@ -19,7 +19,7 @@ the copy took most of the restore, one after the other on one core. Here:
   have to change during the restore into a *consistent* file that is not the one
   published, and the copy would still carry the published bytes, which the manifest
   vouches for. A copy that is migrated to head is new bytes and is checked again, on the
-  copy (`restore.py`).
+  copy (`plan.py`).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from .. import faults
+from ..sqlite.integrity import integrity_problems
 
 COPY_STEP = 64 * 1024 * 1024  # bytes the kernel copies between two hash hand-offs
 HASH_CHUNK = 4 * 1024 * 1024
@@ -113,8 +114,8 @@ def copy_hashing(src: Path, dst: Path) -> tuple[int, str]:
 
 
 class SourceIntegrityCheck:
-    """`PRAGMA integrity_check(3)` of a published store file on a background thread.
-    `result()` waits and returns the problem rows (``["ok"]`` when sound); `cancel()`
+    """`integrity_problems(conn, 3)` of a published store file on a background thread.
+    `result()` waits and returns the problems (empty when sound); `cancel()`
     interrupts a check nobody will wait for (an earlier refusal)."""
 
     def __init__(self, path: Path):
@@ -136,7 +137,7 @@ class SourceIntegrityCheck:
                     return
                 self._conn = conn
             try:
-                self._rows = [r[0] for r in conn.execute("PRAGMA integrity_check(3)").fetchall()]
+                self._rows = integrity_problems(conn, 3, errors_as_problems=True)
             finally:
                 with self._lock:
                     self._conn = None

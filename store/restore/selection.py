@@ -21,19 +21,11 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import StoreError
+from ..errors import NoRestorableSnapshot, StoreError
 from ..checkpoints.layout import SNAPSHOT_DB, Entry, scan
 from .verification import open_for_checks, verify_snapshot_dir, verify_trainer_dir
 
 MAX_REASONS = 8
-
-
-class NoRestorableSnapshot(StoreError):
-    """Snapshots exist but none can be restored; the message lists why for each."""
-
-    def __init__(self, message: str, reasons: list[str]):
-        super().__init__(message)
-        self.reasons = reasons
 
 
 @dataclass

@@ -36,6 +36,7 @@ from ..checkpoints.manifest import (
     verify_files,
 )
 from ..sqlite.identity import identify
+from ..sqlite.integrity import integrity_problems
 from ..sqlite.readonly import listing_manifest, open_readonly
 from ..sqlite.revision import file_revision, head_revision
 
@@ -108,11 +109,11 @@ def _revision_of(conn: sqlite3.Connection) -> str | None:
 
 def _check_open_file(path: Path, conn: sqlite3.Connection, report: Report) -> None:
     try:
-        rows = [r[0] for r in conn.execute("PRAGMA integrity_check").fetchmany(INTEGRITY_LINES + 1)]
+        rows = integrity_problems(conn, INTEGRITY_LINES + 1)
     except sqlite3.DatabaseError as e:
         report.problems.append(f"{path}: integrity_check failed: {e}; restore it from another snapshot")
         return
-    if rows != ["ok"]:
+    if rows:
         more = " ..." if len(rows) > INTEGRITY_LINES else ""
         report.problems.append(f"{path}: integrity_check failed: {'; '.join(rows[:INTEGRITY_LINES])}{more}; "
                                "restore it from another snapshot")

@@ -37,14 +37,17 @@ from pathlib import Path
 from urllib.parse import quote
 
 from ..errors import NotAStoreError, ReadOnlyViolation, StoreError
-from ..checkpoints.manifest import MANIFEST_NAME
-from .revision import check_sqlite_file
+from .integrity import check_sqlite_file
 
 WAL_HEADER = 32
 COPY_ATTEMPTS = 20
+# The file beside a published snapshot's or checkpoint's files that lists them
+# (`checkpoints.manifest` writes it); named here so that opening and upgrading a file
+# can leave a published one alone without importing the checkpoints layer.
+MANIFEST_NAME = "manifest.json"
 
 
-class _PrivateCopyConnection(sqlite3.Connection):
+class PrivateCopyConnection(sqlite3.Connection):
     """A connection on a copy in a temporary directory, removed when it closes."""
 
     tmpdir: str | None = None
@@ -142,24 +145,12 @@ def _open_private_copy(path: Path) -> sqlite3.Connection:
     tmpdir = tempfile.mkdtemp(prefix="rolloutdb-inspect-")
     try:
         copy = private_copy(path, Path(tmpdir))
-        conn = sqlite3.connect(copy, isolation_level=None, factory=_PrivateCopyConnection)
+        conn = sqlite3.connect(copy, isolation_level=None, factory=PrivateCopyConnection)
     except BaseException:
         shutil.rmtree(tmpdir, ignore_errors=True)
         raise
     conn.tmpdir = tmpdir
     return conn
-
-
-def quick_check(conn: sqlite3.Connection, path: str | Path) -> None:
-    """Refuse a damaged file (``PRAGMA quick_check``: page structure, not index contents)
-    with one line naming the first problem."""
-    try:
-        problems = [r[0] for r in conn.execute("PRAGMA quick_check(3)").fetchall()]
-    except sqlite3.DatabaseError as e:
-        problems = [str(e)]
-    if problems != ["ok"]:
-        first = " ".join(problems[0].replace("*** in database main ***", "").split())
-        raise NotAStoreError(f"{path}: damaged ({first}); run `rolloutdb verify {path}` or restore another snapshot")
 
 
 _READ_ACTIONS = {

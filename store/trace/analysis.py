@@ -9,7 +9,7 @@ is removed afterwards: no network, and nothing written to ``~/.duckdb``.
 
 The SQL itself lives in `trace_queries`; this module only stacks the files into the base
 tables those queries read (see its docstring) and runs them. Each base table is one
-table of the trace file (one event type: `rolloutdb.store.trace`), of which DuckDB copies
+table of the trace file (one event type: `rolloutdb.store.trace.events`), of which DuckDB copies
 only the columns the figures read, in one scan. The exception is `attempt_dispatched`,
 the largest table of a trace, of which the figures need only the dispatches of attempts
 abandoned with reason 'restart': DuckDB's scanner pushes no filter or join down to
@@ -36,10 +36,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import quote
 
+from ..sqlite.readonly import PrivateCopyConnection, private_copy
+from ..sqlite.revision import file_revision, run_trace_migrations, trace_head_revision, trace_known_revisions
 from . import queries as trace_queries
-from ..sqlite.readonly import _PrivateCopyConnection, private_copy
-from ..sqlite.revision import file_revision
-from .writer import TraceError, run_trace_migrations, trace_alembic_config, trace_head_revision
+from .writer import TraceError
 
 # The base table of trace_queries -> its table in a trace file, where the names differ.
 _FILE_TABLE = {"trace_runs": "runs"}
@@ -259,7 +259,7 @@ def open_sqlite_analysis(runs: Sequence[str | Path], baseline: Sequence[str | Pa
     """The same views in plain SQLite (files attached read-only): runs every statement of
     `trace_queries` unchanged. For comparisons and benchmarks; `rolloutdb trace` uses DuckDB."""
     runs, baseline = _dedupe(runs), _dedupe(baseline)
-    conn = sqlite3.connect("file::memory:", uri=True, isolation_level=None, factory=_PrivateCopyConnection)
+    conn = sqlite3.connect("file::memory:", uri=True, isolation_level=None, factory=PrivateCopyConnection)
     conn.tmpdir = tempfile.mkdtemp(prefix="rolloutdb-analysis-")  # removed when conn closes
     try:
         aliases: dict[str, list[str]] = {"run": [], "baseline": []}
@@ -306,8 +306,6 @@ def at_head(path: str | Path, upgraded: Path | None, *, shown: str | Path | None
     the trace migrations (the file itself is left as it is). A file that is no trace,
     or from a newer rolloutdb, is refused, naming `shown` (the user's path, when `path`
     is a private copy of it)."""
-    from alembic.script import ScriptDirectory
-
     path = Path(path)
     if shown is not None and Path(shown) != path:
         try:
@@ -322,7 +320,7 @@ def at_head(path: str | Path, upgraded: Path | None, *, shown: str | Path | None
     head = trace_head_revision()
     if revision == head:
         return path
-    known = [s.revision for s in ScriptDirectory.from_config(trace_alembic_config()).walk_revisions()]
+    known = trace_known_revisions()
     if revision is None or not revision.startswith("trace_"):
         raise TraceError(f"{path}: not a readable trace file (no trace revision in it)")
     if revision not in known:

@@ -1,7 +1,7 @@
 """The trace analysis as named SQL: read these to write your own queries.
 
 Every statement runs unchanged in DuckDB (what `rolloutdb trace` uses) and in SQLite
-3.40+. They read base tables that `rolloutdb.store.analysis` builds by stacking, for each
+3.40+. They read base tables that `rolloutdb.store.trace.analysis` builds by stacking, for each
 trace file it was given, the file's table of the same name (``UNION ALL``), with the
 columns `BASE_COLUMNS` names and two more in front:
 
@@ -20,7 +20,7 @@ from __future__ import annotations
 # --------------------------------------------------------------------------- base tables
 
 # Trace-file table -> the columns the figures read (after job, src). Each is one event
-# type (see rolloutdb.store.trace.EVENT_FIELDS), a list table, or `runs` (as trace_runs).
+# type (see rolloutdb.store.trace.events.EVENT_FIELDS), a list table, or `runs` (as trace_runs).
 BASE_COLUMNS: dict[str, str] = {
     "trace_runs": "run, run_id, first_t, last_t",
     "group_reserved": "seq, t, run, prompt_id, group_id",
@@ -248,7 +248,7 @@ VIEWS: dict[str, str] = {
     "batch_age_steps": BATCH_AGE_STEPS,
 }
 
-# Views that `rolloutdb.store.analysis` computes once as tables: a row per run or per
+# Views that `rolloutdb.store.trace.analysis` computes once as tables: a row per run or per
 # stop, read many times by every figure (SQLite would recompute them in each subquery).
 MATERIALIZED = frozenset({"runs", "stops"})
 

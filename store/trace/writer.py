@@ -19,9 +19,9 @@ JSON), for reading by eye. Rows match across runs by (prompt_id, generation_inde
 docs/trace.md describes every event and field.
 
 The file is created by running the trace's own Alembic migrations
-(``rolloutdb/migrations/trace``); `trace_metadata` below is the schema at head and a test
-compares the two. With tracing off the controller gets a `NullTracer`, whose `emit` does
-nothing.
+(``rolloutdb/migrations/trace``); the events, their fields and the tables that hold them
+are defined in `events.py`. With tracing off the controller gets a `NullTracer`, whose
+`emit` does nothing.
 """
 
 from __future__ import annotations
@@ -40,25 +40,12 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
-from alembic.config import Config
-from alembic.script import ScriptDirectory
-from sqlalchemy import (
-    Column,
-    Float,
-    ForeignKey,
-    Index,
-    Integer,
-    MetaData,
-    String,
-    Table,
-    Text,
-)
-
-from ..sqlite.database import Database
 from ..errors import StoreError
-from ..fsio import replace_file, temp_path_beside
-from ..sqlite.revision import alembic_config, check_sqlite_file, file_revision, run_migrations
-from ..live.schema import NAMING
+from ..fsio import write_file_atomic
+from ..sqlite.database import Database
+from ..sqlite.integrity import check_sqlite_file
+from ..sqlite.revision import file_revision, run_trace_migrations, trace_head_revision, trace_known_revisions
+from .events import EVENT_FIELDS, EVENTS, FIELD_TYPES, LIST_TABLES, event_columns
 
 log = logging.getLogger("rolloutdb.trace")
 
@@ -66,121 +53,12 @@ TRACE_FILENAME = "rollout_trace.sqlite"
 FLUSH_INTERVAL_S = 0.005  # the most a SIGKILL can lose, plus one commit
 MAX_BATCH = 2000
 
-# Fields that many events carry and that analyses join on.
-COMMON_FIELDS = ("prompt_id", "generation_index", "group_id", "attempt", "step", "policy_version", "reason")
-_ATTEMPT = ("group_id", "prompt_id", "generation_index", "attempt", "step", "policy_version")
-_GROUP = ("group_id", "prompt_id", "step", "policy_version")
-
-# Event name -> its fields, in the order of its table's columns (after seq, t, run).
-# docs/trace.md says what each one means; tests check the two agree.
-EVENT_FIELDS: dict[str, tuple[str, ...]] = {
-    "run_started": ("pid", "host"),
-    "group_reserved": _GROUP + ("epoch", "group_size"),
-    "attempt_dispatched": _ATTEMPT + ("prefix_tokens",),
-    "call_cut": _ATTEMPT + ("tokens",),
-    "attempt_abandoned": _ATTEMPT + ("reason", "tokens"),
-    "rollout_finished": _ATTEMPT + ("tokens", "reward", "finish_reason", "version_token_counts"),
-    "group_sealed": _GROUP + ("generations",),
-    "group_published": _GROUP + ("version_token_counts", "tokens"),
-    "group_discarded": _GROUP + ("reason",),
-    "refit": ("step", "policy_version", "old_version", "new_version", "running"),
-    "train_step": ("step", "policy_version", "group_ids", "batch_age", "tokens"),
-    "snapshot_cut": ("step", "policy_version", "cut_time", "snapshot_seq", "anchor", "snapshot", "groups_in_flight"),
-    "restore_done": ("step", "policy_version", "cut_time", "snapshot_seq", "anchor", "snapshot", "groups_restored", "replay_restored"),
-}
-EVENTS: dict[str, frozenset[str]] = {name: frozenset(fields) for name, fields in EVENT_FIELDS.items()}
-
-# Column type of every scalar field; `running` is a JSON list.
-FIELD_TYPES = {
-    **dict.fromkeys(
-        ("prompt_id", "generation_index", "group_id", "attempt", "step", "policy_version", "pid", "epoch", "group_size",
-         "prefix_tokens", "tokens", "generations", "old_version", "new_version", "snapshot_seq", "groups_in_flight",
-         "groups_restored", "replay_restored"),
-        "int"),
-    **dict.fromkeys(("reward", "batch_age", "cut_time"), "float"),
-    **dict.fromkeys(("reason", "host", "finish_reason", "anchor", "snapshot"), "text"),
-    "running": "json",
-}
-
-# List-valued fields, each stored as rows of its own table: (event, field) -> (table, columns).
-LIST_TABLES: dict[tuple[str, str], tuple[str, tuple[str, ...]]] = {
-    ("rollout_finished", "version_token_counts"): ("finished_tokens", ("policy_version", "tokens")),
-    ("group_published", "version_token_counts"): ("published_tokens", ("policy_version", "tokens")),
-    ("train_step", "group_ids"): ("trained_groups", ("group_id",)),
-}
-
-# Indexes for SQLite's own look-ups (the DuckDB analysis scans whole tables).
-EVENT_INDEXES = {
-    "group_reserved": ("prompt_id",),
-    "group_sealed": ("prompt_id",),
-    "group_discarded": ("prompt_id",),
-    "group_published": ("group_id",),
-    "attempt_dispatched": ("prompt_id", "generation_index", "attempt"),
-}
-
-ABANDON_REASONS = ("restart", "deadline", "error")
-
 
 class TraceError(StoreError):
     """A trace file or directory that cannot be used; the message says what to do."""
 
 
-def event_columns(name: str) -> tuple[str, ...]:
-    """The scalar fields of event `name`, in its table's column order."""
-    return tuple(f for f in EVENT_FIELDS[name] if (name, f) not in LIST_TABLES)
-
-
-# --------------------------------------------------------------------------- schema
-
-trace_metadata = MetaData(naming_convention=NAMING)
-_SQL_TYPES = {"int": Integer, "float": Float, "text": Text, "json": Text}
-
-runs = Table(
-    "runs",
-    trace_metadata,
-    Column("run", Integer, primary_key=True, autoincrement=False),
-    Column("run_id", String(36), nullable=False, unique=True),  # new for each process
-    Column("pid", Integer),
-    Column("host", String(255)),
-    Column("first_t", Float, nullable=False),  # min and max t of its events,
-    Column("last_t", Float, nullable=False),  # updated with every batch it commits
-    Column("last_seq", Integer, nullable=False),
-)
-
-event_tables: dict[str, Table] = {}
-for _name in EVENT_FIELDS:
-    event_tables[_name] = Table(
-        _name,
-        trace_metadata,
-        Column("seq", Integer, primary_key=True, autoincrement=False),
-        Column("t", Float, nullable=False),
-        Column("run", Integer, ForeignKey("runs.run"), nullable=False),
-        *(Column(f, _SQL_TYPES[FIELD_TYPES[f]]()) for f in event_columns(_name)),
-        *([Index(f"ix_{_name}_{'_'.join(EVENT_INDEXES[_name])}", *EVENT_INDEXES[_name])] if _name in EVENT_INDEXES else []),
-    )
-list_tables: dict[str, Table] = {}
-for (_name, _field), (_table, _cols) in LIST_TABLES.items():
-    list_tables[_table] = Table(
-        _table,
-        trace_metadata,
-        Column("seq", Integer, ForeignKey(f"{_name}.seq"), primary_key=True),
-        *(Column(c, Integer, primary_key=True) if i == 0 else Column(c, Integer, nullable=False) for i, c in enumerate(_cols)),
-    )
-
 # --------------------------------------------------------------------------- files
-
-
-def trace_alembic_config() -> Config:
-    return alembic_config("rolloutdb.migrations.trace")
-
-
-def trace_head_revision() -> str:
-    return ScriptDirectory.from_config(trace_alembic_config()).get_current_head()
-
-
-def run_trace_migrations(path: str | Path, target: str = "head") -> None:
-    """Run the trace migrations on `path` in place (a new file or one we own)."""
-    run_migrations(path, target, config=trace_alembic_config())
 
 
 def trace_file_for(run_or_log_dir: str | Path) -> Path:
@@ -206,15 +84,13 @@ def open_trace_file(path: str | Path) -> Path:
     path = Path(path)
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = temp_path_beside(path, "create")
-        try:
+
+        def build(tmp: Path) -> None:
             run_trace_migrations(tmp)
             with contextlib.closing(sqlite3.connect(tmp)) as conn:
                 conn.execute("PRAGMA journal_mode = WAL")
-            replace_file(tmp, path)
-        finally:
-            tmp.unlink(missing_ok=True)
-        return path
+
+        return write_file_atomic(path, build, tag="create")
     try:
         check_sqlite_file(path)
     except StoreError as e:
@@ -222,7 +98,7 @@ def open_trace_file(path: str | Path) -> Path:
     with contextlib.closing(sqlite3.connect(path)) as conn:
         revision = file_revision(conn)
     head = trace_head_revision()
-    known = [s.revision for s in ScriptDirectory.from_config(trace_alembic_config()).walk_revisions()]
+    known = trace_known_revisions()
     if revision == head:
         return path
     if revision is None or not revision.startswith("trace_"):

@@ -78,7 +78,7 @@ MUTANTS = [
     Mutant(
         "batch_age_returns_logged_value",
         "trace: batch age recomputed from the tokens each policy version produced",
-        "store/trace_queries.py",
+        "store/trace/queries.py",
         [("CASE WHEN w.tokens > 0 THEN w.weighted_age * 1.0 / w.tokens END AS batch_age,",
           "s.logged_batch_age AS batch_age,")],
         ["tests/test_trace_analysis.py", "tests/test_trace_real_run.py"],
@@ -86,7 +86,7 @@ MUTANTS = [
     Mutant(
         "selection_picks_an_older_snapshot",
         "resume restores the newest complete snapshot with a durable anchor",
-        "store/selection.py",
+        "store/restore/selection.py",
         [("    for snap in reversed(candidates):  # newest first",
           "    for snap in reversed(candidates[:-1] or candidates):  # MUTANT: skips the newest")],
         ["tests/test_publish.py", "tests/test_crash_resume.py"],
@@ -94,14 +94,14 @@ MUTANTS = [
     Mutant(
         "restore_skips_integrity_check",
         "restore checks PRAGMA integrity_check before replacing the live store",
-        "store/restore.py",
-        [('    if rows != ["ok"]:\n        first = ', '    if False:  # MUTANT\n        first = ')],
+        "store/restore/plan.py",
+        [('    if rows:\n        first = ', '    if False:  # MUTANT\n        first = ')],
         ["tests/test_restore.py", "tests/test_restore_integrity.py"],
     ),
     Mutant(
         "publish_skips_the_parent_fsync",
         "a published snapshot is durable: rename, then fsync of the parent",
-        "store/publish.py",
+        "store/checkpoints/publish.py",
         [("    rename_dir(tmp, target)\n    faults.point(\"publish.renamed\")\n    fsync_dir(target.parent)\n",
           "    rename_dir(tmp, target)\n    faults.point(\"publish.renamed\")\n")],
         ["tests/test_publish.py", "tests/test_fault_injection.py"],
@@ -109,7 +109,7 @@ MUTANTS = [
     Mutant(
         "manifest_written_before_the_files_are_durable",
         "manifest.json is written last, after every file is fsynced",
-        "store/publish.py",
+        "store/checkpoints/publish.py",
         [("                pending.append(fsyncer.submit(fsync_file, p))", "                pending.append(p)"),
          ("        for done in pending:\n            done.result()  # re-raises an fsync error here\n", ""),
          ("    fsync_file(tmp / MANIFEST_NAME)\n", "    fsync_file(tmp / MANIFEST_NAME)\n    for p in pending:\n        fsync_file(p)\n")],
@@ -118,7 +118,7 @@ MUTANTS = [
     Mutant(
         "verify_run_ignores_duplicates",
         "verify RUN_DIR: duplicated=0 means no prompt was handed out twice",
-        "store/resume.py",
+        "store/restore/choice.py",
         [("        v.duplicated = sum(n - 1 for _, _, n in dupes)\n        if dupes:",
           "        v.duplicated = 0  # MUTANT\n        if False:")],
         ["tests/test_verify_run_lost_work.py", "tests/test_restore.py"],
@@ -126,14 +126,14 @@ MUTANTS = [
     Mutant(
         "verify_run_accepts_any_discard_reason",
         "verify RUN_DIR: a group discarded for anything but zero reward variance is lost",
-        "store/resume.py",
+        "store/restore/choice.py",
         [("    if not rows:\n        return\n    v.discarded_not_owned", "    if True:  # MUTANT\n        return\n    v.discarded_not_owned")],
         ["tests/test_verify_run_lost_work.py", "tests/test_crash_resume.py"],
     ),
     Mutant(
         "invariant_2_not_checked",
         "invariant 2: a group is in the replay buffer or in flight, never both",
-        "store/invariants.py",
+        "store/live/invariants.py",
         [("           WHERE g.state IS NOT 'published'\"\"\",", "           WHERE g.state IS NOT 'published' AND 0\"\"\","),
          ("           WHERE g.state = 'published' AND g.group_id NOT IN (SELECT group_id FROM replay_groups)\"\"\",",
           "           WHERE g.state = 'published' AND g.group_id NOT IN (SELECT group_id FROM replay_groups) AND 0\"\"\","),
@@ -144,7 +144,7 @@ MUTANTS = [
     Mutant(
         "sequence_number_reuse",
         "snapshot sequence numbers are never reused, after deletes or crashes",
-        "store/publish.py",
+        "store/checkpoints/publish.py",
         [("            sequence = max(inv.max_sequence(), self._last_sequence) + 1",
           "            sequence = max((s.sequence for s in inv.complete_snapshots()), default=0) + 1  # MUTANT")],
         ["tests/test_publish.py", "tests/test_fault_injection.py"],
@@ -152,7 +152,7 @@ MUTANTS = [
     Mutant(
         "full_disk_capture_not_typed",
         "a failed snapshot attempt is a typed error with a failed outcome row",
-        "store/publish.py",
+        "store/checkpoints/publish.py",
         [("        except (OSError, sqlite3.OperationalError) as e:\n            cause = _as_os_error(e)",
           "        except OSError as e:  # MUTANT: SQLite's own write errors escape untyped\n            cause = _as_os_error(e)")],
         ["tests/test_full_disk.py", "tests/test_fault_injection.py"],

@@ -1,0 +1,271 @@
+"""The restore plan and the checks a snapshot must pass before the live store changes
+(phases 1-5 and 8 of `apply.restore_snapshot`; the module docstring there gives the
+order). Each check raises a `RestoreError` subclass (`store/errors.py`) with one line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sqlite3
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..checkpoints.layout import SNAPSHOT_DB
+from ..checkpoints.manifest import (
+    KIND_SNAPSHOT,
+    Manifest,
+    ManifestError,
+    describe_files_names,
+    hash_file,
+    member_path,
+    read_manifest,
+)
+from ..errors import (
+    NotAStoreError,
+    PayloadInventoryMismatch,
+    RestoreError,
+    RunMismatch,
+    SchemaTooNewError,
+    SnapshotDamaged,
+    SnapshotInconsistent,
+    SnapshotTooNew,
+)
+from ..live import pools
+from ..live.invariants import check_invariants
+from ..live.ledger import Reservation
+from ..sqlite.identity import check_schema
+from ..sqlite.integrity import first_problem, integrity_problems
+from ..sqlite.revision import classify_revision, file_revision, head_revision, known_revisions, run_migrations
+from .copying import SourceIntegrityCheck, copy_hashing
+
+
+@dataclass(frozen=True)
+class RestoredGroup:
+    """A ledger group handed back to the rollout pump, in `dispatched` state."""
+
+    group_id: int
+    sample_seq: int
+    epoch: int
+    prompt_id: int
+    target_step: int | None
+    num_generations: int
+    generations_to_run: tuple[int, ...]  # generation indices with no finished attempt
+    was_reserved: bool = False  # no attempt had started before the stop
+
+    @property
+    def reservation(self) -> Reservation:
+        return Reservation(self.sample_seq, self.epoch, self.prompt_id)
+
+
+@dataclass
+class RestorePlan:
+    """What a restore did and what the rollout pump must dispatch before the dataloader."""
+
+    snapshot_dir: Path
+    anchor: str
+    sequence: int
+    cut_time: float | None
+    trained_step: int  # optimizer steps in the anchor (bootstrap: 0)
+    schema_revision: str  # the snapshot file's revision
+    upgraded_from: str | None  # set when the copy was migrated to head
+    ledger_dispatch: bool
+    redispatch: list[RestoredGroup]  # sampler order; dispatch these first
+    to_finalize: list[RestoredGroup]  # every generation finished, not yet sealed
+    shortfall: dict[int, int]  # per stamped step, groups still to reserve
+    # replay_groups (in the snapshot), abandoned_attempts, reserved_to_dispatched,
+    # published_at_restore (sealed groups), payload_rows_cleared, spare_prompts
+    counts: dict[str, int]
+    timings: dict[str, float] = field(default_factory=dict)
+    env_export: Path | None = None  # the environment's export in the snapshot, if any
+    # What the attempts abandoned at restore had saved, read before normalization drops
+    # it (invariant 3), for turn-level and prefix recovery: (group id, generation index)
+    # -> prefix chunks in order, and environment episode key -> {"turn", "state"}.
+    saved_prefixes: dict[tuple[int, int], list[pools.Chunk]] = field(default_factory=dict)
+    saved_episodes: dict[str, dict] = field(default_factory=dict)
+    passed_over: list[str] = field(default_factory=list)  # newer snapshots refused, and why
+
+
+def _canonical(settings: object) -> str:
+    return json.dumps(settings, sort_keys=True, separators=(",", ":"))
+
+
+def connect(path: Path) -> sqlite3.Connection:
+    conn = sqlite3.connect(path, isolation_level=None)
+    conn.execute("PRAGMA foreign_keys = ON")
+    return conn
+
+
+# --------------------------------------------------------------------------- phases 1-3
+
+
+def read_snapshot_manifest(snapshot_dir: Path) -> Manifest:
+    try:
+        manifest = read_manifest(snapshot_dir)
+    except ManifestError as e:
+        raise SnapshotDamaged(f"{e}; restore another snapshot (`rolloutdb snapshots` lists them)",
+                              snapshot_dir / "manifest.json") from None
+    if manifest.kind != KIND_SNAPSHOT:
+        raise SnapshotDamaged(f"{snapshot_dir}: manifest kind {manifest.kind}, not a rollout snapshot; "
+                              "pass a rollout_snapshots/snapshot_<N> directory", snapshot_dir)
+    return manifest
+
+
+def verify_and_copy(snapshot_dir: Path, manifest: Manifest, copy: Path) -> None:
+    """Phase 1: every listed file against its size and sha256 (the store file while it
+    is copied to `copy`), and no unlisted file."""
+    where = str(snapshot_dir / "manifest.json")
+    listed = set()
+    for entry in manifest.files:
+        try:
+            path = member_path(snapshot_dir, entry.path, where)
+        except ManifestError as e:
+            raise SnapshotDamaged(str(e), snapshot_dir) from None
+        listed.add(entry.path)
+        if not path.is_file():
+            raise SnapshotDamaged(f"{path}: missing (the manifest lists it); restore another snapshot", path)
+        if entry.path == SNAPSHOT_DB:
+            size, digest = copy_hashing(path, copy)
+        else:
+            size, digest = hash_file(path)
+        if size != entry.size or digest != entry.sha256:
+            what = f"size {size} bytes, manifest says {entry.size}" if size != entry.size else "sha256 differs from the manifest"
+            raise SnapshotDamaged(f"{path}: {what} (the file was changed or damaged); restore another snapshot", path)
+    if SNAPSHOT_DB not in listed:
+        raise SnapshotDamaged(f"{snapshot_dir}: its manifest lists no {SNAPSHOT_DB}; not a rollout snapshot",
+                              snapshot_dir / SNAPSHOT_DB)
+    for name in describe_files_names(snapshot_dir):
+        if name not in listed:
+            raise SnapshotDamaged(f"{snapshot_dir / name}: not listed in the manifest (added after publication?); "
+                                  "restore another snapshot", snapshot_dir / name)
+
+
+def check_integrity(copy: Path, source: Path, rows: list[str] | None = None) -> None:
+    """Refuse unless integrity_check passes: on `copy`, or the `rows` a check of the
+    snapshot's own file returned (`SourceIntegrityCheck`)."""
+    if rows is None:
+        try:
+            with contextlib.closing(connect(copy)) as conn:
+                rows = integrity_problems(conn, 3, errors_as_problems=True)
+        except sqlite3.DatabaseError as e:  # the open itself
+            rows = [str(e)]
+    if rows:
+        first = first_problem(rows)
+        raise SnapshotDamaged(f"{source}: integrity_check failed ({first}); restore another snapshot", source)
+
+
+def bring_to_head(copy: Path, source: Path, manifest: Manifest,
+                   source_check: SourceIntegrityCheck) -> tuple[str, str | None]:
+    """Phase 2: (snapshot revision, revision upgraded from or None). A newer revision is
+    refused; an older one is migrated on the copy once the snapshot passed its integrity
+    check."""
+    try:
+        with contextlib.closing(connect(copy)) as conn:
+            revision = file_revision(conn, source)  # exactly one row: refuses none, two, NULL
+            if revision in known_revisions():
+                check_schema(conn, source, revision)  # the schema is that revision's
+    except sqlite3.DatabaseError as e:
+        raise SnapshotDamaged(f"{source}: unreadable SQLite file ({e}); restore another snapshot", source) from None
+    except NotAStoreError as e:
+        raise SnapshotDamaged(str(e), source) from None
+    if revision is None:
+        raise SnapshotDamaged(f"{source}: not a rolloutdb store (no alembic_version); restore another snapshot", source)
+    if manifest.schema_revision not in (None, revision):
+        raise SnapshotDamaged(f"{source}: schema revision {revision} but the manifest says {manifest.schema_revision}; "
+                              "restore another snapshot", source)
+    try:
+        kind = classify_revision(source, revision)
+    except SchemaTooNewError as e:
+        raise SnapshotTooNew(f"{e}, then resume again; the snapshot is left as it is") from None
+    if kind == "head":
+        return revision, None
+    check_integrity(copy, source, source_check.result())
+    try:
+        run_migrations(copy)
+    except Exception as e:  # noqa: BLE001 - any failure leaves the snapshot as is
+        raise RestoreError(f"{source}: migrating a copy from {revision} to {head_revision()} failed "
+                           f"({type(e).__name__}: {e}); the snapshot is left as it is") from e
+    return revision, revision
+
+
+# --------------------------------------------------------------------------- phases 4-5
+
+
+def check_run_meta(conn: sqlite3.Connection, source: Path, *, config_fingerprint: str, dataset_fingerprint: str,
+                    forest_training: dict, ledger_dispatch: bool | None, run_id: str | None) -> bool:
+    """Phase 4; returns the snapshot's dispatch mode."""
+    row = conn.execute(
+        "SELECT config_fingerprint, dataset_fingerprint, forest_training, ledger_dispatch, run_id FROM run_meta"
+    ).fetchone()
+    if row is None:
+        raise SnapshotInconsistent(f"{source}: no run_meta row; restore another snapshot")
+    cfg, data, forest_text, ledger_mode, their_run = row
+    if run_id is not None and their_run != run_id:
+        # Same config and data, another run (another directory, or started over): its
+        # ledger would replace this run's, so the check comes first and stands alone.
+        raise RunMismatch(f"{source}: the snapshot belongs to another run (run id {their_run}; this run is {run_id}); "
+                          "restore a snapshot of this run (`rolloutdb snapshots RUN_DIR/checkpoints`)", ["run_id"])
+    try:
+        saved_forest = json.loads(forest_text)
+    except json.JSONDecodeError:
+        raise SnapshotDamaged(f"{source}: run_meta.forest_training is not JSON; restore another snapshot", source) from None
+    differences, fields = [], []
+    if cfg != config_fingerprint:
+        fields.append("config_fingerprint")
+        differences.append(f"config fingerprint {cfg} (run: {config_fingerprint}): resume with the config the run "
+                           "was started with (RUN_DIR/config.yaml)")
+    if data != dataset_fingerprint:
+        fields.append("dataset_fingerprint")
+        differences.append(f"dataset fingerprint {data} (run: {dataset_fingerprint}): resume with the dataset the "
+                           "run was started with")
+    if _canonical(saved_forest) != _canonical(forest_training):
+        fields.append("forest_training")
+        differences.append(f"forest-training settings {_canonical(saved_forest)} (run: {_canonical(forest_training)}): "
+                           "resume with the forest-training settings the run was started with")
+    if ledger_dispatch is not None and bool(ledger_mode) != bool(ledger_dispatch):
+        fields.append("ledger_dispatch")
+        saved = "on" if ledger_mode else "off"
+        differences.append(f"ledger dispatch {saved} (run: {'on' if ledger_dispatch else 'off'}): resume with the "
+                           "rollout_recovery.target_level the run was started with")
+    if differences:
+        raise RunMismatch(f"{source}: the snapshot belongs to a run with other settings: " + "; ".join(differences)
+                          + "; or start a new run directory", fields)
+    return bool(ledger_mode)
+
+
+def check_replay(conn: sqlite3.Connection, source: Path) -> int:
+    """Phase 5 (invariant 2): every replay group published, one permit below capacity."""
+    capacity = conn.execute("SELECT replay_capacity FROM run_meta").fetchone()[0]
+    over = conn.execute("SELECT group_id, permit FROM replay_groups WHERE permit < 0 OR permit >= ?", (capacity,)).fetchall()
+    if over:
+        g, p = over[0]
+        raise SnapshotInconsistent(f"{source}: invariant 2: replay group {g} holds permit {p}, outside 0..{capacity - 1} "
+                                   f"({len(over)} such); restore another snapshot", 2)
+    return conn.execute("SELECT count(*) FROM replay_groups").fetchone()[0]
+
+
+def refuse_on_invariants(conn: sqlite3.Connection, source: Path, when: str) -> None:
+    report = check_invariants(conn)
+    if report.ok:
+        return
+    first, number = report.problems[0], report.invariants[0]
+    message = f"{source}: {when}: {first}; restore another snapshot (`rolloutdb verify` shows every problem)"
+    if number == 3:
+        raise PayloadInventoryMismatch(message)
+    raise SnapshotInconsistent(message, number)
+
+
+# --------------------------------------------------------------------------- phase 8
+
+
+def check_spare_and_cursor(conn: sqlite3.Connection, source: Path) -> int:
+    """Phase 8 (invariant 4): every saved group and spare prompt below the cursor."""
+    cursor = conn.execute("SELECT next_seq FROM sampler_state").fetchone()[0]
+    beyond = conn.execute(
+        "SELECT sample_seq FROM prompt_groups WHERE sample_seq >= ?1 UNION ALL "
+        "SELECT sample_seq FROM spare_prompts WHERE sample_seq >= ?1", (cursor,)
+    ).fetchall()
+    if beyond:
+        raise SnapshotInconsistent(f"{source}: invariant 4: sampler position {beyond[0][0]} is saved but the cursor "
+                                   f"is at {cursor} ({len(beyond)} such); restore another snapshot", 4)
+    return conn.execute("SELECT count(*) FROM spare_prompts").fetchone()[0]

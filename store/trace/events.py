@@ -1,0 +1,119 @@
+"""The trace's events: each event's fields and their types, and the tables they are
+stored in (revision trace_v1_1_a: one table per event, one typed column per field;
+list-valued fields as rows of their own tables). `trace_metadata` is the schema at head;
+the trace's migrations (``rolloutdb/migrations/trace``) build the files, and a test
+compares the two. docs/trace.md describes every event and field; a test checks the two
+agree.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import (
+    Column,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Table,
+    Text,
+)
+
+from ..sqlite.revision import NAMING
+
+# Fields that many events carry and that analyses join on.
+COMMON_FIELDS = ("prompt_id", "generation_index", "group_id", "attempt", "step", "policy_version", "reason")
+_ATTEMPT = ("group_id", "prompt_id", "generation_index", "attempt", "step", "policy_version")
+_GROUP = ("group_id", "prompt_id", "step", "policy_version")
+
+# Event name -> its fields, in the order of its table's columns (after seq, t, run).
+EVENT_FIELDS: dict[str, tuple[str, ...]] = {
+    "run_started": ("pid", "host"),
+    "group_reserved": _GROUP + ("epoch", "group_size"),
+    "attempt_dispatched": _ATTEMPT + ("prefix_tokens",),
+    "call_cut": _ATTEMPT + ("tokens",),
+    "attempt_abandoned": _ATTEMPT + ("reason", "tokens"),
+    "rollout_finished": _ATTEMPT + ("tokens", "reward", "finish_reason", "version_token_counts"),
+    "group_sealed": _GROUP + ("generations",),
+    "group_published": _GROUP + ("version_token_counts", "tokens"),
+    "group_discarded": _GROUP + ("reason",),
+    "refit": ("step", "policy_version", "old_version", "new_version", "running"),
+    "train_step": ("step", "policy_version", "group_ids", "batch_age", "tokens"),
+    "snapshot_cut": ("step", "policy_version", "cut_time", "snapshot_seq", "anchor", "snapshot", "groups_in_flight"),
+    "restore_done": ("step", "policy_version", "cut_time", "snapshot_seq", "anchor", "snapshot", "groups_restored", "replay_restored"),
+}
+EVENTS: dict[str, frozenset[str]] = {name: frozenset(fields) for name, fields in EVENT_FIELDS.items()}
+
+# Column type of every scalar field; `running` is a JSON list.
+FIELD_TYPES = {
+    **dict.fromkeys(
+        ("prompt_id", "generation_index", "group_id", "attempt", "step", "policy_version", "pid", "epoch", "group_size",
+         "prefix_tokens", "tokens", "generations", "old_version", "new_version", "snapshot_seq", "groups_in_flight",
+         "groups_restored", "replay_restored"),
+        "int"),
+    **dict.fromkeys(("reward", "batch_age", "cut_time"), "float"),
+    **dict.fromkeys(("reason", "host", "finish_reason", "anchor", "snapshot"), "text"),
+    "running": "json",
+}
+
+# List-valued fields, each stored as rows of its own table: (event, field) -> (table, columns).
+LIST_TABLES: dict[tuple[str, str], tuple[str, tuple[str, ...]]] = {
+    ("rollout_finished", "version_token_counts"): ("finished_tokens", ("policy_version", "tokens")),
+    ("group_published", "version_token_counts"): ("published_tokens", ("policy_version", "tokens")),
+    ("train_step", "group_ids"): ("trained_groups", ("group_id",)),
+}
+
+# Indexes for SQLite's own look-ups (the DuckDB analysis scans whole tables).
+EVENT_INDEXES = {
+    "group_reserved": ("prompt_id",),
+    "group_sealed": ("prompt_id",),
+    "group_discarded": ("prompt_id",),
+    "group_published": ("group_id",),
+    "attempt_dispatched": ("prompt_id", "generation_index", "attempt"),
+}
+
+ABANDON_REASONS = ("restart", "deadline", "error")
+
+
+def event_columns(name: str) -> tuple[str, ...]:
+    """The scalar fields of event `name`, in its table's column order."""
+    return tuple(f for f in EVENT_FIELDS[name] if (name, f) not in LIST_TABLES)
+
+
+# --------------------------------------------------------------------------- schema
+
+trace_metadata = MetaData(naming_convention=NAMING)
+_SQL_TYPES = {"int": Integer, "float": Float, "text": Text, "json": Text}
+
+runs = Table(
+    "runs",
+    trace_metadata,
+    Column("run", Integer, primary_key=True, autoincrement=False),
+    Column("run_id", String(36), nullable=False, unique=True),  # new for each process
+    Column("pid", Integer),
+    Column("host", String(255)),
+    Column("first_t", Float, nullable=False),  # min and max t of its events,
+    Column("last_t", Float, nullable=False),  # updated with every batch it commits
+    Column("last_seq", Integer, nullable=False),
+)
+
+event_tables: dict[str, Table] = {}
+for _name in EVENT_FIELDS:
+    event_tables[_name] = Table(
+        _name,
+        trace_metadata,
+        Column("seq", Integer, primary_key=True, autoincrement=False),
+        Column("t", Float, nullable=False),
+        Column("run", Integer, ForeignKey("runs.run"), nullable=False),
+        *(Column(f, _SQL_TYPES[FIELD_TYPES[f]]()) for f in event_columns(_name)),
+        *([Index(f"ix_{_name}_{'_'.join(EVENT_INDEXES[_name])}", *EVENT_INDEXES[_name])] if _name in EVENT_INDEXES else []),
+    )
+list_tables: dict[str, Table] = {}
+for (_name, _field), (_table, _cols) in LIST_TABLES.items():
+    list_tables[_table] = Table(
+        _table,
+        trace_metadata,
+        Column("seq", Integer, ForeignKey(f"{_name}.seq"), primary_key=True),
+        *(Column(c, Integer, primary_key=True) if i == 0 else Column(c, Integer, nullable=False) for i, c in enumerate(_cols)),
+    )

@@ -1,0 +1,182 @@
+"""The store's imports run one way (docs: ARCHITECTURE.md, "Layout").
+
+Every `store/**.py` is parsed with `ast`; every import in it, at module level or inside a
+function, relative or absolute, is resolved to the store module it names and mapped to its
+layer. A forbidden edge fails with one line naming the file, the line, the import and the
+rule; a cycle between store modules fails naming the modules in it. Function-level imports
+count: a lazy import hides an edge from the import system, not from the design.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+STORE = Path(__file__).resolve().parents[1] / "store"
+PACKAGE = "rolloutdb.store"
+
+# Foundation modules import nothing from the store's subpackages.
+FOUNDATION = {"errors", "faults", "fsio"}
+ALLOWED = {
+    "foundation": {"foundation"},
+    "sqlite": {"sqlite", "foundation"},
+    "live": {"live", "sqlite", "foundation"},
+    "trace": {"trace", "sqlite", "foundation"},
+    "checkpoints": {"checkpoints", "live", "sqlite", "foundation"},
+    "restore": {"restore", "checkpoints", "live", "sqlite", "foundation"},
+}
+FACADE = PACKAGE
+
+
+def module_name(path: Path, root: Path = STORE) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join([PACKAGE, *parts])
+
+
+def layer(module: str) -> str:
+    """The layer of a store module: foundation, a subsystem, or the facade."""
+    if module == FACADE:
+        return "facade"
+    first = module[len(PACKAGE) + 1 :].split(".")[0]
+    return "foundation" if first in FOUNDATION else first
+
+
+def store_modules(root: Path = STORE) -> dict[str, Path]:
+    return {module_name(path, root): path for path in sorted(root.rglob("*.py"))}
+
+
+def imports_of(path: Path, known: set[str], root: Path = STORE) -> list[tuple[int, str, str]]:
+    """Every store module this file imports: (line, the import as written, target module).
+
+    `from X import name` targets X.name when that is a store module (a submodule import),
+    else X itself; so `from .. import faults` is an edge to `faults`, while
+    `from .. import Store` is an edge to the facade.
+    """
+    own = module_name(path, root)
+    package = own if path.name == "__init__.py" else own.rpartition(".")[0]
+    found: list[tuple[int, str, str]] = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name == PACKAGE or alias.name.startswith(PACKAGE + "."):
+                    found.append((node.lineno, f"import {alias.name}", _nearest(alias.name, known)))
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base_parts = package.split(".")
+                base_parts = base_parts[: len(base_parts) - (node.level - 1)]
+                base = ".".join(base_parts + ([node.module] if node.module else []))
+            else:
+                base = node.module or ""
+            if base == "rolloutdb" and any(a.name == "store" for a in node.names):
+                found.append((node.lineno, "from rolloutdb import store", FACADE))
+                continue
+            if not (base == PACKAGE or base.startswith(PACKAGE + ".")):
+                continue
+            written = "from " + "." * node.level + (node.module or "") + " import "
+            for alias in node.names:
+                candidate = f"{base}.{alias.name}"
+                target = candidate if candidate in known else _nearest(base, known)
+                found.append((node.lineno, written + alias.name, target))
+    return found
+
+
+def _nearest(name: str, known: set[str]) -> str:
+    while name not in known and "." in name:
+        name = name.rpartition(".")[0]
+    return name
+
+
+def edge_violations(root: Path = STORE) -> list[str]:
+    modules = store_modules(root)
+    known = set(modules)
+    problems = []
+    for module, path in modules.items():
+        source = layer(module)
+        if source == "facade":
+            continue  # the facade re-exports every subsystem
+        rel = path.relative_to(root.parent)
+        for line, written, target in imports_of(path, known, root):
+            if target == FACADE:
+                problems.append(
+                    f"{rel}:{line}: `{written}` imports the facade {FACADE}; "
+                    f"rule: no store module imports the facade"
+                )
+                continue
+            wanted = layer(target)
+            if wanted not in ALLOWED[source]:
+                allowed = ", ".join(sorted(ALLOWED[source]))
+                problems.append(
+                    f"{rel}:{line}: `{written}` is {source} -> {wanted}; "
+                    f"rule: {source} may import only {allowed}"
+                )
+    return problems
+
+
+def import_cycles(root: Path = STORE) -> list[list[str]]:
+    """Strongly connected components (more than one module, or a self-import) of the graph."""
+    modules = store_modules(root)
+    known = set(modules)
+    graph = {
+        m: sorted({t for _, _, t in imports_of(p, known, root) if t in known}) for m, p in modules.items()
+    }
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+
+    def visit(v: str) -> None:  # Tarjan; the graph is a few dozen nodes
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1 or v in graph[v]:
+                cycles.append(sorted(component))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return cycles
+
+
+def test_every_store_import_follows_the_allowed_edges():
+    problems = edge_violations()
+    assert not problems, "forbidden store imports:\n" + "\n".join(problems)
+
+
+def test_no_import_cycle_between_store_modules():
+    cycles = import_cycles()
+    assert not cycles, "import cycles between store modules:\n" + "\n".join(
+        " <-> ".join(c) for c in cycles
+    )
+
+
+def test_the_checks_see_a_planted_forbidden_import_and_cycle(tmp_path):
+    """The checks can fail: a copy of store/ with a bad edge planted in a function body."""
+    import shutil
+
+    copy = tmp_path / "store"
+    shutil.copytree(STORE, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    errors = copy / "errors.py"
+    errors.write_text(errors.read_text() + "\n\ndef _planted():\n    from .live.store import Store\n")
+    problems = edge_violations(copy)
+    assert any(
+        p.startswith("store/errors.py:") and "`from .live.store import Store` is foundation -> live" in p
+        for p in problems
+    ), problems
+    assert any("rolloutdb.store.errors" in c for c in import_cycles(copy))
