@@ -114,6 +114,33 @@ def edge_violations(root: Path = STORE) -> list[str]:
     return problems
 
 
+def outside_imports(root: Path = STORE) -> list[str]:
+    """Imports of rolloutdb modules outside the store (the controller, the CLI, the config):
+    the store knows nothing of them."""
+    problems = []
+    for module, path in store_modules(root).items():
+        package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                names = [(a.name, f"import {a.name}") for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    parts = package.split(".")
+                    base = ".".join(parts[: len(parts) - (node.level - 1)] + ([node.module] if node.module else []))
+                else:
+                    base = node.module or ""
+                names = [(f"{base}.{a.name}", "from " + "." * node.level + (node.module or "") + f" import {a.name}")
+                         for a in node.names]
+            else:
+                continue
+            for name, written in names:
+                if (name == "rolloutdb" or name.startswith("rolloutdb.")) and not (
+                        name == PACKAGE or name.startswith(PACKAGE + ".")):
+                    problems.append(f"{path.relative_to(root.parent)}:{node.lineno}: `{written}` reaches outside "
+                                    f"the store; rule: the store imports nothing of rolloutdb but {PACKAGE}")
+    return problems
+
+
 def import_cycles(root: Path = STORE) -> list[list[str]]:
     """Strongly connected components (more than one module, or a self-import) of the graph."""
     modules = store_modules(root)
@@ -159,6 +186,11 @@ def test_every_store_import_follows_the_allowed_edges():
     assert not problems, "forbidden store imports:\n" + "\n".join(problems)
 
 
+def test_the_store_imports_nothing_of_rolloutdb_outside_the_store():
+    problems = outside_imports()
+    assert not problems, "imports from outside the store:\n" + "\n".join(problems)
+
+
 def test_no_import_cycle_between_store_modules():
     cycles = import_cycles()
     assert not cycles, "import cycles between store modules:\n" + "\n".join(
@@ -180,3 +212,7 @@ def test_the_checks_see_a_planted_forbidden_import_and_cycle(tmp_path):
         for p in problems
     ), problems
     assert any("rolloutdb.store.errors" in c for c in import_cycles(copy))
+    fsio = copy / "fsio.py"
+    fsio.write_text(fsio.read_text() + "\n\ndef _planted():\n    from rolloutdb.controller import runtime\n")
+    assert any(p.startswith("store/fsio.py:") and "`from rolloutdb.controller import runtime`" in p
+               for p in outside_imports(copy)), outside_imports(copy)
