@@ -94,7 +94,7 @@ class Controller:
             self.store = self.create_store()
         if done is not None:
             resuming.announce(self, done)
-        self.checkpoints = TrainerCheckpoints(cfg, self.trainer, self.publisher, self.runtime.save_lock)
+        self.checkpoints = TrainerCheckpoints(cfg, self.trainer, self.publisher)
         self.checkpoints.publish_bootstrap()
         self.bar = ProgressBar(cfg.algorithm.total_steps, enabled=cfg.logging.progress, start_step=self.trainer.step)
         if cfg.ledger_dispatch:
@@ -114,7 +114,7 @@ class Controller:
             runtime=self.runtime,
             read_progress=self._progress,
             log_event=self._log,
-            tracer=self.tracer if cfg.trace.enabled else None,
+            tracer=self.tracer,
         )
         if cfg.rollout_checkpointing.enabled:
             self.snapshotter = Snapshotter(

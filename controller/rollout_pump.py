@@ -223,7 +223,7 @@ class RolloutPump:
             try:
                 with self.p.store.atomic() as tx:
                     self.p.dispatcher.publish(tx, pending)
-                    counts = self._version_counts(tx, pending) if self.trace else {}
+                    counts = self._version_counts(tx, pending) if self.trace.enabled else {}
             except ReplayFullError:
                 self.p.runtime.wait(IDLE_WAIT_S)  # the train pump frees permits
                 continue

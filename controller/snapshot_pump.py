@@ -1,7 +1,8 @@
 """Rollout snapshots: the snapshot pump and one attempt's order of work.
 
 An attempt, in order:
-1. take the save lock (shared with trainer checkpoints and deferred publication); skip
+1. take the save lock (the Publisher's: shared with trainer checkpoints, retention and
+   deferred publication; runtime.py has the lock order); skip
    if the train pump is committing an optimizer step (`skipped_commit`), or if the
    store's mutation counter has not moved since the last published snapshot
    (`skipped_unchanged`), unless forced;
@@ -24,9 +25,10 @@ Every attempt records its outcome in the store (`snapshot_attempts`) and the met
 from __future__ import annotations
 
 import json
+import logging
 import threading
-from collections import deque
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 from rolloutdb.controller.env_checkpoint import EnvironmentCheckpoint, NoEnvironmentCheckpoint
@@ -34,6 +36,12 @@ from rolloutdb.controller.runtime import RolloutParts
 from rolloutdb.store import faults
 from rolloutdb.store.checkpoints.layout import anchor_name, scan
 from rolloutdb.store.checkpoints.publish import Publisher
+
+log = logging.getLogger("rolloutdb.controller")
+
+# How long the train pump waits for the cut of the snapshot anchored to a new trainer
+# checkpoint before it gives the wait up (`anchor_new_checkpoint`).
+ANCHOR_WAIT_S = 30.0
 
 
 @dataclass(eq=False)  # compared by identity
@@ -101,19 +109,39 @@ class Snapshotter:
         self._force = self._force or force
         self._wake.set()
 
-    def anchor_new_checkpoint(self, step: int, *, timeout: float = 30.0) -> bool:
+    def anchor_new_checkpoint(self, step: int, *, timeout: float = ANCHOR_WAIT_S) -> bool:
         """Called by the train pump right after it published `step_<step>`: a forced
         attempt anchored to it, and a wait until that attempt's *cut* is taken (or the
         attempt ended). The copy and the fsyncs then run on the snapshot pump while
         training goes on; the wait keeps the next optimizer commit from landing before
         the cut, so every durable checkpoint gets its snapshot. Returns whether a cut
-        anchored to `step` was taken."""
+        anchored to `step` was taken.
+
+        A wait past `timeout` is given up, not raised: the trainer checkpoint is durable
+        whatever happens to its snapshot, and a slow snapshot (a slow environment drain,
+        a slow disk) must not stall training. Giving up costs at most that snapshot (the
+        next optimizer commit may land first: the attempt then ends `aborted_commit`,
+        and a resume starts from an earlier snapshot). So it is said, not hidden: a
+        `snapshot_wait` line with outcome `timed_out` in the metrics and a warning."""
         waiter = _CutWaiter(step)
         with self._waiters_lock:
             self._waiters.append(waiter)
         self.wake(force=True)
-        waiter.event.wait(timeout)
+        if not waiter.event.wait(timeout):
+            with self._waiters_lock:
+                answered = waiter.event.is_set()  # the cut may have landed just now
+                if not answered:
+                    self._waiters.remove(waiter)
+            if not answered:
+                self._wait_timed_out(step, timeout)
         return waiter.cut_taken
+
+    def _wait_timed_out(self, step: int, timeout: float) -> None:
+        anchor = anchor_name(step or None)
+        log.warning("no snapshot cut anchored to %s within %.1f s; training goes on without waiting "
+                    "(that snapshot may be skipped; a resume would start from an earlier one)", anchor, timeout)
+        self.p.log_event({"kind": "snapshot_wait", "outcome": "timed_out", "step": step, "anchor": anchor,
+                          "waited_s": timeout, "t": time.time()})
 
     def _release_waiters(self, step: int | None, cut_taken: bool, only: list | None = None) -> None:
         with self._waiters_lock:
@@ -129,12 +157,11 @@ class Snapshotter:
     # ------------------------------------------------------------ one attempt
 
     def attempt(self, *, force: bool = False) -> AttemptResult:
-        rt = self.p.runtime
         t0 = time.perf_counter()
         with self._waiters_lock:
             seen = list(self._waiters)  # waiters this attempt can answer
         try:
-            with rt.save_lock:
+            with self.publisher.lock:  # the save lock, for the whole attempt
                 result = self._attempt_locked(force, t0)
         finally:
             self._release_waiters(None, False, only=seen)  # nobody waits past an attempt it saw
@@ -194,8 +221,7 @@ class Snapshotter:
         timings["publish"] = time.perf_counter() - t_pub
         timings["total"] = time.perf_counter() - t0
         self._last_counter = capture.mutation_counter
-        if self.p.tracer is not None:
-            self.p.tracer.emit("snapshot_cut", cut_time=capture.cut_time, snapshot_seq=published.sequence, anchor=anchor, step=step)
+        self.p.tracer.emit("snapshot_cut", cut_time=capture.cut_time, snapshot_seq=published.sequence, anchor=anchor, step=step)
         return AttemptResult("published", anchor, published.sequence, timings)
 
     def _cut(self, db_path, step: int):

@@ -56,6 +56,7 @@ from .restore.apply import (
     SnapshotTooNew,
     restore_snapshot,
 )
+from .trace.writer import NullTracer, Tracer, open_tracer
 from .restore.choice import (
     NothingToRestore,
     RunVerdict,
@@ -133,4 +134,7 @@ __all__ = [
     "ledger",
     "pools",
     "upgrade_file",
+    "NullTracer",
+    "Tracer",
+    "open_tracer",
 ]
