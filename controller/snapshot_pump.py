@@ -12,14 +12,18 @@ An attempt, in order:
    rollout state; abort if an optimizer commit starts meanwhile (`aborted_commit`);
 4. the cut: take the commit lock without waiting, begin the read transaction, re-check
    the trainer has not moved and the environment's export against the ledger as of the
-   cut, release the commit lock, and copy the store as of that read mark. The pumps are
-   never stopped: the only exclusive hold is the commit lock, for the time it takes to
-   begin a read transaction;
+   cut, release the commit lock, and copy the store as of that cut. The pumps are never
+   stopped: the only exclusive hold is the commit lock, for the time it takes to begin a
+   read transaction;
 5. leave the environment phase (resume) before any fsync;
 6. publish through the one commit protocol (`store.publish`), outside every lock but
    the save lock.
 
 Every attempt records its outcome in the store (`snapshot_attempts`) and the metrics.
+
+Words: a pump's write transaction is a *mutation* (the store's `mutation_counter` counts
+them); a snapshot's read transaction, the one consistent state it copies, is its *cut*
+(`cut_time`, `at_cut`). A "commit" here is the train pump's optimizer commit.
 """
 
 from __future__ import annotations
@@ -225,7 +229,7 @@ class Snapshotter:
         return AttemptResult("published", anchor, published.sequence, timings)
 
     def _cut(self, db_path, step: int):
-        """Capture at one read mark taken while the commit lock is held."""
+        """Capture at a cut taken while the commit lock is held."""
         rt = self.p.runtime
         if not rt.commit_lock.acquire(blocking=False):
             raise AbortedCommit()

@@ -51,7 +51,9 @@ class RolloutTrace:
                         finish_reason=res.finish_reasons[-1] if res.finish_reasons else None,
                         version_token_counts=counts)
 
-    def published(self, groups: Sequence[GroupHandle], version_counts: dict[int, dict[int, int]]) -> None:
+    def entered_replay(self, groups: Sequence[GroupHandle], version_counts: dict[int, dict[int, int]]) -> None:
+        """The groups were sealed and entered the replay buffer. The trace's event keeps
+        its old name, `group_published`: it is a table of every trace file."""
         if not self.tracer.enabled:
             return
         for g in groups:

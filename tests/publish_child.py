@@ -61,7 +61,7 @@ def mutate(store: Store, rng: random.Random) -> None:
         n = rng.randrange(64, 4096)
         store.finish(attempt, FinishedGeneration(list(range(n)), [-0.25] * n, rng.random(), [(0, n)]))
     store.seal([a])
-    store.publish([a])
+    store.enter_replay([a])
     with store.read() as conn:
         published = [r[0] for r in conn.exec_driver_sql(
             "SELECT group_id FROM prompt_groups WHERE state = 'published' ORDER BY group_id").fetchall()]

@@ -71,7 +71,8 @@ class RunMeta(Base):
     forest_training: Mapped[str] = mapped_column(Text)
     ledger_dispatch: Mapped[int] = mapped_column(Integer)
     replay_capacity: Mapped[int] = mapped_column(Integer)
-    # Bumped by every write transaction; a snapshotter compares it to skip no-op cuts.
+    # Bumped by every mutation (write transaction); the snapshot pump compares it to skip
+    # a cut when nothing changed.
     mutation_counter: Mapped[int] = mapped_column(Integer)
 
 
