@@ -122,6 +122,7 @@ class Controller:
                 self.publisher,
                 interval_s=cfg.rollout_checkpointing.interval_s,
                 config_text=cfg.to_yaml(),
+                env_checkpoint=build.build_env_checkpoint(cfg),
             )
 
     def create_store(self) -> Store:

@@ -35,7 +35,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from rolloutdb.controller.env_checkpoint import EnvironmentCheckpoint, NoEnvironmentCheckpoint
+from rolloutdb.controller.env_checkpoint import EnvironmentCheckpoint
 from rolloutdb.controller.runtime import RolloutParts
 from rolloutdb.store import faults
 from rolloutdb.store.checkpoints.layout import anchor_name, scan
@@ -78,13 +78,13 @@ class Snapshotter:
         *,
         interval_s: float,
         config_text: str,
-        env_checkpoint: EnvironmentCheckpoint | None = None,
+        env_checkpoint: EnvironmentCheckpoint,
     ):
         self.p = parts
         self.publisher = publisher
         self.interval_s = interval_s
         self.config_text = config_text
-        self.env = env_checkpoint or NoEnvironmentCheckpoint()
+        self.env = env_checkpoint  # build.build_env_checkpoint: the environment phase of step 3
         self._wake = threading.Event()
         self._force = False
         self._waiters: list[_CutWaiter] = []
