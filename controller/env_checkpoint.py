@@ -2,7 +2,7 @@
 
 A backend whose environment holds rollout state between turns (an agent server) must
 stop new work, bring its episodes to a consistent point, and export them at the same cut
-as the store. `EnvironmentCheckpoint` is that protocol; the snapshotter calls its members
+as the store. `EnvironmentCheckpoint` is that protocol; the snapshot pump calls its members
 in this order:
 
     retire(abandoned)   forget episodes of attempts the ledger abandoned

@@ -13,11 +13,11 @@ no code starts:
 - `MainThread`: the train pump (`TrainPump.run`, called by `Controller.run`). Owns the
   trainer and the optimizer commit (holds the commit lock from the optimizer step until
   its groups are marked trained), the refit of the engine, trainer checkpoints
-  (`TrainerCheckpoints`), and waits in `Snapshotter.anchor_new_checkpoint` for the cut
+  (`TrainerCheckpoints`), and waits in `SnapshotPump.anchor_new_checkpoint` for the cut
   of the snapshot anchored to each new checkpoint. Also setup, restore and shutdown.
 - `rollout-pump`: the rollout pump (`RolloutPump.run`). Owns the sampler and dispatch:
   reserves, dispatches, finishes, seals groups and makes them enter the replay buffer.
-- `snapshot-pump`: the snapshot pump (`Snapshotter.run`). Owns rollout snapshots: one
+- `snapshot-pump`: the snapshot pump (`SnapshotPump.run`). Owns rollout snapshots: one
   attempt at a time under the save lock (snapshot_pump.py has the order of work).
 - `rolloutdb-checkpointer:<file name>`: a WAL checkpointer (`store/sqlite/database.py`),
   one per open `Database`: one for the live store (`store.sqlite`) and, with tracing on,

@@ -16,8 +16,8 @@ An attempt, in order:
    stopped: the only exclusive hold is the commit lock, for the time it takes to begin a
    read transaction;
 5. leave the environment phase (resume) before any fsync;
-6. publish through the one commit protocol (`store.publish`), outside every lock but
-   the save lock.
+6. publish through the one commit protocol (`stage.publish`, store/checkpoints/publish.py),
+   outside every lock but the save lock.
 
 Every attempt records its outcome in the store (`snapshot_attempts`) and the metrics.
 
@@ -68,8 +68,9 @@ class AttemptResult:
     error: str | None = None
 
 
-class Snapshotter:
-    """Reached only through `attempt`, `run`, `wake` and `close`."""
+class SnapshotPump:
+    """The snapshot pump. Reached only through `run` (its thread), `attempt`, `wake` and
+    `anchor_new_checkpoint` (the train pump)."""
 
     def __init__(
         self,

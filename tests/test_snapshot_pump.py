@@ -14,7 +14,7 @@ import pytest
 from rolloutdb.controller.env_checkpoint import NoEnvironmentCheckpoint
 from rolloutdb.controller.run_log import MetricsLog, read_metrics
 from rolloutdb.controller.runtime import Progress, RolloutParts, RuntimeState
-from rolloutdb.controller.snapshot_pump import Snapshotter
+from rolloutdb.controller.snapshot_pump import SnapshotPump
 from rolloutdb.controller.trainer_checkpoints import TrainerCheckpoints
 from rolloutdb.config import config_from_dict
 from rolloutdb.store import KeepNewestSnapshots, Publisher, Reservation, Retention, Store
@@ -59,7 +59,7 @@ def pump(tmp_path):
                              dispatcher=None, runtime=runtime, read_progress=lambda: Progress(0, 0),
                              log_event=metrics.write)
         env = SlowDrain(drain_s)
-        snapshotter = Snapshotter(parts, publisher, interval_s=60.0, config_text="a: 1\n", env_checkpoint=env)
+        snapshotter = SnapshotPump(parts, publisher, interval_s=60.0, config_text="a: 1\n", env_checkpoint=env)
         thread = threading.Thread(target=snapshotter.run, name="snapshot-pump", daemon=True)
         thread.start()
         made.append((runtime, snapshotter, thread, metrics, publisher, store))

@@ -9,7 +9,7 @@ connection it yields:
         pools.advance_cursor(tx, next_seq=120, epoch=0)
 
 The one-call methods below wrap the common single transitions. Every committed mutation
-bumps `run_meta.mutation_counter`, so a snapshotter can tell that nothing changed.
+bumps `run_meta.mutation_counter`, so the snapshot pump can tell that nothing changed.
 """
 
 from __future__ import annotations
