@@ -87,7 +87,7 @@ class Progress:
 
 class RuntimeState:
     """How the pumps wait for each other. `notify()` after anything another pump may be
-    waiting for (a publish, a train step, a refit)."""
+    waiting for (groups entering the replay buffer, a train step, a refit)."""
 
     def __init__(self) -> None:
         self._changed = threading.Condition()
