@@ -143,7 +143,7 @@ class SnapshotPump:
 
     def _wait_timed_out(self, step: int, timeout: float) -> None:
         anchor = anchor_name(step or None)
-        log.warning("no snapshot cut anchored to %s within %.1f s; training goes on without waiting "
+        log.warning("rolloutdb: no snapshot cut anchored to %s within %.1f s; training goes on without waiting "
                     "(that snapshot may be skipped; a resume would start from an earlier one)", anchor, timeout)
         self.p.log_event({"kind": "snapshot_wait", "outcome": "timed_out", "step": step, "anchor": anchor,
                           "waited_s": timeout, "t": time.time()})
