@@ -133,7 +133,7 @@ class PumpWriter(threading.Thread):
             yield lambda: box.update(aid=s.dispatch([box["gid"]], policy_version=0)[0])
             yield lambda: s.finish(box["aid"], self.gen)
             yield lambda: s.seal([box["gid"]])
-            yield lambda: s.publish([box["gid"]])
+            yield lambda: s.enter_replay([box["gid"]])
             yield lambda: s.mark_trained([box["gid"]], step=1)
 
     def run(self) -> None:

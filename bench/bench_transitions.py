@@ -34,7 +34,7 @@ from benchlib import fmt_latency, latency_summary, say
 
 from rolloutdb.store import FinishedGeneration, Reservation, Store, ledger, pools
 
-BATCH_STEPS = ("reserve", "dispatch", "finish", "seal", "publish", "trained")
+BATCH_STEPS = ("reserve", "dispatch", "finish", "seal", "enter_replay", "trained")
 GROUP_GOAL_PER_S = 20_000
 SINGLE_P99_GOAL_MS = 1.0
 
@@ -105,7 +105,7 @@ def store_batched_round(store: Store, seq: Sequencer, batch: int, gens: int, gen
     attempts = timed("dispatch", lambda tx: ledger.dispatch_groups(tx, ids, policy_version=0))
     timed("finish", lambda tx: ledger.finish_attempts(tx, [(a, gen) for a in attempts]))
     timed("seal", lambda tx: ledger.seal_groups(tx, ids))
-    timed("publish", lambda tx: ledger.publish_groups(tx, ids))
+    timed("enter_replay", lambda tx: ledger.enter_replay(tx, ids))
     timed("trained", lambda tx: ledger.mark_trained(tx, ids, step=1))
 
 
@@ -139,7 +139,7 @@ def store_single_group(store: Store, seq: Sequencer, gen: FinishedGeneration, la
     (aid,) = timed("dispatch", lambda: store.dispatch([gid], policy_version=0))
     timed("finish", lambda: store.finish(aid, gen))
     timed("seal", lambda: store.seal([gid]))
-    timed("publish", lambda: store.publish([gid]))
+    timed("enter_replay", lambda: store.enter_replay([gid]))
     timed("trained", lambda: store.mark_trained([gid], step=1))
 
 

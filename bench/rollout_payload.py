@@ -123,7 +123,7 @@ def populate(store: Store, layout: Layout, order: Callable[[int], Reservation]) 
             # One seal and one publish per batch: each call reads every finished rollout
             # row (see BENCHMARKS.md, W1-D), so per-step calls made the set-up quadratic.
             ledger.seal_groups(tx, ids)
-            ledger.publish_groups(tx, ids)
+            ledger.enter_replay(tx, ids)
             for step, step_ids in by_step.items():
                 ledger.mark_trained(tx, step_ids, step=step)
 
@@ -158,7 +158,7 @@ def populate(store: Store, layout: Layout, order: Callable[[int], Reservation]) 
                 ledger.finish_attempts(tx, [(a, tiny) for g in ids for a in left.get(g, [])])
                 ledger.seal_groups(tx, ids)
                 if state == "published":
-                    ledger.publish_groups(tx, ids)
+                    ledger.enter_replay(tx, ids)
 
     for part in _chunks(list(range(layout.in_flight)), BATCH_GROUPS):
         with store.atomic() as tx:

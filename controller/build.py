@@ -1,6 +1,7 @@
-"""Build the parts a run needs from its config: policy, task, trainer, engine and the
-trainer-checkpoint publisher. Backend choices (reference engine or vLLM) are made here
-and nowhere else."""
+"""Build the parts a run needs from its config: policy, task, trainer, engine, the
+environment's checkpoint backend and the trainer-checkpoint publisher. Backend choices
+(reference engine or vLLM, environment checkpoint backends) are made here and nowhere
+else."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ from pathlib import Path
 import torch
 
 from rolloutdb.config import Config
-from rolloutdb.controller.protocols import Trainer
+from rolloutdb.controller.env_checkpoint import EnvironmentCheckpoint, NoEnvironmentCheckpoint
+from rolloutdb.controller.protocols import Environment, PromptDataset, Trainer
 from rolloutdb.store.checkpoints.publish import Publisher
 
 
@@ -48,7 +50,7 @@ def build_policy(config: Config, dest: Path) -> Path:
     )
 
 
-def build_task(config: Config, policy_dir: Path):
+def build_task(config: Config, policy_dir: Path) -> tuple[PromptDataset, Environment]:
     """(dataset, environment) for the configured task."""
     from transformers import AutoTokenizer
 
@@ -60,6 +62,16 @@ def build_task(config: Config, policy_dir: Path):
     name = "digits" if env_cfg.turns == 1 else "digits_multiturn"
     env = make_environment(name, dataset, tokenizer, kind=env_cfg.kind, turns=env_cfg.turns)
     return dataset, env
+
+
+def build_env_checkpoint(config: Config) -> EnvironmentCheckpoint:
+    """The snapshot's environment phase for the configured environment. The embedded
+    digit tasks keep no state between snapshots (a restore replays their episodes from
+    the ledger), so today this is always `NoEnvironmentCheckpoint`; an environment server
+    that holds episodes (the wave-2 environment-server work, ARCHITECTURE.md) returns
+    its own backend here."""
+    del config  # one backend today; the choice will read config.environment
+    return NoEnvironmentCheckpoint()
 
 
 def build_trainer(config: Config, policy_dir: Path) -> Trainer:

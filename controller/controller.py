@@ -23,7 +23,7 @@ from rolloutdb.controller.rollout_pump import RolloutPump
 from rolloutdb.controller.run_dir import RunDir, RunLock
 from rolloutdb.controller.run_log import MetricsLog, ProgressBar, plot_rewards, read_metrics, summary_line
 from rolloutdb.controller.sampler import PromptOrder, StalenessBound
-from rolloutdb.controller.snapshot_pump import Snapshotter
+from rolloutdb.controller.snapshot_pump import SnapshotPump
 from rolloutdb.controller.train_pump import TrainPump
 from rolloutdb.controller.trainer_checkpoints import TrainerCheckpoints
 from rolloutdb.store import Store, faults
@@ -56,7 +56,7 @@ class Controller:
         self.writing = False  # set once the run directory is about to change
         self.runtime = RuntimeState()
         self.restored: list[tuple[GroupHandle, list[int]]] = []
-        self.snapshotter: Snapshotter | None = None
+        self.snapshotter: SnapshotPump | None = None
 
     def _progress(self) -> Progress:
         return Progress(step=self.trainer.step, policy_version=self.engine.policy_version)
@@ -94,7 +94,7 @@ class Controller:
             self.store = self.create_store()
         if done is not None:
             resuming.announce(self, done)
-        self.checkpoints = TrainerCheckpoints(cfg, self.trainer, self.publisher, self.runtime.save_lock)
+        self.checkpoints = TrainerCheckpoints(cfg, self.trainer, self.publisher)
         self.checkpoints.publish_bootstrap()
         self.bar = ProgressBar(cfg.algorithm.total_steps, enabled=cfg.logging.progress, start_step=self.trainer.step)
         if cfg.ledger_dispatch:
@@ -114,14 +114,15 @@ class Controller:
             runtime=self.runtime,
             read_progress=self._progress,
             log_event=self._log,
-            tracer=self.tracer if cfg.trace.enabled else None,
+            tracer=self.tracer,
         )
         if cfg.rollout_checkpointing.enabled:
-            self.snapshotter = Snapshotter(
+            self.snapshotter = SnapshotPump(
                 self.parts,
                 self.publisher,
                 interval_s=cfg.rollout_checkpointing.interval_s,
                 config_text=cfg.to_yaml(),
+                env_checkpoint=build.build_env_checkpoint(cfg),
             )
 
     def create_store(self) -> Store:

@@ -66,10 +66,10 @@ class LedgerDispatch:
     def finish(self, tx: Connection, wave: Sequence[tuple[GroupHandle, dict[int, FinishedGeneration]]]) -> None:
         ledger.finish_attempts(tx, [(g.attempts[i], gen) for g, finished in wave for i, gen in finished.items()])
 
-    def publish(self, tx: Connection, groups: Sequence[GroupHandle]) -> None:
+    def enter_replay(self, tx: Connection, groups: Sequence[GroupHandle]) -> None:
         ids = [g.group_id for g in groups]
         ledger.seal_groups(tx, ids)
-        ledger.publish_groups(tx, ids)
+        ledger.enter_replay(tx, ids)
 
     def discard(self, tx: Connection, groups: Sequence[GroupHandle], *, reason: str) -> None:
         ledger.discard_groups(tx, [g.group_id for g in groups], reason=reason)
@@ -109,7 +109,7 @@ class NoLedgerDispatch:
             tx, [(g.group_id, i, g.reservation.prompt_id, gen) for g, finished in wave for i, gen in finished.items()]
         )
 
-    def publish(self, tx: Connection, groups: Sequence[GroupHandle]) -> None:
+    def enter_replay(self, tx: Connection, groups: Sequence[GroupHandle]) -> None:
         tokens = dict(
             tx.execute(
                 select(T["samples"].c.group_id, func.sum(T["samples"].c.num_tokens))

@@ -2,7 +2,7 @@
 
 A backend whose environment holds rollout state between turns (an agent server) must
 stop new work, bring its episodes to a consistent point, and export them at the same cut
-as the store. `EnvironmentCheckpoint` is that protocol; the snapshotter calls its members
+as the store. `EnvironmentCheckpoint` is that protocol; the snapshot pump calls its members
 in this order:
 
     retire(abandoned)   forget episodes of attempts the ledger abandoned
@@ -13,7 +13,10 @@ in this order:
     resume()            reopen dispatch, restart deadlines (always called)
 
 A restore runs `restore_scope(episodes)`: a context manager that installs the saved
-episodes and removes them again if anything later in the restore fails.
+episodes and removes them again if anything later in the restore fails. Nothing calls it
+yet: no snapshot of this version holds episodes (the embedded tasks export none, so no
+`env_export.json` is written). It stays as the contract the wave-2 environment-server
+work (ARCHITECTURE.md, "Environments as servers") implements and wires into the restore.
 
 `NoEnvironmentCheckpoint` is the backend for environments that keep nothing between
 snapshots (the embedded digit task replays its episodes from the ledger).

@@ -170,7 +170,7 @@ def _restore(ctl, plan: ResumePlan, load_weights):
         before_restore=load_weights,
         config_fingerprint=cfg.fingerprint(),
         dataset_fingerprint=ctl.dataset.fingerprint(),
-        forest_training={},
+        forest_training={},  # no forest rollouts in this version: "off" (schema.py, run_meta)
         groups_per_step=cfg.algorithm.groups_per_step,
         ledger_dispatch=cfg.ledger_dispatch,
     )

@@ -175,7 +175,7 @@ class RolloutPump:
         faults.point("pump.after_finish")
         self.trace.finished(owners, results)
         self.trace.discarded(drop, ZERO_VARIANCE)
-        self._publish(keep)
+        self._enter_replay(keep)
         self.p.log_event(
             {
                 "kind": "rollout_wave",
@@ -216,19 +216,19 @@ class RolloutPump:
         self._flat_streak = 0 if keep else self._flat_streak + len(drop)
         return keep, drop
 
-    def _publish(self, groups: list[GroupHandle]) -> None:
+    def _enter_replay(self, groups: list[GroupHandle]) -> None:
         """Into the replay buffer, one permit each; waits while the buffer is full."""
         pending = list(groups)
         while pending and not self.p.runtime.stop.is_set():
             try:
                 with self.p.store.atomic() as tx:
-                    self.p.dispatcher.publish(tx, pending)
-                    counts = self._version_counts(tx, pending) if self.trace else {}
+                    self.p.dispatcher.enter_replay(tx, pending)
+                    counts = self._version_counts(tx, pending) if self.trace.enabled else {}
             except ReplayFullError:
                 self.p.runtime.wait(IDLE_WAIT_S)  # the train pump frees permits
                 continue
-            faults.point("pump.after_publish")
-            self.trace.published(pending, counts)
+            faults.point("pump.after_enter_replay")
+            self.trace.entered_replay(pending, counts)
             pending = []
 
     def _version_counts(self, tx, groups: list[GroupHandle]) -> dict[int, dict[int, int]]:

@@ -1,22 +1,80 @@
-"""The one bundle of parts both pumps share, and the runtime state they coordinate by.
+"""The one bundle of parts both pumps share, the runtime state they coordinate by, and the
+map of every thread and lock of a run.
 
 The pumps never read each other's (or the controller's) fields: they see the trainer's
 live counters only through `read_progress`, and signal each other only through
 `RuntimeState` (a condition variable, a stop flag and the first error).
+
+Threads of `rolloutdb train` (by the name `threading.enumerate()` shows; the store's
+`store_share` metrics are keyed by these names too). tests/test_threads_documented.py
+fails on any thread the code starts that this list does not name, and on any name here
+no code starts:
+
+- `MainThread`: the train pump (`TrainPump.run`, called by `Controller.run`). Owns the
+  trainer and the optimizer commit (holds the commit lock from the optimizer step until
+  its groups are marked trained), the refit of the engine, trainer checkpoints
+  (`TrainerCheckpoints`), and waits in `SnapshotPump.anchor_new_checkpoint` for the cut
+  of the snapshot anchored to each new checkpoint. Also setup, restore and shutdown.
+- `rollout-pump`: the rollout pump (`RolloutPump.run`). Owns the sampler and dispatch:
+  reserves, dispatches, finishes, seals groups and makes them enter the replay buffer.
+- `snapshot-pump`: the snapshot pump (`SnapshotPump.run`). Owns rollout snapshots: one
+  attempt at a time under the save lock (snapshot_pump.py has the order of work).
+- `rolloutdb-checkpointer:<file name>`: a WAL checkpointer (`store/sqlite/database.py`),
+  one per open `Database`: one for the live store (`store.sqlite`) and, with tracing on,
+  one for the trace file. Owns the PASSIVE checkpoints of its file's WAL; takes that
+  file's database write lock only for the one pass that lets the WAL restart.
+- `rolloutdb-trace:<run id>`: the trace writer (`store/trace/writer.py`), with tracing
+  on. Owns the trace file: commits the events `emit` queued, in batches.
+- `reference-engine`: the engine worker (`gpu_capture/reference_engine.py`). Owns the
+  running generation calls; a decode step holds the engine lock.
+- `rolloutdb-fsync`: the fsync helper (`store/checkpoints/publish.py`,
+  `commit_directory`), a one-thread pool for the length of one publication: fsyncs each
+  file while the publishing thread hashes it.
+- `rolloutdb-publish`: the Publisher's background pool (`publish_deferred` and
+  background retention). `rolloutdb train` starts neither today; it runs under the save
+  lock like every other save.
+- `rolloutdb-restore-integrity`: during a restore (main thread, before the pumps
+  start), `PRAGMA integrity_check` of the snapshot's file while it is copied
+  (`store/restore/copying.py`, `SourceIntegrityCheck`).
+- `rolloutdb-restore-hash`: during a restore, a one-thread pool that hashes each copied
+  range while the next one is read (`copy_hashing`).
+
+Lock order (a thread holding one may take only those to its right; nobody takes one to
+the left of a lock it holds):
+
+    save lock -> commit lock (tried, never waited for) -> database write lock
+    commit lock -> database write lock
+
+- The save lock is the `Publisher`'s own lock (`Publisher.lock`, re-entrant): one save at
+  a time per checkpoint directory. Trainer checkpoints take it through the Publisher's
+  calls; a snapshot attempt holds it from its skip checks to the end of its publication,
+  so no trainer checkpoint (and no retention) runs between `begin_snapshot` and
+  `stage.publish` and removes the anchor the snapshot is being written under. There is
+  no second save lock in the controller: one lock serializes saves.
+- The commit lock (`RuntimeState.commit_lock`): held by the train pump from the optimizer
+  step until its groups are marked trained, so a snapshot's cut falls entirely before or
+  after an optimizer commit. The snapshot pump only tries it (`acquire(blocking=False)`)
+  and skips or aborts when it is held, so it never waits for the train pump.
+- The database write lock (`Database._write_lock`, per file): every `atomic()`
+  transaction, and the checkpointer's one held pass. A snapshot's cut is a read
+  transaction and takes no write lock.
+- Leaves (held briefly, nothing taken inside): the `RuntimeState` condition, the
+  snapshot pump's waiter list, the metrics log's lock, the engine lock (the pumps call
+  the engine holding no lock of the list above), the fault-point registry's lock.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from rolloutdb.config import Config
 from rolloutdb.controller.protocols import Environment, Trainer
 from rolloutdb.controller.sampler import PromptOrder, StalenessBound
 from rolloutdb.gpu_capture.protocol import GenerationEngine
-from rolloutdb.store import Store
+from rolloutdb.store import NullTracer, Store, Tracer
 
 
 @dataclass(frozen=True)
@@ -29,17 +87,16 @@ class Progress:
 
 class RuntimeState:
     """How the pumps wait for each other. `notify()` after anything another pump may be
-    waiting for (a publish, a train step, a refit)."""
+    waiting for (groups entering the replay buffer, a train step, a refit)."""
 
     def __init__(self) -> None:
         self._changed = threading.Condition()
         self.stop = threading.Event()
         self.error: BaseException | None = None
         # Held by the train pump from the optimizer step until its groups are marked
-        # trained: a snapshot cut must fall entirely before or after a commit.
+        # trained: a snapshot cut must fall entirely before or after a commit. (The save
+        # lock is the Publisher's: see the lock order above.)
         self.commit_lock = threading.Lock()
-        # One save at a time: trainer checkpoints, deferred publication, snapshots.
-        self.save_lock = threading.RLock()
 
     def notify(self) -> None:
         with self._changed:
@@ -70,4 +127,6 @@ class RolloutParts:
     runtime: RuntimeState
     read_progress: Callable[[], Progress]
     log_event: Callable[[dict], None]
-    tracer: Any = None  # rolloutdb.store.trace tracer or None
+    # Tracing off is a NullTracer (every call does nothing), never None: no code path
+    # asks whether there is a tracer (tests/test_tracing_off.py).
+    tracer: Tracer | NullTracer = field(default_factory=NullTracer)

@@ -1,7 +1,8 @@
 """Rollout snapshots: the snapshot pump and one attempt's order of work.
 
 An attempt, in order:
-1. take the save lock (shared with trainer checkpoints and deferred publication); skip
+1. take the save lock (the Publisher's: shared with trainer checkpoints, retention and
+   deferred publication; runtime.py has the lock order); skip
    if the train pump is committing an optimizer step (`skipped_commit`), or if the
    store's mutation counter has not moved since the last published snapshot
    (`skipped_unchanged`), unless forced;
@@ -11,29 +12,40 @@ An attempt, in order:
    rollout state; abort if an optimizer commit starts meanwhile (`aborted_commit`);
 4. the cut: take the commit lock without waiting, begin the read transaction, re-check
    the trainer has not moved and the environment's export against the ledger as of the
-   cut, release the commit lock, and copy the store as of that read mark. The pumps are
-   never stopped: the only exclusive hold is the commit lock, for the time it takes to
-   begin a read transaction;
+   cut, release the commit lock, and copy the store as of that cut. The pumps are never
+   stopped: the only exclusive hold is the commit lock, for the time it takes to begin a
+   read transaction;
 5. leave the environment phase (resume) before any fsync;
-6. publish through the one commit protocol (`store.publish`), outside every lock but
-   the save lock.
+6. publish through the one commit protocol (`stage.publish`, store/checkpoints/publish.py),
+   outside every lock but the save lock.
 
 Every attempt records its outcome in the store (`snapshot_attempts`) and the metrics.
+
+Words: a pump's write transaction is a *mutation* (the store's `mutation_counter` counts
+them); a snapshot's read transaction, the one consistent state it copies, is its *cut*
+(`cut_time`, `at_cut`). A "commit" here is the train pump's optimizer commit.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import threading
-from collections import deque
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
-from rolloutdb.controller.env_checkpoint import EnvironmentCheckpoint, NoEnvironmentCheckpoint
+from rolloutdb.controller.env_checkpoint import EnvironmentCheckpoint
 from rolloutdb.controller.runtime import RolloutParts
 from rolloutdb.store import faults
 from rolloutdb.store.checkpoints.layout import anchor_name, scan
 from rolloutdb.store.checkpoints.publish import Publisher
+
+log = logging.getLogger("rolloutdb.controller")
+
+# How long the train pump waits for the cut of the snapshot anchored to a new trainer
+# checkpoint before it gives the wait up (`anchor_new_checkpoint`).
+ANCHOR_WAIT_S = 30.0
 
 
 @dataclass(eq=False)  # compared by identity
@@ -56,8 +68,9 @@ class AttemptResult:
     error: str | None = None
 
 
-class Snapshotter:
-    """Reached only through `attempt`, `run`, `wake` and `close`."""
+class SnapshotPump:
+    """The snapshot pump. Reached only through `run` (its thread), `attempt`, `wake` and
+    `anchor_new_checkpoint` (the train pump)."""
 
     def __init__(
         self,
@@ -66,13 +79,13 @@ class Snapshotter:
         *,
         interval_s: float,
         config_text: str,
-        env_checkpoint: EnvironmentCheckpoint | None = None,
+        env_checkpoint: EnvironmentCheckpoint,
     ):
         self.p = parts
         self.publisher = publisher
         self.interval_s = interval_s
         self.config_text = config_text
-        self.env = env_checkpoint or NoEnvironmentCheckpoint()
+        self.env = env_checkpoint  # build.build_env_checkpoint: the environment phase of step 3
         self._wake = threading.Event()
         self._force = False
         self._waiters: list[_CutWaiter] = []
@@ -101,19 +114,39 @@ class Snapshotter:
         self._force = self._force or force
         self._wake.set()
 
-    def anchor_new_checkpoint(self, step: int, *, timeout: float = 30.0) -> bool:
+    def anchor_new_checkpoint(self, step: int, *, timeout: float = ANCHOR_WAIT_S) -> bool:
         """Called by the train pump right after it published `step_<step>`: a forced
         attempt anchored to it, and a wait until that attempt's *cut* is taken (or the
         attempt ended). The copy and the fsyncs then run on the snapshot pump while
         training goes on; the wait keeps the next optimizer commit from landing before
         the cut, so every durable checkpoint gets its snapshot. Returns whether a cut
-        anchored to `step` was taken."""
+        anchored to `step` was taken.
+
+        A wait past `timeout` is given up, not raised: the trainer checkpoint is durable
+        whatever happens to its snapshot, and a slow snapshot (a slow environment drain,
+        a slow disk) must not stall training. Giving up costs at most that snapshot (the
+        next optimizer commit may land first: the attempt then ends `aborted_commit`,
+        and a resume starts from an earlier snapshot). So it is said, not hidden: a
+        `snapshot_wait` line with outcome `timed_out` in the metrics and a warning."""
         waiter = _CutWaiter(step)
         with self._waiters_lock:
             self._waiters.append(waiter)
         self.wake(force=True)
-        waiter.event.wait(timeout)
+        if not waiter.event.wait(timeout):
+            with self._waiters_lock:
+                answered = waiter.event.is_set()  # the cut may have landed just now
+                if not answered:
+                    self._waiters.remove(waiter)
+            if not answered:
+                self._wait_timed_out(step, timeout)
         return waiter.cut_taken
+
+    def _wait_timed_out(self, step: int, timeout: float) -> None:
+        anchor = anchor_name(step or None)
+        log.warning("rolloutdb: no snapshot cut anchored to %s within %.1f s; training goes on without waiting "
+                    "(that snapshot may be skipped; a resume would start from an earlier one)", anchor, timeout)
+        self.p.log_event({"kind": "snapshot_wait", "outcome": "timed_out", "step": step, "anchor": anchor,
+                          "waited_s": timeout, "t": time.time()})
 
     def _release_waiters(self, step: int | None, cut_taken: bool, only: list | None = None) -> None:
         with self._waiters_lock:
@@ -129,12 +162,11 @@ class Snapshotter:
     # ------------------------------------------------------------ one attempt
 
     def attempt(self, *, force: bool = False) -> AttemptResult:
-        rt = self.p.runtime
         t0 = time.perf_counter()
         with self._waiters_lock:
             seen = list(self._waiters)  # waiters this attempt can answer
         try:
-            with rt.save_lock:
+            with self.publisher.lock:  # the save lock, for the whole attempt
                 result = self._attempt_locked(force, t0)
         finally:
             self._release_waiters(None, False, only=seen)  # nobody waits past an attempt it saw
@@ -194,12 +226,11 @@ class Snapshotter:
         timings["publish"] = time.perf_counter() - t_pub
         timings["total"] = time.perf_counter() - t0
         self._last_counter = capture.mutation_counter
-        if self.p.tracer is not None:
-            self.p.tracer.emit("snapshot_cut", cut_time=capture.cut_time, snapshot_seq=published.sequence, anchor=anchor, step=step)
+        self.p.tracer.emit("snapshot_cut", cut_time=capture.cut_time, snapshot_seq=published.sequence, anchor=anchor, step=step)
         return AttemptResult("published", anchor, published.sequence, timings)
 
     def _cut(self, db_path, step: int):
-        """Capture at one read mark taken while the commit lock is held."""
+        """Capture at a cut taken while the commit lock is held."""
         rt = self.p.runtime
         if not rt.commit_lock.acquire(blocking=False):
             raise AbortedCommit()

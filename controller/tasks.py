@@ -102,18 +102,6 @@ def prompt_text(digits: str) -> str:
     return f"{digits}:"
 
 
-def tokenizer_corpus(n_lines: int = 4000, max_digits: int = 6, seed: int = 0) -> list[str]:
-    """Task-shaped text to train a tokenizer on, so digits and the environment's words
-    get tokens of their own (a tokenizer that never saw digits makes them rare bytes)."""
-    rng = random.Random(f"corpus:{seed}")
-    lines = []
-    for _ in range(n_lines):
-        digits = "".join(rng.choice(DIGITS) for _ in range(rng.randint(1, max_digits)))
-        kind = rng.choice(TASK_KINDS)
-        lines.append(f"{prompt_text(digits)}{target_for(kind, digits)} {rng.choice(['ok', 'no'])}\n")
-    return lines
-
-
 # ------------------------------------------------------------------------- the dataset
 
 

@@ -1,7 +1,8 @@
 """What the pumps tell the trace (docs/trace.md lists every event and field).
 
 One small adapter so the pumps say *what happened* in one line each and the field names
-live in one place. With tracing off every method returns at once.
+live in one place. Tracing off is a `NullTracer`, never None; every method returns at
+once when the tracer is not `enabled`, so the pumps pay nothing for what nobody records.
 """
 
 from __future__ import annotations
@@ -9,75 +10,80 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from rolloutdb.controller.dispatch import GroupHandle
+from rolloutdb.store import NullTracer, Tracer
 
 
 class RolloutTrace:
-    def __init__(self, tracer):
-        self.t = tracer
+    def __init__(self, tracer: Tracer | NullTracer):
+        self.tracer = tracer
 
-    def __bool__(self) -> bool:
-        return self.t is not None
+    @property
+    def enabled(self) -> bool:
+        """Whether events are recorded: callers skip work done only for the trace."""
+        return self.tracer.enabled
 
     def reserved(self, groups: Sequence[GroupHandle], group_size: int) -> None:
-        if self.t is None:
+        if not self.tracer.enabled:
             return
         for g in groups:
-            self.t.emit("group_reserved", group_id=g.group_id, prompt_id=g.reservation.prompt_id, step=g.target_step,
+            self.tracer.emit("group_reserved", group_id=g.group_id, prompt_id=g.reservation.prompt_id, step=g.target_step,
                         epoch=g.reservation.epoch, group_size=group_size)
 
     def dispatched(self, groups: Sequence[GroupHandle]) -> None:
-        if self.t is None:
+        if not self.tracer.enabled:
             return
         for g in groups:
             for i in sorted(g.attempts or {}):
-                self.t.emit("attempt_dispatched", group_id=g.group_id, prompt_id=g.reservation.prompt_id,
+                self.tracer.emit("attempt_dispatched", group_id=g.group_id, prompt_id=g.reservation.prompt_id,
                             generation_index=i, attempt=g.attempt_numbers.get(i, 0), step=g.target_step,
                             policy_version=g.policy_version)
 
     def finished(self, owners: Sequence[tuple[GroupHandle, int]], results) -> None:
-        if self.t is None:
+        if not self.tracer.enabled:
             return
         for (g, i), res in zip(owners, results):
             counts: dict[int, int] = {}
             for v in res.token_versions:
                 counts[v] = counts.get(v, 0) + 1
-            self.t.emit("rollout_finished", group_id=g.group_id, prompt_id=g.reservation.prompt_id,
+            self.tracer.emit("rollout_finished", group_id=g.group_id, prompt_id=g.reservation.prompt_id,
                         generation_index=i, attempt=g.attempt_numbers.get(i, 0), step=g.target_step,
                         policy_version=g.policy_version, tokens=len(res.token_ids), reward=res.reward,
                         finish_reason=res.finish_reasons[-1] if res.finish_reasons else None,
                         version_token_counts=counts)
 
-    def published(self, groups: Sequence[GroupHandle], version_counts: dict[int, dict[int, int]]) -> None:
-        if self.t is None:
+    def entered_replay(self, groups: Sequence[GroupHandle], version_counts: dict[int, dict[int, int]]) -> None:
+        """The groups were sealed and entered the replay buffer. The trace's event keeps
+        its old name, `group_published`: it is a table of every trace file."""
+        if not self.tracer.enabled:
             return
         for g in groups:
             counts = version_counts.get(g.group_id, {})
             common = dict(group_id=g.group_id, prompt_id=g.reservation.prompt_id, step=g.target_step,
                           policy_version=g.policy_version)
-            self.t.emit("group_sealed", generations=g.num_generations, **common)
-            self.t.emit("group_published", version_token_counts=counts,
+            self.tracer.emit("group_sealed", generations=g.num_generations, **common)
+            self.tracer.emit("group_published", version_token_counts=counts,
                         tokens=sum(n for v, n in counts.items() if v >= 0), **common)
 
     def discarded(self, groups: Sequence[GroupHandle], reason: str) -> None:
-        if self.t is None:
+        if not self.tracer.enabled:
             return
         for g in groups:
-            self.t.emit("group_discarded", group_id=g.group_id, prompt_id=g.reservation.prompt_id,
+            self.tracer.emit("group_discarded", group_id=g.group_id, prompt_id=g.reservation.prompt_id,
                         step=g.target_step, policy_version=g.policy_version, reason=reason)
 
     def abandoned(self, rows: Iterable[tuple], reason: str) -> None:
         """rows: (group_id, prompt_id, generation_index, attempt, step)."""
-        if self.t is None:
+        if not self.tracer.enabled:
             return
         for group_id, prompt_id, generation_index, attempt, step in rows:
-            self.t.emit("attempt_abandoned", group_id=group_id, prompt_id=prompt_id,
+            self.tracer.emit("attempt_abandoned", group_id=group_id, prompt_id=prompt_id,
                         generation_index=generation_index, attempt=attempt, step=step, reason=reason)
 
     def refit(self, old_version: int, new_version: int, running: dict[str, int]) -> None:
-        if self.t is not None:
-            self.t.emit("refit", step=new_version, old_version=old_version, new_version=new_version, running=running)
+        if self.tracer.enabled:
+            self.tracer.emit("refit", step=new_version, old_version=old_version, new_version=new_version, running=running)
 
     def train_step(self, step: int, group_ids: Sequence[int], batch_age: float, tokens: int) -> None:
-        if self.t is not None:
-            self.t.emit("train_step", step=step, policy_version=step - 1, group_ids=list(group_ids),
+        if self.tracer.enabled:
+            self.tracer.emit("train_step", step=step, policy_version=step - 1, group_ids=list(group_ids),
                         batch_age=batch_age, tokens=tokens)

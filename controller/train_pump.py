@@ -108,7 +108,7 @@ class TrainPump:
             with self.p.store.atomic() as tx:
                 self.p.dispatcher.trained(tx, ids, step=step)
         faults.point("train.after_commit")
-        running = {rid: len(toks) for rid, toks in self.p.engine.running_tokens().items()} if self.trace else {}
+        running = {rid: len(toks) for rid, toks in self.p.engine.running_tokens().items()} if self.trace.enabled else {}
         self.p.engine.load_weights(self.p.trainer.export_weights(), step)
         self.trace.refit(step - 1, step, running)
         t1 = time.time()

@@ -95,8 +95,8 @@ class AlgorithmSection(Section):
         than that never train. More subtly, the rollout pump stamps every admissible step
         at once, up to `max_staleness + 1` steps ahead of the policy (controller/sampler.py
         `last_admissible_step`), a wave spans several of them, and a wave's sealed groups
-        are published together, waiting while the buffer is full (rollout_pump.py
-        `_publish`): with fewer permits than all those steps' groups, groups of later
+        enter the replay buffer together, waiting while the buffer is full (rollout_pump.py
+        `_enter_replay`): with fewer permits than all those steps' groups, groups of later
         steps can hold the permits the current step's groups need, and both pumps wait on
         each other forever. At most groups_per_step groups are live per stamped step (a
         discard only re-opens its own slot), so groups_per_step x the number of admissible

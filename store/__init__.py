@@ -55,6 +55,7 @@ from .restore.plan import RestoredGroup, RestorePlan
 from .restore.apply import (
     restore_snapshot,
 )
+from .trace.writer import NullTracer, Tracer, open_tracer
 from .restore.choice import (
     RunVerdict,
     choose_snapshot,
@@ -126,4 +127,7 @@ __all__ = [
     "ledger",
     "pools",
     "upgrade_file",
+    "NullTracer",
+    "Tracer",
+    "open_tracer",
 ]

@@ -55,7 +55,7 @@ POINTS: tuple[str, ...] = (
 CONTROLLER_POINTS: tuple[str, ...] = (
     "pump.after_dispatch",
     "pump.after_finish",
-    "pump.after_publish",
+    "pump.after_enter_replay",
     "train.after_commit",
     "train.after_checkpoint",
     "snapshot.after_cut",

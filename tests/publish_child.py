@@ -5,7 +5,7 @@
 WORKDIR/live.sqlite is the live store (created on the first run, reopened afterwards:
 after a kill SQLite recovers it from its WAL) and WAL/ckpt is the checkpoint directory.
 Each iteration changes the store through real transitions (reserve, dispatch, finish,
-seal, publish to replay, train), publishes a trainer checkpoint every third iteration,
+seal, enter the replay buffer, train), publishes a trainer checkpoint every third iteration,
 and publishes a rollout snapshot anchored to the newest durable trainer checkpoint.
 Retention keeps few snapshots, so deletes happen all the time. Prints ``ready`` once
 set up and ``published <seq>`` after each snapshot.
@@ -61,7 +61,7 @@ def mutate(store: Store, rng: random.Random) -> None:
         n = rng.randrange(64, 4096)
         store.finish(attempt, FinishedGeneration(list(range(n)), [-0.25] * n, rng.random(), [(0, n)]))
     store.seal([a])
-    store.publish([a])
+    store.enter_replay([a])
     with store.read() as conn:
         published = [r[0] for r in conn.exec_driver_sql(
             "SELECT group_id FROM prompt_groups WHERE state = 'published' ORDER BY group_id").fetchall()]

@@ -35,7 +35,7 @@ def test_the_transitions_benchmark_runs_and_reports_store_next_to_raw_sqlite(tmp
     single = r["single"]
     assert single["store"]["n"] == single["raw"]["n"] > 0
     assert {"p50_ms", "p99_ms", "max_ms"} <= single["store"].keys()
-    assert set(single["store_by_step"]) == {"reserve", "dispatch", "finish", "seal", "publish", "trained"}
+    assert set(single["store_by_step"]) == {"reserve", "dispatch", "finish", "seal", "enter_replay", "trained"}
 
 
 def test_the_snapshot_latency_benchmark_runs_both_captures_beside_a_live_writer(tmp_path):

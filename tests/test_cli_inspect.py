@@ -65,7 +65,7 @@ def built(tmp_path_factory) -> Path:
         for a in attempts[:4]:  # groups 0 and 1 complete
             s.finish(a, _gen())
         s.seal(gids[:2])
-        s.publish(gids[:2])
+        s.enter_replay(gids[:2])
         s.mark_trained([gids[0]], step=1)
         s.abandon([attempts[4]], "restart")
         s.abandon([attempts[5]], "deadline")

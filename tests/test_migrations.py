@@ -191,17 +191,17 @@ def test_a_run_resumes_from_each_upgraded_fixture(fixture_copy):
     gen = FinishedGeneration([5, 6, 7], [-0.25, -0.5, -1.0], 1.0, [(5, 2), (6, 1)])
     reserved = by_state["reserved"][:1]
     with Store.open(path) as store:
-        store.publish(by_state["sealed"])
+        store.enter_replay(by_state["sealed"])
         store.mark_trained(by_state["published"], step=6)
         for attempt_id in running:
             store.finish(attempt_id, gen)
         store.seal(in_flight)
-        store.publish(in_flight)
+        store.enter_replay(in_flight)
         store.discard(sorted(with_episodes), reason="resume_check")
         for attempt_id in store.dispatch(reserved, policy_version=6):
             store.finish(attempt_id, gen)
         store.seal(reserved)
-        store.publish(reserved)
+        store.enter_replay(reserved)
         new_prompt = min(set(range(10_000)) - taken)
         (new_gid,) = store.reserve([Reservation(cursor, epoch, new_prompt)], num_generations=2, target_step=9)
 

@@ -76,7 +76,7 @@ def build_ledger_run(tmp_path: Path) -> SimpleNamespace:
         for a in store.dispatch([g], policy_version=0):
             store.finish(a, gen(float(a)))
         store.seal([g])
-        store.publish([g])
+        store.enter_replay([g])
     store.mark_trained([ids["t0"], ids["t1"]], step=1)
     publish_anchor(pub, 1)
     A, B, C, D, E, F = (reserve(store, seq, step) for seq, step in ((2, 2), (3, 2), (4, 3), (5, 3), (6, 3), (7, 2)))
@@ -84,7 +84,7 @@ def build_ledger_run(tmp_path: Path) -> SimpleNamespace:
         for a in store.dispatch([g], policy_version=1):
             store.finish(a, gen(float(a)))
     store.seal([A, C])
-    store.publish([A])
+    store.enter_replay([A])
     b0, b1 = store.dispatch([B], policy_version=1)
     store.finish(b0, gen())
     store.abandon([b1], "deadline")
@@ -442,7 +442,7 @@ def build_run_dir(tmp_path: Path, *, groups_per_step: int = 2, extra=None) -> Pa
     store.discard([gids[3]], reason="zero_reward_variance")
     kept = [gids[s] for s in (0, 1, 2, 4)]
     store.seal(kept)
-    store.publish(kept)
+    store.enter_replay(kept)
     store.mark_trained(kept[:2], step=1)
     store.mark_trained(kept[2:], step=2)
     with store.atomic() as tx:

@@ -40,7 +40,7 @@ def _published_group(store, seq, generations=2):
     for attempt in store.dispatch([gid], policy_version=0):
         store.finish(attempt, _gen())
     store.seal([gid])
-    store.publish([gid])
+    store.enter_replay([gid])
     return gid
 
 
@@ -392,7 +392,7 @@ def test_the_mutation_counter_moves_on_every_committed_mutation_and_nothing_else
             raise RuntimeError("rolled back")
     step(False)
     with pytest.raises(IllegalTransition):
-        store.publish([gid])
+        store.enter_replay([gid])
     step(False)
     store.record_snapshot_attempt("skipped_unchanged", anchor="bootstrap")
     step(False)

@@ -17,7 +17,7 @@ def _run_group_to_replay(store, seq, generations=2):
     for a in attempts:
         store.finish(a, _gen())
     store.seal([gid])
-    store.publish([gid])
+    store.enter_replay([gid])
     return gid
 
 
@@ -34,7 +34,7 @@ def test_an_illegal_transition_names_the_group_and_both_states_and_changes_nothi
     (gid,) = store.reserve([Reservation(0, 0, 0)], num_generations=1, target_step=1)
     before = store.mutation_counter
     with pytest.raises(IllegalTransition, match=rf"group {gid}: cannot go from reserved to published"):
-        store.publish([gid])
+        store.enter_replay([gid])
     conn = second_connection(store.path)
     assert conn.execute("SELECT state FROM prompt_groups").fetchone() == ("reserved",)
     assert store.mutation_counter == before
@@ -56,7 +56,7 @@ def test_publishing_takes_one_permit_and_a_full_buffer_refuses(tmp_path):
         s.finish(a, _gen())
         s.seal([gid])
         with pytest.raises(ReplayFullError, match="1 of 1 permits"):
-            s.publish([gid])
+            s.enter_replay([gid])
 
 
 def test_an_abandoned_attempt_is_retried_as_the_next_attempt(store, second_connection):

@@ -40,7 +40,7 @@ def build_run(tmp_path: Path, discards: dict[int, str]) -> Path:
             steps.insert(0, step)
         else:
             store.seal([g])
-            store.publish([g])
+            store.enter_replay([g])
             trained[step].append(g)
         seq += 1
     for step, groups in trained.items():

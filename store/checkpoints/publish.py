@@ -242,6 +242,13 @@ class Publisher:
         self._pending_warnings: list[str] = []
         self._executor: ThreadPoolExecutor | None = None
 
+    @property
+    def lock(self) -> threading.RLock:
+        """The save lock: every save on this directory holds it (re-entrant). A caller
+        whose save spans several calls (`begin_snapshot`, the capture, `stage.publish`)
+        holds it across them, so no other save or retention runs in between."""
+        return self._lock
+
     # ------------------------------------------------------------ shared steps
 
     def _start_save(self) -> tuple[Any, list[Path]]:

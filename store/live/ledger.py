@@ -6,6 +6,8 @@ paths. A transition that finds a row in the wrong state raises `IllegalTransitio
 naming the group (or attempt) and both states, and the enclosing transaction rolls back.
 
 Group states:    reserved -> dispatched -> sealed -> published -> trained
+                 (`published` is the stored value for "in the replay buffer": the verb
+                 is `enter_replay`; old files hold the value, so it stays)
                  any state before trained -> discarded (with a reason)
 Rollout states:  running -> finished | abandoned (restart, deadline, error)
 """
@@ -89,7 +91,7 @@ _SELECT_FINISHED_COUNTS = (
 )
 _SELECT_CAPACITY = select(run_meta.c.replay_capacity)
 _SELECT_PERMITS = select(replay.c.permit)
-_SELECT_PUBLISH_INFO = select(groups.c.group_id, groups.c.epoch, groups.c.prompt_id, groups.c.target_step).where(
+_SELECT_REPLAY_INFO = select(groups.c.group_id, groups.c.epoch, groups.c.prompt_id, groups.c.target_step).where(
     groups.c.group_id.in_(_IDS)
 )
 _SELECT_GROUP_TOKENS = (
@@ -362,14 +364,15 @@ def _free_permits(conn: Connection, n: int) -> list[int]:
     return free
 
 
-def publish_groups(conn: Connection, group_ids: Sequence[int]) -> list[int]:
+def enter_replay(conn: Connection, group_ids: Sequence[int]) -> list[int]:
     """sealed -> published: each group enters the replay buffer holding one capacity
-    permit. Returns the permits."""
+    permit. Returns the permits. (The state value keeps its old word, `published`:
+    every store and snapshot file holds it.)"""
     if not group_ids:
         return []
     _move_groups(conn, group_ids, "published")
     ids = {"ids": list(group_ids)}
-    info = {g: (e, p, s) for g, e, p, s in conn.execute(_SELECT_PUBLISH_INFO, ids).all()}
+    info = {g: (e, p, s) for g, e, p, s in conn.execute(_SELECT_REPLAY_INFO, ids).all()}
     tokens = dict(conn.execute(_SELECT_GROUP_TOKENS, ids).all())
     return insert_replay(conn, [(g, *info[g], tokens.get(g, 0)) for g in group_ids])
 

@@ -9,7 +9,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from sqlalchemy import Connection, bindparam, delete, func, insert, select, update
+from sqlalchemy import Connection, bindparam, delete, insert, select, update
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
 from .codec import decode_tokens, encode_tokens
@@ -78,10 +78,6 @@ def pop_spare(conn: Connection, n: int) -> list[Reservation]:
     return [Reservation(*r) for r in rows]
 
 
-def spare_count(conn: Connection) -> int:
-    return conn.execute(select(func.count()).select_from(spare)).scalar_one()
-
-
 # ---------------------------------------------------------------- shortfall
 
 
@@ -108,6 +104,8 @@ def get_shortfall(conn: Connection) -> dict[int, int]:
 
 
 # ---------------------------------------------------------------- finalizer results
+# No writer in this version: the restore and invariant 3 already handle the table (tests
+# fill it through `put_finalizer_result`); a per-group finalizer writes it when one lands.
 
 
 def put_finalizer_result(conn: Connection, group_id: int, payload: dict) -> None:
@@ -121,6 +119,9 @@ def get_finalizer_result(conn: Connection, group_id: int) -> dict | None:
 
 
 # ---------------------------------------------------------------- prefix chunks
+# Written and deleted by prefix recovery (W2-C); today only the restore reads them
+# (`read_chunks`) and tests write them. Kept: the restore's handling of chunks is tested
+# through these, and W2-C wires `add_chunk`/`delete_chunks` into the cut and the finish.
 
 
 @dataclass(frozen=True)
@@ -180,6 +181,8 @@ def delete_chunks(conn: Connection, attempt_ids: Sequence[int]) -> None:
 
 
 # ---------------------------------------------------------------- environment episodes
+# Written by turn recovery (W2-B, streaming rollouts: an episode's state at the cut);
+# today only the restore reads them (`read_episodes`) and tests write them.
 
 
 def episode_key(group_id: int, generation_index: int, attempt: int) -> str:

@@ -61,11 +61,15 @@ class RunMeta(Base):
     created_at: Mapped[float] = mapped_column(Float)
     config_fingerprint: Mapped[str] = mapped_column(String(64))
     dataset_fingerprint: Mapped[str] = mapped_column(String(64))
-    # JSON object; a restore refuses a snapshot whose settings differ from the run's.
+    # Forest (tree-shaped) rollout settings, a JSON object. This version has none and
+    # writes {} ("off"); the column lets a version with forest training land without a
+    # migration, and a restore refuses a file whose settings differ from the run's
+    # (README, "Only sound checkpoints of this run").
     forest_training: Mapped[str] = mapped_column(Text)
     ledger_dispatch: Mapped[int] = mapped_column(Integer)
     replay_capacity: Mapped[int] = mapped_column(Integer)
-    # Bumped by every write transaction; a snapshotter compares it to skip no-op cuts.
+    # Bumped by every mutation (write transaction); the snapshot pump compares it to skip
+    # a cut when nothing changed.
     mutation_counter: Mapped[int] = mapped_column(Integer)
 
 

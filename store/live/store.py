@@ -1,7 +1,7 @@
 """`Store`: the live rollout state of one run, in one SQLite file.
 
 The pumps change it only through `Store.atomic()` (one ``BEGIN IMMEDIATE`` transaction, a
-mutation cut) and the transition functions of `ledger` and `pools`, which take the
+*mutation*; a snapshot's read transaction is its *cut*) and the transition functions of `ledger` and `pools`, which take the
 connection it yields:
 
     with store.atomic() as tx:
@@ -9,7 +9,7 @@ connection it yields:
         pools.advance_cursor(tx, next_seq=120, epoch=0)
 
 The one-call methods below wrap the common single transitions. Every committed mutation
-bumps `run_meta.mutation_counter`, so a snapshotter can tell that nothing changed.
+bumps `run_meta.mutation_counter`, so the snapshot pump can tell that nothing changed.
 """
 
 from __future__ import annotations
@@ -189,9 +189,9 @@ class Store:
         with self.atomic() as tx:
             ledger.seal_groups(tx, group_ids)
 
-    def publish(self, group_ids: Sequence[int]) -> list[int]:
+    def enter_replay(self, group_ids: Sequence[int]) -> list[int]:
         with self.atomic() as tx:
-            return ledger.publish_groups(tx, group_ids)
+            return ledger.enter_replay(tx, group_ids)
 
     def mark_trained(self, group_ids: Sequence[int], *, step: int) -> None:
         with self.atomic() as tx:

@@ -80,7 +80,7 @@ def normalize_ledger(tx: Connection, source: Path, step: int, counts: dict[str, 
         select(groups_t.c.group_id).where(groups_t.c.state == "sealed").order_by(groups_t.c.sample_seq)
     ).scalars())
     try:
-        ledger.publish_groups(tx, sealed)
+        ledger.enter_replay(tx, sealed)
     except ReplayFullError as e:
         raise SnapshotInconsistent(f"{source}: cannot put its {len(sealed)} sealed group(s) into replay: {e}", 2) from None
     counts["published_at_restore"] = len(sealed)

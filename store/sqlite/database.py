@@ -3,7 +3,8 @@
 Every write is one short transaction begun explicitly with ``BEGIN IMMEDIATE``. pysqlite
 otherwise delays ``BEGIN`` until the first write, so two read-then-write transactions
 could interleave and one of them would fail late with SQLITE_BUSY; taking the write lock
-up front makes a transaction a clean *mutation cut*. We follow the recipe of SQLAlchemy's
+up front makes a transaction a clean *mutation* (a snapshot's read transaction is its
+*cut*: the two words are kept apart). We follow the recipe of SQLAlchemy's
 SQLite dialect: turn off pysqlite's own transaction handling (``isolation_level=None``)
 and emit ``BEGIN`` from the engine's ``begin`` event.
 

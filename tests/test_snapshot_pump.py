@@ -1,0 +1,122 @@
+"""The snapshot pump on real parts: a real store, a real Publisher on a real checkpoint
+directory, the pump on its own thread. Slowness comes from an environment checkpoint
+whose drain takes a set time (a slowed callable, not a mock of the store)."""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from rolloutdb.controller.env_checkpoint import NoEnvironmentCheckpoint
+from rolloutdb.controller.run_log import MetricsLog, read_metrics
+from rolloutdb.controller.runtime import Progress, RolloutParts, RuntimeState
+from rolloutdb.controller.snapshot_pump import SnapshotPump
+from rolloutdb.controller.trainer_checkpoints import TrainerCheckpoints
+from rolloutdb.config import config_from_dict
+from rolloutdb.store import KeepNewestSnapshots, Publisher, Reservation, Retention, Store
+
+DEADLINE_S = 20
+
+
+class SlowDrain(NoEnvironmentCheckpoint):
+    """An environment whose drain takes `seconds`; `draining` is set when it starts."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+        self.draining = threading.Event()
+
+    def drain(self) -> None:
+        self.draining.set()
+        time.sleep(self.seconds)
+
+
+class Weights:
+    """The trainer's side of a trainer checkpoint: writes a file into the directory."""
+
+    def save_checkpoint(self, path: Path) -> None:
+        (path / "weights.bin").write_bytes(b"w" * 64)
+
+
+@pytest.fixture
+def pump(tmp_path):
+    """(snapshotter, publisher, store, metrics path, pump thread), the bootstrap published
+    and the pump running; stopped and closed afterwards."""
+    made = []
+
+    def make(drain_s: float):
+        store = Store.create(tmp_path / "rollout_state.sqlite", replay_capacity=8)
+        store.reserve([Reservation(0, 0, 0)], num_generations=1, target_step=1)  # something to snapshot
+        publisher = Publisher(tmp_path / "checkpoints", retention=Retention(KeepNewestSnapshots(100)))
+        publisher.publish_bootstrap(Weights().save_checkpoint)
+        metrics = MetricsLog(tmp_path / "metrics.jsonl")
+        runtime = RuntimeState()
+        # The pieces the snapshot pump never touches are left out (None).
+        parts = RolloutParts(config=None, store=store, order=None, bound=None, engine=None, env=None, trainer=None,
+                             dispatcher=None, runtime=runtime, read_progress=lambda: Progress(0, 0),
+                             log_event=metrics.write)
+        env = SlowDrain(drain_s)
+        snapshotter = SnapshotPump(parts, publisher, interval_s=60.0, config_text="a: 1\n", env_checkpoint=env)
+        thread = threading.Thread(target=snapshotter.run, name="snapshot-pump", daemon=True)
+        thread.start()
+        made.append((runtime, snapshotter, thread, metrics, publisher, store))
+        return snapshotter, publisher, store, env, tmp_path / "metrics.jsonl"
+
+    yield make
+    for runtime, snapshotter, thread, metrics, publisher, store in made:
+        runtime.stop.set()
+        snapshotter.wake()
+        thread.join(DEADLINE_S)
+        metrics.close()
+        publisher.close()
+        store.close()
+
+
+def _outcomes(store_path: Path) -> list[str]:
+    with sqlite3.connect(store_path) as conn:
+        return [r[0] for r in conn.execute("SELECT outcome FROM snapshot_attempts ORDER BY attempt_seq")]
+
+
+def _wait_for(predicate, what: str) -> None:
+    deadline = time.monotonic() + DEADLINE_S
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def test_a_timed_out_wait_for_the_cut_is_logged_and_training_goes_on(pump, tmp_path):
+    snapshotter, _publisher, _store, env, metrics = pump(drain_s=1.5)
+    t0 = time.monotonic()
+    cut = snapshotter.anchor_new_checkpoint(0, timeout=0.3)
+    waited = time.monotonic() - t0
+    assert cut is False
+    assert waited < 1.2, f"the train pump waited {waited:.2f} s, past its timeout, for a slow attempt"
+    events = read_metrics(metrics, "snapshot_wait")
+    assert [(e["outcome"], e["step"], e["anchor"]) for e in events] == [("timed_out", 0, "bootstrap")]
+    assert events[0]["waited_s"] == pytest.approx(0.3)
+    # The slow attempt itself still finishes and publishes: the timeout gave up the wait, not the snapshot.
+    _wait_for(lambda: "published" in _outcomes(tmp_path / "rollout_state.sqlite"), "the slow attempt's outcome")
+    assert (tmp_path / "checkpoints" / "bootstrap" / "rollout_snapshots" / "snapshot_1" / "manifest.json").is_file()
+
+
+def test_a_wait_that_sees_its_cut_in_time_logs_no_timeout(pump):
+    snapshotter, _publisher, _store, _env, metrics = pump(drain_s=0.0)
+    assert snapshotter.anchor_new_checkpoint(0, timeout=DEADLINE_S) is True
+    assert read_metrics(metrics, "snapshot_wait") == []
+
+
+def test_a_trainer_checkpoint_waits_for_the_snapshot_attempt_in_progress(pump, tmp_path):
+    """One save lock (the Publisher's) serializes saves: a trainer checkpoint asked for
+    while a snapshot attempt is under way is published only after that attempt has
+    published, so no save or retention runs between the attempt's staging and its end."""
+    snapshotter, publisher, _store, env, _metrics = pump(drain_s=0.8)
+    checkpoints = TrainerCheckpoints(config_from_dict({"checkpointing": {"interval_steps": 1}}), Weights(), publisher)
+    snapshotter.wake(force=True)
+    assert env.draining.wait(DEADLINE_S)
+    assert checkpoints.maybe_publish(1) is True
+    snapshot_manifest = tmp_path / "checkpoints" / "bootstrap" / "rollout_snapshots" / "snapshot_1" / "manifest.json"
+    assert snapshot_manifest.is_file(), "the trainer checkpoint was published inside the snapshot attempt"
+    assert (tmp_path / "checkpoints" / "step_1" / "manifest.json").is_file()
