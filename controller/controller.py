@@ -100,8 +100,8 @@ class Controller:
         if cfg.ledger_dispatch:
             dispatcher: LedgerDispatch | NoLedgerDispatch = LedgerDispatch()
         else:
-            with self.store.atomic(mutation=False) as tx:
-                dispatcher = NoLedgerDispatch.resuming(tx)
+            with self.store.read() as conn:
+                dispatcher = NoLedgerDispatch.resuming(conn)
         self.parts = RolloutParts(
             config=cfg,
             store=self.store,

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 from rolloutdb.controller.dispatch import GroupHandle
 from rolloutdb.controller.run_dir import RunDir
 from rolloutdb.controller.tracing import RolloutTrace
-from rolloutdb.store import RestorePlan, Store, faults
+from rolloutdb.store import RestorePlan, Store, faults, queries
 from rolloutdb.store.fsio import fsync_dir, rename
 from rolloutdb.store.checkpoints.layout import BOOTSTRAP, scan
 from rolloutdb.store.checkpoints.manifest import KIND_TRAINER
@@ -226,13 +226,8 @@ def announce(ctl, done: Restored) -> None:
 
 def _abandoned_at_restore(store: Store, since: float) -> Sequence[Row[Any]]:
     """The attempts this restore's normalization abandoned (reason `restart`)."""
-    with store.atomic(mutation=False) as tx:
-        return tx.exec_driver_sql(
-            "SELECT r.group_id, g.prompt_id, r.generation_index, r.attempt, g.target_step "
-            "FROM rollouts r JOIN prompt_groups g ON g.group_id = r.group_id "
-            "WHERE r.state = 'abandoned' AND r.abandon_reason = 'restart' AND r.ended_at >= ?",
-            (since,),
-        ).all()
+    with store.read() as conn:
+        return queries.abandoned_by_restart(conn, since)
 
 
 def _drop_abandoned_future(checkpoint_dir: Path, step: int) -> list[str]:

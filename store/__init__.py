@@ -4,7 +4,7 @@ Knows nothing of the controller. The controller reaches it only through what is
 exported here and through the transition functions of `ledger` and `pools`.
 """
 
-from .live import codec, ledger, pools
+from .live import codec, ledger, pools, queries
 from .live.capture import Capture, capture_snapshot
 from .sqlite.database import Database
 from .errors import (
@@ -132,5 +132,6 @@ __all__ = [
     "known_revisions",
     "ledger",
     "pools",
+    "queries",
     "upgrade_file",
 ]
