@@ -4,6 +4,7 @@ Knows nothing of the controller. The controller reaches it only through what is
 exported here and through the transition functions of `ledger` and `pools`.
 """
 
+from . import faults
 from .live import codec, ledger, pools, queries
 from .live.capture import Capture, capture_snapshot
 from .sqlite.database import Database
@@ -128,6 +129,7 @@ __all__ = [
     "capture_snapshot",
     "check_invariants",
     "codec",
+    "faults",
     "head_revision",
     "known_revisions",
     "ledger",

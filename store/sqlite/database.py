@@ -41,7 +41,7 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
-from sqlalchemy import URL, Connection, Engine, create_engine, event, exc, text
+from sqlalchemy import URL, Connection, Engine, create_engine, event, exc
 from sqlalchemy.pool import NullPool
 
 from ..errors import NotAStoreError, StoreBusyError
@@ -166,9 +166,9 @@ class Database:
     @contextlib.contextmanager
     def read(self) -> Iterator[Connection]:
         """The one way to read the store: a read transaction (``BEGIN DEFERRED``, no write
-        lock) on a reader connection, never the writer. It sees one consistent state
-        while writers in this process or another go on (WAL), and it never queues behind
-        the write lock or makes a writer wait. Nested calls in one thread join the outer
+        lock) on a reader connection, never the writer. From its first statement on it
+        sees one consistent state while writers in this process or another go on (WAL),
+        and it never queues behind the write lock or makes a writer wait. Nested calls in one thread join the outer
         transaction. Reader connections are kept between calls (opening one and setting
         its pragmas costs more than a pump's read)."""
         held = getattr(self._local, "reader", None)
@@ -179,8 +179,6 @@ class Database:
         self._local.reader = conn
         try:
             with conn.begin():
-                # A deferred BEGIN takes its read mark at the first read; make it now.
-                conn.execute(text("SELECT count(*) FROM sqlite_master")).scalar()
                 yield conn
         finally:
             self._local.reader = None
