@@ -10,7 +10,7 @@ import torch
 
 from rolloutdb.config import Config
 from rolloutdb.controller.protocols import Trainer
-from rolloutdb.store.checkpoints.publish import Publisher
+from rolloutdb.store import Publisher
 
 
 def set_threads(n: int) -> None:
@@ -81,7 +81,7 @@ def build_engine(config: Config, policy_dir: Path):
 
 def build_publisher(config: Config, checkpoint_dir: Path) -> Publisher:
     """The one publisher of the run's checkpoint directory, with retention from config."""
-    from rolloutdb.store.checkpoints.retention import (
+    from rolloutdb.store import (
         KeepNewestSnapshotPerAnchor,
         KeepNewestSnapshots,
         KeepNewestTrainerCheckpoints,

@@ -26,8 +26,7 @@ from rolloutdb.controller.sampler import PromptOrder, StalenessBound
 from rolloutdb.controller.snapshot_pump import Snapshotter
 from rolloutdb.controller.train_pump import TrainPump
 from rolloutdb.controller.trainer_checkpoints import TrainerCheckpoints
-from rolloutdb.store import Store, faults
-from rolloutdb.store.trace.writer import open_tracer
+from rolloutdb.store import Store, faults, open_tracer
 
 
 @dataclass

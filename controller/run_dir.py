@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rolloutdb.config import Config
-from rolloutdb.store.fsio import replace_file, temp_path_beside
+from rolloutdb.store import replace_file, temp_path_beside
 
 LOCK_NAME = "run.lock"
 

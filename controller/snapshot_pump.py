@@ -31,9 +31,7 @@ from dataclasses import dataclass, field
 
 from rolloutdb.controller.env_checkpoint import EnvironmentCheckpoint, NoEnvironmentCheckpoint
 from rolloutdb.controller.runtime import RolloutParts
-from rolloutdb.store import faults, queries
-from rolloutdb.store.checkpoints.layout import anchor_name, scan
-from rolloutdb.store.checkpoints.publish import Publisher
+from rolloutdb.store import Publisher, anchor_name, faults, queries, scan
 
 
 @dataclass(eq=False)  # compared by identity

@@ -58,23 +58,40 @@ from .restore.apply import (
     restore_snapshot,
 )
 from .restore.choice import (
+    LATEST,
+    LedgerAudit,
     NothingToRestore,
-    RunVerdict,
     TrainerCheckpointOnly,
+    audit_ledger,
     choose_snapshot,
+    live_run_id,
+    live_store_work,
     select_and_restore,
-    verify_run,
 )
+from .restore.run_files import drop_checkpoints_after, move_run_aside, remove_store_files
+from .fsio import refuse_special_file, replace_file, temp_path_beside
+from .sqlite.identity import identify
+from .sqlite.readonly import (
+    DEFAULT_QUERY_TIMEOUT_S,
+    QueryTimeout,
+    listing_manifest,
+    open_readonly,
+    quick_check,
+    run_readonly_query,
+)
+from .live.schema import ABANDON_REASONS, GROUP_STATES, ROLLOUT_STATES, STATE_TABLES
+from .checkpoints.manifest import KIND_SNAPSHOT
+from .trace.analysis import Table, TraceAnalysis
+from .trace.writer import TraceError, open_tracer, trace_file_for
 
 __all__ = [
-    # restore (store/restore.py, store/resume.py)
+    # restore (store/restore/)
     "NothingToRestore",
     "PayloadInventoryMismatch",
     "RestoredGroup",
     "RestoreError",
     "RestorePlan",
     "RunMismatch",
-    "RunVerdict",
     "SnapshotDamaged",
     "SnapshotInconsistent",
     "SnapshotTooNew",
@@ -82,7 +99,34 @@ __all__ = [
     "choose_snapshot",
     "restore_snapshot",
     "select_and_restore",
-    "verify_run",
+    "LATEST",
+    "LedgerAudit",
+    "audit_ledger",
+    "live_run_id",
+    "live_store_work",
+    "drop_checkpoints_after",
+    "move_run_aside",
+    "remove_store_files",
+    "refuse_special_file",
+    "replace_file",
+    "temp_path_beside",
+    "identify",
+    "DEFAULT_QUERY_TIMEOUT_S",
+    "QueryTimeout",
+    "listing_manifest",
+    "open_readonly",
+    "quick_check",
+    "run_readonly_query",
+    "ABANDON_REASONS",
+    "GROUP_STATES",
+    "ROLLOUT_STATES",
+    "STATE_TABLES",
+    "KIND_SNAPSHOT",
+    "Table",
+    "TraceAnalysis",
+    "TraceError",
+    "open_tracer",
+    "trace_file_for",
     "AnchorNotDurable",
     "BackgroundWorkError",
     "BOOTSTRAP",
