@@ -79,3 +79,44 @@ def test_a_submodule_import_and_a_private_name_are_each_reported_with_file_and_l
         "controller/bad.py:3: import rolloutdb.store.sqlite.database",
         "controller/bad.py:4: from rolloutdb.store import _BUMP",
     ]
+
+
+SQL_WORDS = ("SELECT ", "INSERT ", "UPDATE ", "DELETE ")
+SQL_BUILDERS = {"select", "insert", "update", "delete", "func", "text"}
+
+
+def controller_sql(root: str = "controller") -> list[str]:
+    """One line per raw SQL string or SQLAlchemy statement builder in `root`: every read a
+    pump needs is a named function of `rolloutdb.store.queries`."""
+    out = []
+    for path in sorted((REPO / root).rglob("*.py")):
+        where = path.relative_to(REPO)
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.lstrip().upper().startswith(SQL_WORDS):
+                out.append(f"{where}:{node.lineno}: SQL text {node.value[:40]!r}")
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("sqlalchemy"):
+                built = sorted(a.name for a in node.names if a.name in SQL_BUILDERS)
+                if built:
+                    out.append(f"{where}:{node.lineno}: from {node.module} import {', '.join(built)}")
+    return out
+
+
+def test_the_controller_builds_no_sql():
+    found = controller_sql()
+    assert not found, "SQL in the controller (add a function to store/live/queries.py):\n" + "\n".join(found)
+
+
+def test_the_sql_check_names_a_query_string_and_a_statement_builder(tmp_path, monkeypatch):
+    import test_public_api as me
+
+    (tmp_path / "controller").mkdir()
+    (tmp_path / "controller" / "pump.py").write_text(
+        "from sqlalchemy import Connection, func, select\n"
+        "def f(tx):\n"
+        "    return tx.exec_driver_sql(\"SELECT group_id FROM rollouts WHERE state = 'running'\")\n"
+    )
+    monkeypatch.setattr(me, "REPO", tmp_path)
+    assert me.controller_sql() == [
+        "controller/pump.py:1: from sqlalchemy import func, select",
+        "controller/pump.py:3: SQL text 'SELECT group_id FROM rollouts WHERE stat'",
+    ]
