@@ -118,7 +118,7 @@ MUTANTS = [
     Mutant(
         "verify_run_ignores_duplicates",
         "verify RUN_DIR: duplicated=0 means no prompt was handed out twice",
-        "store/resume.py",
+        "store/restore/choice.py",
         [("        v.duplicated = sum(n - 1 for _, _, n in dupes)\n        if dupes:",
           "        v.duplicated = 0  # MUTANT\n        if False:")],
         ["tests/test_verify_run_lost_work.py", "tests/test_restore.py"],
@@ -126,7 +126,7 @@ MUTANTS = [
     Mutant(
         "verify_run_accepts_any_discard_reason",
         "verify RUN_DIR: a group discarded for anything but zero reward variance is lost",
-        "store/resume.py",
+        "store/restore/choice.py",
         [("    if not rows:\n        return\n    v.discarded_not_owned", "    if True:  # MUTANT\n        return\n    v.discarded_not_owned")],
         ["tests/test_verify_run_lost_work.py", "tests/test_crash_resume.py"],
     ),
