@@ -115,6 +115,7 @@ _EPISODES_IN_STATE = "SELECT group_id, generation_index, attempt FROM rollouts W
 def episode_keys(conn: Connection | sqlite3.Connection, state: str) -> list[str]:
     """The episode keys (`pools.episode_key`) of the attempts in `state` ('running',
     'abandoned', ...). Also over the raw connection of a snapshot cut."""
+    rows: Sequence[Any]
     if isinstance(conn, sqlite3.Connection):
         rows = conn.execute(_EPISODES_IN_STATE, (state,)).fetchall()
     else:
