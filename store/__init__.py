@@ -1,7 +1,8 @@
 """rolloutdb.store: the SQLite state store.
 
 Knows nothing of the controller. The controller reaches it only through what is
-exported here and through the transition functions of `ledger` and `pools`.
+exported here: the transition functions of `ledger` and `pools`, the named reads of
+`queries`, and the fault registry `faults` (tests/test_public_api.py checks it).
 """
 
 from . import faults

@@ -8,7 +8,8 @@ connection it yields:
         ids = ledger.reserve_groups(tx, reservations, num_generations=4, target_step=3)
         pools.advance_cursor(tx, next_seq=120, epoch=0)
 
-The one-call methods below wrap the common single transitions. Every committed mutation
+Reads go through `Store.read()` (a read transaction that takes no write lock) and the
+named reads of `queries`. The one-call methods below wrap the common single transitions. Every committed mutation
 bumps `run_meta.mutation_counter`, so a snapshotter can tell that nothing changed.
 """
 

@@ -9,8 +9,9 @@ and emit ``BEGIN`` from the engine's ``begin`` event.
 
 The store has one writer connection, shared by the pumps under a lock (SQLite admits
 one writer at a time anyway, and a long-lived connection skips a pool checkout per
-transaction). Readers (snapshot capture, inspection) use their own connections; under
-WAL they see one consistent state while the writer goes on.
+transaction). Readers use their own connections (`read()`: pooled reader connections
+for the pumps' reads; snapshot capture and inspection open their own); under WAL they see
+one consistent state while the writer goes on, and take no write lock.
 
 The writer never checkpoints the WAL itself (``wal_autocheckpoint=0``): measured here, the
 writer's own auto-checkpoint right after a large snapshot stalled it 150-200 ms. A
