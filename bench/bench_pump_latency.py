@@ -22,7 +22,7 @@ last step it has opened from the ledger's highest target step, so groups stamped
 steps beyond the run would make it believe every step was already opened; and nothing
 in the run ever finishes them. Every snapshot therefore copies the whole 1 GiB store.
 
-Measured: the wall time of every `Store.atomic()` transaction, per pump thread
+Measured: the wall time of every `Store.atomic()` and `Store.read()` transaction, per pump thread
 ("rollout-pump", "MainThread" = the train pump, "snapshot-pump"), from the store's own
 `Store.tx_time` clock (this script swaps in a subclass that keeps every sample per
 thread, and a `Store` subclass that adds the thread's run-queue wait over the same
@@ -87,17 +87,26 @@ class MeasuredStore(Store):
         self.capture_windows: list[tuple[float, float]] = []
         self.publish_windows: list[tuple[float, float]] = []
 
-    @contextlib.contextmanager
-    def atomic(self, *, mutation: bool = True):
+    def _measured(self, transaction):
+        """Run `transaction` (a context manager), then note the run-queue wait over it and
+        the function whose `with` opened it on the sample `tx_time` just took."""
         clock = getattr(self._rq, "clock", None)
         if clock is None:
             clock = self._rq.clock = RunQueueClock()
         w0 = clock()
-        caller = sys._getframe(2).f_code  # the function whose `with` opened the transaction
-        with super().atomic(mutation=mutation) as tx:
+        caller = sys._getframe(3).f_code
+        with transaction as tx:
             yield tx
         sample = self.tx_time.by_thread[threading.current_thread().name][-1]
         sample[2], sample[3] = clock() - w0, caller.co_name
+
+    @contextlib.contextmanager
+    def atomic(self, *, mutation: bool = True):
+        yield from self._measured(super().atomic(mutation=mutation))
+
+    @contextlib.contextmanager
+    def read(self):
+        yield from self._measured(super().read())
 
     def capture(self, dst, *, at_cut=None):
         t0 = time.perf_counter()

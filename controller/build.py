@@ -12,7 +12,7 @@ import torch
 from rolloutdb.config import Config
 from rolloutdb.controller.env_checkpoint import EnvironmentCheckpoint, NoEnvironmentCheckpoint
 from rolloutdb.controller.protocols import Environment, PromptDataset, Trainer
-from rolloutdb.store.checkpoints.publish import Publisher
+from rolloutdb.store import Publisher
 
 
 def set_threads(n: int) -> None:
@@ -93,7 +93,7 @@ def build_engine(config: Config, policy_dir: Path):
 
 def build_publisher(config: Config, checkpoint_dir: Path) -> Publisher:
     """The one publisher of the run's checkpoint directory, with retention from config."""
-    from rolloutdb.store.checkpoints.retention import (
+    from rolloutdb.store import (
         KeepNewestSnapshotPerAnchor,
         KeepNewestSnapshots,
         KeepNewestTrainerCheckpoints,

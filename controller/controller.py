@@ -26,8 +26,7 @@ from rolloutdb.controller.sampler import PromptOrder, StalenessBound
 from rolloutdb.controller.snapshot_pump import SnapshotPump
 from rolloutdb.controller.train_pump import TrainPump
 from rolloutdb.controller.trainer_checkpoints import TrainerCheckpoints
-from rolloutdb.store import Store, faults
-from rolloutdb.store.trace.writer import open_tracer
+from rolloutdb.store import Store, faults, open_tracer
 
 
 @dataclass
@@ -100,8 +99,8 @@ class Controller:
         if cfg.ledger_dispatch:
             dispatcher: LedgerDispatch | NoLedgerDispatch = LedgerDispatch()
         else:
-            with self.store.atomic(mutation=False) as tx:
-                dispatcher = NoLedgerDispatch.resuming(tx)
+            with self.store.read() as conn:
+                dispatcher = NoLedgerDispatch.resuming(conn)
         self.parts = RolloutParts(
             config=cfg,
             store=self.store,

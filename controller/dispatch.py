@@ -19,10 +19,9 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from sqlalchemy import Connection, func, select
+from sqlalchemy import Connection
 
-from rolloutdb.store import FinishedGeneration, Reservation, ledger
-from rolloutdb.store.live.schema import T
+from rolloutdb.store import FinishedGeneration, Reservation, ledger, queries
 
 
 @dataclass
@@ -58,8 +57,7 @@ class LedgerDispatch:
         """New attempts for the generations of a restored group that did not finish."""
         ids = ledger.start_attempts(tx, [(group.group_id, i) for i in generations], policy_version=policy_version)
         group.attempts = {**(group.attempts or {}), **dict(zip(generations, ids))}
-        rollouts = T["rollouts"]
-        numbers = dict(tx.execute(select(rollouts.c.attempt_id, rollouts.c.attempt).where(rollouts.c.attempt_id.in_(ids))).all())
+        numbers = queries.attempt_numbers(tx, ids)
         group.attempt_numbers = {i: numbers[a] for i, a in zip(generations, ids)}
         group.policy_version = policy_version
 
@@ -87,11 +85,7 @@ class NoLedgerDispatch:
     @classmethod
     def resuming(cls, tx: Connection) -> NoLedgerDispatch:
         """Mint ids above any group id still in the replay buffer or the samples."""
-        top = max(
-            tx.execute(select(func.max(T["replay_groups"].c.group_id))).scalar() or 0,
-            tx.execute(select(func.max(T["samples"].c.group_id))).scalar() or 0,
-        )
-        return cls(top + 1)
+        return cls(queries.highest_group_id(tx) + 1)
 
     def reserve(self, tx: Connection, prompts: Sequence[Reservation], *, step: int, num_generations: int) -> list[GroupHandle]:
         return [GroupHandle(next(self._ids), p, step, num_generations) for p in prompts]
@@ -110,13 +104,7 @@ class NoLedgerDispatch:
         )
 
     def enter_replay(self, tx: Connection, groups: Sequence[GroupHandle]) -> None:
-        tokens = dict(
-            tx.execute(
-                select(T["samples"].c.group_id, func.sum(T["samples"].c.num_tokens))
-                .where(T["samples"].c.group_id.in_([g.group_id for g in groups]))
-                .group_by(T["samples"].c.group_id)
-            ).all()
-        )
+        tokens = queries.sample_tokens(tx, [g.group_id for g in groups])
         ledger.insert_replay(
             tx,
             [(g.group_id, g.reservation.epoch, g.reservation.prompt_id, g.target_step, tokens.get(g.group_id, 0)) for g in groups],

@@ -30,26 +30,29 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from rolloutdb.controller import fault_points  # noqa: F401 - registers the kill points hit here
 from rolloutdb.controller.dispatch import GroupHandle
 from rolloutdb.controller.run_dir import RunDir
 from rolloutdb.controller.tracing import RolloutTrace
-from rolloutdb.store import RestorePlan, Store, faults
-from rolloutdb.store.fsio import fsync_dir, rename
-from rolloutdb.store.checkpoints.layout import BOOTSTRAP, scan
-from rolloutdb.store.checkpoints.manifest import KIND_TRAINER
-from rolloutdb.store.checkpoints.publish import record_high_water
-from rolloutdb.store.restore.apply import SIDE_SUFFIXES
-from rolloutdb.store.restore.choice import (
+from rolloutdb.store import (
+    BOOTSTRAP,
     LATEST,
+    NoRestorableSnapshot,
     NothingToRestore,
+    RestorePlan,
+    Selection,
+    Store,
     TrainerCheckpointOnly,
     choose_snapshot,
+    drop_checkpoints_after,
+    faults,
     live_run_id,
     live_store_work,
+    move_run_aside,
+    queries,
+    remove_store_files,
     select_and_restore,
 )
-from rolloutdb.store.checkpoints.retention import remove_tree
-from rolloutdb.store.restore.selection import NoRestorableSnapshot, Selection
 
 if TYPE_CHECKING:
     from sqlalchemy import Row
@@ -135,8 +138,7 @@ def restore_run(ctl) -> Restored:
         return Restored(plan, moved_to=_move_aside(dirs), t0=t0)
     if plan.action == START_OVER_EMPTY:
         ctl.writing = True
-        for suffix in ("", *SIDE_SUFFIXES):
-            Path(f"{dirs.store}{suffix}").unlink(missing_ok=True)
+        remove_store_files(dirs.store)
         return Restored(plan, t0=t0)
 
     def load_weights(selection: Selection) -> None:
@@ -150,7 +152,9 @@ def restore_run(ctl) -> Restored:
                           "from step 0") from None
     ctl.writing = True  # the live store was replaced
     faults.point("resume.after_restore")
-    dropped = _drop_abandoned_future(dirs.checkpoints, ctl.trainer.step)
+    # The trainer checkpoints of the branch the stop cut off: the resumed run publishes
+    # those steps again (their snapshot numbers are never handed out again).
+    dropped = drop_checkpoints_after(dirs.checkpoints, ctl.trainer.step)
     store = Store.open(dirs.store)
     groups = [
         (GroupHandle(g.group_id, g.reservation, g.target_step, g.num_generations, attempts={}), list(g.generations_to_run))
@@ -226,46 +230,19 @@ def announce(ctl, done: Restored) -> None:
 
 def _abandoned_at_restore(store: Store, since: float) -> Sequence[Row[Any]]:
     """The attempts this restore's normalization abandoned (reason `restart`)."""
-    with store.atomic(mutation=False) as tx:
-        return tx.exec_driver_sql(
-            "SELECT r.group_id, g.prompt_id, r.generation_index, r.attempt, g.target_step "
-            "FROM rollouts r JOIN prompt_groups g ON g.group_id = r.group_id "
-            "WHERE r.state = 'abandoned' AND r.abandon_reason = 'restart' AND r.ended_at >= ?",
-            (since,),
-        ).all()
-
-
-def _drop_abandoned_future(checkpoint_dir: Path, step: int) -> list[str]:
-    """Trainer checkpoints newer than the restored anchor belong to the branch the stop
-    cut off: the rollout state that went with them is gone, and the resumed run will
-    publish those steps again. Remove them (trash rename, then delete) before it does,
-    after recording the highest snapshot number, so none of theirs is handed out again."""
-    inv = scan(checkpoint_dir)
-    doomed = [e for e in inv.anchors if e.kind == KIND_TRAINER and e.step is not None and e.step > step]
-    if doomed:
-        record_high_water(checkpoint_dir, inv.max_sequence())
-    for entry in doomed:
-        remove_tree(entry.path, "cleanup")
-    return [e.anchor for e in doomed]
+    with store.read() as conn:
+        return queries.abandoned_by_restart(conn, since)
 
 
 def _move_aside(dirs: RunDir) -> Path:
     """`--start-over`: move the store (with its side files), the checkpoints and the
     config into RUN_DIR/discarded/<UTC time>/; nothing is deleted. The new checkpoint
     directory starts with the old high-water mark, so snapshot numbers keep growing."""
-    high = scan(dirs.checkpoints).max_sequence()
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     dest, n = dirs.discarded / stamp, 1
     while dest.exists():  # two start-overs in one second
         n += 1
         dest = dirs.discarded / f"{stamp}-{n}"
     dest.mkdir(parents=True)
-    for path in (dirs.store, *(Path(f"{dirs.store}{s}") for s in SIDE_SUFFIXES), dirs.checkpoints, dirs.config):
-        if path.exists():
-            rename(path, dest / path.name)
-    fsync_dir(dest)
-    fsync_dir(dirs.root)
-    if high:
-        dirs.checkpoints.mkdir()
-        record_high_water(dirs.checkpoints, high)
+    move_run_aside(dest, store=dirs.store, checkpoints=dirs.checkpoints, also=[dirs.config])
     return dest

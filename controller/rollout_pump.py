@@ -19,14 +19,13 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from rolloutdb.controller import fault_points  # noqa: F401 - registers the kill points hit here
 from rolloutdb.controller.dispatch import GroupHandle
 from rolloutdb.controller.episodes import EpisodeSpec, call_seed, run_episodes
 from rolloutdb.controller.runtime import RolloutParts
 from rolloutdb.controller.tracing import RolloutTrace
 from rolloutdb.gpu_capture.protocol import SamplingParams
-from rolloutdb.store import FinishedGeneration, ReplayFullError, Reservation, faults, codec, ledger, pools
-from rolloutdb.store.live.schema import T
-from sqlalchemy import func, select
+from rolloutdb.store import FinishedGeneration, ReplayFullError, Reservation, faults, codec, ledger, pools, queries
 
 ZERO_VARIANCE = ledger.ZERO_REWARD_VARIANCE  # the store owns the names of the reasons the algorithm owns
 IDLE_WAIT_S = 0.5
@@ -71,20 +70,17 @@ class RolloutPump:
     def _all_steps_stamped(self) -> bool:
         if self._last_opened < self.p.bound.total_steps:
             return False
-        with self.p.store.atomic(mutation=False) as tx:
-            return not pools.get_shortfall(tx)
+        with self.p.store.read() as conn:
+            return not pools.get_shortfall(conn)
 
     # ------------------------------------------------------------------ stamping
 
     def _derive_last_opened(self) -> int:
         """Highest step already stamped: from the store, so a resumed run continues."""
-        with self.p.store.atomic(mutation=False) as tx:
-            tops = [
-                tx.execute(select(func.max(T["step_shortfall"].c.step))).scalar(),
-                tx.execute(select(func.max(T["replay_groups"].c.target_step))).scalar(),
-                tx.execute(select(func.max(T["prompt_groups"].c.target_step))).scalar(),
-            ]
-        return max([t for t in tops if t is not None] + [self.p.read_progress().step])
+        with self.p.store.read() as conn:
+            top = queries.highest_stamped_step(conn)
+        done = self.p.read_progress().step
+        return done if top is None else max(top, done)
 
     def _next_wave(self) -> list[GroupHandle]:
         """Stamp and dispatch the next wave in one transaction (reserve, then dispatch:
@@ -116,8 +112,8 @@ class RolloutPump:
         return handles
 
     def _has_work(self, last_step: int) -> bool:
-        with self.p.store.atomic(mutation=False) as tx:
-            return any(step <= last_step for step in pools.get_shortfall(tx))
+        with self.p.store.read() as conn:
+            return any(step <= last_step for step in pools.get_shortfall(conn))
 
     def _take_prompts(self, tx, n: int) -> list[Reservation]:
         """Spare pool first, then whole dataloader batches; leftovers become spares."""
@@ -196,14 +192,7 @@ class RolloutPump:
         """Rewards come from the store: a restored group's earlier generations are there."""
         if not self.p.config.algorithm.discard_zero_variance:
             return wave, []
-        rows = tx.execute(
-            select(T["samples"].c.group_id, T["samples"].c.reward).where(
-                T["samples"].c.group_id.in_([g.group_id for g in wave])
-            )
-        ).all()
-        rewards: dict[int, list[float]] = {}
-        for gid, r in rows:
-            rewards.setdefault(gid, []).append(r)
+        rewards = queries.sample_rewards(tx, [g.group_id for g in wave])
         if self._flat_streak >= self.p.config.algorithm.max_flat_groups_in_a_row:
             # A policy that answers every prompt the same way (collapsed, or done
             # learning) makes every group flat; discarding forever would never fill a
@@ -223,23 +212,10 @@ class RolloutPump:
             try:
                 with self.p.store.atomic() as tx:
                     self.p.dispatcher.enter_replay(tx, pending)
-                    counts = self._version_counts(tx, pending) if self.trace.enabled else {}
+                    counts = queries.version_token_counts(tx, [g.group_id for g in pending]) if self.trace.enabled else {}
             except ReplayFullError:
                 self.p.runtime.wait(IDLE_WAIT_S)  # the train pump frees permits
                 continue
             faults.point("pump.after_enter_replay")
             self.trace.entered_replay(pending, counts)
             pending = []
-
-    def _version_counts(self, tx, groups: list[GroupHandle]) -> dict[int, dict[int, int]]:
-        """Tokens per policy version of each group, over all its samples."""
-        s = T["samples"]
-        out: dict[int, dict[int, int]] = {}
-        rows = tx.execute(
-            select(s.c.group_id, s.c.version_token_counts).where(s.c.group_id.in_([g.group_id for g in groups]))
-        ).all()
-        for gid, text in rows:
-            counts = out.setdefault(gid, {})
-            for v, n in codec.decode_version_counts(text):
-                counts[v] = counts.get(v, 0) + n
-        return out

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rolloutdb.config import Config
-from rolloutdb.store.fsio import write_file_atomic
+from rolloutdb.store import write_file_atomic
 
 LOCK_NAME = "run.lock"
 

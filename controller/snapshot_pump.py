@@ -37,9 +37,7 @@ from dataclasses import dataclass, field
 
 from rolloutdb.controller.env_checkpoint import EnvironmentCheckpoint
 from rolloutdb.controller.runtime import RolloutParts
-from rolloutdb.store import faults
-from rolloutdb.store.checkpoints.layout import anchor_name, scan
-from rolloutdb.store.checkpoints.publish import Publisher
+from rolloutdb.store import Publisher, anchor_name, faults, queries, scan
 
 log = logging.getLogger("rolloutdb.controller")
 
@@ -258,12 +256,7 @@ class SnapshotPump:
         export = self.env.export()
         if not export:
             return {}
-        running = {
-            f"{g}.{i}-a{a}"
-            for g, i, a in conn.execute(
-                "SELECT group_id, generation_index, attempt FROM rollouts WHERE state = 'running'"
-            )
-        }
+        running = set(queries.episode_keys(conn, "running"))
         stray = sorted(set(export) - running)
         if stray:
             raise RuntimeError(f"environment export names {len(stray)} episodes the ledger does not run: {stray[:3]}")
@@ -272,8 +265,5 @@ class SnapshotPump:
     def _abandoned_episode_keys(self) -> list[str]:
         if not self.env.holds_rollout_state:
             return []
-        with self.p.store.atomic(mutation=False) as tx:
-            rows = tx.exec_driver_sql(
-                "SELECT group_id, generation_index, attempt FROM rollouts WHERE state = 'abandoned'"
-            ).all()
-        return [f"{g}.{i}-a{a}" for g, i, a in rows]
+        with self.p.store.read() as conn:
+            return queries.episode_keys(conn, "abandoned")

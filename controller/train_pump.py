@@ -12,14 +12,12 @@ import time
 from collections.abc import Callable
 
 import numpy as np
-from sqlalchemy import select
-
+from rolloutdb.controller import fault_points  # noqa: F401 - registers the kill points hit here
 from rolloutdb.controller.episodes import ENV_TOKEN_VERSION
 from rolloutdb.controller.runtime import RolloutParts
 from rolloutdb.controller.protocols import Completion, TrainGroup
 from rolloutdb.controller.tracing import RolloutTrace
-from rolloutdb.store import faults, codec
-from rolloutdb.store.live.schema import T
+from rolloutdb.store import faults, codec, queries
 
 POLL_S = 0.5
 
@@ -55,23 +53,17 @@ class TrainPump:
 
     def _wait_for_groups(self, step: int) -> list[int] | None:
         need = self.p.config.algorithm.groups_per_step
-        replay = T["replay_groups"]
         while not self.p.runtime.stop.is_set():
-            with self.p.store.atomic(mutation=False) as tx:
-                ids = list(tx.execute(select(replay.c.group_id).where(replay.c.target_step == step).order_by(replay.c.group_id)).scalars())
+            with self.p.store.read() as conn:
+                ids = queries.replay_groups_for_step(conn, step)
             if len(ids) >= need:
                 return ids[:need]
             self.p.runtime.wait(POLL_S)
         return None
 
     def _load_groups(self, group_ids: list[int]) -> tuple[list[TrainGroup], dict]:
-        s = T["samples"]
-        with self.p.store.atomic(mutation=False) as tx:
-            rows = tx.execute(
-                select(s.c.group_id, s.c.generation_index, s.c.prompt_id, s.c.token_ids, s.c.logprobs, s.c.reward, s.c.version_token_counts)
-                .where(s.c.group_id.in_(group_ids))
-                .order_by(s.c.group_id, s.c.generation_index)
-            ).all()
+        with self.p.store.read() as conn:
+            rows = queries.samples_of(conn, group_ids)
         groups: dict[int, TrainGroup] = {}
         runs_all, rewards, dispatch_versions = [], [], []
         prompts: dict[int, list[int]] = {}

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from rolloutdb.config import Config
 from rolloutdb.controller.protocols import Trainer
-from rolloutdb.store.checkpoints.publish import Publisher
+from rolloutdb.store import Publisher
 
 
 class TrainerCheckpoints:
@@ -27,7 +27,7 @@ class TrainerCheckpoints:
 
     def publish_bootstrap(self) -> None:
         """Once per run directory: a resumed run keeps the bootstrap it has."""
-        from rolloutdb.store.checkpoints.layout import BOOTSTRAP, scan
+        from rolloutdb.store import BOOTSTRAP, scan
 
         with self.publisher.lock:  # the look and the publication are one save
             if BOOTSTRAP not in scan(self.publisher.root).durable_anchor_names():

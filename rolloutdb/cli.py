@@ -18,7 +18,7 @@ import threading
 from pathlib import Path
 from typing import NoReturn
 
-from rolloutdb.store.errors import StoreError
+from rolloutdb.store import StoreError
 
 EXIT_USAGE = 2
 EXIT_SIGINT = 128 + signal.SIGINT

@@ -1,17 +1,19 @@
 """rolloutdb.store: the SQLite state store.
 
-Knows nothing of the controller. The controller reaches it only through what is
-exported here and through the transition functions of `ledger` and `pools`.
+Knows nothing of the controller. The controller and the CLI reach it only through what is
+exported here: the transition functions of `ledger` and `pools`, the named reads of
+`queries`, the fault registry `faults`, and the names below, grouped by subsystem
+(tests/test_public_api.py checks that nothing outside the store imports anything else;
+tests/test_import_edges.py checks the edges between the subsystems).
 """
 
-from .live import codec, ledger, pools
-from .live.capture import Capture, capture_snapshot
-from .sqlite.database import Database
+from . import faults
 from .errors import (
+    AnchorDamaged,
     IllegalTransition,
+    NoRestorableSnapshot,
     NotAStoreError,
     NothingToRestore,
-    NoRestorableSnapshot,
     PayloadInventoryMismatch,
     ReadOnlyViolation,
     ReplayFullError,
@@ -26,13 +28,33 @@ from .errors import (
     StoreError,
     TrainerCheckpointOnly,
 )
-from .live.invariants import InvariantReport, check_invariants
-from .live.ledger import FinishedGeneration, Reservation
+from .fsio import refuse_special_file, replace_file, temp_path_beside, write_file_atomic
+
+# sqlite: engine, read-only opening, the integrity check, revisions and upgrades
+from .sqlite.database import Database
+from .sqlite.identity import identify
+from .sqlite.integrity import quick_check
+from .sqlite.readonly import (
+    DEFAULT_QUERY_TIMEOUT_S,
+    QueryTimeout,
+    listing_manifest,
+    open_readonly,
+    run_readonly_query,
+)
 from .sqlite.revision import head_revision, known_revisions
 from .sqlite.upgrade import upgrade_file
+
+# live: the Store, its transitions, reads, invariants and capture
+from .live import codec, ledger, pools, queries
+from .live.capture import Capture, capture_snapshot
+from .live.invariants import InvariantReport, check_invariants
+from .live.ledger import FinishedGeneration, Reservation
+from .live.schema import ABANDON_REASONS, GROUP_STATES, ROLLOUT_STATES, STATE_TABLES
 from .live.store import Store
+
+# checkpoints: layout, manifests, publication, retention
 from .checkpoints.layout import BOOTSTRAP, Entry, Inventory, anchor_name, scan
-from .checkpoints.manifest import Manifest, ManifestError, read_manifest
+from .checkpoints.manifest import KIND_SNAPSHOT, Manifest, ManifestError, read_manifest
 from .checkpoints.publish import (
     AnchorNotDurable,
     BackgroundWorkError,
@@ -49,85 +71,126 @@ from .checkpoints.retention import (
     Retention,
     default_retention,
 )
+
+# restore: choosing, verifying and applying a snapshot; the ledger audit
+from .restore.apply import restore_snapshot
+from .restore.choice import (
+    LATEST,
+    LedgerAudit,
+    audit_ledger,
+    choose_snapshot,
+    live_run_id,
+    live_store_work,
+    select_and_restore,
+)
+from .restore.plan import RestoredGroup, RestorePlan
+from .restore.run_files import drop_checkpoints_after, move_run_aside, remove_store_files
 from .restore.selection import Selection, select_for_restore
 from .restore.verification import Report, verify_path
-from .restore.plan import RestoredGroup, RestorePlan
-from .restore.apply import (
-    restore_snapshot,
-)
-from .trace.writer import NullTracer, Tracer, open_tracer
-from .restore.choice import (
-    RunVerdict,
-    choose_snapshot,
-    select_and_restore,
-    verify_run,
-)
+
+# trace: the writer and the analysis
+from .trace.analysis import Table, TraceAnalysis
+from .trace.writer import NullTracer, Tracer, TraceError, open_tracer, trace_file_for
 
 __all__ = [
-    # restore (store/restore/, its errors in store/errors.py)
+    # foundation
+    "faults",
+    "AnchorDamaged",
+    "IllegalTransition",
+    "NoRestorableSnapshot",
+    "NotAStoreError",
     "NothingToRestore",
     "PayloadInventoryMismatch",
-    "RestoredGroup",
+    "ReadOnlyViolation",
+    "ReplayFullError",
     "RestoreError",
-    "RestorePlan",
     "RunMismatch",
-    "RunVerdict",
+    "SchemaTooNewError",
+    "SchemaTooOldError",
     "SnapshotDamaged",
     "SnapshotInconsistent",
     "SnapshotTooNew",
+    "StoreBusyError",
+    "StoreError",
     "TrainerCheckpointOnly",
-    "choose_snapshot",
-    "restore_snapshot",
-    "select_and_restore",
-    "verify_run",
+    "refuse_special_file",
+    "replace_file",
+    "temp_path_beside",
+    "write_file_atomic",
+    # sqlite
+    "Database",
+    "DEFAULT_QUERY_TIMEOUT_S",
+    "QueryTimeout",
+    "head_revision",
+    "identify",
+    "known_revisions",
+    "listing_manifest",
+    "open_readonly",
+    "quick_check",
+    "run_readonly_query",
+    "upgrade_file",
+    # live
+    "ABANDON_REASONS",
+    "GROUP_STATES",
+    "ROLLOUT_STATES",
+    "STATE_TABLES",
+    "Capture",
+    "FinishedGeneration",
+    "InvariantReport",
+    "Reservation",
+    "Store",
+    "capture_snapshot",
+    "check_invariants",
+    "codec",
+    "ledger",
+    "pools",
+    "queries",
+    # checkpoints
     "AnchorNotDurable",
     "BackgroundWorkError",
     "BOOTSTRAP",
     "Entry",
     "Inventory",
+    "KIND_SNAPSHOT",
     "KeepNewestSnapshotPerAnchor",
     "KeepNewestSnapshots",
     "KeepNewestTrainerCheckpoints",
     "Manifest",
     "ManifestError",
-    "NoRestorableSnapshot",
     "PruneBootstrap",
     "Published",
     "PublishError",
     "Publisher",
-    "Report",
     "Retention",
-    "Selection",
     "SnapshotStage",
     "anchor_name",
     "default_retention",
     "read_manifest",
     "scan",
+    # restore
+    "LATEST",
+    "LedgerAudit",
+    "Report",
+    "RestoredGroup",
+    "RestorePlan",
+    "Selection",
+    "audit_ledger",
+    "choose_snapshot",
+    "drop_checkpoints_after",
+    "live_run_id",
+    "live_store_work",
+    "move_run_aside",
+    "remove_store_files",
+    "restore_snapshot",
+    "select_and_restore",
     "select_for_restore",
     "verify_path",
-    "Capture",
-    "Database",
-    "FinishedGeneration",
-    "IllegalTransition",
-    "InvariantReport",
-    "NotAStoreError",
-    "ReadOnlyViolation",
-    "ReplayFullError",
-    "Reservation",
-    "SchemaTooNewError",
-    "SchemaTooOldError",
-    "Store",
-    "StoreBusyError",
-    "StoreError",
-    "capture_snapshot",
-    "check_invariants",
-    "codec",
-    "head_revision",
-    "known_revisions",
-    "ledger",
-    "pools",
-    "upgrade_file",
+    # trace
     "NullTracer",
+    "Table",
+    "TraceAnalysis",
+    "TraceError",
     "Tracer",
     "open_tracer",
+    "trace_file_for",
 ]

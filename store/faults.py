@@ -14,8 +14,13 @@ Two kinds of fault:
   write / fsync / rename raise ``OSError(errno)``, in-process, as a full or failing
   disk would.
 
-`POINTS` lists every kill point in the order publication reaches them; tests iterate
-over it, so a point added to the code must be added here too (a test checks both ways).
+Every kill point is registered by the module that owns it (`register(...)` at import):
+the store's own are `POINTS` (publication and retention) and `UPGRADE_POINTS` below;
+the controller registers its own (rolloutdb.controller.fault_points). Tests iterate over
+the registered tuples, so a point added to the code must be registered too (a test
+checks both ways). Arming at import accepts a name no module has registered yet (its
+owner may be imported later); `check_armed()` refuses one once every owner is loaded,
+and `arm_from_env()` called later refuses it at once.
 """
 
 from __future__ import annotations
@@ -30,8 +35,22 @@ from dataclasses import dataclass
 
 ENV = "ROLLOUTDB_FAULT"
 
-# Every kill point, in the order one save reaches them.
-POINTS: tuple[str, ...] = (
+_registered: dict[str, None] = {}  # every kill point, in registration order
+
+
+def register(*names: str) -> tuple[str, ...]:
+    """Make `names` known kill points (their owner calls `point(name)` there); returns
+    them, so the owner can keep the tuple: ``POINTS = faults.register("a.b", ...)``."""
+    for name in names:
+        stage, dot, step = name.partition(".")
+        if not (stage and dot and step):
+            raise ValueError(f"fault point {name!r}: name it <stage>.<step>")
+        _registered.setdefault(name, None)
+    return names
+
+
+# Every kill point of publication and retention, in the order one save reaches them.
+POINTS: tuple[str, ...] = register(
     # leftovers of an earlier crash are removed at the start of every save
     "cleanup.after_trash_rename",
     "cleanup.after_rmtree",
@@ -50,22 +69,8 @@ POINTS: tuple[str, ...] = (
     "retention.after_rmtree",
 )
 
-# Kill points of the controller (rolloutdb.controller), between the pumps' transactions
-# and around restore: the crash harness kills the main job at each of them.
-CONTROLLER_POINTS: tuple[str, ...] = (
-    "pump.after_dispatch",
-    "pump.after_finish",
-    "pump.after_enter_replay",
-    "train.after_commit",
-    "train.after_checkpoint",
-    "snapshot.after_cut",
-    "resume.after_restore",
-)
-
 # Kill points of `rolloutdb upgrade` (store.revision.upgrade_file), between its steps.
-UPGRADE_POINTS: tuple[str, ...] = ("upgrade.copied", "upgrade.migrated")
-
-ALL_POINTS = POINTS + CONTROLLER_POINTS + UPGRADE_POINTS
+UPGRADE_POINTS: tuple[str, ...] = register("upgrade.copied", "upgrade.migrated")
 
 IO_OPS = ("write", "fsync", "rename")
 
@@ -86,18 +91,32 @@ class _IoFault:
     fired: int = 0
 
 
-def arm_from_env() -> None:
-    """(Re)read ``ROLLOUTDB_FAULT``."""
+def registered() -> tuple[str, ...]:
+    """Every kill point registered so far, in registration order."""
+    return tuple(_registered)
+
+
+def arm_from_env(*, strict: bool = True) -> None:
+    """(Re)read ``ROLLOUTDB_FAULT``; refuse a point nobody registered unless `strict`
+    is off (at import, when the point's owner may not be loaded yet)."""
     global _armed
     _kill_at.clear()
     _hits.clear()
     spec = os.environ.get(ENV, "").strip()
     for item in filter(None, (s.strip() for s in spec.split(","))):
         name, _, nth = item.partition("@")
-        if name not in ALL_POINTS:
-            raise ValueError(f"{ENV}={spec!r}: unknown fault point {name!r}; known: {', '.join(ALL_POINTS)}")
         _kill_at[name] = int(nth) if nth else 1
     _armed = bool(_kill_at or _io)
+    if strict:
+        check_armed()
+
+
+def check_armed() -> None:
+    """Refuse an armed point that no module registered (a typo would never fire)."""
+    unknown = [name for name in _kill_at if name not in _registered]
+    if unknown:
+        spec = os.environ.get(ENV, "")
+        raise ValueError(f"{ENV}={spec!r}: unknown fault point {unknown[0]!r}; known: {', '.join(_registered)}")
 
 
 def point(name: str) -> None:
@@ -108,7 +127,7 @@ def point(name: str) -> None:
 
 
 def _point_armed(name: str) -> None:
-    assert name in ALL_POINTS, name
+    assert name in _registered, name
     with _lock:
         _hits[name] = _hits.get(name, 0) + 1
         due = _kill_at.get(name) == _hits[name]
@@ -155,4 +174,4 @@ def inject_io(op: str, err: int = errno_mod.EIO, *, times: int = 1, skip: int = 
             _armed = bool(_kill_at or _io)
 
 
-arm_from_env()
+arm_from_env(strict=False)

@@ -235,7 +235,7 @@ def finish(run_dir: Path, result: ChainResult, attempts: int = 3) -> None:
 def check_chain(run_dir: Path, result: ChainResult) -> None:
     """Exactly-once and the other promises, over the whole chain of stops."""
     from rolloutdb.controller.sampler import PromptOrder
-    from rolloutdb.store.restore.choice import verify_run
+    from rolloutdb.controller.run_audit import verify_run
 
     verdict = verify_run(run_dir)
     if not verdict.ok:

@@ -53,8 +53,8 @@ def write_weights(rng: random.Random, size: int):
 def mutate(store: Store, rng: random.Random) -> None:
     """One iteration of pump work: two new groups, one of them carried to replay and
     the oldest group in replay trained; the other left in flight."""
-    with store.atomic(mutation=False) as tx:
-        seq = pools.read_cursor(tx).next_seq
+    with store.read() as conn:
+        seq = pools.read_cursor(conn).next_seq
     a, b = store.reserve([Reservation(seq, 0, seq), Reservation(seq + 1, 0, seq + 1)], num_generations=2, target_step=1)
     attempts = store.dispatch([a, b], policy_version=0)
     for attempt in attempts[:2]:

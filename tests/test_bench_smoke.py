@@ -84,3 +84,12 @@ def test_the_quickstart_benchmark_reports_wall_time_reward_and_store_share(tmp_p
     assert r["steps"] == 3 and r["summary"].startswith("steps=3")
     assert {"rollout-pump", "MainThread"} <= set(r["store_share"])
     assert all(0 < s["share"] < 1 for s in r["store_share"].values())
+
+
+def test_the_read_path_benchmark_runs_both_read_paths_in_one_process_and_reports_the_ratio(tmp_path):
+    r = _run_bench("bench_read_path.py", tmp_path)
+    (pair,) = r["repeats"]
+    for phase in ("old", "new"):
+        pumps = pair["phases"][phase]["threads"]
+        assert pumps["all pumps"]["reads"] > 0 and pumps["all pumps"]["share"] > 0
+    assert pair["ratios"]["all pumps"]["share"] > 0

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from crash_harness import check_after_kill, run_chain  # noqa: F401
+from rolloutdb.controller import fault_points as controller_points
 from rolloutdb.store import faults
 
 CONTROLLER_SOURCES = Path(__file__).resolve().parents[1] / "controller"
@@ -18,14 +19,14 @@ CONTROLLER_SOURCES = Path(__file__).resolve().parents[1] / "controller"
 
 def test_every_controller_fault_point_is_called_in_the_controller():
     source = "".join(p.read_text() for p in CONTROLLER_SOURCES.glob("*.py"))
-    for point in faults.CONTROLLER_POINTS:
+    for point in controller_points.POINTS:
         assert f'faults.point("{point}")' in source, point
 
 
 def test_killing_the_main_job_at_fault_points_and_random_moments_loses_nothing(tmp_path):
     """Quick tier: >= 10 kills in one chain."""
     rng = random.Random(11)
-    plan = [(f"{p}@{1 + rng.randrange(2)}", None) for p in faults.CONTROLLER_POINTS if p != "resume.after_restore"]
+    plan = [(f"{p}@{1 + rng.randrange(2)}", None) for p in controller_points.POINTS if p != "resume.after_restore"]
     plan.insert(3, ("resume.after_restore", None))  # kills a resume in the middle of the chain
     plan += [(None, rng.uniform(0.2, 2.5)) for _ in range(3)]
     result = run_chain(tmp_path / "run", plan)
@@ -42,7 +43,7 @@ def test_hundreds_of_kills_over_many_chains_never_lose_or_duplicate_a_prompt(tmp
     the result is recorded in RELIABILITY.md."""
     started = time.time()
     total_kills, chains = 0, 0
-    points = list(faults.CONTROLLER_POINTS) + list(faults.POINTS)
+    points = list(controller_points.POINTS) + list(faults.POINTS)
     seed = 0
     while total_kills < 200:
         rng = random.Random(seed)

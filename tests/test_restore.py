@@ -460,7 +460,7 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_verify_run_counts_a_clean_history_and_the_cli_prints_it(tmp_path):
-    from rolloutdb.store.restore.choice import verify_run
+    from rolloutdb.controller.run_audit import verify_run
 
     run_dir = build_run_dir(tmp_path)
     before = tree_digest(run_dir)
@@ -475,7 +475,7 @@ def test_verify_run_counts_a_clean_history_and_the_cli_prints_it(tmp_path):
 
 
 def test_verify_run_counts_a_prompt_handed_out_twice_as_duplicated(tmp_path):
-    from rolloutdb.store.restore.choice import verify_run
+    from rolloutdb.controller.run_audit import verify_run
 
     def hand_out_again(store):
         with store.atomic() as tx:  # position 6 is the prompt of position 0 again
@@ -493,7 +493,7 @@ def test_verify_run_counts_a_prompt_handed_out_twice_as_duplicated(tmp_path):
 
 
 def test_verify_run_counts_positions_nobody_holds_as_lost(tmp_path):
-    from rolloutdb.store.restore.choice import verify_run
+    from rolloutdb.controller.run_audit import verify_run
 
     def skip_two(store):
         with store.atomic() as tx:
@@ -505,7 +505,7 @@ def test_verify_run_counts_positions_nobody_holds_as_lost(tmp_path):
 
 
 def test_verify_run_checks_every_step_trained_groups_per_step_groups(tmp_path):
-    from rolloutdb.store.restore.choice import verify_run
+    from rolloutdb.controller.run_audit import verify_run
 
     verdict = verify_run(build_run_dir(tmp_path, groups_per_step=3))
     assert (verdict.duplicated, verdict.lost) == (0, 0) and not verdict.ok
@@ -513,7 +513,7 @@ def test_verify_run_checks_every_step_trained_groups_per_step_groups(tmp_path):
 
 
 def test_verify_run_after_a_restore_sees_the_whole_history(tmp_path):
-    from rolloutdb.store.restore.choice import verify_run
+    from rolloutdb.controller.run_audit import verify_run
 
     run = build_ledger_run(tmp_path)
     restore(run.snap, run.live)
@@ -526,7 +526,7 @@ def test_verify_run_after_a_restore_sees_the_whole_history(tmp_path):
 
 def test_verify_run_without_a_config_is_refused_with_what_is_missing(tmp_path):
     from rolloutdb.store.errors import NotAStoreError
-    from rolloutdb.store.restore.choice import verify_run
+    from rolloutdb.controller.run_audit import verify_run
 
     run_dir = build_run_dir(tmp_path)
     (run_dir / "config.yaml").unlink()

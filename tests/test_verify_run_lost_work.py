@@ -15,7 +15,7 @@ from pathlib import Path
 
 from rolloutdb.store import FinishedGeneration, Reservation, Store, pools
 from rolloutdb.store.live.ledger import ALGORITHM_DISCARD_REASONS, ZERO_REWARD_VARIANCE
-from rolloutdb.store.restore.choice import verify_run
+from rolloutdb.controller.run_audit import verify_run
 
 
 def _gen(reward: float) -> FinishedGeneration:

@@ -22,18 +22,21 @@ from pathlib import Path
 from typing import Any
 
 from rolloutdb.cli import path_argument
-from rolloutdb.store.errors import NotAStoreError
-from rolloutdb.store.sqlite.identity import identify
-from rolloutdb.store.sqlite.integrity import quick_check
-from rolloutdb.store.sqlite.readonly import (
+from rolloutdb.store import (
+    ABANDON_REASONS,
     DEFAULT_QUERY_TIMEOUT_S,
+    GROUP_STATES,
+    ROLLOUT_STATES,
+    STATE_TABLES,
+    NotAStoreError,
     QueryTimeout,
+    head_revision,
+    identify,
     listing_manifest,
     open_readonly,
+    quick_check,
     run_readonly_query,
 )
-from rolloutdb.store.sqlite.revision import head_revision
-from rolloutdb.store.live.schema import ABANDON_REASONS, GROUP_STATES, ROLLOUT_STATES, STATE_TABLES
 from rolloutdb.timefmt import ago, iso_utc
 
 MANIFEST_NAME = "manifest.json"

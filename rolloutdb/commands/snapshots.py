@@ -11,9 +11,7 @@ from pathlib import Path
 
 from rolloutdb.cli import path_argument
 from rolloutdb.controller.run_dir import RunDir
-from rolloutdb.store.errors import NotAStoreError
-from rolloutdb.store.checkpoints.layout import Entry, scan
-from rolloutdb.store.checkpoints.manifest import KIND_SNAPSHOT
+from rolloutdb.store import KIND_SNAPSHOT, Entry, NotAStoreError, scan
 from rolloutdb.timefmt import ago, iso_utc
 
 DESCRIPTION = """\

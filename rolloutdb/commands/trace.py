@@ -17,9 +17,7 @@ import math
 from pathlib import Path
 
 from rolloutdb.cli import path_argument
-from rolloutdb.store.trace.analysis import Table, TraceAnalysis
-from rolloutdb.store.fsio import write_file_atomic
-from rolloutdb.store.trace.writer import TraceError, trace_file_for
+from rolloutdb.store import Table, TraceAnalysis, TraceError, trace_file_for, write_file_atomic
 from rolloutdb.timefmt import iso_utc
 
 DESCRIPTION = """\

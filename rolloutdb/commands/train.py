@@ -40,7 +40,11 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from rolloutdb.controller import fault_points  # noqa: F401 - the controller's kill points
     from rolloutdb.controller.run_dir import RunDir
+    from rolloutdb.store import faults
+
+    faults.check_armed()  # a ROLLOUTDB_FAULT point nobody registered would never fire
 
     if args.resume and "=" in args.resume and not Path(args.resume).is_dir():
         # `--resume KEY=VALUE ...`: the optional value swallowed the first override.

@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import argparse
 
-from rolloutdb.store.errors import NotAStoreError, StoreError
-from rolloutdb.store.sqlite.revision import head_revision
-from rolloutdb.store.sqlite.upgrade import upgrade_file
+from rolloutdb.store import NotAStoreError, StoreError, head_revision, upgrade_file
 
 DESCRIPTION = """\
 Migrate a rolloutdb store or snapshot file to the newest schema revision this rolloutdb

@@ -8,7 +8,8 @@ connection it yields:
         ids = ledger.reserve_groups(tx, reservations, num_generations=4, target_step=3)
         pools.advance_cursor(tx, next_seq=120, epoch=0)
 
-The one-call methods below wrap the common single transitions. Every committed mutation
+Reads go through `Store.read()` (a read transaction that takes no write lock) and the
+named reads of `queries`. The one-call methods below wrap the common single transitions. Every committed mutation
 bumps `run_meta.mutation_counter`, so the snapshot pump can tell that nothing changed.
 """
 
@@ -136,8 +137,9 @@ class Store:
 
     @contextlib.contextmanager
     def atomic(self, *, mutation: bool = True) -> Iterator[Connection]:
-        """The one way to change the store. `mutation=False` is for bookkeeping that a
-        snapshot need not capture (snapshot-attempt outcomes). Each outermost
+        """The one way to change the store (a ``BEGIN IMMEDIATE`` transaction on the
+        writer). `mutation=False` is for bookkeeping writes that a snapshot need not
+        capture (snapshot-attempt outcomes); reads use `read()`. Each outermost
         transaction's wall time, lock wait included, is added to `tx_time` under the
         calling thread's name (what the pumps pay for the store)."""
         t0, c0 = time.perf_counter(), time.thread_time()
@@ -147,18 +149,24 @@ class Store:
                 tx.execute(_BUMP)
         self.tx_time.add(time.perf_counter() - t0, time.thread_time() - c0)
 
-    def read(self):
-        """A consistent read transaction on its own connection (see `Database.read`)."""
-        return self.db.read()
+    @contextlib.contextmanager
+    def read(self) -> Iterator[Connection]:
+        """The one way to read the store: a read transaction (``BEGIN DEFERRED``) that
+        takes no write lock, so it neither waits for writers nor holds them up, and sees
+        one consistent state (see `Database.read`). Timed into `tx_time` like `atomic`."""
+        t0, c0 = time.perf_counter(), time.thread_time()
+        with self.db.read() as conn:
+            yield conn
+        self.tx_time.add(time.perf_counter() - t0, time.thread_time() - c0)
 
     @property
     def mutation_counter(self) -> int:
-        with self.db.atomic() as tx:
-            return tx.execute(select(T["run_meta"].c.mutation_counter)).scalar_one()
+        with self.read() as conn:
+            return conn.execute(select(T["run_meta"].c.mutation_counter)).scalar_one()
 
     def run_meta(self) -> dict:
-        with self.db.atomic() as tx:
-            row = tx.execute(select(T["run_meta"])).mappings().one()
+        with self.read() as conn:
+            row = conn.execute(select(T["run_meta"])).mappings().one()
         meta = dict(row)
         meta["forest_training"] = json.loads(meta["forest_training"])
         return meta

@@ -9,10 +9,11 @@ no snapshot at all beside a durable trainer checkpoint raises `TrainerCheckpoint
 nothing at all raises `NothingToRestore`. Whether the caller may then start over is its
 decision: `live_store_work` says whether the live store holds anything to lose.
 
-`verify_run` checks exactly-once over every stop a run directory has been through. The
-live store keeps every group the sampler ever handed out (trained and discarded rows stay
-in the ledger; a restore rolls back only what came after the snapshot's cut, and the
-rolled-back work is redone under the same rows), so one read of it sees the whole chain.
+`audit_ledger` checks exactly-once over every stop a run's live store has been through
+(the controller's run audit, `verify RUN_DIR`, calls it). The live store keeps every
+group the sampler ever handed out (trained and discarded rows stay in the ledger; a
+restore rolls back only what came after the snapshot's cut, and the rolled-back work is
+redone under the same rows), so one read of it sees the whole chain.
 """
 
 from __future__ import annotations
@@ -22,8 +23,6 @@ import sqlite3
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import yaml
 
 from ..errors import (
     AnchorDamaged,
@@ -36,7 +35,6 @@ from ..errors import (
     SnapshotInconsistent,
     TrainerCheckpointOnly,
 )
-from ..fsio import refuse_special_file
 from ..live.invariants import check_invariants
 from ..checkpoints.layout import COMPLETE, SNAPSHOTS_DIR, Entry, scan
 from ..live.ledger import ALGORITHM_DISCARD_REASONS
@@ -46,8 +44,6 @@ from .selection import Selection, anchor_problem, run_id_problem, select_for_res
 from .verification import open_for_checks
 
 LATEST = "latest"
-RUN_STORE = "rollout_state.sqlite"
-RUN_CONFIG = "config.yaml"
 MAX_EXAMPLES = 5
 
 
@@ -206,11 +202,11 @@ def live_store_work(live_store_path: str | Path, checkpoint_dir: str | Path) -> 
     return ", ".join(held) or None
 
 
-# --------------------------------------------------------------------------- verify a run
+# --------------------------------------------------------------------------- audit a run
 
 
 @dataclass
-class RunVerdict:
+class LedgerAudit:
     """Exactly-once over a run's whole history. `duplicated`: prompt hand-outs beyond the
     first of the same (epoch, prompt id); `lost`: sampler positions below the cursor in
     neither the ledger nor the spare pool, plus groups discarded for a reason the
@@ -218,7 +214,6 @@ class RunVerdict:
     work thrown away, not a decision of the algorithm). `pending`: groups neither trained
     nor discarded yet (in flight or in replay; zero at the end of a finished run)."""
 
-    run_dir: Path
     ledger_dispatch: bool
     groups_per_step: int
     trained: int = 0
@@ -241,39 +236,24 @@ class RunVerdict:
         return f"trained={self.trained} discarded={self.discarded} duplicated={self.duplicated} lost={self.lost}"
 
 
-def _groups_per_step(config_path: Path) -> int:
-    refuse_special_file(config_path, NotAStoreError)
-    try:
-        data = yaml.safe_load(config_path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise NotAStoreError(f"{config_path}: missing; `rolloutdb verify RUN_DIR` needs the run's config.yaml") from None
-    except (yaml.YAMLError, UnicodeDecodeError, RecursionError):
-        # RecursionError: PyYAML's composer recurses once per nesting level.
-        raise NotAStoreError(f"{config_path}: not valid UTF-8 YAML of a sane depth; restore the run's config.yaml") from None
-    value = ((data or {}).get("algorithm") or {}).get("groups_per_step") if isinstance(data, dict) else None
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise NotAStoreError(f"{config_path}: algorithm.groups_per_step missing or not a positive integer")
-    return value
-
-
 def _examples(items: list) -> str:
     return ", ".join(map(str, items[:MAX_EXAMPLES])) + (", ..." if len(items) > MAX_EXAMPLES else "")
 
 
-def verify_run(run_dir: str | Path, *, algorithm_reasons: frozenset[str] = ALGORITHM_DISCARD_REASONS) -> RunVerdict:
-    """Read RUN_DIR/rollout_state.sqlite (read-only; no side files created) and
-    RUN_DIR/config.yaml; count and check exactly-once (see `RunVerdict`).
-    `algorithm_reasons`: the discard reasons that settle a group (the store's constant)."""
-    run_dir = Path(run_dir)
-    groups_per_step = _groups_per_step(run_dir / RUN_CONFIG)
-    conn = open_for_checks(run_dir / RUN_STORE)  # open_readonly, for our own SQL
+def audit_ledger(store_path: str | Path, *, groups_per_step: int,
+                 algorithm_reasons: frozenset[str] = ALGORITHM_DISCARD_REASONS) -> LedgerAudit:
+    """Read the live store at `store_path` (read-only; no side files created); count and
+    check exactly-once (see `LedgerAudit`). `groups_per_step`: the run's, from its
+    config; `algorithm_reasons`: the discard reasons that settle a group."""
+    store_path = Path(store_path)
+    conn = open_for_checks(store_path)  # open_readonly, for our own SQL
     with contextlib.closing(conn):
         q = lambda sql, *a: conn.execute(sql, a).fetchall()  # noqa: E731
         mode = bool(q("SELECT ledger_dispatch FROM run_meta")[0][0])
-        v = RunVerdict(run_dir, mode, groups_per_step)
+        v = LedgerAudit(mode, groups_per_step)
         v.cursor = q("SELECT next_seq FROM sampler_state")[0][0]
         v.spare = q("SELECT count(*) FROM spare_prompts")[0][0]
-        v.problems += [f"{RUN_STORE}: {p}" for p in check_invariants(conn).problems]
+        v.problems += [f"{store_path.name}: {p}" for p in check_invariants(conn).problems]
         if not mode:
             v.notes.append("run without ledger dispatch (rollout_recovery.target_level none): groups are not recorded, "
                            "so exactly-once cannot be checked; only the invariants were")
@@ -307,7 +287,7 @@ def verify_run(run_dir: str | Path, *, algorithm_reasons: frozenset[str] = ALGOR
     return v
 
 
-def _check_discard_reasons(q, v: RunVerdict, algorithm_reasons: frozenset[str]) -> None:
+def _check_discard_reasons(q, v: LedgerAudit, algorithm_reasons: frozenset[str]) -> None:
     """A group discarded for a reason the algorithm does not own is lost work: its
     sampler position is covered by a ledger row, so the position count cannot see it."""
     owned = sorted(algorithm_reasons)
@@ -328,7 +308,7 @@ def _check_discard_reasons(q, v: RunVerdict, algorithm_reasons: frozenset[str]) 
         + "; e.g. " + _examples([f"group {g} epoch {e} prompt {p} ({r!r})" for r, e, p, g in rows]))
 
 
-def _check_steps(q, v: RunVerdict) -> None:
+def _check_steps(q, v: LedgerAudit) -> None:
     """Each group trained at most once and at its stamped step; each step trained exactly
     groups_per_step groups, with no step skipped."""
     wrong = q("SELECT group_id FROM prompt_groups WHERE (state = 'trained') != (trained_step IS NOT NULL)")

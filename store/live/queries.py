@@ -1,0 +1,136 @@
+"""Every read the controller's pumps make, by name, so no pump builds SQL.
+
+Each function takes a connection with an open transaction: `Store.read()` for a read on
+its own, or the `Store.atomic()` connection when the read decides what the same write
+transaction does next (which groups of a wave to discard, the tokens of the groups
+being published). A few take either a SQLAlchemy connection or the raw `sqlite3`
+connection of a snapshot cut (`capture_snapshot(at_cut=...)`).
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Sequence
+from typing import Any
+
+from sqlalchemy import Connection, func, select
+
+from . import codec
+from .pools import episode_key
+from .schema import T
+
+_samples = T["samples"]
+_replay = T["replay_groups"]
+_groups = T["prompt_groups"]
+_rollouts = T["rollouts"]
+_shortfall = T["step_shortfall"]
+
+
+def highest_stamped_step(conn: Connection) -> int | None:
+    """The highest train step any prompt was stamped for (shortfall, ledger or replay):
+    a resumed rollout pump continues after it. None in a store that stamped nothing."""
+    tops = [
+        conn.execute(select(func.max(_shortfall.c.step))).scalar(),
+        conn.execute(select(func.max(_replay.c.target_step))).scalar(),
+        conn.execute(select(func.max(_groups.c.target_step))).scalar(),
+    ]
+    found = [t for t in tops if t is not None]
+    return max(found) if found else None
+
+
+def highest_group_id(conn: Connection) -> int:
+    """The highest group id in the replay buffer or the samples (0 if none): without the
+    ledger the controller mints group ids above it."""
+    return max(
+        conn.execute(select(func.max(_replay.c.group_id))).scalar() or 0,
+        conn.execute(select(func.max(_samples.c.group_id))).scalar() or 0,
+    )
+
+
+def attempt_numbers(conn: Connection, attempt_ids: Sequence[int]) -> dict[int, int]:
+    """attempt id -> its attempt number within its generation (0, 1, ...)."""
+    return dict(
+        conn.execute(select(_rollouts.c.attempt_id, _rollouts.c.attempt).where(_rollouts.c.attempt_id.in_(attempt_ids))).all()
+    )
+
+
+def sample_tokens(conn: Connection, group_ids: Sequence[int]) -> dict[int, int]:
+    """group id -> tokens over its samples (groups without samples are absent)."""
+    return dict(
+        conn.execute(
+            select(_samples.c.group_id, func.sum(_samples.c.num_tokens))
+            .where(_samples.c.group_id.in_(group_ids))
+            .group_by(_samples.c.group_id)
+        ).all()
+    )
+
+
+def sample_rewards(conn: Connection, group_ids: Sequence[int]) -> dict[int, list[float]]:
+    """group id -> the rewards of its samples (a restored group's earlier ones too)."""
+    rewards: dict[int, list[float]] = {}
+    for gid, reward in conn.execute(
+        select(_samples.c.group_id, _samples.c.reward).where(_samples.c.group_id.in_(group_ids))
+    ).all():
+        rewards.setdefault(gid, []).append(reward)
+    return rewards
+
+
+def version_token_counts(conn: Connection, group_ids: Sequence[int]) -> dict[int, dict[int, int]]:
+    """group id -> {policy version: tokens it produced}, over all the group's samples."""
+    out: dict[int, dict[int, int]] = {}
+    rows = conn.execute(
+        select(_samples.c.group_id, _samples.c.version_token_counts).where(_samples.c.group_id.in_(group_ids))
+    ).all()
+    for gid, text in rows:
+        counts = out.setdefault(gid, {})
+        for v, n in codec.decode_version_counts(text):
+            counts[v] = counts.get(v, 0) + n
+    return out
+
+
+def replay_groups_for_step(conn: Connection, step: int) -> list[int]:
+    """Ids of the groups in the replay buffer stamped for `step`, oldest first."""
+    return list(
+        conn.execute(select(_replay.c.group_id).where(_replay.c.target_step == step).order_by(_replay.c.group_id)).scalars()
+    )
+
+
+def samples_of(conn: Connection, group_ids: Sequence[int]) -> list[Any]:
+    """The samples of `group_ids` as rows (group_id, generation_index, prompt_id,
+    token_ids, logprobs, reward, version_token_counts), by group then generation; the
+    payload columns are still encoded (`codec`)."""
+    s = _samples
+    return list(
+        conn.execute(
+            select(s.c.group_id, s.c.generation_index, s.c.prompt_id, s.c.token_ids, s.c.logprobs, s.c.reward, s.c.version_token_counts)
+            .where(s.c.group_id.in_(group_ids))
+            .order_by(s.c.group_id, s.c.generation_index)
+        ).all()
+    )
+
+
+_EPISODES_IN_STATE = "SELECT group_id, generation_index, attempt FROM rollouts WHERE state = ?"
+
+
+def episode_keys(conn: Connection | sqlite3.Connection, state: str) -> list[str]:
+    """The episode keys (`pools.episode_key`) of the attempts in `state` ('running',
+    'abandoned', ...). Also over the raw connection of a snapshot cut."""
+    rows: Sequence[Any]
+    if isinstance(conn, sqlite3.Connection):
+        rows = conn.execute(_EPISODES_IN_STATE, (state,)).fetchall()
+    else:
+        rows = conn.exec_driver_sql(_EPISODES_IN_STATE, (state,)).all()
+    return [episode_key(g, i, a) for g, i, a in rows]
+
+
+def abandoned_by_restart(conn: Connection, since: float) -> list[Any]:
+    """The attempts a restore's normalization abandoned (reason `restart`) at or after
+    `since`, as rows (group_id, prompt_id, generation_index, attempt, target_step)."""
+    return list(
+        conn.exec_driver_sql(
+            "SELECT r.group_id, g.prompt_id, r.generation_index, r.attempt, g.target_step "
+            "FROM rollouts r JOIN prompt_groups g ON g.group_id = r.group_id "
+            "WHERE r.state = 'abandoned' AND r.abandon_reason = 'restart' AND r.ended_at >= ?",
+            (since,),
+        ).all()
+    )
