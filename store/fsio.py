@@ -2,9 +2,9 @@
 write beside the target, fsync, rename into place, fsync the parent directory.
 
 Files go through `write_file_atomic` (which ends in `replace_file`); directories
-(checkpoints, snapshots) through `rolloutdb.store.checkpoints.publish`, which uses
-`fsync_tree` and `rename_dir` below. Every write,
-fsync and rename passes a `faults.io` hook so tests can make the disk fail there.
+(checkpoints, snapshots) through `rolloutdb.store.checkpoints.publish`, which fsyncs
+each file as it writes it and then uses `rename_dir` below. Every write, fsync and
+rename passes a `faults.io` hook so tests can make the disk fail there.
 """
 
 from __future__ import annotations
@@ -90,21 +90,6 @@ def rename_dir(tmp: str | Path, target: str | Path) -> None:
         raise FileExistsError(f"{target}: already exists; a checkpoint is never overwritten")
     faults.io("rename", target)
     os.rename(tmp, target)
-
-
-def fsync_tree(root: str | Path) -> int:
-    """fsync every file and then every directory under `root`, deepest first, so
-    that all contents and all directory entries are durable. Returns bytes covered."""
-    total = 0
-    for dirpath, _dirnames, filenames in os.walk(root, topdown=False):
-        for name in filenames:
-            p = os.path.join(dirpath, name)
-            if os.path.islink(p):
-                continue
-            fsync_file(p)
-            total += os.path.getsize(p)
-        fsync_dir(dirpath)
-    return total
 
 
 def temp_path_beside(target: str | Path, tag: str) -> Path:
