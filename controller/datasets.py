@@ -157,7 +157,10 @@ class FileDataset:
         if suffix not in JSONL_SUFFIXES + PARQUET_SUFFIXES:
             raise DatasetError(f"dataset.path: {self.path} has the extension {suffix or '(none)'!r}; accepted: "
                                f"{', '.join(JSONL_SUFFIXES + PARQUET_SUFFIXES)} (JSON Lines or Parquet)")
-        refuse_special_file(self.path, DatasetError)  # a FIFO would block the read
+        try:
+            refuse_special_file(self.path, DatasetError)  # a FIFO would block the read
+        except DatasetError as e:
+            raise DatasetError(f"dataset.path: {e}") from None
         if not self.path.is_file():
             hint = "" if given.is_absolute() or base_dir is None else f" (read relative to {base_dir})"
             raise DatasetError(f"dataset.path: {self.path} not found{hint}; give an existing .jsonl or .parquet file")
