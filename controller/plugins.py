@@ -242,7 +242,7 @@ def check_protocol(obj: Any, proto: type, *, key: str, made_by: str) -> None:
     """Refuse `obj` unless it has every member of `proto` (methods callable)."""
     missing = [n for n in protocol_members(proto) if not hasattr(obj, n)]
     methods = [n for n, v in vars(proto).items() if not n.startswith("_") and inspect.isfunction(v)]
-    not_callable = [n for n in methods if hasattr(obj, n) and not callable(getattr(obj, n))]
+    not_callable = sorted(n for n in methods if hasattr(obj, n) and not callable(getattr(obj, n)))
     if missing or not_callable or not isinstance(obj, proto):
         problems = ([f"lacks {', '.join(missing)}"] if missing else []) + \
                    ([f"{', '.join(not_callable)} not callable"] if not_callable else [])
