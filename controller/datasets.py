@@ -70,7 +70,7 @@ class DatasetSection(Section):
 # ----------------------------------------------------------------------------- reading
 
 
-def _one_line(text: str) -> str:
+def _one_line(text: object) -> str:
     text = " ".join(str(text).split())
     return text if len(text) <= 200 else text[:197] + "..."
 

@@ -44,11 +44,15 @@ class MetricsBackendError(ValueError):
     """A backend that cannot be used (its package is missing); one line."""
 
 
+def _jsonl_only() -> list[BackendName]:
+    return ["jsonl"]
+
+
 class LoggingBackendsField(Section):
     """Proposed key for the existing `logging:` section (moved into config.py at wiring)."""
 
     backends: list[BackendName] = Field(
-        default_factory=lambda: ["jsonl"],
+        default_factory=_jsonl_only,
         description="Where metrics go: jsonl (always written), tensorboard, wandb (offline).")
 
     @field_validator("backends")
