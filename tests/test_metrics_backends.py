@@ -25,6 +25,9 @@ from rolloutdb.controller.metrics_backends import (
 )
 from rolloutdb.controller.run_log import MetricsLog
 
+needs_tensorboard = pytest.mark.skipif(importlib.util.find_spec("tensorboard") is None,
+                                       reason="pip install tensorboard (in the test extra once W2-H is wired)")
+
 # Events shaped as the pumps write them (train_pump.py, snapshot_pump.py, controller.py).
 TRAIN = [
     {"kind": "train_step", "step": s, "t_start": 100.0 + 5 * s, "t_end": 102.0 + 5 * s, "reward_mean": 0.1 * s,
@@ -63,6 +66,7 @@ class Recorder:
         self.closed = True
 
 
+@needs_tensorboard
 def test_the_jsonl_lines_are_byte_for_byte_those_metrics_log_writes(tmp_path):
     plain = MetricsLog(tmp_path / "plain.jsonl")
     fanned = open_metrics(tmp_path / "fanned.jsonl", ["jsonl", "tensorboard"], log_dir=tmp_path / "logs", run_name="r")
@@ -74,6 +78,7 @@ def test_the_jsonl_lines_are_byte_for_byte_those_metrics_log_writes(tmp_path):
     assert (tmp_path / "fanned.jsonl").read_bytes() == (tmp_path / "plain.jsonl").read_bytes()
 
 
+@needs_tensorboard
 def test_tensorboard_shows_reward_loss_staleness_batch_age_throughput_and_snapshots(tmp_path):
     metrics = open_metrics(tmp_path / "m.jsonl", ["tensorboard"], log_dir=tmp_path / "logs", run_name="r")
     for event in EVENTS:
@@ -96,6 +101,7 @@ def test_tensorboard_shows_reward_loss_staleness_batch_age_throughput_and_snapsh
     assert not any(tag.endswith(("/t", "/t_start", "/t_end", "/sequence")) for tag in scalars)
 
 
+@needs_tensorboard
 def test_tensorboard_keeps_what_a_run_logged_before_it_was_killed(tmp_path):
     # The child kills itself with SIGKILL right after its last write: torch's writer
     # hands events to a thread that writes them when it gets to them (and flushes every
@@ -168,6 +174,7 @@ def test_event_scalars_keep_numbers_under_the_kind_and_leave_text_and_times_out(
                           "bad": float("nan"), "flag": True}) == {"restore/groups": 3.0, "restore/flag": 1.0}
 
 
+@needs_tensorboard
 def test_a_tensorboard_backend_alone_writes_event_files_a_reader_finds(tmp_path):
     backend = TensorBoardBackend(tmp_path / "tb")
     backend.log(5, {"custom/x": 2.5})
