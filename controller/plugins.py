@@ -42,7 +42,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from rolloutdb.config import Section
 from rolloutdb.controller.datasets import DatasetError, DatasetSection, FileDataset, PromptFormatter
@@ -77,6 +77,13 @@ class FactoryFields(Section):
     factory: str | None = Field(None, description='"module:callable" or "./file.py:callable", called as '
                                                   "factory(context, **options).")
     options: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments for the factory.")
+
+    @model_validator(mode="after")
+    def _options_need_a_factory(self):
+        if self.options and self.factory is None:
+            raise ValueError("options: given without a factory, so nothing would receive them; set factory "
+                             "or remove options")
+        return self
 
 
 # --------------------------------------------------------------------------- loading

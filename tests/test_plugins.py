@@ -4,9 +4,8 @@ against the reward adapter, and the examples/custom_task files."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -170,6 +169,12 @@ def test_relative_paths_in_a_config_become_absolute_against_its_directory(tmp_pa
 
 
 # --------------------------------------------------------------------- factories
+
+
+def test_factory_options_without_a_factory_are_refused_naming_the_key():
+    with pytest.raises(ValueError, match="options: given without a factory"):
+        FactoryFields.model_validate({"options": {"turns": 2}})
+    assert FactoryFields.model_validate({"factory": "m:f", "options": {"turns": 2}}).options == {"turns": 2}
 
 
 def test_the_protocol_members_are_read_from_the_protocols():
@@ -407,9 +412,10 @@ def test_the_example_scores_a_right_and_a_wrong_reply_through_the_proposed_confi
 def test_the_committed_prompts_are_what_the_generator_writes_and_fit_the_tiny_policy():
     from rolloutdb.controller.datasets import tiny_policy_alphabet
 
-    done = subprocess.run([sys.executable, "-c", "import make_prompts, sys; sys.stdout.write(make_prompts.render())"],
-                          cwd=EXAMPLE, capture_output=True, text=True, timeout=60, check=True)
-    assert done.stdout == (EXAMPLE / "prompts.jsonl").read_text()
+    spec = importlib.util.spec_from_file_location("make_prompts_under_test", EXAMPLE / "make_prompts.py")
+    generator = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(generator)
+    assert generator.render() == (EXAMPLE / "prompts.jsonl").read_text()
     data = FileDataset(EXAMPLE / "prompts.jsonl")
     assert tiny_policy_alphabet(data, DEFAULT_ALPHABET) == DEFAULT_ALPHABET  # every character has a token
     assert max(len(data[i]) for i in range(len(data))) < 200  # prompt + reply fit the 256-token context
