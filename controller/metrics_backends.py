@@ -23,6 +23,7 @@ with the pip command, before anything is written.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import math
 import threading
 from collections.abc import Mapping, Sequence
@@ -156,14 +157,22 @@ def import_wandb() -> Any:
                                   "(or pip install 'rolloutdb[wandb]'), or remove wandb from logging.backends") from None
 
 
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
 def check_backends(names: Sequence[str]) -> None:
-    """Refuse, before anything is written, a backend whose package is missing."""
+    """Refuse, before anything is written, a backend whose package is missing. Looked up,
+    not imported: `rolloutdb train` refuses bad input before it imports torch."""
     for name in names:
         if name not in BACKENDS:
             raise MetricsBackendError(f"logging.backends: unknown backend {name!r}; accepted: {', '.join(BACKENDS)}")
-        if name == "tensorboard":
-            _import_tensorboard_writer()
-        elif name == "wandb":
+        if name == "tensorboard" and not _installed("tensorboard"):
+            _import_tensorboard_writer()  # raises the one-line refusal
+        elif name == "wandb" and not _installed("wandb"):
             import_wandb()
 
 

@@ -154,6 +154,17 @@ def test_tensorboard_when_its_package_is_missing_is_refused_naming_pip_install(t
     assert list(tmp_path.iterdir()) == []
 
 
+def test_checking_the_backends_imports_neither_torch_nor_tensorboard():
+    # `rolloutdb train` refuses bad input before it imports torch (seconds on a busy machine).
+    child = ("import sys\n"
+             "from rolloutdb.controller.metrics_backends import check_backends\n"
+             "check_backends(['jsonl', 'tensorboard'])\n"
+             "print(sorted(m for m in ('torch', 'tensorboard') if m in sys.modules))\n")
+    done = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, RAY_AUTH_MODE="disabled"))
+    assert done.stdout.strip() == "[]", done.stderr
+
+
 def test_a_backend_of_ones_own_gets_every_event_at_the_last_train_step_and_is_closed(tmp_path):
     recorder = Recorder()
     assert isinstance(recorder, MetricsBackend)
