@@ -345,6 +345,18 @@ class RewardEnvironment:
         self.max_turns = 1
         self._ids: dict[int, list[int]] = {}
 
+    def check_context(self, context_len: int, max_tokens: int) -> None:
+        """Refuse, at start, a prompt that leaves no room for `max_tokens` of reply in the
+        policy's context: the engine would refuse its first call mid-run instead. Encodes
+        every prompt once (about 30 us each with a fast tokenizer)."""
+        room = context_len - max_tokens
+        for i in range(len(self.dataset)):
+            n = len(self.formatter.encode(self.dataset[i]))
+            if n > room:
+                raise DatasetError(f"dataset.path: {self.dataset.path} {self.dataset.location(i)}: the prompt is {n} "
+                                   f"tokens; with generation.max_tokens {max_tokens} it does not fit the policy's "
+                                   f"context of {context_len}; shorten it or lower max_tokens")
+
     def start(self, prompt_id: int) -> tuple[list[int], dict]:
         ids = self._ids.get(prompt_id)
         if ids is None:

@@ -320,6 +320,17 @@ def test_a_reward_that_raises_is_reported_naming_the_record_with_the_cause_kept(
     assert isinstance(e.value.__cause__, ZeroDivisionError)
 
 
+def test_a_prompt_that_leaves_no_room_for_the_reply_is_refused_at_start_naming_its_line(tmp_path, tokenizer):
+    path = tmp_path / "long.jsonl"
+    path.write_text(json.dumps({"prompt": "short"}) + "\n" + json.dumps({"prompt": "x" * 60}) + "\n")
+    env = RewardEnvironment(FileDataset(path), tokenizer, lambda record, reply, ids: 0.0)
+    env.check_context(context_len=70, max_tokens=8)  # BOS + 60 characters + 8 fit in 70
+    with pytest.raises(DatasetError) as e:
+        env.check_context(context_len=64, max_tokens=8)
+    assert str(e.value) == (f"dataset.path: {path} line 2: the prompt is 61 tokens; with generation.max_tokens 8 it "
+                            "does not fit the policy's context of 64; shorten it or lower max_tokens")
+
+
 def test_the_reference_engine_plays_episodes_against_the_reward_environment(answers, policy_dir):
     from transformers import AutoTokenizer
 
