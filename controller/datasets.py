@@ -322,7 +322,10 @@ class PromptFormatter:
 
     def encode(self, prompt: str | list[dict]) -> list[int]:
         text = self.text(prompt)
-        return [int(t) for t in self.tokenizer.encode(text, add_special_tokens=not self.use_template)]
+        # verbose=False: transformers warns of a prompt longer than the model's context;
+        # RewardEnvironment.check_context refuses those at start, in one line of its own.
+        ids = self.tokenizer.encode(text, add_special_tokens=not self.use_template, verbose=False)
+        return [int(t) for t in ids]
 
 
 def _tokenizer_name(tokenizer: Any) -> str:
