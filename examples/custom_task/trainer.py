@@ -1,0 +1,15 @@
+"""A trainer by import path: `trainer.factory: ./trainer.py:make_trainer`.
+
+Any object with the members of `rolloutdb.controller.protocols.Trainer` works; this one
+is the built-in GRPO trainer, configured from the section's `options:` mapping, to show
+the shape of a factory: factory(context, **options) -> Trainer.
+"""
+
+from __future__ import annotations
+
+from rolloutdb.controller.grpo import GRPOConfig, GRPOTrainer
+
+
+def make_trainer(context, lr: float = 1e-3, entropy_coef: float = 0.02, clip_eps: float = 0.2):
+    seed = context.config.run.seed if context.config is not None else 0
+    return GRPOTrainer(context.policy_dir, GRPOConfig(lr=lr, entropy_coef=entropy_coef, clip_eps=clip_eps, seed=seed))
