@@ -24,7 +24,16 @@ def set_threads(n: int) -> None:
     hf_logging.disable_progress_bar()  # our progress line is the one a user reads
 
 
-def build_policy(config: Config, dest: Path) -> Path:
+def check_plugins(config: Config):
+    """The dataset file and every import path, checked before anything is written."""
+    from rolloutdb.controller import plugins
+
+    env, trainer = config.environment, config.trainer
+    return plugins.check_plugins(config.dataset, config.reward.function, env.factory, env.options,
+                                 trainer.factory, trainer.options)
+
+
+def build_policy(config: Config, dest: Path, dataset=None) -> Path:
     """The initial policy directory: the configured one, or the tiny Llama built (once)
     into the run directory."""
     if config.policy.model_dir:
@@ -34,8 +43,9 @@ def build_policy(config: Config, dest: Path) -> Path:
         return path
     if (dest / "config.json").is_file():
         return dest
+    from rolloutdb.controller.datasets import tiny_policy_alphabet
     from rolloutdb.controller.tasks import TASK_ALPHABET
-    from rolloutdb.gpu_capture.tiny_policy import build_tiny_policy
+    from rolloutdb.gpu_capture.tiny_policy import DEFAULT_ALPHABET, build_tiny_policy
 
     # A tokenizer over the task's own characters: a random policy then writes a digit
     # half the time instead of one time in nine, which is what lets it start learning.
@@ -46,19 +56,31 @@ def build_policy(config: Config, dest: Path) -> Path:
         num_layers=config.policy.num_layers,
         num_heads=config.policy.num_heads,
         intermediate_size=2 * config.policy.hidden_size,
-        alphabet=TASK_ALPHABET,
+        alphabet=TASK_ALPHABET if dataset is None else tiny_policy_alphabet(dataset, DEFAULT_ALPHABET),
     )
 
 
-def build_task(config: Config, policy_dir: Path) -> tuple[PromptDataset, Environment]:
+def build_task(config: Config, policy_dir: Path, found=None) -> tuple[PromptDataset, Environment]:
     """(dataset, environment) for the configured task."""
     from transformers import AutoTokenizer
 
+    from rolloutdb.controller import plugins
     from rolloutdb.controller.tasks import DigitPromptDataset, make_environment
 
     env_cfg = config.environment
     tokenizer = AutoTokenizer.from_pretrained(policy_dir)
     dataset = DigitPromptDataset(size=env_cfg.dataset_size, n_digits=env_cfg.n_digits, seed=config.run.seed)
+    if found is not None:
+        context = plugins.PluginContext(config=config, policy_dir=policy_dir)
+        custom = plugins.build_task(found, config.dataset, tokenizer=tokenizer, context=context,
+                                    default_dataset=dataset, environment_options=env_cfg.options)
+        if custom is not None:
+            if isinstance(custom[1], plugins.RewardEnvironment):
+                from transformers import AutoConfig
+
+                context_len = AutoConfig.from_pretrained(policy_dir).max_position_embeddings
+                custom[1].check_context(context_len, config.generation.max_tokens)
+            return custom
     name = "digits" if env_cfg.turns == 1 else "digits_multiturn"
     env = make_environment(name, dataset, tokenizer, kind=env_cfg.kind, turns=env_cfg.turns)
     return dataset, env
@@ -77,6 +99,11 @@ def build_env_checkpoint(config: Config) -> EnvironmentCheckpoint:
 def build_trainer(config: Config, policy_dir: Path) -> Trainer:
     from rolloutdb.controller.grpo import GRPOConfig, GRPOTrainer
 
+    if config.trainer.factory is not None:
+        from rolloutdb.controller.plugins import PluginContext, make_trainer
+
+        return make_trainer(config.trainer.factory, PluginContext(config=config, policy_dir=policy_dir),
+                            config.trainer.options)
     algo = config.algorithm
     return GRPOTrainer(
         policy_dir,

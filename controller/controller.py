@@ -21,7 +21,8 @@ from rolloutdb.controller.dispatch import GroupHandle, LedgerDispatch, NoLedgerD
 from rolloutdb.controller.runtime import Progress, RolloutParts, RuntimeState
 from rolloutdb.controller.rollout_pump import RolloutPump
 from rolloutdb.controller.run_dir import RunDir, RunLock
-from rolloutdb.controller.run_log import MetricsLog, ProgressBar, plot_rewards, read_metrics, summary_line
+from rolloutdb.controller.metrics_backends import open_metrics
+from rolloutdb.controller.run_log import ProgressBar, plot_rewards, read_metrics, summary_line
 from rolloutdb.controller.sampler import PromptOrder, StalenessBound
 from rolloutdb.controller.snapshot_pump import SnapshotPump
 from rolloutdb.controller.train_pump import TrainPump
@@ -45,13 +46,14 @@ class Controller:
     lock and `resume.plan_resume`); taken and made here when not given."""
 
     def __init__(self, config: Config, run_dir: str | Path, *, resume: str | None = None, start_over: bool = False,
-                 lock: RunLock | None = None, resume_plan=None):
+                 lock: RunLock | None = None, resume_plan=None, plugins=None):
         self.config = config
         self.dirs = RunDir(Path(run_dir))
         self.resume = "latest" if start_over and not resume else resume
         self.start_over = start_over
         self.lock = lock
         self.resume_plan = resume_plan
+        self.plugins = plugins  # build.check_plugins(config), when the caller checked already
         self.writing = False  # set once the run directory is about to change
         self.runtime = RuntimeState()
         self.restored: list[tuple[GroupHandle, list[int]]] = []
@@ -67,6 +69,7 @@ class Controller:
         a directory is made, so a refused resume writes nothing (`resume.py`)."""
         cfg = self.config
         done = None
+        found = self.plugins or build.check_plugins(cfg)
         if self.resume:
             self.resume_plan = self.resume_plan or resuming.plan_resume(self.dirs, self.resume, start_over=self.start_over)
         else:
@@ -74,8 +77,8 @@ class Controller:
             self.dirs.create()
             self.dirs.write_config(cfg)
         build.set_threads(cfg.cluster.torch_threads)
-        policy_dir = build.build_policy(cfg, self.dirs.policy)
-        self.dataset, self.env = build.build_task(cfg, policy_dir)
+        policy_dir = build.build_policy(cfg, self.dirs.policy, found.dataset)
+        self.dataset, self.env = build.build_task(cfg, policy_dir, found)
         self.trainer = build.build_trainer(cfg, policy_dir)
         self.engine = build.build_engine(cfg, policy_dir)
         self.publisher = build.build_publisher(cfg, self.dirs.checkpoints)
@@ -86,7 +89,8 @@ class Controller:
         if done is not None and done.moved_to is not None:
             self.dirs.write_config(cfg)  # the old one was moved aside with the run
         self.tracer = open_tracer(self.dirs.logs, enabled=cfg.trace.enabled)
-        self.metrics = MetricsLog(self.dirs.metrics)
+        self.metrics = open_metrics(self.dirs.metrics, cfg.logging.backends, log_dir=self.dirs.logs,
+                                    run_name=cfg.run.name or self.dirs.root.name, config=cfg.model_dump())
         if done is not None and done.store is not None:
             self.store, self.restored = done.store, done.groups
         else:

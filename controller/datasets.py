@@ -34,37 +34,19 @@ import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-from pydantic import Field
-
-from rolloutdb.config import Section
-from rolloutdb.store.fsio import refuse_special_file
+from rolloutdb.config import ChatTemplate, DatasetSection
+from rolloutdb.store import refuse_special_file
 
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
 PARQUET_SUFFIXES = (".parquet", ".pq")
-ChatTemplate = Literal["auto", "always", "never"]
 # How much of a bad value an error line shows.
 _SHOWN = 60
 
 
 class DatasetError(ValueError):
     """A dataset file or setting that cannot be used; the message is one line."""
-
-
-class DatasetSection(Section):
-    """Proposed `dataset:` config section (moved into rolloutdb/config.py at wiring)."""
-
-    path: str | None = Field(None, description="JSONL or Parquet of prompts; relative to the config file's directory. "
-                                               "null: the built-in digit task.")
-    prompt_field: str = Field("prompt", min_length=1, description="Field holding the prompt: text, or a list of "
-                                                                  "{role, content} chat messages.")
-    reward_fields: list[str] | None = Field(
-        None, description="Fields passed to the reward with the prompt; each must be in every record. "
-                          "null: the whole record.")
-    chat_template: ChatTemplate = Field(
-        "auto", description="auto: the tokenizer's chat template when it has one; always: refuse a tokenizer "
-                            "without one; never: plain text.")
 
 
 # ----------------------------------------------------------------------------- reading

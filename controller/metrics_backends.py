@@ -28,14 +28,10 @@ import math
 import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
-from pydantic import Field, field_validator
-
-from rolloutdb.config import Section
 from rolloutdb.controller.run_log import MetricsLog
 
-BackendName = Literal["jsonl", "tensorboard", "wandb"]
 BACKENDS: tuple[str, ...] = ("jsonl", "tensorboard", "wandb")
 # Event fields that are times of day or identifiers, not metrics to plot.
 _NOT_SCALARS = {"kind", "t", "t_start", "t_end", "step", "sequence"}
@@ -43,25 +39,6 @@ _NOT_SCALARS = {"kind", "t", "t_start", "t_end", "step", "sequence"}
 
 class MetricsBackendError(ValueError):
     """A backend that cannot be used (its package is missing); one line."""
-
-
-def _jsonl_only() -> list[BackendName]:
-    return ["jsonl"]
-
-
-class LoggingBackendsField(Section):
-    """Proposed key for the existing `logging:` section (moved into config.py at wiring)."""
-
-    backends: list[BackendName] = Field(
-        default_factory=_jsonl_only,
-        description="Where metrics go: jsonl (always written), tensorboard, wandb (offline).")
-
-    @field_validator("backends")
-    @classmethod
-    def _no_repeats(cls, value: list[str]) -> list[str]:
-        if len(set(value)) != len(value):
-            raise ValueError(f"backends: {value} names a backend twice")
-        return value
 
 
 @runtime_checkable

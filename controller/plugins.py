@@ -42,9 +42,6 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from pydantic import Field, model_validator
-
-from rolloutdb.config import Section
 from rolloutdb.controller.datasets import DatasetError, DatasetSection, FileDataset, PromptFormatter
 from rolloutdb.controller.protocols import Environment, PromptDataset, Trainer, Turn
 from rolloutdb.controller.tasks import as_codec
@@ -59,31 +56,6 @@ class PluginError(ValueError):
 
 class RewardError(RuntimeError):
     """A reward function that raised or returned something that is not a finite number."""
-
-
-# ------------------------------------------------- proposed config sections (for wiring)
-
-
-class RewardSection(Section):
-    """Proposed `reward:` section."""
-
-    function: str | None = Field(None, description='"module:callable" or "./file.py:callable": '
-                                                   "reward(record, reply, token_ids) -> float.")
-
-
-class FactoryFields(Section):
-    """Proposed keys for `environment:` (added beside task/kind/...) and a new `trainer:`."""
-
-    factory: str | None = Field(None, description='"module:callable" or "./file.py:callable", called as '
-                                                  "factory(context, **options).")
-    options: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments for the factory.")
-
-    @model_validator(mode="after")
-    def _options_need_a_factory(self):
-        if self.options and self.factory is None:
-            raise ValueError("options: given without a factory, so nothing would receive them; set factory "
-                             "or remove options")
-        return self
 
 
 # --------------------------------------------------------------------------- loading

@@ -23,7 +23,7 @@ from typing import Any, Literal
 
 import yaml
 from rolloutdb.store import refuse_special_file
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import ErrorDetails
 
 
@@ -160,7 +160,52 @@ class GenerationSection(Section):
         return self
 
 
-class EnvironmentSection(Section):
+ChatTemplate = Literal["auto", "always", "never"]
+BackendName = Literal["jsonl", "tensorboard", "wandb"]
+
+
+class DatasetSection(Section):
+    """Prompts from a file (controller/datasets.py); null path: the digit task."""
+
+    path: str | None = Field(None, description="JSONL or Parquet of prompts; relative to the config file's directory. "
+                                               "null: the built-in digit task.")
+    prompt_field: str = Field("prompt", min_length=1, description="Field holding the prompt: text, or a list of "
+                                                                  "{role, content} chat messages.")
+    reward_fields: list[str] | None = Field(
+        None, description="Fields passed to the reward with the prompt; each must be in every record. "
+                          "null: the whole record.")
+    chat_template: ChatTemplate = Field(
+        "auto", description="auto: the tokenizer's chat template when it has one; always: refuse a tokenizer "
+                            "without one; never: plain text.")
+
+
+class RewardSection(Section):
+    """A reward function by import path (controller/plugins.py)."""
+
+    function: str | None = Field(None, description='"module:callable" or "./file.py:callable": '
+                                                   "reward(record, reply, token_ids) -> float.")
+
+
+class FactoryFields(Section):
+    """A factory by import path and its keyword arguments (controller/plugins.py)."""
+
+    factory: str | None = Field(None, description='"module:callable" or "./file.py:callable", called as '
+                                                  "factory(context, **options).")
+    options: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments for the factory.")
+
+    @model_validator(mode="after")
+    def _options_need_a_factory(self):
+        if self.options and self.factory is None:
+            raise ValueError("options: given without a factory, so nothing would receive them; set factory "
+                             "or remove options")
+        return self
+
+
+class TrainerSection(FactoryFields):
+    """A trainer by import path; null factory: the built-in GRPO trainer."""
+
+
+class EnvironmentSection(FactoryFields):
     task: Literal["digits"] = Field("digits", description="The verifiable digit-string task.")
     kind: Literal["copy", "successor", "reverse"] = Field("copy", description="What the answer does to the digits.")
     n_digits: int = Field(3, ge=1, le=12, description="Digits per prompt.")
@@ -194,9 +239,23 @@ class TraceSection(Section):
     enabled: bool = Field(False, description="Record trace events in logs/rollout_trace.sqlite.")
 
 
+def _jsonl_only() -> list[BackendName]:
+    return ["jsonl"]
+
+
 class LoggingSection(Section):
     progress: bool = Field(True, description="Show a progress bar on stderr.")
     plot: bool = Field(True, description="Write plots/reward_curve.png at the end.")
+    backends: list[BackendName] = Field(
+        default_factory=_jsonl_only,
+        description="Where metrics go: jsonl (always written), tensorboard, wandb (offline).")
+
+    @field_validator("backends")
+    @classmethod
+    def _no_repeats(cls, value: list[str]) -> list[str]:
+        if len(set(value)) != len(value):
+            raise ValueError(f"backends: {value} names a backend twice")
+        return value
 
 
 class ClusterSection(Section):
@@ -211,6 +270,9 @@ class Config(Section):
     policy: PolicySection = Field(default_factory=PolicySection)
     generation: GenerationSection = Field(default_factory=GenerationSection)
     environment: EnvironmentSection = Field(default_factory=EnvironmentSection)
+    dataset: DatasetSection = Field(default_factory=DatasetSection)
+    reward: RewardSection = Field(default_factory=RewardSection)
+    trainer: TrainerSection = Field(default_factory=TrainerSection)
     checkpointing: CheckpointingSection = Field(default_factory=CheckpointingSection)
     rollout_recovery: RolloutRecoverySection = Field(default_factory=RolloutRecoverySection)
     rollout_checkpointing: RolloutCheckpointingSection = Field(default_factory=RolloutCheckpointingSection)
@@ -266,6 +328,11 @@ class Config(Section):
         keyed = {k: getattr(self, k).model_dump() for k in ("algorithm", "policy", "generation", "environment")}
         keyed["algorithm"].pop("total_steps")  # a resumed run may train for longer
         keyed["run"] = {"seed": self.run.seed}
+        # Only what changes the prompts' tokens; the file's content is the dataset
+        # fingerprint. Absent for the digit task, so older runs keep their fingerprint.
+        keyed["environment"].pop("factory"); keyed["environment"].pop("options")
+        if self.dataset.path is not None:
+            keyed["dataset"] = {"chat_template": self.dataset.chat_template}
         return hashlib.sha256(json.dumps(keyed, sort_keys=True).encode()).hexdigest()[:16]
 
     def to_yaml(self) -> str:
@@ -372,6 +439,9 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> Config:
         raise ConfigError(f"{path}: the top level must be a mapping of sections")
     for override in overrides:
         apply_override(data, override)
+    from rolloutdb.controller.plugins import resolve_relative_paths
+
+    resolve_relative_paths(data, path.parent)
     if data.get("run") is None:
         data["run"] = {}
     if isinstance(data["run"], dict) and data["run"].get("name") is None:

@@ -18,14 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from rolloutdb.config import Config
-
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "custom_task"
 
 pytestmark = [
-    # Until the config has the W2-H sections (dataset, reward, trainer, logging.backends);
-    # the wiring deletes this line.
-    pytest.mark.skipif("dataset" not in Config.model_fields, reason="config keys of W2-H not wired yet"),
     pytest.mark.skipif(importlib.util.find_spec("tensorboard") is None, reason="needs pip install tensorboard"),
 ]
 

@@ -14,11 +14,11 @@ import pytest
 
 from rolloutdb.controller.datasets import (
     DatasetError,
-    DatasetSection,
     FileDataset,
     PromptFormatter,
     tiny_policy_alphabet,
 )
+from rolloutdb.config import DatasetSection
 from rolloutdb.controller.protocols import PromptDataset
 from rolloutdb.controller.sampler import PromptOrder
 from rolloutdb.gpu_capture.tiny_policy import DEFAULT_ALPHABET, build_tokenizer
@@ -134,8 +134,8 @@ def test_one_changed_byte_or_another_prompt_field_changes_the_fingerprint(jsonl)
 
 
 def test_a_resume_against_a_changed_file_is_refused_naming_both_fingerprints(jsonl, tmp_path):
-    from rolloutdb.store import Store
-    from rolloutdb.store.restore.apply import RunMismatch, _check_run_meta
+    from rolloutdb.store import RunMismatch, Store
+    from rolloutdb.store.restore.plan import check_run_meta
 
     started = FileDataset(jsonl).fingerprint()
     Store.create(tmp_path / "live.sqlite", config_fingerprint="c", dataset_fingerprint=started).close()
@@ -144,7 +144,7 @@ def test_a_resume_against_a_changed_file_is_refused_naming_both_fingerprints(jso
     conn = sqlite3.connect(tmp_path / "live.sqlite")
     try:
         with pytest.raises(RunMismatch) as e:
-            _check_run_meta(conn, tmp_path, config_fingerprint="c", dataset_fingerprint=now, forest_training={},
+            check_run_meta(conn, tmp_path, config_fingerprint="c", dataset_fingerprint=now, forest_training={},
                             ledger_dispatch=None, run_id=None)
     finally:
         conn.close()

@@ -15,7 +15,6 @@ import textwrap
 import pytest
 
 from rolloutdb.controller.metrics_backends import (
-    LoggingBackendsField,
     MetricsBackend,
     MetricsBackendError,
     RunMetrics,
@@ -23,6 +22,7 @@ from rolloutdb.controller.metrics_backends import (
     event_scalars,
     open_metrics,
 )
+from rolloutdb.config import LoggingSection
 from rolloutdb.controller.run_log import MetricsLog
 
 needs_tensorboard = pytest.mark.skipif(importlib.util.find_spec("tensorboard") is None,
@@ -194,9 +194,9 @@ def test_a_tensorboard_backend_alone_writes_event_files_a_reader_finds(tmp_path)
 
 
 def test_the_proposed_backends_key_defaults_to_jsonl_and_refuses_unknown_or_repeated_names():
-    assert LoggingBackendsField().backends == ["jsonl"]
-    assert LoggingBackendsField.model_validate({"backends": ["jsonl", "tensorboard", "wandb"]}).backends[-1] == "wandb"
+    assert LoggingSection().backends == ["jsonl"]
+    assert LoggingSection.model_validate({"backends": ["jsonl", "tensorboard", "wandb"]}).backends[-1] == "wandb"
     with pytest.raises(ValueError, match="tensorbord"):
-        LoggingBackendsField.model_validate({"backends": ["tensorbord"]})
+        LoggingSection.model_validate({"backends": ["tensorbord"]})
     with pytest.raises(ValueError, match="names a backend twice"):
-        LoggingBackendsField.model_validate({"backends": ["jsonl", "jsonl"]})
+        LoggingSection.model_validate({"backends": ["jsonl", "jsonl"]})

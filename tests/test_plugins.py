@@ -12,14 +12,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rolloutdb.controller.datasets import DatasetError, DatasetSection, FileDataset
+from rolloutdb.config import DatasetSection, FactoryFields, RewardSection
+from rolloutdb.controller.datasets import DatasetError, FileDataset
 from rolloutdb.controller.plugins import (
-    FactoryFields,
     PluginContext,
     PluginError,
     RewardEnvironment,
     RewardError,
-    RewardSection,
     build_task,
     check_plugins,
     load_callable,

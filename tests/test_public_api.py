@@ -5,6 +5,7 @@ never the table map `T` or the `schema` module."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import rolloutdb.store
@@ -83,6 +84,8 @@ def test_a_submodule_import_and_a_private_name_are_each_reported_with_file_and_l
 
 SQL_WORDS = ("SELECT ", "INSERT ", "UPDATE ", "DELETE ")
 SQL_BUILDERS = {"select", "insert", "update", "delete", "func", "text"}
+# DuckDB reading a user's dataset file (controller/datasets.py) is not SQL against the store.
+USER_FILE_READS = re.compile(r"\bFROM\s+read_(parquet|json|json_auto|csv|csv_auto)\(", re.I)
 
 
 def controller_sql(root: str = "controller") -> list[str]:
@@ -92,7 +95,8 @@ def controller_sql(root: str = "controller") -> list[str]:
     for path in sorted((REPO / root).rglob("*.py")):
         where = path.relative_to(REPO)
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.lstrip().upper().startswith(SQL_WORDS):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.lstrip().upper().startswith(SQL_WORDS) \
+                    and not USER_FILE_READS.search(node.value):
                 out.append(f"{where}:{node.lineno}: SQL text {node.value[:40]!r}")
             elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("sqlalchemy"):
                 built = sorted(a.name for a in node.names if a.name in SQL_BUILDERS)

@@ -54,6 +54,15 @@ def run(args: argparse.Namespace) -> int:
         config = load_config(args.config, args.overrides)
     except ConfigError as e:
         raise ValueError(str(e)) from None
+    from rolloutdb.controller.metrics_backends import check_backends
+    from rolloutdb.controller.plugins import check_plugins
+
+    # Bad import paths, dataset files and missing backend packages refuse the run here,
+    # before the lock file or the run directory exists.
+    check_backends(config.logging.backends)
+    env, trainer = config.environment, config.trainer
+    plugins = check_plugins(config.dataset, config.reward.function, env.factory, env.options,
+                            trainer.factory, trainer.options)
     run_dir = args.run_dir or Path("runs") / config.run.name
     resume = args.resume or config.checkpointing.resume or ("latest" if args.start_over else None)
     dirs = RunDir(run_dir)
@@ -74,7 +83,8 @@ def run(args: argparse.Namespace) -> int:
     from rolloutdb.controller.controller import Controller
 
     print(f"rolloutdb: {'resuming' if resume else 'training'} {config.run.name} in {run_dir}", file=sys.stderr)
-    summary = Controller(config, run_dir, resume=resume, start_over=args.start_over, lock=lock, resume_plan=plan).run()
+    summary = Controller(config, run_dir, resume=resume, start_over=args.start_over, lock=lock, resume_plan=plan,
+                         plugins=plugins).run()
     if summary.plot is not None:
         print(f"reward curve: {summary.plot}", file=sys.stderr)
     print(summary.line)
