@@ -19,7 +19,9 @@ An attempt, in order:
 6. publish through the one commit protocol (`stage.publish`, store/checkpoints/publish.py),
    outside every lock but the save lock.
 
-Every attempt records its outcome in the store (`snapshot_attempts`) and the metrics.
+Every attempt records its outcome here and only here (`attempt`): one `AttemptResult`
+becomes one row in the store (`snapshot_attempts`) and one `snapshot` line in the
+metrics. The Publisher records nothing; publication is about files.
 
 Words: a pump's write transaction is a *mutation* (the store's `mutation_counter` counts
 them); a snapshot's read transaction, the one consistent state it copies, is its *cut*
@@ -35,6 +37,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from rolloutdb.controller import fault_points  # noqa: F401 - registers the kill points hit here
 from rolloutdb.controller.env_checkpoint import EnvironmentCheckpoint
 from rolloutdb.controller.runtime import RolloutParts
 from rolloutdb.store import Publisher, anchor_name, faults, queries, scan
@@ -59,11 +62,16 @@ class AbortedCommit(Exception):
 
 @dataclass
 class AttemptResult:
+    """One attempt's outcome: the source of its `snapshot_attempts` row and its metrics line."""
+
     outcome: str
     anchor: str | None = None
     sequence: int | None = None
     timings: dict[str, float] = field(default_factory=dict)
     error: str | None = None
+    # The store's mutation counter at the cut, once a cut was taken; else the row takes
+    # the counter when it is written.
+    mutation_counter: int | None = None
 
 
 class SnapshotPump:
@@ -169,14 +177,19 @@ class SnapshotPump:
         finally:
             self._release_waiters(None, False, only=seen)  # nobody waits past an attempt it saw
         self.results.append(result)
+        self._record(result)
+        return result
+
+    def _record(self, result: AttemptResult) -> None:
+        """The one place a snapshot attempt's outcome is recorded: its row, then its
+        metrics line, both from `result`."""
         self.p.store.record_snapshot_attempt(
             result.outcome, anchor=result.anchor, snapshot_seq=result.sequence,
-            timings=result.timings or None, error=result.error,
+            mutation_counter=result.mutation_counter, timings=result.timings or None, error=result.error,
         )
         self.p.log_event({"kind": "snapshot", "outcome": result.outcome, "anchor": result.anchor,
-                          "sequence": result.sequence, "timings": result.timings, "error": result.error,
-                          "t": time.time()})
-        return result
+                          "sequence": result.sequence, "mutation_counter": result.mutation_counter,
+                          "timings": result.timings, "error": result.error, "t": time.time()})
 
     def _attempt_locked(self, force: bool, t0: float) -> AttemptResult:
         rt = self.p.runtime
@@ -207,8 +220,8 @@ class SnapshotPump:
                 stage.abort()
                 return AttemptResult("aborted_commit", anchor, timings=timings)
             except BaseException as e:
-                stage.abort()
-                return AttemptResult("failed", anchor, timings=timings, error=f"{type(e).__name__}: {e}")
+                stage.abort()  # the number is used up all the same: the row names it
+                return AttemptResult("failed", anchor, stage.sequence, timings, f"{type(e).__name__}: {e}")
         finally:
             self.env.resume()  # dispatch reopens before any fsync of the snapshot
         faults.point("snapshot.after_cut")
@@ -220,12 +233,13 @@ class SnapshotPump:
                 capture, self.config_text, json.dumps(export, sort_keys=True) if export else None
             )
         except Exception as e:  # noqa: BLE001 - a failed publish is an outcome, the run goes on
-            return AttemptResult("failed", anchor, stage.sequence, timings, f"{type(e).__name__}: {e}")
+            return AttemptResult("failed", anchor, stage.sequence, timings, f"{type(e).__name__}: {e}",
+                                 capture.mutation_counter)
         timings["publish"] = time.perf_counter() - t_pub
         timings["total"] = time.perf_counter() - t0
         self._last_counter = capture.mutation_counter
         self.p.tracer.emit("snapshot_cut", cut_time=capture.cut_time, snapshot_seq=published.sequence, anchor=anchor, step=step)
-        return AttemptResult("published", anchor, published.sequence, timings)
+        return AttemptResult("published", anchor, published.sequence, timings, None, capture.mutation_counter)
 
     def _cut(self, db_path, step: int):
         """Capture at a cut taken while the commit lock is held."""

@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     ckpt = args.workdir / "ckpt"
     store = open_store(args.workdir)
     retention = Retention(KeepNewestSnapshots(args.keep), KeepNewestSnapshotPerAnchor(1), PruneBootstrap())
-    publisher = Publisher(ckpt, retention=retention, store=store)
+    publisher = Publisher(ckpt, retention=retention)
     anchor, step = newest_durable_anchor(ckpt)
     if anchor is None:
         publisher.publish_bootstrap(write_weights(rng, 4096))

@@ -12,9 +12,12 @@ them. Here the disk is really full, or the file really cannot grow:
   RLIMIT_FSIZE below the snapshot's size and ignores SIGXFSZ, so SQLite's write past
   the limit fails with EFBIG. Room comes back by raising the limit again.
 
-The publishing process is a real child (`_CHILD`), driven line by line; between its
-failed attempt and the next one the test checks the disk from outside: a `failed` outcome
-row (second connection), the previous snapshot byte-for-byte intact, still the newest
+The publishing process is a real child (`_CHILD`), driven line by line. While the disk
+is full it takes one attempt through the Publisher alone (a typed error naming the disk)
+and one through the controller's snapshot pump, which records every attempt's outcome
+(the Publisher records none). Before room comes back the test checks the disk from
+outside: one outcome row per pump attempt, the failed one included (second connection),
+the previous snapshot byte-for-byte intact, still the newest
 sound snapshot (decided from the manifests, `crash_harness.newest_usable_snapshot`, and
 by `select_for_restore`), and no leftover directory counted as a checkpoint.
 """
@@ -47,28 +50,44 @@ _CHILD = textwrap.dedent(
     """
     import json, os, resource, signal, sqlite3, sys
     from pathlib import Path
+    from rolloutdb.controller.env_checkpoint import NoEnvironmentCheckpoint
+    from rolloutdb.controller.runtime import Progress, RolloutParts, RuntimeState
+    from rolloutdb.controller.snapshot_pump import SnapshotPump
     from rolloutdb.store import FinishedGeneration, PublishError, Publisher, Reservation, Store
     from rolloutdb.store.checkpoints.retention import KeepNewestSnapshots, Retention
 
     live, ckpt, mode = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
     store = Store.create(live, replay_capacity=64)
-    pub = Publisher(ckpt, retention=Retention(KeepNewestSnapshots(2)), store=store)
+    pub = Publisher(ckpt, retention=Retention(KeepNewestSnapshots(2)))
+    # The controller's snapshot pump on the same store and Publisher; the parts it never
+    # touches are None. Its metrics lines are kept in a list and printed with each result.
+    lines = []
+    parts = RolloutParts(config=None, store=store, order=None, bound=None, engine=None, env=None, trainer=None,
+                         dispatcher=None, runtime=RuntimeState(), read_progress=lambda: Progress(0, 0),
+                         log_event=lines.append)
+    pump = SnapshotPump(parts, pub, interval_s=3600.0, config_text="a: 1\\n", env_checkpoint=NoEnvironmentCheckpoint())
 
     def fill(seq, tokens):
         (gid,) = store.reserve([Reservation(seq, 0, seq)], num_generations=1, target_step=1)
         (a,) = store.dispatch([gid], policy_version=0)
         store.finish(a, FinishedGeneration(list(range(tokens)), [-0.5] * tokens, 1.0, [(0, tokens)]))
 
-    def snapshot():
+    def snapshot():  # a caller of its own: the Publisher alone, its typed error
         try:
             p = pub.publish_rollout_snapshot("bootstrap", lambda p: store.capture(p), "a: 1\\n")
             return {"published": p.sequence}
         except Exception as e:
             return {"error": type(e).__name__, "errno": getattr(e, "errno", None), "message": str(e)}
 
+    def pump_attempt():  # the controller's way: the pump decides, publishes and records
+        r = pump.attempt(force=True)
+        line = lines[-1]
+        return {"outcome": r.outcome, "sequence": r.sequence, "error": r.error,
+                "line": [line["outcome"], line["sequence"], line["error"]]}
+
     pub.publish_bootstrap(lambda d: (d / "weights.bin").write_bytes(b"w" * 1000))
     fill(0, 300)
-    print(json.dumps(snapshot()), flush=True)
+    print(json.dumps(pump_attempt()), flush=True)
     for seq in range(1, 16):  # the store grows to a few MiB
         fill(seq, 40_000)
     with sqlite3.connect(live) as c:  # an empty WAL: the outcome row fits under any limit
@@ -83,10 +102,11 @@ _CHILD = textwrap.dedent(
         # and WAL frames far below the limit) still can.
         resource.setrlimit(resource.RLIMIT_FSIZE, (live.stat().st_size - (64 << 10), hard))
     print(json.dumps(snapshot()), flush=True)
+    print(json.dumps(pump_attempt()), flush=True)
     assert sys.stdin.readline().strip() == "again"
     if mode == "rlimit_fsize":
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
-    print(json.dumps(snapshot()), flush=True)
+    print(json.dumps(pump_attempt()), flush=True)
     store.close()
     """
 )
@@ -176,7 +196,8 @@ def test_a_full_disk_during_sqlites_own_snapshot_copy_fails_the_attempt_and_lose
     mode, ckpt, live = small_disk
     child = Child(live, ckpt, mode)
     try:
-        assert child.read() == {"published": 1}
+        assert child.read() == {"outcome": "published", "sequence": 1, "error": None,
+                                "line": ["published", 1, None]}
         first = ckpt / "bootstrap" / "rollout_snapshots" / "snapshot_1"
         first_bytes = {p.name: p.read_bytes() for p in first.iterdir()}
         grown = child.read()["store_bytes"]
@@ -186,36 +207,42 @@ def test_a_full_disk_during_sqlites_own_snapshot_copy_fails_the_attempt_and_lose
             filler = _fill_until(ckpt.parent, FREE_LEFT)
         child.say("attempt")
         failed = child.read()
+        pump_failed = child.read()
 
-        # The attempt failed with a typed error naming the disk, and said so in the store.
+        # Through the Publisher alone: the attempt failed with a typed error naming the disk.
         assert failed.get("error") == "PublishError", failed
         # ENOSPC when the file system is full; SQLite passes no errno on for EFBIG: EIO.
         assert failed["errno"] == {"tmpfs": errno.ENOSPC, "rlimit_fsize": errno.EIO}[mode], failed
         assert ("ENOSPC" if mode == "tmpfs" else "EIO") in failed["message"]
         assert "snapshot_2" in failed["message"]
+        # Through the snapshot pump, as the controller takes it: a failed attempt on the
+        # next number, and one outcome row per pump attempt in the live store (a second
+        # connection), written while the disk is still full, matching the metrics line.
+        assert (pump_failed["outcome"], pump_failed["sequence"]) == ("failed", 3), pump_failed
+        assert pump_failed["line"] == ["failed", 3, pump_failed["error"]]
         with contextlib.closing(sqlite3.connect(f"file:{live}?mode=ro", uri=True)) as conn:
-            outcome, seq, error = conn.execute("SELECT outcome, snapshot_seq, error FROM snapshot_attempts "
-                                               "ORDER BY attempt_seq DESC LIMIT 1").fetchone()
-        assert (outcome, seq) == ("failed", 2) and error
+            rows = conn.execute("SELECT outcome, snapshot_seq, error FROM snapshot_attempts ORDER BY attempt_seq").fetchall()
+        assert rows == [("published", 1, None), ("failed", 3, pump_failed["error"])]
+        assert pump_failed["error"].startswith("OperationalError: "), pump_failed
         # The previous snapshot is intact and still what a resume restores, decided from
         # the manifests on disk and by the selection code alike.
         assert {p.name: p.read_bytes() for p in first.iterdir()} == first_bytes
         assert newest_usable_snapshot(ckpt) == (1, str(first))
         assert select_for_restore(ckpt).snapshot.path == first
-        # Nothing of the failed attempt is listed as a checkpoint; no snapshot_2 exists.
+        # Nothing of the failed attempts is listed as a checkpoint; no snapshot_2 or _3 exists.
         inventory = scan(ckpt)
         assert [s.sequence for s in inventory.complete_snapshots()] == [1]
         assert all(e.complete or e.leftover for e in inventory.entries)
-        assert not (first.parent / "snapshot_2").exists()
+        assert not (first.parent / "snapshot_2").exists() and not (first.parent / "snapshot_3").exists()
 
         # Room again: the next attempt succeeds with a new number and is the restore target.
         if filler is not None:
             filler.unlink()
         child.say("again")
         again = child.read()
-        assert again.get("published", 0) > 2, again
-        target = first.parent / f"snapshot_{again['published']}"
-        assert newest_usable_snapshot(ckpt) == (again["published"], str(target))
+        assert again["outcome"] == "published" and again["sequence"] > 3, again
+        target = first.parent / f"snapshot_{again['sequence']}"
+        assert newest_usable_snapshot(ckpt) == (again["sequence"], str(target))
         assert select_for_restore(ckpt).snapshot.path == target
         assert not scan(ckpt).leftovers()
     except BaseException:

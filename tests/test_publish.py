@@ -48,8 +48,8 @@ def _work(store: Store, seq: int) -> int:
 
 
 @pytest.fixture
-def pub(tmp_path, store):
-    p = Publisher(tmp_path / "ckpt", retention=Retention(KeepNewestSnapshots(100)), store=store)
+def pub(tmp_path):
+    p = Publisher(tmp_path / "ckpt", retention=Retention(KeepNewestSnapshots(100)))
     yield p
     p.close()
 

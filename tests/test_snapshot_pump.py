@@ -4,6 +4,9 @@ whose drain takes a set time (a slowed callable, not a mock of the store)."""
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import json
 import sqlite3
 import threading
 import time
@@ -17,7 +20,8 @@ from rolloutdb.controller.runtime import Progress, RolloutParts, RuntimeState
 from rolloutdb.controller.snapshot_pump import SnapshotPump
 from rolloutdb.controller.trainer_checkpoints import TrainerCheckpoints
 from rolloutdb.config import config_from_dict
-from rolloutdb.store import KeepNewestSnapshots, Publisher, Reservation, Retention, Store
+from rolloutdb.store import KeepNewestSnapshots, Publisher, Reservation, Retention, Store, faults
+from rolloutdb.store.checkpoints.layout import SNAPSHOT_DB
 
 DEADLINE_S = 20
 
@@ -120,3 +124,38 @@ def test_a_trainer_checkpoint_waits_for_the_snapshot_attempt_in_progress(pump, t
     snapshot_manifest = tmp_path / "checkpoints" / "bootstrap" / "rollout_snapshots" / "snapshot_1" / "manifest.json"
     assert snapshot_manifest.is_file(), "the trainer checkpoint was published inside the snapshot attempt"
     assert (tmp_path / "checkpoints" / "step_1" / "manifest.json").is_file()
+
+
+def test_each_pump_attempt_leaves_exactly_one_outcome_row_matching_its_metrics_line(pump, tmp_path):
+    """Mixed outcomes: published, skipped_unchanged, skipped_commit, failed (a real
+    injected fsync error while publishing), published again. The store holds one row per
+    attempt, in order, and each row says what the attempt's metrics line says (the pump
+    records both from one result; the Publisher records nothing)."""
+    snapshotter, _publisher, store, _env, metrics = pump(drain_s=0.0)
+    results = [snapshotter.attempt()]  # the reservation above: something changed
+    results.append(snapshotter.attempt())  # nothing changed since
+    with snapshotter.p.runtime.commit_lock:  # an optimizer commit in progress
+        results.append(snapshotter.attempt())
+    store.reserve([Reservation(1, 0, 1)], num_generations=1, target_step=1)
+    with faults.inject_io("fsync", errno.EIO, match=SNAPSHOT_DB) as fault:
+        results.append(snapshotter.attempt())
+    assert fault.fired == 1
+    results.append(snapshotter.attempt())
+    assert [r.outcome for r in results] == ["published", "skipped_unchanged", "skipped_commit", "failed", "published"]
+
+    with contextlib.closing(sqlite3.connect(f"file:{store.path}?mode=ro", uri=True)) as conn:
+        rows = conn.execute("SELECT outcome, anchor, snapshot_seq, error, mutation_counter FROM snapshot_attempts "
+                            "ORDER BY attempt_seq").fetchall()
+    lines = read_metrics(metrics, "snapshot")
+    assert [(e["outcome"], e["anchor"], e["sequence"], e["error"]) for e in lines] == [row[:4] for row in rows]
+    assert [row[:3] for row in rows] == [
+        ("published", "bootstrap", 1), ("skipped_unchanged", None, None), ("skipped_commit", None, None),
+        ("failed", "bootstrap", 2), ("published", "bootstrap", 3),
+    ]
+    assert "EIO" in rows[3][3] and "PublishError" in rows[3][3]
+    # A published row carries the mutation counter its snapshot was cut at (its manifest's).
+    for row, line in zip(rows, lines):
+        if row[0] == "published":
+            manifest = json.loads((tmp_path / "checkpoints" / "bootstrap" / "rollout_snapshots" / f"snapshot_{row[2]}"
+                                   / "manifest.json").read_text())
+            assert row[4] == line["mutation_counter"] == manifest["mutation_counter"]

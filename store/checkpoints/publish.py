@@ -17,6 +17,11 @@ Rollout snapshots are published in two halves so the controller's cut stays shor
 the controller captures the store into `stage.db_path` inside its cut (the capture
 writes without fsync), leaves the cut, and only then calls `stage.publish(...)`, which
 does the fsync work. `publish_rollout_snapshot` does both halves in one call.
+
+Publication is about files: it returns `Published` or raises a typed error, and records
+nothing in the store. Whoever decides a snapshot attempt records its outcome, once: the
+snapshot pump (`controller/snapshot_pump.py`) does; a caller with its own loop calls
+`Store.record_snapshot_attempt`.
 """
 
 from __future__ import annotations
@@ -227,14 +232,14 @@ class SnapshotStage:
 class Publisher:
     """Publishes into one checkpoint directory; thread-safe. Keep one per directory and
     process (the controller builds it once, `controller/build.py`): two would race for
-    sequence numbers and remove each other's temporary directories as leftovers."""
+    sequence numbers and remove each other's temporary directories as leftovers.
+    It records no snapshot outcome: the caller does (`Store.record_snapshot_attempt`)."""
 
     def __init__(self, checkpoint_dir: str | Path, *, retention: Retention | None = None,
-                 background_retention: bool = False, store: Any = None):
+                 background_retention: bool = False):
         self.root = Path(checkpoint_dir)
         self.retention = retention or default_retention()
         self.background_retention = background_retention
-        self.store = store  # when set, every snapshot attempt records its outcome row
         self._lock = threading.RLock()
         self._busy: set[Path] = set()
         self._last_sequence = 0
@@ -433,43 +438,31 @@ class Publisher:
                     raise _fail("rollout snapshot", stage.target, e) from e
                 except NotAStoreError as e:
                     raise PublishError(f"{stage.target}: the captured file is not a store: {e}", path=stage.target) from e
-            except BaseException as e:
+            except BaseException:
                 _discard_tmp(stage.tmp)
-                self._record("failed", stage, capture, None, str(e))
                 raise
             finally:
                 self._busy.discard(stage.tmp)
                 stage.done = True
             timings["publish"] = time.perf_counter() - t0
-            self._record("published", stage, capture, {**manifest.timings, **timings}, None)
             retention = self._retain()
             return Published(KIND_SNAPSHOT, stage.anchor, stage.target, manifest, stage.sequence, timings,
                              stage.cleaned, retention, self._take_warnings())
 
-    def _record(self, outcome: str, stage: SnapshotStage, capture: Any, timings, error) -> None:
-        if self.store is None:
-            return
-        try:
-            self.store.record_snapshot_attempt(
-                outcome, anchor=stage.anchor, snapshot_seq=stage.sequence,
-                mutation_counter=getattr(capture, "mutation_counter", None), timings=timings, error=error)
-        except Exception as e:  # the outcome row is bookkeeping; never mask the real result
-            log.warning("could not record snapshot outcome %s: %s", outcome, e)
-
     def publish_rollout_snapshot(self, anchor: str, capture_fn: Callable[[Path], Any], config_text=None,
                                  env_export=None) -> Published:
         """Both halves in one call: `capture_fn(path)` writes the SQLite file (for
-        example ``lambda p: store.capture(p, at_cut=check)``) and returns its Capture."""
+        example ``lambda p: store.capture(p, at_cut=check)``) and returns its Capture.
+        Records no outcome: a caller with its own loop records each attempt with
+        `Store.record_snapshot_attempt` (the snapshot pump does, for the controller)."""
         stage = self.begin_snapshot(anchor)
         try:
             capture = capture_fn(stage.db_path)
         except (OSError, sqlite3.OperationalError) as e:
             cause = _as_os_error(e)
-            if cause is None:
-                stage.abort()
-                raise
             stage.abort()
-            self._record("failed", stage, None, None, str(e))
+            if cause is None:
+                raise
             raise _fail("capture", stage.target, cause) from e
         except BaseException:
             stage.abort()

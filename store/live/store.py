@@ -221,8 +221,10 @@ class Store:
         timings: dict | None = None,
         error: str | None = None,
     ) -> None:
-        """Log a snapshot attempt's outcome. Not a mutation: recording that a snapshot
-        was skipped must not make the next attempt think something changed."""
+        """Log a snapshot attempt's outcome, once per attempt, by whoever decided it: the
+        controller's snapshot pump; a caller with its own publish loop calls this itself
+        (the Publisher records nothing). Not a mutation: recording that a snapshot was
+        skipped must not make the next attempt think something changed."""
         with self.atomic(mutation=False) as tx:
             counter = mutation_counter
             if counter is None:
