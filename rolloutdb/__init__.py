@@ -1,33 +1,92 @@
 """rolloutdb: the in-flight state of asynchronous LLM RL, kept in SQLite.
 
-The public face. The store lives in `rolloutdb.store`, migrations in
-`rolloutdb.migrations`, the controller in `rolloutdb.controller`, generation engines and
-prefix capture in `rolloutdb.gpu_capture`.
+The public face, and the library surface for a team with its own controller (see
+examples/own_loop.py): the live store and its transitions, the publisher of trainer
+checkpoints and rollout snapshots, restore, and the exactly-once audit. Every name here
+comes from the store's facade, `rolloutdb.store`, which holds the rest (migrations are in
+`rolloutdb.migrations`, the built-in controller in `rolloutdb.controller`).
 """
 
 from rolloutdb.store import (
+    BOOTSTRAP,
+    LATEST,
+    AnchorNotDurable,
     FinishedGeneration,
     IllegalTransition,
+    LedgerAudit,
+    NoRestorableSnapshot,
     NotAStoreError,
+    Published,
+    Publisher,
+    PublishError,
     ReplayFullError,
+    Report,
     Reservation,
+    RestoredGroup,
+    RestoreError,
+    RestorePlan,
     SchemaTooNewError,
     SchemaTooOldError,
+    Selection,
     Store,
     StoreError,
+    anchor_name,
+    audit_ledger,
+    check_invariants,
+    choose_snapshot,
+    codec,
+    drop_checkpoints_after,
+    ledger,
+    pools,
+    queries,
+    restore_snapshot,
+    scan,
+    select_and_restore,
+    verify_path,
 )
 
 __version__ = "0.1.0"
 
 __all__ = [
+    # the live store: transitions through Store (or `ledger` inside `Store.atomic()`),
+    # reads through `queries`/`pools`/`codec` inside `Store.read()`
     "FinishedGeneration",
-    "IllegalTransition",
-    "NotAStoreError",
-    "ReplayFullError",
     "Reservation",
+    "Store",
+    "check_invariants",
+    "codec",
+    "ledger",
+    "pools",
+    "queries",
+    # trainer checkpoints and rollout snapshots
+    "BOOTSTRAP",
+    "Published",
+    "Publisher",
+    "anchor_name",
+    "scan",
+    # restore and the audit
+    "LATEST",
+    "LedgerAudit",
+    "Report",
+    "RestorePlan",
+    "RestoredGroup",
+    "Selection",
+    "audit_ledger",
+    "choose_snapshot",
+    "drop_checkpoints_after",
+    "restore_snapshot",
+    "select_and_restore",
+    "verify_path",
+    # errors
+    "AnchorNotDurable",
+    "IllegalTransition",
+    "NoRestorableSnapshot",
+    "NotAStoreError",
+    "PublishError",
+    "ReplayFullError",
+    "RestoreError",
     "SchemaTooNewError",
     "SchemaTooOldError",
-    "Store",
     "StoreError",
     "__version__",
 ]
