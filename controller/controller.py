@@ -220,7 +220,7 @@ class Controller:
         return RunSummary(self.dirs.root, len(steps), summary_line(steps), plot, wall_s)
 
     def close(self) -> None:
-        for name in ("publisher", "tracer", "metrics", "store"):
+        for name in ("bar", "publisher", "tracer", "metrics", "store"):
             part = getattr(self, name, None)
             if part is not None:
                 part.close()

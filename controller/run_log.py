@@ -1,5 +1,5 @@
-"""What a run shows a person: metrics as JSONL, a progress line, a reward-curve PNG and
-a one-line summary."""
+"""What a run shows a person: metrics as JSONL, a progress bar (tqdm on a terminal,
+plain lines otherwise), a reward-curve PNG and a one-line summary."""
 
 from __future__ import annotations
 
@@ -8,6 +8,9 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import TextIO
+
+from tqdm import tqdm
 
 
 class MetricsLog:
@@ -45,36 +48,53 @@ def read_metrics(path: Path, kind: str | None = None) -> list[dict]:
     return out
 
 
-class ProgressBar:
-    """One line on stderr: step, mean reward, staleness and throughput."""
+class _Bar(tqdm):
+    # No monitor thread: the bar moves once per train step, so nothing lags for a monitor
+    # to catch up on, and the process's threads stay the ones controller/runtime.py lists.
+    monitor_interval = 0
 
-    def __init__(self, total_steps: int, *, enabled: bool, start_step: int = 0):
+
+class ProgressBar:
+    """Step, mean reward, staleness and throughput on stderr. On a terminal, a tqdm bar
+    (elapsed, ETA and rate over this process's steps, so a resumed run's ETA is right);
+    otherwise (a pipe, a log file, CI) plain lines: the first step, every tenth of the
+    run and the last, so a log stays short."""
+
+    def __init__(self, total_steps: int, *, enabled: bool, start_step: int = 0, stream: TextIO | None = None):
+        self.stream = stream or sys.stderr
+        tty = self.stream.isatty()
         self.total = total_steps
-        self.enabled = enabled and sys.stderr.isatty()
-        self.plain = enabled and not sys.stderr.isatty()
+        self.plain = enabled and not tty
         self.t0 = time.time()
         self.start_step = start_step
         self.tokens = 0
+        self.bar = (_Bar(total=total_steps, initial=start_step, file=self.stream, unit="step", dynamic_ncols=True)
+                    if enabled and tty else None)
 
     def update(self, event: dict) -> None:
-        if not (self.enabled or self.plain):
+        if self.bar is None and not self.plain:
             return
         self.tokens += event.get("policy_tokens", 0)
         step = event["step"]
-        done = step / self.total
-        elapsed = max(time.time() - self.t0, 1e-9)
-        bar = "#" * int(done * 24)
-        text = (
-            f"step {step}/{self.total} [{bar:<24}] reward {event['reward_mean']:.3f} "
-            f"staleness {event['staleness_mean']:.2f} {self.tokens / elapsed:.0f} tok/s"
-        )
-        if self.enabled:
-            sys.stderr.write("\r" + text)
+        rate = f"{self.tokens / max(time.time() - self.t0, 1e-9):.0f} tok/s"
+        if self.bar is not None:
+            self.bar.set_postfix_str(f"reward {event['reward_mean']:.3f} staleness {event['staleness_mean']:.2f} {rate}",
+                                     refresh=False)
+            self.bar.update(step - self.bar.n)
             if step == self.total:
-                sys.stderr.write("\n")
-        elif step == self.total or step % max(1, self.total // 10) == 0 or step == self.start_step + 1:
-            sys.stderr.write(text + "\n")
-        sys.stderr.flush()
+                self.close()
+            return
+        if step == self.total or step % max(1, self.total // 10) == 0 or step == self.start_step + 1:
+            bar = "#" * int(step / self.total * 24)
+            self.stream.write(f"step {step}/{self.total} [{bar:<24}] reward {event['reward_mean']:.3f} "
+                              f"staleness {event['staleness_mean']:.2f} {rate}\n")
+            self.stream.flush()
+
+    def close(self) -> None:
+        """End the bar's line (a run that stops early leaves it where it got to)."""
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
 
 
 def latest_per_step(steps: list[dict]) -> list[dict]:

@@ -244,7 +244,7 @@ def _jsonl_only() -> list[BackendName]:
 
 
 class LoggingSection(Section):
-    progress: bool = Field(True, description="Show a progress bar on stderr.")
+    progress: bool = Field(True, description="Show progress on stderr: a bar with ETA on a terminal, plain lines otherwise.")
     plot: bool = Field(True, description="Write plots/reward_curve.png at the end.")
     backends: list[BackendName] = Field(
         default_factory=_jsonl_only,
