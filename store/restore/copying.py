@@ -101,15 +101,15 @@ def copy_hashing(src: Path, dst: Path, hashing: Hashing) -> tuple[int, str]:
     with open(src, "rb", buffering=0) as fin, open(dst, "xb+", buffering=0) as fout:
         copier = _Copier(fin, fout)
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="rolloutdb-restore-hash") as pool:
-            hashing: Future | None = None
+            hashed_step: Future | None = None
             while True:
                 n = copier.step(COPY_STEP)
-                if hashing is not None:
-                    hashing.result()  # in order: the digest is sequential
-                    hashing = None
+                if hashed_step is not None:
+                    hashed_step.result()  # in order: the digest is sequential
+                    hashed_step = None
                 if n == 0:
                     break
-                hashing = pool.submit(_hash_range, digest, fout.fileno(), size, n)
+                hashed_step = pool.submit(_hash_range, digest, fout.fileno(), size, n)
                 size += n
     return size, digest.hexdigest()
 
