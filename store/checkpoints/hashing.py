@@ -4,19 +4,22 @@ A manifest names its hash: format 1 (rolloutdb before W2-G) lists each file's
 ``sha256``; format 2 names ``"hash": "blake3"`` and lists each file's ``blake3``. New
 publications write format 2; format 1 stays readable and verifiable everywhere.
 `hashing_for(format_version, hash_name)` is the only mapping from a manifest to a hash,
-so the publisher, `verify`, the restore copy and the crash harness cannot disagree.
+so the publisher, `verify`, the restore copy and retention's scan cannot disagree.
 
-Why BLAKE3: sha256 ran at 0.8-1.2 GiB/s here and was the floor of publication and of
+Why BLAKE3: sha256 ran at 0.8-1.3 GiB/s here and was the floor of publication and of
 restore; BLAKE3 (the `blake3` package, a cryptographic hash, 256-bit output) runs at
-1.9-2.4 GiB/s on one core of the same machine (bench/bench_hash.py, BENCHMARKS.md W2-G).
+2.8-2.9 GiB/s on one thread of the same machine, 2.2x, and format 2 publishes and
+verifies a 256 MiB file 1.9x / 2.1x faster than format 1 (bench/bench_hash.py,
+BENCHMARKS.md W2-G; 2026-12-01, 2 shared cores, load 2.3).
 
-Threads: `blake3(max_threads=AUTO)` measured 2.3 GiB/s against 1.9-2.4 GiB/s for one
-thread over the same 512 MiB file on this 2-core machine under load 1.5-2 (no gain
-within the noise), and the hash already overlaps the fsync (publish) or the kernel copy
-(restore) on the second core. So it is used only where there are cores to spare
-(`THREAD_MIN_CPUS`) and for files large enough to split (`THREAD_MIN_BYTES`; BLAKE3's
-own threading only splits inputs of several chunks of 1 KiB, and pays a pool hand-off
-per update).
+Threads: over the same 512 MiB file in three runs, `blake3(max_threads=AUTO)` ran at
+3.32 / 2.83 / 2.86 GiB/s against 2.85 / 2.83 / 2.87 GiB/s for one thread: no reliable
+gain on these 2 shared cores, and the second core is already busy with the fsync
+(publish) or the kernel copy (restore) that the hash overlaps. So one thread is used
+here; AUTO only where there are at least `THREAD_MIN_CPUS` CPUs and the file is large
+enough to split (`THREAD_MIN_BYTES`: the pool hand-off is paid per 4 MiB update). That
+threshold is not measured on a machine with more cores (none was available):
+re-measure with bench/bench_hash.py before relying on it.
 """
 
 from __future__ import annotations
