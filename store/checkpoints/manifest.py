@@ -122,7 +122,7 @@ class Manifest:
                 raise ManifestError(f"{where}: malformed file entry {_show(f)}")
             others = sorted(k for k in f if k not in ("path", "size", name))
             if others or not _is_hex64(f.get(name)):
-                raise ManifestError(f"{where}: file entry {f['path']!r} needs {name} (64 hex digits) and nothing else: "
+                raise ManifestError(f"{where}: file entry {_show(f['path'])} needs {name} (64 hex digits) and nothing else: "
                                     f"format_version {d['format_version']} lists each file's {name}"
                                     + (f", not {', '.join(others)}" if others else ""))
             check_member_name(f["path"], where)
