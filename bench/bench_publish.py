@@ -9,7 +9,7 @@ BLOBs, written through the store API in batched transactions), folds its WAL int
 file, then alternates, `--repeats` times, in the same run:
 
 * publish: `Publisher.publish_rollout_snapshot` with `store.capture` as the capture:
-  backup API copy at one read cut, sha256 of every file, fsync of every file and
+  backup API copy at one read cut, checksum (blake3, manifest format 2) of every file, fsync of every file and
   directory, manifest, rename, parent fsync (the whole commit protocol);
 * cp: ``cp live.sqlite copy.sqlite`` then ``sync copy.sqlite`` (fsync of the copy, so
   both sides pay for durability).

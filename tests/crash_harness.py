@@ -77,10 +77,22 @@ _ANCHOR = re.compile(r"^(bootstrap|step_\d+)$")
 _SNAPSHOT = re.compile(r"^snapshot_(\d+)$")
 
 
+def _hash_name(m: dict) -> str:
+    """The hash a manifest lists (format 1: sha256; format 2 names it: blake3)."""
+    return "sha256" if m.get("format_version") == 1 else m["hash"]
+
+
+def _digest(m: dict, data: bytes) -> str:
+    import blake3  # the documented format-2 hash, computed here independently
+
+    name = _hash_name(m)
+    return hashlib.sha256(data).hexdigest() if name == "sha256" else blake3.blake3(data).hexdigest() if name == "blake3" else ""
+
+
 def _sound(directory: Path, kind: str, anchor: str, sequence: int | None) -> bool:
     """A checkpoint directory whose manifest.json (plain JSON, read here) is of `kind`,
     names this anchor (and sequence), and lists files that all exist with their size and
-    sha256: what a resume may trust. The project's manifest reader is not used."""
+    checksum (sha256 or blake3, as the format names): what a resume may trust. The project's manifest reader is not used."""
     try:
         m = json.loads((directory / "manifest.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
@@ -92,7 +104,7 @@ def _sound(directory: Path, kind: str, anchor: str, sequence: int | None) -> boo
     try:
         for f in m["files"]:
             data = (directory / f["path"]).read_bytes()
-            if len(data) != f["size"] or hashlib.sha256(data).hexdigest() != f["sha256"]:
+            if len(data) != f["size"] or _digest(m, data) != f[_hash_name(m)]:
                 return False
     except (OSError, KeyError, TypeError):
         return False

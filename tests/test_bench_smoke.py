@@ -93,3 +93,12 @@ def test_the_read_path_benchmark_runs_both_read_paths_in_one_process_and_reports
         pumps = pair["phases"][phase]["threads"]
         assert pumps["all pumps"]["reads"] > 0 and pumps["all pumps"]["share"] > 0
     assert pair["ratios"]["all pumps"]["share"] > 0
+
+
+def test_the_hash_benchmark_reports_sha256_beside_blake3_and_both_manifest_formats(tmp_path):
+    r = _run_bench("bench_hash.py", tmp_path)
+    assert set(r["hash_gib_per_s"]) == {"sha256", "blake3 1 thread", "blake3 AUTO"}
+    assert all(v > 0 for v in r["hash_gib_per_s"].values())
+    for phase in ("publish_s", "verify_s"):
+        assert set(r[phase]) == {"format 1 (sha256)", "format 2 (blake3)", "ratio_1_over_2"}
+        assert all(v > 0 for v in r[phase].values())

@@ -205,7 +205,7 @@ def _damage_modify_byte(ckpt):
     data = bytearray(db.read_bytes())
     data[len(data) // 2] ^= 0x01
     db.write_bytes(bytes(data))
-    return "sha256 differs"
+    return "blake3 differs"
 
 
 def _damage_manifest(ckpt, path):
@@ -233,7 +233,7 @@ def _damage_missing_manifest(ckpt):
 
 def _damage_trainer_file(ckpt):
     (ckpt / "step_1" / "model.safetensors").write_bytes(b"v" * 5000)
-    return "model.safetensors: sha256 differs"
+    return "model.safetensors: blake3 differs"
 
 
 DAMAGE = {

@@ -22,7 +22,7 @@ MANIFEST_TYPES = {
     "format_version": {int}, "kind": {str}, "anchor": {str}, "files": {list}, "sequence": {int},
     "step": {int, type(None)}, "schema_revision": {str, type(None)}, "created_at": {int, float},
     "cut_time": {int, float, type(None)}, "mutation_counter": {int, type(None)}, "row_counts": {dict},
-    "group_states": {dict}, "config_fingerprint": {str, type(None)}, "timings": {dict},
+    "group_states": {dict}, "config_fingerprint": {str, type(None)}, "timings": {dict}, "hash": {str},
 }
 WRONG_VALUES = ["text", 1.5, True, None, [], {"a": "b"}, -7, 10**30]
 
@@ -112,7 +112,10 @@ FORGED_MANIFESTS = {
     "files not a list": lambda s, d: d.update(files={"a": 1}),
     "file entry not an object": lambda s, d: d.update(files=["x"]),
     "file size negative": lambda s, d: d["files"][0].update(size=-1),
-    "file sha256 short": lambda s, d: d["files"][0].update(sha256="ab"),
+    "file blake3 short": lambda s, d: d["files"][0].update(blake3="ab"),
+    "file blake3 not hex": lambda s, d: d["files"][0].update(blake3="g" * 64),
+    "file blake3 upper-case hex": lambda s, d: d["files"][0].update(blake3=d["files"][0]["blake3"].upper()),
+    "file entry without its blake3": lambda s, d: d["files"][0].pop("blake3"),
     "a string of 4 MB": lambda s, d: d.update(kind="a" * (4 << 20)),
     "anchor not the directory's": lambda s, d: d.update(anchor="step_9"),
     "sequence not the directory's": lambda s, d: d.update(sequence=9),
@@ -134,7 +137,7 @@ def test_a_forged_manifest_is_refused_in_one_line(snapshot, name):
     if FORGED_MANIFESTS[name] is not None:
         FORGED_MANIFESTS[name](snapshot, doc)
     elif name == "an integer of 5000 digits":
-        text = json.dumps(doc).replace('"format_version": 1', '"format_version": ' + "9" * 5000)
+        text = json.dumps(doc).replace('"format_version": 2', '"format_version": ' + "9" * 5000)
     elif name.startswith("nested"):
         depth = int(name.split()[1])
         doc["timings"] = "DEEP"
@@ -153,3 +156,39 @@ def test_a_forged_manifest_is_refused_in_one_line(snapshot, name):
     elif name not in ("over 64 MiB (sparse)", "not UTF-8"):
         _write_manifest(snapshot, doc)
     _check_manifest_refused(snapshot, structural=name != "symlink out")
+
+
+# ----------------------------------------------------------------------------- format 2 vs format 1 fields
+
+def _as_sha256_entries(doc: dict) -> None:
+    for f in doc["files"]:
+        f["sha256"] = "0" * 64
+        del f["blake3"]
+
+
+def _as_format_1_with_blake3(doc: dict) -> None:
+    doc["format_version"] = 1
+    del doc["hash"]
+
+
+# name -> (forgery, a fragment the one line names)
+HASH_FORGERIES = {
+    "format 2 with sha256 entries": (_as_sha256_entries, "needs blake3"),
+    "format 2 with both digests": (lambda d: d["files"][0].update(sha256="0" * 64), "not sha256"),
+    "format 2 claiming sha256": (lambda d: d.update(hash="sha256"), "supported: blake3"),
+    "format 2 naming no hash": (lambda d: d.pop("hash"), "names no hash"),
+    "an unknown hash": (lambda d: d.update(hash="md5"), "hash \"md5\" is not supported"),
+    "format 1 with blake3 entries": (_as_format_1_with_blake3, "needs sha256"),
+    "format 1 claiming blake3": (lambda d: d.update(format_version=1), "supported: sha256"),
+    "format 3": (lambda d: d.update(format_version=3), "format_version 3 is not one of 1, 2"),
+}
+
+
+@pytest.mark.parametrize("name", list(HASH_FORGERIES))
+def test_a_manifest_whose_hash_does_not_match_its_format_is_refused_in_one_line(snapshot, name):
+    doc = json.loads((snapshot / "manifest.json").read_text())
+    assert doc["format_version"] == 2 and doc["hash"] == "blake3"  # what publication writes today
+    forge, fragment = HASH_FORGERIES[name]
+    forge(doc)
+    _write_manifest(snapshot, doc)
+    _check_manifest_refused(snapshot, fragment)

@@ -9,6 +9,7 @@ import os
 import sqlite3
 from pathlib import Path
 
+import blake3
 import pytest
 
 from rolloutdb.store import (
@@ -66,14 +67,15 @@ def test_a_snapshot_lands_in_the_documented_layout_with_every_file_in_its_manife
     assert published.path == root / "bootstrap" / "rollout_snapshots" / "snapshot_1"
     assert sorted(p.name for p in published.path.iterdir()) == sorted([SNAPSHOT_DB, CONFIG_FILE, ENV_EXPORT, "manifest.json"])
     m = json.loads((published.path / "manifest.json").read_text())
-    assert m["format_version"] == 1 and m["kind"] == "rollout_snapshot"
+    assert m["format_version"] == 2 and m["hash"] == "blake3" and m["kind"] == "rollout_snapshot"
     assert (m["anchor"], m["sequence"]) == ("bootstrap", 1)
     assert m["config_fingerprint"] == hashlib.sha256(CONFIG.encode()).hexdigest()
     assert m["row_counts"]["prompt_groups"] == 1 and m["row_counts"]["samples"] == 1
     assert m["cut_time"] <= m["created_at"]
     for f in m["files"]:
         data = (published.path / f["path"]).read_bytes()
-        assert (len(data), hashlib.sha256(data).hexdigest()) == (f["size"], f["sha256"])
+        assert (len(data), blake3.blake3(data).hexdigest()) == (f["size"], f["blake3"])
+        assert set(f) == {"path", "size", "blake3"}
     assert {f["path"] for f in m["files"]} == {SNAPSHOT_DB, CONFIG_FILE, ENV_EXPORT}
     # The schema revision and mutation counter come from the file itself.
     with sqlite3.connect(published.path / SNAPSHOT_DB) as conn:

@@ -242,7 +242,7 @@ def test_a_file_that_fails_its_checksum_is_refused_by_name(tmp_path, name):
     data = bytearray(target.read_bytes())
     data[len(data) // 2] ^= 0x40
     target.write_bytes(bytes(data))
-    err = assert_refused_and_unchanged(run, SnapshotDamaged, f"{name}: sha256 differs")
+    err = assert_refused_and_unchanged(run, SnapshotDamaged, f"{name}: blake3 differs")
     assert err.path == target
 
 

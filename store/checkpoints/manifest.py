@@ -5,7 +5,12 @@ is renamed into place; a directory without a valid manifest is therefore never a
 checkpoint. It records the format version, the kind (``trainer_checkpoint`` or
 ``rollout_snapshot``), the anchor, the sequence number, the schema revision read from the
 snapshot file's ``alembic_version``, created and cut times, the store's mutation counter
-at the cut, row counts, the config fingerprint, and the size and sha256 of every file.
+at the cut, row counts, the config fingerprint, and the size and checksum of every file.
+
+Format 2 (written since W2-G) names its hash, ``"hash": "blake3"``, and each file entry is
+``{"path", "size", "blake3"}`` (64 hex digits). Format 1 (older rolloutdb) has no
+``hash`` field and each entry carries ``sha256``; it stays readable and verifiable.
+Which hash checks a manifest is decided in one place, `hashing.hashing_for`.
 
 Paths in a manifest are relative, POSIX-style, and must stay inside the directory: an
 absolute path, a ``..`` component, or anything that resolves outside (through a symlink)
@@ -26,8 +31,9 @@ from typing import Any
 from ..errors import StoreError
 from ..fsio import refuse_special_file
 from ..sqlite.readonly import MANIFEST_NAME  # defined with the readers that must recognise it
+from .hashing import BLAKE3, DEFAULT_HASH, WRITE_FORMAT, Hashing, HashingError, hashing_for
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = WRITE_FORMAT
 KIND_TRAINER = "trainer_checkpoint"
 KIND_SNAPSHOT = "rollout_snapshot"
 KINDS = (KIND_TRAINER, KIND_SNAPSHOT)
@@ -46,7 +52,7 @@ class ManifestError(StoreError):
 class FileEntry:
     path: str  # relative, POSIX separators
     size: int
-    sha256: str
+    digest: str  # hex, of the manifest's hash (`Manifest.hashing`)
 
 
 @dataclass
@@ -65,14 +71,30 @@ class Manifest:
     config_fingerprint: str | None = None
     timings: dict[str, float] = field(default_factory=dict)
     format_version: int = FORMAT_VERSION
+    hash: str | None = None  # None: the format's own (format 1 has only sha256)
+
+    def __post_init__(self) -> None:
+        if self.hash is None and self.format_version in DEFAULT_HASH:
+            self.hash = DEFAULT_HASH[self.format_version]
+
+    @property
+    def hashing(self) -> Hashing:
+        """The hash every file entry's digest is of (raises ManifestError if unknown)."""
+        try:
+            return hashing_for(self.format_version, self.hash)
+        except HashingError as e:
+            raise ManifestError(str(e)) from None
 
     @property
     def total_bytes(self) -> int:
         return sum(f.size for f in self.files)
 
     def to_json(self) -> bytes:
+        name = self.hashing.name
         d = asdict(self)
-        d["files"] = [asdict(f) for f in self.files]
+        d["files"] = [{"path": f.path, "size": f.size, name: f.digest} for f in self.files]
+        if self.format_version == 1:
+            del d["hash"]  # as rolloutdb wrote format 1: the hash is implied
         return (json.dumps(d, indent=2, sort_keys=True) + "\n").encode()
 
     @classmethod
@@ -80,12 +102,11 @@ class Manifest:
         """Validate structure and types; raises ManifestError naming the first fault."""
         if not isinstance(d, dict):
             raise ManifestError(f"{where}: not a JSON object")
-        version = d.get("format_version")
-        if not _is_int(version) or version != FORMAT_VERSION:  # true == 1 in Python
-            raise ManifestError(
-                f"{where}: format_version {_show(version)} is not {FORMAT_VERSION}; "
-                "written by a different rolloutdb (upgrade rolloutdb if newer)"
-            )
+        try:
+            hashing = hashing_for(d.get("format_version"), d.get("hash"), where)
+        except HashingError as e:
+            raise ManifestError(str(e)) from None
+        name = hashing.name
         if d.get("kind") not in KINDS:
             raise ManifestError(f"{where}: kind {_show(d.get('kind'))} is not one of {', '.join(KINDS)}")
         if not isinstance(d.get("anchor"), str) or not d["anchor"]:
@@ -97,11 +118,15 @@ class Manifest:
             raise ManifestError(f"{where}: files must be a list")
         files = []
         for f in raw_files:
-            if not (isinstance(f, dict) and isinstance(f.get("path"), str) and _is_int(f.get("size")) and f["size"] >= 0
-                    and isinstance(f.get("sha256"), str) and len(f["sha256"]) == 64):
+            if not (isinstance(f, dict) and isinstance(f.get("path"), str) and _is_int(f.get("size")) and f["size"] >= 0):
                 raise ManifestError(f"{where}: malformed file entry {_show(f)}")
+            others = sorted(k for k in f if k not in ("path", "size", name))
+            if others or not _is_hex64(f.get(name)):
+                raise ManifestError(f"{where}: file entry {_show(f['path'])} needs {name} (64 hex digits) and nothing else: "
+                                    f"format_version {d['format_version']} lists each file's {name}"
+                                    + (f", not {', '.join(others)}" if others else ""))
             check_member_name(f["path"], where)
-            files.append(FileEntry(f["path"], f["size"], f["sha256"]))
+            files.append(FileEntry(f["path"], f["size"], f[name]))
         for key, (check, what) in _FIELD_TYPES.items():
             if key in d and not check(d[key]):
                 raise ManifestError(f"{where}: field {key} is {_show(d[key])}, expected {what}")
@@ -110,6 +135,10 @@ class Manifest:
             return cls(files=files, **known)
         except TypeError as e:
             raise ManifestError(f"{where}: {e}") from e
+
+
+def _is_hex64(v: Any) -> bool:
+    return isinstance(v, str) and len(v) == 64 and all(c in "0123456789abcdef" for c in v)
 
 
 def _is_int(v: Any) -> bool:
@@ -185,16 +214,10 @@ def member_path(root: Path, name: str, where: str = "manifest") -> Path:
     return path
 
 
-def hash_file(path: str | Path) -> tuple[int, str]:
-    with open(path, "rb") as f:
-        digest = hashlib.file_digest(f, "sha256").hexdigest()
-        size = os.fstat(f.fileno()).st_size
-    return size, digest
-
-
-def describe_files(root: Path, *, skip_dirs: tuple[str, ...] = ()) -> list[FileEntry]:
-    """Size and sha256 of every regular file under `root` (relative POSIX paths,
-    sorted), except the manifest itself and the top-level folders in `skip_dirs`."""
+def describe_files(root: Path, *, skip_dirs: tuple[str, ...] = (), hashing: Hashing = BLAKE3) -> list[FileEntry]:
+    """Size and digest (`hashing`: the format written today) of every regular file
+    under `root` (relative POSIX paths, sorted), except the manifest itself and the
+    top-level folders in `skip_dirs`."""
     entries = []
     for dirpath, dirnames, filenames in os.walk(root):
         rel_dir = Path(dirpath).relative_to(root)
@@ -204,7 +227,7 @@ def describe_files(root: Path, *, skip_dirs: tuple[str, ...] = ()) -> list[FileE
             rel = (rel_dir / name).as_posix()
             if rel == MANIFEST_NAME or os.path.islink(os.path.join(dirpath, name)):
                 continue
-            size, digest = hash_file(os.path.join(dirpath, name))
+            size, digest = hashing.file(os.path.join(dirpath, name))
             entries.append(FileEntry(rel, size, digest))
     return sorted(entries, key=lambda e: e.path)
 
@@ -233,9 +256,11 @@ def read_manifest(directory: str | Path) -> Manifest:
 
 
 def verify_files(directory: str | Path, manifest: Manifest, *, skip_dirs: tuple[str, ...] = ()) -> list[str]:
-    """Check every file the manifest names against its size and sha256, and report
-    files present but not named. Returns one line per problem (empty when sound)."""
+    """Check every file the manifest names against its size and checksum (the hash
+    its format names), and report files present but not named. Returns one line per
+    problem (empty when sound)."""
     root = Path(directory)
+    hashing = manifest.hashing
     problems = []
     named = set()
     for entry in manifest.files:
@@ -248,11 +273,11 @@ def verify_files(directory: str | Path, manifest: Manifest, *, skip_dirs: tuple[
         if not path.is_file():
             problems.append(f"{path}: missing (the manifest lists it)")
             continue
-        size, digest = hash_file(path)
+        size, digest = hashing.file(path)
         if size != entry.size:
             problems.append(f"{path}: size {size} bytes, manifest says {entry.size}")
-        elif digest != entry.sha256:
-            problems.append(f"{path}: sha256 differs from the manifest (the file was changed or damaged)")
+        elif digest != entry.digest:
+            problems.append(f"{path}: {hashing.name} differs from the manifest (the file was changed or damaged)")
     for name in describe_files_names(root, skip_dirs):
         if name not in named:
             problems.append(f"{root / name}: not listed in the manifest")

@@ -65,7 +65,6 @@ from .manifest import (
     Manifest,
     ManifestError,
     config_fingerprint,
-    hash_file,
     read_manifest,
 )
 from .retention import Retention, RetentionReport, apply_retention, default_retention, remove_leftovers, remove_tree
@@ -138,6 +137,7 @@ def commit_directory(tmp: Path, target: Path, manifest: Manifest, *, skip_dirs: 
     faults.point("publish.payload_written")
     files: list[FileEntry] = []
     dirs: list[str] = []
+    hashing = manifest.hashing
     # Each file is fsynced on a helper thread while this thread hashes it: the fsync
     # waits on the disk, the hash on the CPU (both release the GIL), so a large snapshot
     # costs about max(hash, fsync) instead of their sum (bench/bench_publish.py).
@@ -152,7 +152,7 @@ def commit_directory(tmp: Path, target: Path, manifest: Manifest, *, skip_dirs: 
                 if os.path.islink(p):
                     raise OSError(errno_mod.EINVAL, f"symlinks are not published ({p})")
                 pending.append(fsyncer.submit(fsync_file, p))
-                size, digest = hash_file(p)
+                size, digest = hashing.file(p)
                 files.append(FileEntry(Path(p).relative_to(tmp).as_posix(), size, digest))
         for done in pending:
             done.result()  # re-raises an fsync error here
@@ -362,7 +362,7 @@ class Publisher:
                         dirnames[:] = [d for d in dirnames if d != SNAPSHOTS_DIR]
                     for name in sorted(filenames):
                         p = os.path.join(dirpath, name)
-                        size, digest = hash_file(p)
+                        size, digest = manifest.hashing.file(p)
                         fsync_file(p)
                         files.append(FileEntry(Path(p).relative_to(target).as_posix(), size, digest))
                     fsync_dir(dirpath)

@@ -1,7 +1,8 @@
 """The two full reads of a snapshot's store file that a restore makes, overlapped.
 
 Measured with bench/bench_restore.py (100k groups, 1 GiB): copying while hashing in
-Python (4 MiB `read` + `sha256.update` + `write`) and then `PRAGMA integrity_check` of
+Python (4 MiB `read` + `sha256.update` + `write`; the hash is now the one the manifest's
+format names, BLAKE3 for format 2, see checkpoints/hashing.py) and then `PRAGMA integrity_check` of
 the copy took most of the restore, one after the other on one core. Here:
 
 * `copy_hashing`: the kernel copies (`os.copy_file_range`, no trip through Python's
@@ -14,7 +15,7 @@ the copy took most of the restore, one after the other on one core. Here:
   read-only and immutable (no lock, no side file: the snapshot directory is only ever
   read), on its own thread while the copy runs. Why checking the source and not the copy
   is the same check: the copy is proven byte-for-byte equal to the published file by
-  its sha256 (computed over the copy), and a published snapshot is never written again.
+  its checksum (computed over the copy), and a published snapshot is never written again.
   For the check to pass on the source while the copy differed, the published file would
   have to change during the restore into a *consistent* file that is not the one
   published, and the copy would still carry the published bytes, which the manifest
@@ -25,7 +26,6 @@ the copy took most of the restore, one after the other on one core. Here:
 from __future__ import annotations
 
 import errno
-import hashlib
 import os
 import sqlite3
 import threading
@@ -33,6 +33,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from .. import faults
+from ..checkpoints.hashing import Hashing
 from ..sqlite.integrity import integrity_problems
 
 COPY_STEP = 64 * 1024 * 1024  # bytes the kernel copies between two hash hand-offs
@@ -92,23 +93,23 @@ class _Copier:
         return n or 0
 
 
-def copy_hashing(src: Path, dst: Path) -> tuple[int, str]:
-    """Copy `src` to the new file `dst`; returns (size, sha256 of the copy's bytes)."""
-    digest = hashlib.sha256()
+def copy_hashing(src: Path, dst: Path, hashing: Hashing) -> tuple[int, str]:
+    """Copy `src` to the new file `dst`; returns (size, `hashing` digest of the copy's bytes)."""
+    digest = hashing.new(os.stat(src).st_size)
     size = 0
     faults.io("write", dst)
     with open(src, "rb", buffering=0) as fin, open(dst, "xb+", buffering=0) as fout:
         copier = _Copier(fin, fout)
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="rolloutdb-restore-hash") as pool:
-            hashing: Future | None = None
+            hashed_step: Future | None = None
             while True:
                 n = copier.step(COPY_STEP)
-                if hashing is not None:
-                    hashing.result()  # in order: sha256 is sequential
-                    hashing = None
+                if hashed_step is not None:
+                    hashed_step.result()  # in order: the digest is sequential
+                    hashed_step = None
                 if n == 0:
                     break
-                hashing = pool.submit(_hash_range, digest, fout.fileno(), size, n)
+                hashed_step = pool.submit(_hash_range, digest, fout.fileno(), size, n)
                 size += n
     return size, digest.hexdigest()
 

@@ -17,7 +17,6 @@ from ..checkpoints.manifest import (
     Manifest,
     ManifestError,
     describe_files_names,
-    hash_file,
     member_path,
     read_manifest,
 )
@@ -112,9 +111,11 @@ def read_snapshot_manifest(snapshot_dir: Path) -> Manifest:
 
 
 def verify_and_copy(snapshot_dir: Path, manifest: Manifest, copy: Path) -> None:
-    """Phase 1: every listed file against its size and sha256 (the store file while it
-    is copied to `copy`), and no unlisted file."""
+    """Phase 1: every listed file against its size and checksum (the hash the
+    manifest's format names; the store file while it is copied to `copy`), and no
+    unlisted file."""
     where = str(snapshot_dir / "manifest.json")
+    hashing = manifest.hashing
     listed = set()
     for entry in manifest.files:
         try:
@@ -125,11 +126,11 @@ def verify_and_copy(snapshot_dir: Path, manifest: Manifest, copy: Path) -> None:
         if not path.is_file():
             raise SnapshotDamaged(f"{path}: missing (the manifest lists it); restore another snapshot", path)
         if entry.path == SNAPSHOT_DB:
-            size, digest = copy_hashing(path, copy)
+            size, digest = copy_hashing(path, copy, hashing)
         else:
-            size, digest = hash_file(path)
-        if size != entry.size or digest != entry.sha256:
-            what = f"size {size} bytes, manifest says {entry.size}" if size != entry.size else "sha256 differs from the manifest"
+            size, digest = hashing.file(path)
+        if size != entry.size or digest != entry.digest:
+            what = f"size {size} bytes, manifest says {entry.size}" if size != entry.size else f"{hashing.name} differs from the manifest"
             raise SnapshotDamaged(f"{path}: {what} (the file was changed or damaged); restore another snapshot", path)
     if SNAPSHOT_DB not in listed:
         raise SnapshotDamaged(f"{snapshot_dir}: its manifest lists no {SNAPSHOT_DB}; not a rollout snapshot",
