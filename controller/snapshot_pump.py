@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from rolloutdb.controller import fault_points  # noqa: F401 - registers the kill points hit here
 from rolloutdb.controller.env_checkpoint import EnvironmentCheckpoint
 from rolloutdb.controller.runtime import RolloutParts
-from rolloutdb.store import Publisher, anchor_name, faults, queries, scan
+from rolloutdb.store import Publisher, PublishError, anchor_name, faults, queries, scan
 
 log = logging.getLogger("rolloutdb.controller")
 
@@ -213,7 +213,10 @@ class SnapshotPump:
             timings["environment"] = time.perf_counter() - t_env
             if rt.commit_lock.locked() or self.p.read_progress().step != step:
                 return AttemptResult("aborted_commit", anchor, timings=timings)
-            stage = self.publisher.begin_snapshot(anchor)
+            try:
+                stage = self.publisher.begin_snapshot(anchor)
+            except PublishError as e:  # a full disk, a failed deferred publish: an outcome, like a failed publish
+                return AttemptResult("failed", anchor, timings=timings, error=f"{type(e).__name__}: {e}")
             try:
                 capture = self._cut(stage.db_path, step)
             except AbortedCommit:

@@ -1,7 +1,7 @@
 """Named fault points, so tests can kill or fail publication at every step.
 
 Publication and retention call `point(name)` between their steps and `io(op, path)`
-right before each write, fsync and rename. Both do nothing unless a fault is armed:
+right before each mkdir, write, fsync and rename. Both do nothing unless a fault is armed:
 the check is one module-global boolean, so production pays nothing.
 
 Two kinds of fault:
@@ -72,7 +72,7 @@ POINTS: tuple[str, ...] = register(
 # Kill points of `rolloutdb upgrade` (store.revision.upgrade_file), between its steps.
 UPGRADE_POINTS: tuple[str, ...] = register("upgrade.copied", "upgrade.migrated")
 
-IO_OPS = ("write", "fsync", "rename")
+IO_OPS = ("mkdir", "write", "fsync", "rename")
 
 _armed = False
 _kill_at: dict[str, int] = {}
@@ -136,7 +136,7 @@ def _point_armed(name: str) -> None:
 
 
 def io(op: str, path: object = None) -> None:
-    """Called right before a write, fsync or rename; raises an injected OSError."""
+    """Called right before a mkdir, write, fsync or rename; raises an injected OSError."""
     if not _armed:
         return
     _io_armed(op, path)

@@ -159,3 +159,21 @@ def test_each_pump_attempt_leaves_exactly_one_outcome_row_matching_its_metrics_l
             manifest = json.loads((tmp_path / "checkpoints" / "bootstrap" / "rollout_snapshots" / f"snapshot_{row[2]}"
                                    / "manifest.json").read_text())
             assert row[4] == line["mutation_counter"] == manifest["mutation_counter"]
+
+
+def test_a_disk_failure_creating_the_snapshot_directory_is_a_failed_attempt_and_training_goes_on(pump, tmp_path):
+    """The first half of publication (the temporary directory) failing is an outcome like
+    a failed publish: a `failed` row naming the error, the pump alive, the next attempt
+    publishes. Before, the error escaped the attempt and ended the whole run."""
+    snapshotter, _publisher, store, _env, metrics = pump(drain_s=0.0)
+    with faults.inject_io("mkdir", errno.ENOSPC) as fault:
+        failed = snapshotter.attempt()
+    assert fault.fired == 1
+    assert failed.outcome == "failed" and "ENOSPC" in failed.error and "PublishError" in failed.error
+    assert not snapshotter.p.runtime.stop.is_set()
+    assert snapshotter.attempt(force=True).outcome == "published"
+    with contextlib.closing(sqlite3.connect(f"file:{store.path}?mode=ro", uri=True)) as conn:
+        rows = conn.execute("SELECT outcome, anchor FROM snapshot_attempts ORDER BY attempt_seq").fetchall()
+    assert rows == [("failed", "bootstrap"), ("published", "bootstrap")]
+    snapshots = tmp_path / "checkpoints" / "bootstrap" / "rollout_snapshots"
+    assert sorted(p.name for p in snapshots.iterdir()) == ["snapshot_2"]  # no temporary directory left behind

@@ -284,6 +284,7 @@ class Publisher:
         tmp = temp_path_beside(target, "publish")
         if tmp.exists():  # our own pid's leftover from an attempt that failed to clean up
             remove_tree(tmp, "cleanup")
+        faults.io("mkdir", tmp)
         tmp.mkdir(parents=True)
         self._busy.add(tmp)
         faults.point("publish.tmpdir_created")
