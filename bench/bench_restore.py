@@ -20,8 +20,10 @@ times with the order rotated, each after `os.sync()`:
   rename into place); its phase timings are printed;
 * read: the snapshot file read in 4 MiB chunks from Python (`readinto`);
 * cat: ``cat FILE > /dev/null``;
-* read+sha256: 4 MiB chunks into sha256;
-* copy+sha256+fsync: what any restore that copies must do at least (read, hash, write
+* read+sha256: 4 MiB chunks into sha256 (format-1 manifests);
+* read+blake3: the same into BLAKE3, the hash of format-2 manifests, which restore now
+  verifies (the floor of a verifying restore);
+* copy+blake3+fsync: what any restore that copies must do at least (read, hash, write
   the copy, fsync it), for context.
 
 Cache state: `warm` (the file was just written or read; 1 GiB fits in the page cache
@@ -42,6 +44,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+import blake3
 
 sys.path.insert(0, str(Path(__file__).parent))
 import benchlib  # noqa: E402
@@ -113,7 +117,14 @@ def cat(path: Path) -> None:
 
 
 def read_sha256(path: Path) -> None:
-    digest = hashlib.sha256()
+    _read_into(path, hashlib.sha256())
+
+
+def read_blake3(path: Path) -> None:
+    _read_into(path, blake3.blake3())
+
+
+def _read_into(path: Path, digest) -> None:
     buf = bytearray(CHUNK)
     view = memoryview(buf)
     with open(path, "rb", buffering=0) as f:
@@ -122,8 +133,8 @@ def read_sha256(path: Path) -> None:
     digest.hexdigest()
 
 
-def copy_sha256_fsync(path: Path, dst: Path) -> None:
-    digest = hashlib.sha256()
+def copy_blake3_fsync(path: Path, dst: Path) -> None:
+    digest = blake3.blake3()
     with open(path, "rb") as fin, open(dst, "wb") as fout:
         while chunk := fin.read(CHUNK):
             digest.update(chunk)
@@ -186,10 +197,11 @@ def main() -> int:
 
         def copy_floor() -> None:
             copy.unlink(missing_ok=True)
-            copy_sha256_fsync(snap, copy)
+            copy_blake3_fsync(snap, copy)
 
         ops = {"restore": restore, "read": lambda: py_read(snap), "cat": lambda: cat(snap),
-               "read+sha256": lambda: read_sha256(snap), "copy+sha256+fsync": copy_floor}
+               "read+sha256": lambda: read_sha256(snap), "read+blake3": lambda: read_blake3(snap),
+               "copy+blake3+fsync": copy_floor}
         caches = ["warm"] + (["cold"] if args.cold else [])
         times: dict[str, dict[str, list[float]]] = {c: {k: [] for k in ops} for c in caches}
         names = list(ops)

@@ -67,7 +67,7 @@ def test_the_pump_latency_benchmark_runs_the_real_controller_with_and_without_sn
 def test_the_restore_benchmark_restores_next_to_reading_the_same_file(tmp_path):
     r = _run_bench("bench_restore.py", tmp_path)
     warm = r["summary"]["warm"]
-    assert set(warm["median_s"]) == {"restore", "read", "cat", "read+sha256", "copy+sha256+fsync"}
+    assert set(warm["median_s"]) == {"restore", "read", "cat", "read+sha256", "read+blake3", "copy+blake3+fsync"}
     assert warm["ratios"]["restore/read"] > 0
     assert r["restore_counts"]["abandoned_attempts"] > 0
     assert {"checksums", "integrity", "ledger", "replace"} <= r["restore_phases_s"].keys()
