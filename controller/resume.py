@@ -50,7 +50,7 @@ from rolloutdb.store import (
     live_store_work,
     move_run_aside,
     queries,
-    remove_store_files,
+    remove_sqlite_file,
     select_and_restore,
 )
 
@@ -138,7 +138,7 @@ def restore_run(ctl) -> Restored:
         return Restored(plan, moved_to=_move_aside(dirs), t0=t0)
     if plan.action == START_OVER_EMPTY:
         ctl.writing = True
-        remove_store_files(dirs.store)
+        remove_sqlite_file(dirs.store)
         return Restored(plan, t0=t0)
 
     def load_weights(selection: Selection) -> None:

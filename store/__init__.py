@@ -28,7 +28,7 @@ from .errors import (
     StoreError,
     TrainerCheckpointOnly,
 )
-from .fsio import refuse_special_file, replace_file, temp_path_beside, write_file_atomic
+from .fsio import refuse_special_file, remove_sqlite_file, replace_file, temp_path_beside, write_file_atomic
 
 # sqlite: engine, read-only opening, the integrity check, revisions and upgrades
 from .sqlite.database import Database
@@ -84,7 +84,7 @@ from .restore.choice import (
     select_and_restore,
 )
 from .restore.plan import RestoredGroup, RestorePlan
-from .restore.run_files import drop_checkpoints_after, move_run_aside, remove_store_files
+from .restore.run_files import drop_checkpoints_after, move_run_aside
 from .restore.selection import Selection, select_for_restore
 from .restore.verification import Report, verify_path
 
@@ -114,6 +114,7 @@ __all__ = [
     "StoreError",
     "TrainerCheckpointOnly",
     "refuse_special_file",
+    "remove_sqlite_file",
     "replace_file",
     "temp_path_beside",
     "write_file_atomic",
@@ -180,7 +181,6 @@ __all__ = [
     "live_run_id",
     "live_store_work",
     "move_run_aside",
-    "remove_store_files",
     "restore_snapshot",
     "select_and_restore",
     "select_for_restore",

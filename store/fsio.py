@@ -53,6 +53,18 @@ def rename(src: str | Path, dst: str | Path) -> None:
     os.replace(src, dst)
 
 
+# The files SQLite keeps beside a database (WAL, shared memory, rollback journal). A
+# database removed or replaced without them is not gone: SQLite applies a stale WAL or
+# hot journal to a new file of the same name.
+SQLITE_SIDE_SUFFIXES = ("-wal", "-shm", "-journal")
+
+
+def remove_sqlite_file(path: str | Path) -> None:
+    """Remove a SQLite database file and its side files, those that exist."""
+    for p in (Path(path), *(Path(f"{path}{suffix}") for suffix in SQLITE_SIDE_SUFFIXES)):
+        p.unlink(missing_ok=True)
+
+
 def replace_file(tmp: str | Path, target: str | Path) -> None:
     """Atomically put the finished file `tmp` at `target` (same directory)."""
     tmp, target = Path(tmp), Path(target)

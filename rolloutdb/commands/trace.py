@@ -149,10 +149,6 @@ def _agreement(batch_age: Table) -> str:
 # --------------------------------------------------------------------------- files
 
 
-def _publish_bytes(path: Path, data: bytes) -> None:
-    write_file_atomic(path, data)
-
-
 def _csv_bytes(table: Table) -> bytes:
     buf = io.StringIO()
     writer = csv.writer(buf, lineterminator="\n")
@@ -180,16 +176,16 @@ def _write_outputs(out: Path, report: dict[str, Table], document: dict, has_base
     written = []
     for name, table in report.items():
         written.append(out / f"{name}.csv")
-        _publish_bytes(written[-1], _csv_bytes(table))
+        write_file_atomic(written[-1], _csv_bytes(table))
     written.append(out / "trace_report.json")
-    _publish_bytes(written[-1], json.dumps(document, indent=1).encode())
+    write_file_atomic(written[-1], json.dumps(document, indent=1).encode())
     for filename, plot in (
         ("thrown_away.png", _plot_thrown_away),
         ("lost_progress.png", _plot_lost_progress),
         ("batch_age.png", _plot_batch_age),
     ):
         written.append(out / filename)
-        _publish_bytes(written[-1], _png(plot, report, has_baseline))
+        write_file_atomic(written[-1], _png(plot, report, has_baseline))
     return written
 
 

@@ -61,7 +61,7 @@ from pathlib import Path
 
 from ..checkpoints.layout import ENV_EXPORT, SNAPSHOT_DB, anchor_step
 from ..errors import RestoreError, SnapshotDamaged
-from ..fsio import replace_file, temp_path_beside
+from ..fsio import SQLITE_SIDE_SUFFIXES, remove_sqlite_file, replace_file, temp_path_beside
 from ..live import pools
 from ..live.store import Store
 from ..sqlite.database import Database
@@ -80,9 +80,6 @@ from .plan import (
     refuse_on_invariants,
     verify_and_copy,
 )
-
-SIDE_SUFFIXES = ("-wal", "-shm", "-journal")
-
 
 # --------------------------------------------------------------------------- helpers
 
@@ -104,15 +101,10 @@ class _Phases:
             self.timings[name] = self.timings.get(name, 0.0) + time.perf_counter() - t0
 
 
-def _remove_with_side_files(path: Path) -> None:
-    for p in (path, *(Path(f"{path}{s}") for s in SIDE_SUFFIXES)):
-        p.unlink(missing_ok=True)
-
-
 def _replace_live(copy: Path, live: Path) -> None:
     """Phase 9. Side files of the live path go first: SQLite would apply a stale WAL
     (or hot journal) left by a killed process to the new file of the same name."""
-    for suffix in SIDE_SUFFIXES:
+    for suffix in SQLITE_SIDE_SUFFIXES:
         Path(f"{live}{suffix}").unlink(missing_ok=True)
     replace_file(copy, live)
 
@@ -122,7 +114,7 @@ def _fold_wal(path: Path) -> None:
     if Path(f"{path}-wal").exists():
         with contextlib.closing(sqlite3.connect(path, isolation_level=None)) as conn:
             conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-    for suffix in SIDE_SUFFIXES:
+    for suffix in SQLITE_SIDE_SUFFIXES:
         Path(f"{path}{suffix}").unlink(missing_ok=True)
 
 
@@ -163,7 +155,7 @@ def restore_snapshot(
         raise RestoreError(f"{live.parent}: no such directory; pass the run directory's store path")
     refuse_if_open(live, doing="resume")  # replaced under another process, its commits would be lost
     copy = temp_path_beside(live, "restore")
-    _remove_with_side_files(copy)  # our own pid's leftover of an earlier failed restore
+    remove_sqlite_file(copy)  # our own pid's leftover of an earlier failed restore
     counts: dict[str, int] = {}
     # Starts now, beside the copy; its verdict is read after the checksums and the
     # schema, so refusals come in the same order as if it ran after them.
@@ -215,7 +207,7 @@ def restore_snapshot(
     finally:
         if source_check is not None:
             source_check.cancel()
-        _remove_with_side_files(copy)
+        remove_sqlite_file(copy)
     env_export = snapshot_dir / ENV_EXPORT
     return RestorePlan(
         snapshot_dir=snapshot_dir,

@@ -3,8 +3,6 @@ controller never handles the store's files, side files or checkpoint layout itse
 The controller passes every path in (its run directory names them); nothing here knows
 the run directory's file names.
 
-* `remove_store_files`: a start over of a store that held no work removes it, with its
-  side files.
 * `drop_checkpoints_after`: after a restore, the trainer checkpoints of the branch the
   stop cut off.
 * `move_run_aside`: `--start-over` moves the store, the checkpoints and any other file
@@ -20,18 +18,7 @@ from ..checkpoints.layout import scan
 from ..checkpoints.manifest import KIND_TRAINER
 from ..checkpoints.publish import record_high_water
 from ..checkpoints.retention import remove_tree
-from ..fsio import fsync_dir, rename
-from .apply import SIDE_SUFFIXES
-
-
-def _with_side_files(store_path: Path) -> list[Path]:
-    return [store_path, *(Path(f"{store_path}{suffix}") for suffix in SIDE_SUFFIXES)]
-
-
-def remove_store_files(store_path: str | Path) -> None:
-    """Remove the store file and its side files (-wal, -shm, -journal), if present."""
-    for path in _with_side_files(Path(store_path)):
-        path.unlink(missing_ok=True)
+from ..fsio import SQLITE_SIDE_SUFFIXES, fsync_dir, rename
 
 
 def drop_checkpoints_after(checkpoint_dir: str | Path, step: int) -> list[str]:
@@ -58,7 +45,8 @@ def move_run_aside(dest: str | Path, *, store: str | Path, checkpoints: str | Pa
     growing."""
     dest, checkpoints = Path(dest), Path(checkpoints)
     high = scan(checkpoints).max_sequence()
-    sources = [*_with_side_files(Path(store)), checkpoints, *map(Path, also)]
+    store_files = [Path(store), *(Path(f"{store}{suffix}") for suffix in SQLITE_SIDE_SUFFIXES)]
+    sources = [*store_files, checkpoints, *map(Path, also)]
     for path in sources:
         if path.exists():
             rename(path, dest / path.name)

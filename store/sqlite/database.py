@@ -170,8 +170,8 @@ class Database:
         """The one way to read the store: a read transaction (``BEGIN DEFERRED``, no write
         lock) on a reader connection, never the writer. From its first statement on it
         sees one consistent state while writers in this process or another go on (WAL),
-        and it never queues behind the write lock or makes a writer wait. Nested calls in one thread join the outer
-        transaction. Reader connections are kept between calls (opening one and setting
+        and it never queues behind the write lock or makes a writer wait. Nested calls in
+        one thread join the outer transaction. Reader connections are kept between calls (opening one and setting
         its pragmas costs more than a pump's read)."""
         held = getattr(self._local, "reader", None)
         if held is not None:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from .. import faults
 from ..errors import NotAStoreError, StoreBusyError
-from ..fsio import TEMP_SUFFIX, replace_file, temp_path_beside
+from ..fsio import TEMP_SUFFIX, remove_sqlite_file, replace_file, temp_path_beside
 from .identity import identify
 from .integrity import check_sqlite_file, first_problem, integrity_problems
 from .inuse import describe_holder, open_elsewhere
@@ -112,11 +112,6 @@ def _finish_copy(tmp: Path, shown: Path, old: str, journal_mode: str) -> None:
         conn.execute(f"PRAGMA journal_mode = {journal_mode}")
 
 
-def _remove_temp(tmp: Path) -> None:
-    for suffix in ("", "-journal", "-wal", "-shm"):
-        Path(f"{tmp}{suffix}").unlink(missing_ok=True)
-
-
 def upgrade_file(path: str | Path, out: str | Path | None = None) -> tuple[str, str]:
     """Migrate `path` to head through a copy and put the copy in its place atomically;
     with `out`, write the upgraded copy there and leave `path` as it is.
@@ -164,7 +159,7 @@ def upgrade_file(path: str | Path, out: str | Path | None = None) -> tuple[str, 
         shutil.copymode(target, tmp)
         replace_file(tmp, target)
     finally:
-        _remove_temp(tmp)
+        remove_sqlite_file(tmp)
     for suffix in ("-wal", "-shm"):
         Path(f"{target}{suffix}").unlink(missing_ok=True)
     return old, head_revision()
@@ -191,5 +186,5 @@ def _upgrade_to(path: Path, out: Path) -> tuple[str, str]:
         _finish_copy(tmp, path, old, _wal_header_mode(path))
         replace_file(tmp, out)
     finally:
-        _remove_temp(tmp)
+        remove_sqlite_file(tmp)
     return old, head_revision()
