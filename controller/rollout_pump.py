@@ -19,7 +19,6 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from rolloutdb.controller import fault_points  # noqa: F401 - registers the kill points hit here
 from rolloutdb.controller.dispatch import GroupHandle
 from rolloutdb.controller.episodes import EpisodeSpec, call_seed, run_episodes
 from rolloutdb.controller.runtime import RolloutParts

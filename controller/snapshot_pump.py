@@ -37,7 +37,6 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from rolloutdb.controller import fault_points  # noqa: F401 - registers the kill points hit here
 from rolloutdb.controller.env_checkpoint import EnvironmentCheckpoint
 from rolloutdb.controller.runtime import RolloutParts
 from rolloutdb.store import Publisher, PublishError, anchor_name, faults, queries, scan

@@ -12,7 +12,6 @@ import time
 from collections.abc import Callable
 
 import numpy as np
-from rolloutdb.controller import fault_points  # noqa: F401 - registers the kill points hit here
 from rolloutdb.controller.episodes import ENV_TOKEN_VERSION
 from rolloutdb.controller.runtime import RolloutParts
 from rolloutdb.controller.protocols import Completion, TrainGroup
