@@ -88,6 +88,18 @@ class Environment(Protocol):
 
 
 @runtime_checkable
+class ReplyLimits(Protocol):
+    """Optional, beside `Environment`: an environment that sets the length of each reply
+    itself (a task whose answers have a known, varying length). The rollout pump asks
+    before every call and uses min(max_tokens, generation.max_tokens) and
+    min(min_tokens, that); an environment without it gets generation's limits."""
+
+    def reply_limits(self, state: dict) -> tuple[int, int]:
+        """(min_tokens, max_tokens) of the policy's next reply in this episode."""
+        ...
+
+
+@runtime_checkable
 class PromptDataset(Protocol):
     """Prompts addressed by dataset index; the sampler decides the order."""
 

@@ -1,7 +1,7 @@
 """Generation engines and prefix capture: the GenerationEngine protocol, the tiny
 embedded policy, and the CPU reference engine."""
 
-from .protocol import GenerationEngine, GenerationRequest, GenerationResult, SamplingParams
+from .protocol import GenerationEngine, GenerationRequest, GenerationResult, SamplingParams, generate_all
 from .reference_engine import ReferenceEngine
 from .tiny_policy import build_tiny_policy, encode_strict, load_policy
 
@@ -13,5 +13,6 @@ __all__ = [
     "SamplingParams",
     "build_tiny_policy",
     "encode_strict",
+    "generate_all",
     "load_policy",
 ]

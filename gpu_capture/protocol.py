@@ -1,6 +1,26 @@
 """The generation-engine seam. The controller talks to any engine (the CPU reference
 engine on torch, vLLM) only through `GenerationEngine`.
 
+Calls stream: `submit(request)` hands the engine one call and returns at once with a
+`concurrent.futures.Future` that completes when that call finishes (or is aborted). The
+engine batches internally and continuously: a submitted call joins the running batch at
+the next decode step and leaves it when it finishes, so one slow call never holds the
+others. Why a submit-and-future seam rather than `async def generate`:
+
+* the controller is threads (see controller/controller.py: the engine and the trainer are
+  blocking torch code), and a future is the thread-side form of a coroutine: a pump waits
+  on many with `concurrent.futures.wait(..., FIRST_COMPLETED)` and a timeout (its commit
+  window), with no event loop of its own;
+* vLLM's `AsyncLLM.generate(prompt, params, request_id)` is an async generator that an
+  engine adapter drives on its own loop; `asyncio.run_coroutine_threadsafe(...)` returns
+  exactly a `concurrent.futures.Future`, so the vLLM backend implements `submit` in a few
+  lines, and `abort(request_ids)` maps onto `AsyncLLM.abort`;
+* a future carries an exception as well as a result: a broken call fails its own future,
+  not the pump.
+
+`generate_all(engine, requests)` is the blocking convenience: submit every request, wait
+for all.
+
 Prefix recovery needs two things from an engine beyond generating: to report, under the
 lock around its output step, the tokens each running call has decoded so far
 (`running_tokens`), and to continue a call from such a prefix exactly as if it had never
@@ -10,6 +30,7 @@ stopped (`GenerationRequest.prefix_ids`).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -65,9 +86,12 @@ class GenerationEngine(Protocol):
         """Version of the weights the engine generates with now."""
         ...
 
-    def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
-        """Run the calls (batched as the engine likes) and return one result per
-        request, in order. Blocks until all have finished or were aborted."""
+    def submit(self, request: GenerationRequest) -> Future[GenerationResult]:
+        """Start one call and return at once. The future completes with the call's
+        result when it finishes (finish_reason "abort" when aborted or when the engine
+        closes) and fails with the engine's error if its step broke. A request id must
+        be unique among the calls in progress; a bad request raises ValueError here,
+        before anything is queued."""
         ...
 
     def load_weights(self, state_dict: Mapping[str, object], version: int) -> None:
@@ -83,3 +107,13 @@ class GenerationEngine(Protocol):
     def abort(self, request_ids: Sequence[str]) -> None:
         """End these calls at their next step with finish_reason "abort"."""
         ...
+
+
+def generate_all(engine: GenerationEngine, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
+    """Submit every request, then wait for all: one result per request, in order. The
+    requests are checked (distinct ids) before any is submitted."""
+    ids = [r.request_id for r in requests]
+    if len(set(ids)) != len(ids):
+        raise ValueError("request ids in one batch must be distinct")
+    futures = [engine.submit(r) for r in requests]
+    return [f.result() for f in futures]

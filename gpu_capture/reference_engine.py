@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import copy
 import threading
+import time
 from collections import deque
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
@@ -139,6 +140,10 @@ class ReferenceEngine:
         self._waiters = 0
         self._waiters_lock = threading.Lock()
         self.steps = 0  # forward passes run so far
+        # Seconds the worker spent inside steps, and the calls each step decoded summed
+        # over steps: the benchmarks' engine idle fraction and batch occupancy.
+        self.busy_s = 0.0
+        self.decoded_rows = 0
         # Called by the worker after each step, outside the lock, with the step count:
         # lets tests (and tracing) act at an exact point between two steps.
         self.step_callback = None
@@ -151,7 +156,22 @@ class ReferenceEngine:
     def policy_version(self) -> int:
         return self._version
 
+    def submit(self, request: GenerationRequest) -> Future[GenerationResult]:
+        """Queue one call; it joins the running batch at the next step (see the module
+        docstring). Returns its future at once."""
+        call = self._new_call(request)  # validated before anything is queued
+        with self._exclusive():
+            if self._closed:
+                raise RuntimeError("engine is closed")
+            rid = request.request_id
+            if any(c.request.request_id == rid for c in (*self._waiting, *self._active)):
+                raise ValueError(f"request id already running: {rid!r}")
+            self._abort_ids.discard(rid)  # an abort never targets a future call
+            self._waiting.append(call)
+        return call.future
+
     def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
+        """Blocking convenience: submit every call (all checked first), wait for all."""
         calls = [self._new_call(r) for r in requests]  # validate everything before enqueuing
         ids = [c.request.request_id for c in calls]
         if len(set(ids)) != len(ids):
@@ -163,7 +183,7 @@ class ReferenceEngine:
             clash = running.intersection(ids)
             if clash:
                 raise ValueError(f"request ids already running: {sorted(clash)}")
-            self._abort_ids.difference_update(ids)  # an abort never targets a future call
+            self._abort_ids.difference_update(ids)
             self._waiting.extend(calls)
         return [c.future.result() for c in calls]
 
@@ -281,7 +301,9 @@ class ReferenceEngine:
                 try:
                     if torch.get_num_threads() != self.num_threads:
                         torch.set_num_threads(self.num_threads)
+                    started = time.perf_counter()
                     self._step()
+                    self.busy_s += time.perf_counter() - started
                 except Exception as error:  # a broken step fails its calls, not the process
                     for call in (*self._active, *self._waiting):
                         self._release(call)
@@ -329,6 +351,7 @@ class ReferenceEngine:
             call.logprobs = token_logprobs(rows, call.tokens, call.request.params.temperature)
         choices = [self._choice(call) for call in self._active]
         picked, logprobs = choose_tokens(logits[next_rows], choices)
+        self.decoded_rows += len(picked)
         for call, token, logprob in zip(list(self._active), picked, logprobs):
             self._append(call, token, logprob)
 

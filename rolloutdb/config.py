@@ -38,7 +38,7 @@ class ConfigError(ValueError):
 NOT_BUILT_YET: dict[str, dict[str, str]] = {
     "generation.backend": {"vllm": "the vLLM engine"},
     "cluster.backend": {"ray": "Ray rollout workers"},
-    "rollout_recovery.target_level": {"turn": "turn-level recovery", "prefix": "prefix-level recovery"},
+    "rollout_recovery.target_level": {"prefix": "prefix-level recovery"},
 }
 
 
@@ -149,7 +149,9 @@ class GenerationSection(Section):
     temperature: float = Field(1.0, ge=0, le=100)
     top_p: float = Field(1.0, gt=0, le=1)
     stop: list[str] = Field(default_factory=list)
-    max_batch_size: int = Field(64, ge=1, le=4096)
+    max_batch_size: int = Field(64, ge=1, le=4096, description="Calls the engine decodes at once (KV-cache slots).")
+    max_inflight_calls: int = Field(64, ge=1, le=1_000_000, description="Model calls the rollout pump keeps in "
+                                    "flight; a new episode starts as soon as one ends (within the staleness bound).")
 
     @model_validator(mode="after")
     def _limits(self):
@@ -221,10 +223,16 @@ class CheckpointingSection(Section):
 
 
 class RolloutRecoverySection(Section):
-    # Built levels only ('turn', 'prefix': NOT_BUILT_YET); widening this Literal is the whole change.
-    target_level: Literal["none", "group"] = Field(
-        "group", description="none: no ledger; group: ledger dispatch, unfinished groups redone."
+    # Built levels only ('prefix': NOT_BUILT_YET); widening this Literal is the whole change.
+    target_level: Literal["none", "group", "turn"] = Field(
+        "group", description="none: no ledger; group: ledger dispatch, unfinished groups redone; turn: as group, "
+                             "and an episode running at a stop continues from its last committed turn."
     )
+    # Group commit: finished calls, turns and sealed groups reach the store in batches,
+    # one BEGIN IMMEDIATE transaction (one cut) per window, whichever limit comes first.
+    commit_window_ms: float = Field(15.0, gt=0, le=10_000, description="Longest a finished call waits for its commit.")
+    commit_max_events: int = Field(512, ge=1, le=1_000_000, description="Events (finished calls, turns, seals) that "
+                                                                      "close a commit batch early.")
 
 
 class RolloutCheckpointingSection(Section):
@@ -327,6 +335,7 @@ class Config(Section):
         """Hash of what a restore must match: the settings that shape rollout state."""
         keyed = {k: getattr(self, k).model_dump() for k in ("algorithm", "policy", "generation", "environment")}
         keyed["algorithm"].pop("total_steps")  # a resumed run may train for longer
+        keyed["generation"].pop("max_inflight_calls")  # how much runs at once, not what it makes
         keyed["run"] = {"seed": self.run.seed}
         # Only what changes the prompts' tokens; the file's content is the dataset
         # fingerprint. Absent for the digit task, so older runs keep their fingerprint.

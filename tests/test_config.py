@@ -98,8 +98,7 @@ NOT_LANDED = [
     # key, value, the values the type accepts
     ("generation.backend", "vllm", "'reference'"),
     ("cluster.backend", "ray", "'local'"),
-    ("rollout_recovery.target_level", "turn", "'none', 'group'"),
-    ("rollout_recovery.target_level", "prefix", "'none', 'group'"),
+    ("rollout_recovery.target_level", "prefix", "'none', 'group', 'turn'"),
 ]
 
 

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import FIRST_COMPLETED, wait
 
 import pytest
 import torch
@@ -25,6 +26,7 @@ from rolloutdb.gpu_capture import (
     SamplingParams,
     build_tiny_policy,
     encode_strict,
+    generate_all,
     load_policy,
 )
 from rolloutdb.gpu_capture.invariant_forward import InvariantLlama
@@ -486,3 +488,57 @@ def test_bad_requests_are_refused_before_anything_runs(engine):
     with pytest.raises(ValueError, match="distinct"):
         engine.generate([good, good])
     assert engine.steps == steps and engine.running_tokens() == {}
+
+
+# ---- streaming: submit -----------------------------------------------------------------
+
+
+def test_submitted_calls_complete_one_by_one_and_a_short_call_is_not_held_by_a_long_one(policy_dir):
+    with ReferenceEngine(policy_dir, max_batch_size=4, num_threads=1) as eng:
+        long_call = eng.submit(call("long", prompt(eng, 0), max_tokens=60, min_tokens=60, seed=1))
+        short_call = eng.submit(call("short", prompt(eng, 1), max_tokens=3, min_tokens=3, seed=2))
+        done, _ = wait([long_call, short_call], timeout=60, return_when=FIRST_COMPLETED)
+        assert done == {short_call}, "the short call waited for the long one"
+        assert not long_call.done()
+        assert len(short_call.result().token_ids) == 3
+        assert len(long_call.result(timeout=60).token_ids) == 60
+
+
+def test_a_call_submitted_while_others_run_decodes_what_it_decodes_alone(engine, policy_dir):
+    first = call("s0", prompt(engine, 0), max_tokens=20, min_tokens=20, temperature=1.0, seed=3)
+    later = call("s1", prompt(engine, 5), max_tokens=10, min_tokens=10, temperature=1.0, seed=4)
+    alone = [engine.generate([first])[0], engine.generate([later])[0]]
+    with ReferenceEngine(load_policy(policy_dir), max_batch_size=8, num_threads=1) as eng:
+        seen = threading.Event()
+        eng.step_callback = lambda step: seen.set() if step >= 5 else None
+        f0 = eng.submit(first)
+        assert seen.wait(60)
+        f1 = eng.submit(later)  # joins the running batch at its next step
+        got = [f0.result(timeout=60), f1.result(timeout=60)]
+    for g, expected in zip(got, alone):
+        assert_same_output(g, expected)
+
+
+def test_submit_refuses_a_bad_request_or_a_running_id_and_queues_nothing(engine):
+    with pytest.raises(ValueError, match="request 'e'"):
+        engine.submit(call("e", [], max_tokens=4))
+    running = engine.submit(call("dup", prompt(engine, 0), max_tokens=30, min_tokens=30, seed=1))
+    with pytest.raises(ValueError, match="already running"):
+        engine.submit(call("dup", prompt(engine, 1), max_tokens=4))
+    assert len(running.result(timeout=60).token_ids) == 30
+
+
+def test_generate_all_submits_every_request_and_returns_results_in_order(engine):
+    requests = [call(f"ga{i}", prompt(engine, i), max_tokens=2 + 3 * i, min_tokens=2 + 3 * i, seed=i) for i in range(3)]
+    results = generate_all(engine, requests)
+    assert [r.request_id for r in results] == ["ga0", "ga1", "ga2"]
+    assert [len(r.token_ids) for r in results] == [2, 5, 8]
+    with pytest.raises(ValueError, match="distinct"):
+        generate_all(engine, [requests[0], requests[0]])
+
+
+def test_the_engine_counts_its_busy_time_and_the_rows_it_decoded(policy_dir):
+    with ReferenceEngine(policy_dir, max_batch_size=4, num_threads=1) as eng:
+        eng.generate([call(f"b{i}", prompt(eng, i), max_tokens=5, min_tokens=5, seed=i) for i in range(2)])
+        assert eng.decoded_rows == 10
+        assert 0 < eng.busy_s
