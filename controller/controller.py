@@ -57,6 +57,7 @@ class Controller:
         self.writing = False  # set once the run directory is about to change
         self.runtime = RuntimeState()
         self.restored: list[tuple[GroupHandle, list[int]]] = []
+        self.saved_episodes: dict = {}  # (group, generation) -> SavedEpisode, for turn-level recovery
         self.snapshotter: SnapshotPump | None = None
 
     def _progress(self) -> Progress:
@@ -93,6 +94,8 @@ class Controller:
                                     run_name=cfg.run.name or self.dirs.root.name, config=cfg.model_dump())
         if done is not None and done.store is not None:
             self.store, self.restored = done.store, done.groups
+            if done.restore_plan is not None:
+                self.saved_episodes = done.restore_plan.saved_episodes
         else:
             self.store = self.create_store()
         if done is not None:
@@ -169,7 +172,8 @@ class Controller:
                 if not self.writing:
                     self.lock.undo()  # a refusal: leave even the lock file as it was
                 raise
-            threads = [threading.Thread(target=RolloutPump(self.parts, self.restored).run, name="rollout-pump", daemon=True)]
+            pump = RolloutPump(self.parts, self.restored, self.saved_episodes)
+            threads = [threading.Thread(target=pump.run, name="rollout-pump", daemon=True)]
             if self.snapshotter is not None:
                 # The first snapshot before the rollout pump hands out a prompt: a run
                 # killed from then on always has a snapshot to resume from, and one

@@ -1,18 +1,29 @@
-"""Running episodes: the policy and the environment take turns.
+"""One episode of one attempt: the policy and the environment take turns.
 
-All episodes of a wave advance in lockstep, one engine batch per turn, so the engine
-sees the largest batches it can. The environment keeps its state between turns in a
-JSON-able dict (what a turn-level cut would export).
+An `Episode` is a small state machine the streaming rollout pump drives: `request()` is
+the model call for its next turn, `absorb(result)` takes that call's output, steps the
+environment and appends its observation. Episodes never wait for each other: each one
+has at most one call in flight, and the pump starts the next turn as soon as the
+previous one is absorbed.
+
+Everything an episode holds between turns is what turn-level recovery saves after a
+finished turn (`progress()`): the environment's JSON-able state, the tokens after the
+prompt (the policy's replies and the environment's observations), their logprobs and the
+policy version of each (`ENV_TOKEN_VERSION` for the environment's: the loss mask is
+"version != ENV_TOKEN_VERSION", the rule the train pump applies to samples), and the turn
+index. `Episode.resumed(...)` rebuilds an episode from such a save, so its remaining turns
+run exactly as they would have: each call's seed is a function of the episode's seed and
+the turn (`call_seed`), never of the attempt or of the process.
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from rolloutdb.controller.protocols import Environment
-from rolloutdb.gpu_capture.protocol import GenerationEngine, GenerationRequest, SamplingParams
+from rolloutdb.controller.protocols import Environment, ReplyLimits
+from rolloutdb.gpu_capture.protocol import GenerationRequest, GenerationResult, SamplingParams
 
 ENV_TOKEN_VERSION = -1  # version tag of tokens the environment (not the policy) wrote
 
@@ -25,82 +36,81 @@ def call_seed(*parts: int) -> int:
 
 
 @dataclass
-class EpisodeSpec:
-    key: str  # unique request-id stem, e.g. "g12.3-a0"
-    prompt_id: int
-    seed: int
+class Episode:
+    """One attempt's episode. `key` is unique among the episodes in flight (it stems the
+    request ids); `seed` is the episode's (see `call_seed`)."""
 
-
-@dataclass
-class EpisodeResult:
+    key: str
     prompt_ids: list[int]
+    state: dict
+    seed: int
+    max_turns: int
+    turn: int = 0  # turns finished; the index of the next call's turn
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     token_versions: list[int] = field(default_factory=list)
-    loss_mask: list[int] = field(default_factory=list)
-    reward: float = 0.0
-    turns: int = 0
     finish_reasons: list[str] = field(default_factory=list)
+    done: bool = False
+    reward: float = 0.0
+    restored_turns: int = 0  # turns taken over from a saved episode (0: started fresh)
+    last_call_tokens: int = 0  # tokens the last absorbed call decoded
+
+    @classmethod
+    def start(cls, env: Environment, prompt_id: int, *, key: str, seed: int) -> Episode:
+        prompt, state = env.start(prompt_id)
+        return cls(key=key, prompt_ids=list(prompt), state=state, seed=seed, max_turns=env.max_turns)
+
+    @classmethod
+    def resumed(cls, env: Environment, prompt_id: int, *, key: str, seed: int, turn: int, state: dict,
+                token_ids: Sequence[int], logprobs: Sequence[float], token_versions: Sequence[int]) -> Episode:
+        """Continue a saved episode after its `turn` finished turns. The prompt comes from
+        `env.start` again (deterministic for a prompt id, as the train pump assumes); the
+        fresh state it returns is dropped for the saved one."""
+        if not (len(token_ids) == len(logprobs) == len(token_versions)):
+            raise ValueError(f"episode {key}: saved tokens, logprobs and versions differ in length")
+        prompt, _fresh = env.start(prompt_id)
+        return cls(key=key, prompt_ids=list(prompt), state=dict(state), seed=seed, max_turns=env.max_turns,
+                   turn=turn, token_ids=list(token_ids), logprobs=list(logprobs),
+                   token_versions=list(token_versions), restored_turns=turn)
 
     @property
     def policy_tokens(self) -> int:
-        return sum(self.loss_mask)
+        return sum(1 for v in self.token_versions if v != ENV_TOKEN_VERSION)
 
+    @property
+    def loss_mask(self) -> list[int]:
+        return [0 if v == ENV_TOKEN_VERSION else 1 for v in self.token_versions]
 
-def run_episodes(
-    engine: GenerationEngine,
-    env: Environment,
-    specs: Sequence[EpisodeSpec],
-    params: SamplingParams,
-) -> list[EpisodeResult]:
-    """Play every episode to the end and score it."""
-    results: list[EpisodeResult] = []
-    states: list[dict] = []
-    contexts: list[list[int]] = []
-    for spec in specs:
-        prompt, state = env.start(spec.prompt_id)
-        results.append(EpisodeResult(prompt_ids=list(prompt)))
-        states.append(state)
-        contexts.append(list(prompt))
-    active = list(range(len(specs)))
-    for turn in range(env.max_turns):
-        if not active:
-            break
-        requests = [
-            GenerationRequest(
-                request_id=f"{specs[i].key}-t{turn}",
-                prompt_ids=contexts[i],
-                params=_with_seed(params, call_seed(specs[i].seed, turn)),
-            )
-            for i in active
-        ]
-        outputs = engine.generate(requests)
-        still_active = []
-        for i, out in zip(active, outputs):
-            r = results[i]
-            r.token_ids += out.token_ids
-            r.logprobs += out.logprobs
-            r.token_versions += out.token_versions
-            r.loss_mask += [1] * len(out.token_ids)
-            r.finish_reasons.append(out.finish_reason)
-            r.turns = turn + 1
-            reply, states[i] = env.step(states[i], out.token_ids)
-            if reply.done or turn + 1 == env.max_turns:
-                continue
-            obs = list(reply.observation_ids)
-            r.token_ids += obs
-            r.logprobs += [0.0] * len(obs)
-            r.token_versions += [ENV_TOKEN_VERSION] * len(obs)
-            r.loss_mask += [0] * len(obs)
-            contexts[i] = contexts[i] + list(out.token_ids) + obs
-            still_active.append(i)
-        active = still_active
-    for r, state in zip(results, states):
-        r.reward = float(env.score(state))
-    return results
+    def request(self, env: Environment, params: SamplingParams) -> GenerationRequest:
+        """The model call of the next turn: the conversation so far as the prompt."""
+        if self.done:
+            raise RuntimeError(f"episode {self.key} is done; it has no next turn")
+        if isinstance(env, ReplyLimits):
+            low, high = env.reply_limits(self.state)
+            high = min(int(high), params.max_tokens)
+            params = replace(params, max_tokens=high, min_tokens=min(int(low), high))
+        return GenerationRequest(
+            request_id=f"{self.key}-t{self.turn}",
+            prompt_ids=self.prompt_ids + self.token_ids,
+            params=replace(params, seed=call_seed(self.seed, self.turn)),
+        )
 
-
-def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:
-    from dataclasses import replace
-
-    return replace(params, seed=seed)
+    def absorb(self, env: Environment, out: GenerationResult) -> None:
+        """Take the finished call of the current turn: append the reply, step the
+        environment, append its observation unless the episode ended; score it when it
+        ends (done, or its last turn)."""
+        self.token_ids += out.token_ids
+        self.logprobs += out.logprobs
+        self.token_versions += out.token_versions
+        self.finish_reasons.append(out.finish_reason)
+        self.last_call_tokens = len(out.token_ids)
+        reply, self.state = env.step(self.state, out.token_ids)
+        self.turn += 1
+        if reply.done or self.turn >= self.max_turns:
+            self.done = True
+            self.reward = float(env.score(self.state))
+            return
+        obs = list(reply.observation_ids)
+        self.token_ids += obs
+        self.logprobs += [0.0] * len(obs)
+        self.token_versions += [ENV_TOKEN_VERSION] * len(obs)

@@ -11,6 +11,8 @@ POINTS: tuple[str, ...] = faults.register(
     "pump.after_dispatch",
     "pump.after_finish",
     "pump.after_enter_replay",
+    "pump.after_turn_commit",
+    "pump.call_finished_uncommitted",
     "train.after_commit",
     "train.after_checkpoint",
     "snapshot.after_cut",

@@ -1,42 +1,93 @@
-"""The rollout pump: stamp prompts with a train step, generate their groups, and put
+"""The rollout pump: stamp prompts with a train step, run their groups' episodes, and put
 finished groups in the replay buffer (or discard them with a reason).
 
-One loop for ledger and no-ledger dispatch; the difference is in `dispatch.py`. Each
-store change is one short transaction; generation happens outside every transaction.
+It streams. Each episode advances on its own (start, turn, environment step, next turn,
+score) with at most one model call in flight; up to `generation.max_inflight_calls`
+calls are in flight at once, submitted one by one to an engine that batches
+continuously, and a new group starts as soon as there is room for it, within the
+staleness bound. No episode waits for another: a long reply holds only its own episode.
 
-Order of work in each wave:
-1. restored groups first (a resumed run redoes what was in flight before reading new
-   prompts);
-2. steps with a shortfall, lowest first, as far ahead as the staleness bound admits;
-   prompts come from the spare pool first, then the dataloader, whose leftovers go to
-   the spare pool.
+Store changes go through group commit (`group_commit.py`): finished calls, finished
+turns (with `rollout_recovery.target_level: turn`), sealed groups and new dispatches
+reach the store in one transaction per commit window, which is one cut. Order of work
+inside a commit:
+1. finished attempts become samples; finished turns save their episode's progress;
+2. completed groups: those whose rewards carry no signal are discarded and their step's
+   shortfall raised; the others enter the replay buffer, as many as it has permits (the
+   rest wait, and no new group starts meanwhile);
+3. restored groups first (a resumed run redoes what was in flight, each episode from its
+   last committed turn at turn level), then steps with a shortfall, lowest first, as far
+   ahead as the staleness bound admits; prompts come from the spare pool first, then the
+   dataloader, whose leftovers go to the spare pool.
+One loop for ledger and no-ledger dispatch; the difference is in `dispatch.py`.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, wait
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from rolloutdb.controller.dispatch import GroupHandle
-from rolloutdb.controller.episodes import EpisodeSpec, call_seed, run_episodes
+from rolloutdb.controller.episodes import Episode, call_seed
+from rolloutdb.controller.group_commit import CommitBatch, Pending, RolloutMeter
 from rolloutdb.controller.runtime import RolloutParts
 from rolloutdb.controller.tracing import RolloutTrace
 from rolloutdb.gpu_capture.protocol import SamplingParams
-from rolloutdb.store import FinishedGeneration, ReplayFullError, Reservation, faults, codec, ledger, pools, queries
+from rolloutdb.store import (
+    EpisodeProgress,
+    FinishedGeneration,
+    Reservation,
+    SavedEpisode,
+    codec,
+    faults,
+    ledger,
+    pools,
+    queries,
+)
 
 ZERO_VARIANCE = ledger.ZERO_REWARD_VARIANCE  # the store owns the names of the reasons the algorithm owns
 IDLE_WAIT_S = 0.5
 
 
+@dataclass(eq=False)
+class LiveEpisode:
+    """An episode the pump runs, with the group and generation it belongs to."""
+
+    group: GroupHandle
+    index: int
+    attempt_id: int | None
+    attempt: int
+    episode: Episode
+    from_attempt: int | None = None  # the abandoned attempt whose saved turns it continues
+
+    def progress(self) -> EpisodeProgress:
+        e = self.episode
+        assert self.attempt_id is not None, "turn-level recovery needs ledger dispatch"
+        return EpisodeProgress(attempt_id=self.attempt_id, group_id=self.group.group_id,
+                               generation_index=self.index, attempt=self.attempt, turn=e.turn,
+                               state=e.state, token_ids=e.token_ids, logprobs=e.logprobs,
+                               token_versions=e.token_versions)
+
+
+@dataclass
+class _GroupRun:
+    handle: GroupHandle
+    outstanding: set[int] = field(default_factory=set)  # generation indices still running
+
+
 class RolloutPump:
-    def __init__(self, parts: RolloutParts, restored: Sequence[tuple[GroupHandle, list[int]]] = ()):
+    def __init__(self, parts: RolloutParts, restored: Sequence[tuple[GroupHandle, list[int]]] = (),
+                 saved_episodes: Mapping[tuple[int, int], SavedEpisode] | None = None):
         self.p = parts
         cfg = parts.config
         self.group_size = cfg.algorithm.group_size
         self.groups_per_step = cfg.algorithm.groups_per_step
-        self.wave_cap = max(1, cfg.generation.max_batch_size // self.group_size)
+        self.max_inflight = cfg.generation.max_inflight_calls
+        self.turn_level = cfg.rollout_recovery.target_level == "turn"
         self.params = SamplingParams(
             max_tokens=cfg.generation.max_tokens,
             min_tokens=cfg.generation.min_tokens,
@@ -44,11 +95,21 @@ class RolloutPump:
             top_p=cfg.generation.top_p,
             stop=tuple(cfg.generation.stop),
         )
+        rec = cfg.rollout_recovery
+        self.batch = CommitBatch(rec.commit_window_ms / 1000.0, rec.commit_max_events)
+        self.meter = RolloutMeter(parts.log_event)
         # (group, generation indices still to run) for groups a restore handed back
         self._restored = list(restored)
+        # What the attempts running at the restored cut had saved (turn level only uses it)
+        self._saved = dict(saved_episodes or {}) if self.turn_level else {}
+        self._running: dict[Future, LiveEpisode] = {}
+        self._groups: dict[int, _GroupRun] = {}
+        self._waiting_replay: list[GroupHandle] = []  # completed, kept, no permit yet
         self._flat_streak = 0  # zero-variance groups discarded in a row
         self.trace = RolloutTrace(parts.tracer)
         self._last_opened = self._derive_last_opened()
+        with self.p.store.read() as conn:
+            self._open_shortfall = bool(pools.get_shortfall(conn))
 
     # ------------------------------------------------------------------ loop
 
@@ -56,23 +117,48 @@ class RolloutPump:
         rt = self.p.runtime
         try:
             while not rt.stop.is_set():
-                wave = self._restored_wave() or self._next_wave()
-                if wave:
-                    self._run_wave(wave)
-                elif self._all_steps_stamped():
+                if self.batch.due() or (self.batch.empty and self._may_start()):
+                    self._commit()
+                    continue
+                if self._running:
+                    left = self.batch.time_left()
+                    done, _ = wait(list(self._running), timeout=IDLE_WAIT_S if left is None else left,
+                                   return_when=FIRST_COMPLETED)
+                    for future in done:
+                        self._on_call(future)
+                elif not self.batch.empty:
+                    time.sleep(self.batch.time_left() or 0.0)
+                elif self._finished_everything():
                     return
                 else:
-                    rt.wait(IDLE_WAIT_S)  # until a refit admits the next step
+                    rt.wait(IDLE_WAIT_S)  # until a refit admits the next step or permits free up
+                    if self._waiting_replay and self._replay_has_room():
+                        self._commit()
         except BaseException as e:  # noqa: BLE001 - handed to the controller
             rt.fail(e)
+        finally:
+            self._abort_running()
+            self.meter.flush()
 
-    def _all_steps_stamped(self) -> bool:
-        if self._last_opened < self.p.bound.total_steps:
-            return False
+    def _abort_running(self) -> None:
+        """At a stop the calls in flight are abandoned: a resume redoes them (from their
+        episode's last committed turn at turn level)."""
+        if self._running:
+            ids = [f"{live.episode.key}-t{live.episode.turn}" for live in self._running.values()]
+            try:
+                self.p.engine.abort(ids)
+            except Exception:  # noqa: BLE001 - a closed engine has nothing left to abort
+                pass
+
+    def _finished_everything(self) -> bool:
+        return (self._last_opened >= self.p.bound.total_steps and not self._open_shortfall and not self._groups
+                and not self._restored and not self._waiting_replay)
+
+    def _replay_has_room(self) -> bool:
         with self.p.store.read() as conn:
-            return not pools.get_shortfall(conn)
+            return queries.replay_room(conn) > 0
 
-    # ------------------------------------------------------------------ stamping
+    # ------------------------------------------------------------------ admission
 
     def _derive_last_opened(self) -> int:
         """Highest step already stamped: from the store, so a resumed run continues."""
@@ -81,38 +167,185 @@ class RolloutPump:
         done = self.p.read_progress().step
         return done if top is None else max(top, done)
 
-    def _next_wave(self) -> list[GroupHandle]:
-        """Stamp and dispatch the next wave in one transaction (reserve, then dispatch:
-        the ledger records both states, one cut covers them). An idle poll writes
-        nothing, so it does not move the mutation counter."""
+    def _room(self) -> int:
+        """Episodes that may start now without passing max_inflight_calls (one group
+        always may when nothing runs, whatever its size)."""
+        free = self.max_inflight - len(self._running)
+        return max(free, self.group_size if not self._running else 0)
+
+    def _may_start(self) -> bool:
+        """Whether a commit now would start something (in memory, no store read: the
+        loop asks this on every turn)."""
+        if self._restored:
+            return self._room() > 0
+        if self._waiting_replay or self._room() < self.group_size:
+            return False
+        last_step = self.p.bound.last_admissible_step(self.p.read_progress().policy_version)
+        return self._open_shortfall or self._last_opened < last_step
+
+    # ------------------------------------------------------------------ calls
+
+    def _submit(self, live: LiveEpisode) -> None:
+        future = self.p.engine.submit(live.episode.request(self.p.env, self.params))
+        self._running[future] = live
+
+    def _on_call(self, future: Future) -> None:
+        live = self._running.pop(future)
+        result = future.result()  # an engine error fails the pump, and the run
+        if result.finish_reason == "abort":
+            return  # only at a stop: the engine was closed or the pump aborted it
+        e = live.episode
+        turn = e.turn
+        e.absorb(self.p.env, result)
+        self.meter.call()
+        self.trace.call_finished(live.group, live.index, live.attempt, turn, len(result.token_ids),
+                                 result.finish_reason)
+        key = (live.group.group_id, live.index)
+        if e.done:
+            self.batch.drop_progress(key)
+            self.batch.add_finished(live, FinishedGeneration(
+                token_ids=e.token_ids, logprobs=e.logprobs, reward=e.reward,
+                version_token_counts=codec.version_runs(e.token_versions)))
+            run = self._groups[live.group.group_id]
+            run.outstanding.discard(live.index)
+            if not run.outstanding:
+                del self._groups[live.group.group_id]
+                self.batch.add_completed(run.handle)
+        else:
+            if self.turn_level:
+                self.batch.add_progress(key, live)
+            self._submit(live)  # the next turn starts now; its save follows in the batch
+        faults.point("pump.call_finished_uncommitted")
+
+    # ------------------------------------------------------------------ the commit
+
+    def _commit(self) -> None:
+        pending = self.batch.take()
+        t_first = pending.first_event_at
         progress = self.p.read_progress()
         last_step = self.p.bound.last_admissible_step(progress.policy_version)
-        if self._last_opened >= last_step and not self._has_work(last_step):
-            return []
-        handles: list[GroupHandle] = []
+        started: list[LiveEpisode] = []
+        completed = list(pending.completed)
+        t0 = time.perf_counter()
         with self.p.store.atomic() as tx:
-            while self._last_opened < last_step:
-                self._last_opened += 1
-                pools.set_shortfall(tx, self._last_opened, self.groups_per_step)
-            for step, needed in sorted(pools.get_shortfall(tx).items()):
-                room = self.wave_cap - len(handles)
-                if step > last_step or room <= 0:
-                    break
-                n = min(needed, room)
-                prompts = self._take_prompts(tx, n)
-                handles += self.p.dispatcher.reserve(tx, prompts, step=step, num_generations=self.group_size)
-                pools.set_shortfall(tx, step, needed - n)
-            if handles:
-                self.p.dispatcher.dispatch(tx, handles, policy_version=progress.policy_version)
-        if handles:
-            faults.point("pump.after_dispatch")
-            self.trace.reserved(handles, self.group_size)
-            self.trace.dispatched(handles)
-        return handles
+            by_group: dict[int, tuple[GroupHandle, dict[int, FinishedGeneration]]] = {}
+            for live, gen in pending.finished:
+                by_group.setdefault(live.group.group_id, (live.group, {}))[1][live.index] = gen
+            if by_group:
+                self.p.dispatcher.finish(tx, list(by_group.values()))
+            rows = [live.progress() for live in pending.progress.values()]
+            if rows:
+                pools.put_episodes(tx, rows)
+            restored_started, finalize = self._dispatch_restored(tx, progress.policy_version)
+            completed += finalize
+            keep, drop = self._split_by_variance(tx, completed)
+            if drop:
+                self.p.dispatcher.discard(tx, drop, reason=ZERO_VARIANCE)
+                for g in drop:
+                    pools.add_shortfall(tx, g.target_step, 1)
+            ready, self._waiting_replay = self._waiting_replay + keep, []
+            room = queries.replay_room(tx) if ready else 0
+            entered, self._waiting_replay = ready[:room], ready[room:]
+            if entered:
+                self.p.dispatcher.enter_replay(tx, entered)
+            counts = (queries.version_token_counts(tx, [g.group_id for g in entered])
+                      if entered and self.trace.enabled else {})
+            new_groups: list[GroupHandle] = []
+            if not self._waiting_replay:
+                new_groups = self._dispatch_new(tx, last_step, progress.policy_version,
+                                                self._room() - len(restored_started))
+            started = restored_started + self._episodes_for(new_groups)
+        t1 = time.perf_counter()
+        self._after_commit(pending, new_groups, restored_started, entered, drop, counts)
+        for live in started:
+            self._submit(live)
+        episodes = [live.episode for live, _ in pending.finished]
+        self.meter.batch(
+            commit_s=t1 - t0, wait_s=None if t_first is None else t1 - t_first,
+            attempts=len(pending.finished), turns=len(rows), sealed=len(entered), discarded=len(drop),
+            dispatched=len(new_groups), tokens=sum(len(e.token_ids) for e in episodes),
+            policy_tokens=sum(e.policy_tokens for e in episodes), rewards=[e.reward for e in episodes],
+            steps={live.group.target_step for live, _ in pending.finished}, policy_version=progress.policy_version)
+        if pending.finished or entered or drop:
+            self.p.runtime.notify()
 
-    def _has_work(self, last_step: int) -> bool:
-        with self.p.store.read() as conn:
-            return any(step <= last_step for step in pools.get_shortfall(conn))
+    def _after_commit(self, pending: Pending, new_groups: list[GroupHandle], restored: list[LiveEpisode],
+                      entered: list[GroupHandle], drop: list[GroupHandle], counts: dict) -> None:
+        """Fault points and trace events of a committed batch (the trace records only
+        what is durable, except `call_finished`)."""
+        if new_groups or restored:
+            faults.point("pump.after_dispatch")
+        if pending.progress:
+            faults.point("pump.after_turn_commit")
+        if pending.finished:
+            faults.point("pump.after_finish")
+        if entered:
+            faults.point("pump.after_enter_replay")
+        if not self.trace.enabled:
+            return
+        if new_groups:
+            self.trace.reserved(new_groups, self.group_size)
+            self.trace.dispatched(new_groups)
+        if restored:
+            self.trace.dispatched(list({id(live.group): live.group for live in restored}.values()))
+            for live in restored:
+                if live.from_attempt is not None:
+                    self.trace.episode_restored(live.group, live.index, live.attempt, live.from_attempt,
+                                                live.episode)
+        for live in pending.progress.values():
+            self.trace.turn_committed(live.group, live.index, live.attempt, live.episode)
+        self.trace.finished([(live.group, live.index) for live, _ in pending.finished],
+                            [live.episode for live, _ in pending.finished])
+        self.trace.discarded(drop, ZERO_VARIANCE)
+        self.trace.entered_replay(entered, counts)
+
+    # ------------------------------------------------------------------ dispatch
+
+    def _dispatch_restored(self, tx, policy_version: int) -> tuple[list[LiveEpisode], list[GroupHandle]]:
+        """New attempts for the restored groups' unfinished generations, as many as
+        there is room for; groups with every generation finished go straight to
+        completion (they only wait to be sealed)."""
+        started: list[LiveEpisode] = []
+        finalize: list[GroupHandle] = []
+        room = self._room()
+        while self._restored:
+            group, generations = self._restored[0]
+            if generations and started and len(started) + len(generations) > room:
+                break
+            self._restored.pop(0)
+            if not generations:
+                finalize.append(group)
+                continue
+            self.p.dispatcher.redispatch(tx, group, generations, policy_version=policy_version)
+            run = self._groups.setdefault(group.group_id, _GroupRun(group))
+            run.outstanding.update(generations)
+            started += [self._live(group, i) for i in generations]
+        return started, finalize
+
+    def _dispatch_new(self, tx, last_step: int, policy_version: int, room: int) -> list[GroupHandle]:
+        """Stamp and dispatch new groups, as many as `room` episodes hold, within the
+        staleness bound (the ledger records both states in this one cut)."""
+        handles: list[GroupHandle] = []
+        room_groups = max(0, room) // self.group_size
+        while self._last_opened < last_step:
+            self._last_opened += 1
+            pools.set_shortfall(tx, self._last_opened, self.groups_per_step)
+        shortfall = pools.get_shortfall(tx)
+        for step, needed in sorted(shortfall.items()):
+            free = room_groups - len(handles)
+            if step > last_step or free <= 0:
+                break
+            n = min(needed, free)
+            prompts = self._take_prompts(tx, n)
+            handles += self.p.dispatcher.reserve(tx, prompts, step=step, num_generations=self.group_size)
+            shortfall[step] = needed - n
+            pools.set_shortfall(tx, step, needed - n)
+        if handles:
+            self.p.dispatcher.dispatch(tx, handles, policy_version=policy_version)
+            for g in handles:
+                self._groups[g.group_id] = _GroupRun(g, set(range(g.num_generations)))
+        self._open_shortfall = any(n > 0 for n in shortfall.values())
+        return handles
 
     def _take_prompts(self, tx, n: int) -> list[Reservation]:
         """Spare pool first, then whole dataloader batches; leftovers become spares."""
@@ -126,95 +359,40 @@ class RolloutPump:
             pools.push_spare(tx, batch[use:])
         return prompts
 
-    def _restored_wave(self) -> list[GroupHandle]:
-        if not self._restored:
-            return []
-        wave, self._restored = self._restored[: self.wave_cap], self._restored[self.wave_cap :]
-        version = self.p.read_progress().policy_version
-        with self.p.store.atomic() as tx:
-            for group, generations in wave:
-                self.p.dispatcher.redispatch(tx, group, generations, policy_version=version)
-        self.trace.dispatched([g for g, _ in wave])
-        return [g for g, _ in wave]
+    def _episodes_for(self, groups: list[GroupHandle]) -> list[LiveEpisode]:
+        return [self._live(g, i) for g in groups for i in sorted(g.attempts or {})]
 
-    # ------------------------------------------------------------------ generation
+    def _live(self, group: GroupHandle, index: int) -> LiveEpisode:
+        """The episode of one generation's new attempt: from its saved turns when the
+        attempt it replaces left a transcript, else from the start."""
+        r = group.reservation
+        attempt = group.attempt_numbers.get(index, 0)
+        key = f"g{group.group_id}.{index}-a{attempt}"
+        seed = call_seed(self.p.config.run.seed, r.epoch, r.prompt_id, index)
+        attempt_id = (group.attempts or {}).get(index)
+        saved = self._saved.pop((group.group_id, index), None)
+        if saved is not None and saved.token_ids is not None:
+            episode = Episode.resumed(self.p.env, r.prompt_id, key=key, seed=seed, turn=saved.turn,
+                                      state=saved.state, token_ids=saved.token_ids, logprobs=saved.logprobs or [],
+                                      token_versions=saved.token_versions or [])
+            return LiveEpisode(group, index, attempt_id, attempt, episode, from_attempt=saved.attempt)
+        return LiveEpisode(group, index, attempt_id, attempt, Episode.start(self.p.env, r.prompt_id, key=key, seed=seed))
 
-    def _run_wave(self, wave: list[GroupHandle]) -> None:
-        t0 = time.time()
-        seed = self.p.config.run.seed
-        specs, owners = [], []
-        for g in wave:
-            for i, attempt_id in sorted((g.attempts or {}).items()):
-                r = g.reservation
-                specs.append(EpisodeSpec(f"g{g.group_id}.{i}-a{attempt_id}", r.prompt_id, call_seed(seed, r.epoch, r.prompt_id, i)))
-                owners.append((g, i))
-        results = run_episodes(self.p.engine, self.p.env, specs, self.params)
-        finished: dict[int, dict[int, FinishedGeneration]] = {}
-        for (g, i), res in zip(owners, results):
-            finished.setdefault(g.group_id, {})[i] = FinishedGeneration(
-                token_ids=res.token_ids,
-                logprobs=res.logprobs,
-                reward=res.reward,
-                version_token_counts=codec.version_runs(res.token_versions),
-            )
-        # One cut: the samples land, and groups whose rewards carry no signal are
-        # discarded with their step's shortfall raised, so a snapshot never sees one
-        # without the other.
-        with self.p.store.atomic() as tx:
-            self.p.dispatcher.finish(tx, [(g, finished.get(g.group_id, {})) for g in wave])
-            keep, drop = self._split_by_variance(tx, wave)
-            if drop:
-                self.p.dispatcher.discard(tx, drop, reason=ZERO_VARIANCE)
-                for g in drop:
-                    pools.add_shortfall(tx, g.target_step, 1)
-        faults.point("pump.after_finish")
-        self.trace.finished(owners, results)
-        self.trace.discarded(drop, ZERO_VARIANCE)
-        self._enter_replay(keep)
-        self.p.log_event(
-            {
-                "kind": "rollout_wave",
-                "t_start": t0,
-                "t_end": time.time(),
-                "policy_version": wave[0].policy_version,
-                "steps": sorted({g.target_step for g in wave}),
-                "groups": len(wave),
-                "discarded": len(drop),
-                "tokens": int(sum(len(r.token_ids) for r in results)),
-                "policy_tokens": int(sum(r.policy_tokens for r in results)),
-                "reward_mean": float(np.mean([r.reward for r in results])) if results else 0.0,
-            }
-        )
-        self.p.runtime.notify()
+    # ------------------------------------------------------------------ completion
 
-    def _split_by_variance(self, tx, wave: list[GroupHandle]) -> tuple[list[GroupHandle], list[GroupHandle]]:
+    def _split_by_variance(self, tx, groups: list[GroupHandle]) -> tuple[list[GroupHandle], list[GroupHandle]]:
         """Rewards come from the store: a restored group's earlier generations are there."""
-        if not self.p.config.algorithm.discard_zero_variance:
-            return wave, []
-        rewards = queries.sample_rewards(tx, [g.group_id for g in wave])
+        if not groups or not self.p.config.algorithm.discard_zero_variance:
+            return groups, []
+        rewards = queries.sample_rewards(tx, [g.group_id for g in groups])
         if self._flat_streak >= self.p.config.algorithm.max_flat_groups_in_a_row:
             # A policy that answers every prompt the same way (collapsed, or done
             # learning) makes every group flat; discarding forever would never fill a
             # step. Train on them instead: their advantages are zero, so the step is
             # harmless, and the run ends.
             self._flat_streak = 0
-            return wave, []
-        keep = [g for g in wave if np.std(rewards[g.group_id]) > 1e-9]
-        drop = [g for g in wave if np.std(rewards[g.group_id]) <= 1e-9]
+            return groups, []
+        keep = [g for g in groups if np.std(rewards[g.group_id]) > 1e-9]
+        drop = [g for g in groups if np.std(rewards[g.group_id]) <= 1e-9]
         self._flat_streak = 0 if keep else self._flat_streak + len(drop)
         return keep, drop
-
-    def _enter_replay(self, groups: list[GroupHandle]) -> None:
-        """Into the replay buffer, one permit each; waits while the buffer is full."""
-        pending = list(groups)
-        while pending and not self.p.runtime.stop.is_set():
-            try:
-                with self.p.store.atomic() as tx:
-                    self.p.dispatcher.enter_replay(tx, pending)
-                    counts = queries.version_token_counts(tx, [g.group_id for g in pending]) if self.trace.enabled else {}
-            except ReplayFullError:
-                self.p.runtime.wait(IDLE_WAIT_S)  # the train pump frees permits
-                continue
-            faults.point("pump.after_enter_replay")
-            self.trace.entered_replay(pending, counts)
-            pending = []

@@ -74,14 +74,14 @@ def test_generation_for_later_steps_overlaps_training(ledger_run):
     run_dir, _ = ledger_run
     events = read_metrics(run_dir / "logs" / "metrics.jsonl")
     trains = [e for e in events if e["kind"] == "train_step"]
-    waves = [e for e in events if e["kind"] == "rollout_wave"]
+    windows = [e for e in events if e["kind"] == "rollout" and e["steps"]]
     overlapping = [
         (t["step"], w["steps"])
         for t in trains
-        for w in waves
+        for w in windows
         if max(w["steps"]) > t["step"] and w["t_start"] < t["t_end"] and w["t_end"] > t["t_start"]
     ]
-    assert overlapping, "no rollout wave for a later step ran while a step trained"
+    assert overlapping, "no rollout for a later step finished while a step trained"
 
 
 def test_no_ledger_dispatch_writes_no_ledger_rows_and_still_trains(tmp_path):
@@ -100,10 +100,10 @@ def test_a_multi_turn_run_trains_on_policy_tokens_only(tmp_path):
     Controller(_config(environment={"turns": 2}, algorithm={"total_steps": 2}), run_dir).run()
     steps = read_metrics(run_dir / "logs" / "metrics.jsonl", "train_step")
     assert [e["step"] for e in steps] == [1, 2]
-    waves = read_metrics(run_dir / "logs" / "metrics.jsonl", "rollout_wave")
+    windows = [w for w in read_metrics(run_dir / "logs" / "metrics.jsonl", "rollout") if w["attempts_finished"]]
     # Every episode has two policy turns and the environment's reply between them:
     # those tokens are in the completions but masked out of the policy's.
-    assert all(w["tokens"] > w["policy_tokens"] > 0 for w in waves)
+    assert windows and all(w["tokens"] > w["policy_tokens"] > 0 for w in windows)
 
 
 def test_every_trainer_checkpoint_gets_a_snapshot_anchored_to_it(tmp_path):

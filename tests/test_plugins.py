@@ -333,7 +333,7 @@ def test_a_prompt_that_leaves_no_room_for_the_reply_is_refused_at_start_naming_i
 def test_the_reference_engine_plays_episodes_against_the_reward_environment(answers, policy_dir):
     from transformers import AutoTokenizer
 
-    from rolloutdb.controller.episodes import EpisodeSpec, run_episodes
+    from rolloutdb.controller.episodes import Episode
     from rolloutdb.gpu_capture.protocol import SamplingParams
     from rolloutdb.gpu_capture.reference_engine import ReferenceEngine
 
@@ -346,9 +346,11 @@ def test_the_reference_engine_plays_episodes_against_the_reward_environment(answ
 
     env = RewardEnvironment(answers, tokenizer, reward)
     engine = ReferenceEngine(policy_dir, max_batch_size=8, num_threads=1)
-    specs = [EpisodeSpec(key=f"g{i}-a0", prompt_id=i % 3, seed=i) for i in range(6)]
-    results = run_episodes(engine, env, specs, SamplingParams(max_tokens=4, temperature=1.0))
-    assert len(results) == 6 and len(replies) == 6
+    results = [Episode.start(env, i % 3, key=f"g{i}-a0", seed=i) for i in range(6)]
+    params = SamplingParams(max_tokens=4, temperature=1.0)
+    for episode in results:  # one call each, in order, so the rewards line up with `replies`
+        episode.absorb(env, engine.submit(episode.request(env, params)).result())
+    assert len(results) == 6 and len(replies) == 6 and all(e.done for e in results)
     for result, (answer, reply, token_ids) in zip(results, replies):
         assert result.token_ids == token_ids and result.reward == float(len(token_ids))
         assert tokenizer.decode(result.prompt_ids[1:]).endswith(" is")

@@ -38,6 +38,13 @@ def highest_stamped_step(conn: Connection) -> int | None:
     return max(found) if found else None
 
 
+def replay_room(conn: Connection) -> int:
+    """Free replay permits: how many sealed groups may enter the replay buffer now."""
+    capacity = conn.execute(select(T["run_meta"].c.replay_capacity)).scalar_one()
+    taken = conn.execute(select(func.count()).select_from(_replay)).scalar_one()
+    return max(0, capacity - taken)
+
+
 def highest_group_id(conn: Connection) -> int:
     """The highest group id in the replay buffer or the samples (0 if none): without the
     ledger the controller mints group ids above it."""
