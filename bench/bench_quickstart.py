@@ -48,19 +48,23 @@ def main() -> int:
         wall = time.perf_counter() - t0
         events = read_metrics(run_dir / "logs" / "metrics.jsonl")
     steps = latest_per_step([e for e in events if e["kind"] == "train_step"])
-    waves = [e for e in events if e["kind"] == "rollout_wave"]
+    windows = [e for e in events if e["kind"] == "rollout"]
     share = next(e for e in events if e["kind"] == "store_share")
     figures = {
         "steps": len(steps),
         "wall_s": round(wall, 1),
         "load_avg_at_start": load_before,
         "summary": summary.line,
-        "generation_s_per_wave": round(sum(w["t_end"] - w["t_start"] for w in waves) / max(len(waves), 1), 4),
+        "commit_batches": sum(w["batches"] for w in windows),
+        "calls": sum(w["calls"] for w in windows),
+        "commit_p99_ms_max": max((w["commit_p99_ms"] or 0.0 for w in windows), default=None),
+        "window_p99_ms_max": max((w["window_p99_ms"] or 0.0 for w in windows), default=None),
         "pumps_wall_s": round(share["pumps_wall_s"], 2),
         "store_share": share["threads"],
     }
     print(f"quickstart: {figures['steps']} steps in {wall:.1f} s (load {load_before:.1f}); {summary.line}")
-    print(f"rollout waves: {len(waves)}, {figures['generation_s_per_wave'] * 1000:.0f} ms each (generation + store)")
+    print(f"rollout: {figures['calls']} calls in {figures['commit_batches']} commit batches; worst per-second p99: "
+          f"commit {figures['commit_p99_ms_max']} ms, call finished -> committed {figures['window_p99_ms_max']} ms")
     for name, s in share["threads"].items():
         print(f"  {name:14s} {s['transactions']:6d} transactions  store {s['store_s']:7.3f} s "
               f"({100 * s['share']:.2f}% of pump wall time; CPU {100 * s['cpu_share']:.2f}%)")

@@ -119,12 +119,12 @@ def rollout_groups(model, env, prompt_ids: list[int], group_size: int, max_token
 def rollout_with_engine(engine, env, prompt_ids: list[int], group_size: int, max_tokens: int,
                         step: int, seed: int) -> list[TrainGroup]:
     """The controller's own episode runner on the reference engine."""
-    from rolloutdb.controller.episodes import EpisodeSpec, call_seed, run_episodes
+    from rolloutdb.controller.episodes import Episode, call_seed, play_episodes
     from rolloutdb.gpu_capture.protocol import SamplingParams
 
-    specs = [EpisodeSpec(key=f"s{step}.g{g}.{i}", prompt_id=pid, seed=call_seed(seed, step, g, i))
-             for g, pid in enumerate(prompt_ids) for i in range(group_size)]
-    results = run_episodes(engine, env, specs, SamplingParams(max_tokens=max_tokens, temperature=1.0))
+    results = [Episode.start(env, pid, key=f"s{step}.g{g}.{i}", seed=call_seed(seed, step, g, i))
+               for g, pid in enumerate(prompt_ids) for i in range(group_size)]
+    play_episodes(engine, env, results, SamplingParams(max_tokens=max_tokens, temperature=1.0))
     groups = []
     for g, pid in enumerate(prompt_ids):
         comps = [Completion(r.prompt_ids, r.token_ids, r.logprobs, r.token_versions, r.reward, r.loss_mask)

@@ -114,3 +114,19 @@ class Episode:
         self.token_ids += obs
         self.logprobs += [0.0] * len(obs)
         self.token_versions += [ENV_TOKEN_VERSION] * len(obs)
+
+
+def play_episodes(engine, env: Environment, episodes: Sequence[Episode], params: SamplingParams) -> None:
+    """Play episodes to the end outside the pump (benchmarks, a trainer's own loop): every
+    episode streams on its own, its next turn submitted as soon as its last one is
+    absorbed. The rollout pump runs the same steps interleaved with its commits."""
+    from concurrent.futures import FIRST_COMPLETED, wait
+
+    running = {engine.submit(e.request(env, params)): e for e in episodes if not e.done}
+    while running:
+        done, _ = wait(list(running), return_when=FIRST_COMPLETED)
+        for future in done:
+            episode = running.pop(future)
+            episode.absorb(env, future.result())
+            if not episode.done:
+                running[engine.submit(episode.request(env, params))] = episode
