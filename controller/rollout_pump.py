@@ -117,7 +117,9 @@ class RolloutPump:
         rt = self.p.runtime
         try:
             while not rt.stop.is_set():
-                if self.batch.due() or (self.batch.empty and self._may_start()):
+                # Due, or nothing in flight that could add to it: waiting longer buys nothing.
+                if self.batch.due() or (not self._running and not self.batch.empty) \
+                        or (self.batch.empty and self._may_start()):
                     self._commit()
                     continue
                 if self._running:
@@ -126,8 +128,8 @@ class RolloutPump:
                                    return_when=FIRST_COMPLETED)
                     for future in done:
                         self._on_call(future)
-                elif not self.batch.empty:
-                    time.sleep(self.batch.time_left() or 0.0)
+                        if self.batch.due():  # a batch never outgrows max_events
+                            self._commit()
                 elif self._finished_everything():
                     return
                 else:
@@ -254,8 +256,8 @@ class RolloutPump:
             if not self._waiting_replay:
                 new_groups = self._dispatch_new(tx, last_step, progress.policy_version,
                                                 self._room() - len(restored_started))
-            started = restored_started + self._episodes_for(new_groups)
         t1 = time.perf_counter()
+        started = restored_started + self._episodes_for(new_groups)  # env.start outside the transaction
         self._after_commit(pending, new_groups, restored_started, entered, drop, counts)
         for live in started:
             self._submit(live)

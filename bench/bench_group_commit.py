@@ -1,0 +1,158 @@
+"""Group commit: how many finished calls per second the streaming rollout pump commits on
+these cores, and what a commit window costs, side by side with one transaction per call.
+
+The pump is the production `RolloutPump` over a real store file, with ledger dispatch,
+the digit environment and real sealing and replay entry. Only generation is taken away:
+`InstantEngine` implements the engine protocol by completing every call at once with a
+few tokens (no model), so the pump's own work (episode bookkeeping, the environment step,
+building the batch, the store transaction) is all there is, and calls/s is the ceiling
+the pump and the store put on any engine. Measured in one process, alternating:
+
+  batched    the configured window (commit_window_ms, commit_max_events), the pump as it runs
+  per call   commit_max_events=1: one BEGIN IMMEDIATE transaction per finished call
+
+Printed per mode: committed calls/s, commits, calls per commit, the p99 of a commit
+transaction and of the window (first event of a batch -> its commit), and the share of the
+pump thread's wall time spent inside store transactions (`Store.tx_time`). The ratio
+batched / per call is the figure that survives a noisy machine.
+
+    python bench/bench_group_commit.py            # 2,048 groups x 8 calls per run, 3 rounds
+    python bench/bench_group_commit.py --quick    # a few seconds
+    python bench/bench_group_commit.py --turns 3  # multi-turn, turn level: every turn saved
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import threading
+import time
+from concurrent.futures import Future
+from pathlib import Path
+
+from benchlib import latency_summary, machine_line
+
+from rolloutdb.config import Config
+from rolloutdb.controller.dispatch import LedgerDispatch
+from rolloutdb.controller.rollout_pump import RolloutPump
+from rolloutdb.controller.runtime import Progress, RolloutParts, RuntimeState
+from rolloutdb.controller.sampler import PromptOrder, StalenessBound
+from rolloutdb.controller.tasks import DigitPromptDataset, MultiTurnDigitEnv, SingleTurnDigitEnv
+from rolloutdb.gpu_capture.protocol import GenerationRequest, GenerationResult
+from rolloutdb.store import Store
+
+
+class DigitCodec:
+    """The task's characters as token ids (what the tiny policy's tokenizer does)."""
+
+    alphabet = "0123456789: \nokn"
+
+    def encode(self, text: str) -> list[int]:
+        return [3 + self.alphabet.index(c) for c in text]
+
+    def decode(self, ids) -> str:
+        return "".join(self.alphabet[i - 3] for i in ids if 3 <= i < 3 + len(self.alphabet))
+
+
+class InstantEngine:
+    """The engine protocol with no model: each call completes at once with `tokens`
+    tokens derived from its seed. A workload generator for this benchmark only."""
+
+    def __init__(self, tokens: int = 4):
+        self.tokens = tokens
+        self.policy_version = 0
+
+    def submit(self, request: GenerationRequest) -> Future:
+        seed = request.params.seed or 0
+        ids = [3 + (seed >> (2 * k)) % 10 for k in range(min(self.tokens, request.params.max_tokens))]
+        future: Future = Future()
+        future.set_result(GenerationResult(request.request_id, ids, [-1.0] * len(ids), [0] * len(ids), "length"))
+        return future
+
+    def load_weights(self, state_dict, version: int) -> None:
+        self.policy_version = version
+
+    def running_tokens(self) -> dict:
+        return {}
+
+    def abort(self, request_ids) -> None:
+        pass
+
+
+def run_once(groups: int, group_size: int, turns: int, window_ms: float, max_events: int) -> dict:
+    cfg = Config.model_validate({
+        "algorithm": {"total_steps": 1, "groups_per_step": groups, "group_size": group_size, "max_staleness": 0,
+                      "replay_capacity": groups, "discard_zero_variance": False},
+        "generation": {"max_tokens": 4, "max_inflight_calls": 256},
+        "environment": {"turns": turns},
+        "rollout_recovery": {"target_level": "turn" if turns > 1 else "group", "commit_window_ms": window_ms,
+                             "commit_max_events": max_events},
+    })
+    dataset = DigitPromptDataset(size=max(groups, 64), n_digits=3)
+    env = MultiTurnDigitEnv(dataset, DigitCodec(), turns=turns) if turns > 1 else SingleTurnDigitEnv(dataset, DigitCodec())
+    with tempfile.TemporaryDirectory() as tmp:
+        store = Store.create(Path(tmp) / "store.sqlite", replay_capacity=groups)
+        events: list[dict] = []
+        parts = RolloutParts(
+            config=cfg, store=store, order=PromptOrder(len(dataset), seed=0),
+            bound=StalenessBound(0, 1), engine=InstantEngine(), env=env, trainer=None,
+            dispatcher=LedgerDispatch(), runtime=RuntimeState(),
+            read_progress=lambda: Progress(step=0, policy_version=0), log_event=events.append,
+        )
+        pump = RolloutPump(parts)
+        thread = threading.Thread(target=pump.run, name="rollout-pump")
+        t0 = time.perf_counter()
+        thread.start()
+        thread.join()
+        wall = time.perf_counter() - t0
+        if parts.runtime.error is not None:
+            raise parts.runtime.error
+        n, store_s, _cpu = store.tx_time.totals.get("rollout-pump", [0, 0.0, 0.0])
+        commits = store.mutation_counter
+        store.close()
+    windows = [e for e in events if e["kind"] == "rollout"]
+    return {
+        "calls": pump.meter.calls,
+        "wall_s": wall,
+        "calls_per_s": pump.meter.calls / wall,
+        "commits": commits,
+        "commit_p99_ms": max((w["commit_p99_ms"] or 0.0) for w in windows),
+        "window_p99_ms": max((w["window_p99_ms"] or 0.0) for w in windows),
+        "store_share": store_s / wall,
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--groups", type=int, default=2048)
+    ap.add_argument("--group-size", type=int, default=8)
+    ap.add_argument("--turns", type=int, default=1)
+    ap.add_argument("--window-ms", type=float, default=15.0)
+    ap.add_argument("--max-events", type=int, default=512)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--quick", action="store_true", help="256 groups, 1 round")
+    args = ap.parse_args()
+    if args.quick:
+        args.groups, args.rounds = 256, 1
+    print(machine_line())
+    print(f"{args.groups} groups x {args.group_size} generations x {args.turns} turn(s); window "
+          f"{args.window_ms} ms / {args.max_events} events vs one transaction per call")
+    results: dict[str, list[dict]] = {"batched": [], "per call": []}
+    for r in range(args.rounds):
+        order = ["batched", "per call"] if r % 2 == 0 else ["per call", "batched"]
+        for mode in order:
+            max_events = args.max_events if mode == "batched" else 1
+            results[mode].append(run_once(args.groups, args.group_size, args.turns, args.window_ms, max_events))
+    for mode, runs in results.items():
+        best = max(runs, key=lambda x: x["calls_per_s"])
+        print(f"{mode:9s} {best['calls_per_s']:9.0f} calls/s  {best['commits']:6d} commits "
+              f"({best['calls'] / max(best['commits'], 1):6.1f} calls each)  commit p99 {best['commit_p99_ms']:.2f} ms  "
+              f"window p99 {best['window_p99_ms']:.2f} ms  store share {100 * best['store_share']:.0f}%")
+    b = max(results["batched"], key=lambda x: x["calls_per_s"])
+    p = max(results["per call"], key=lambda x: x["calls_per_s"])
+    print(f"ratio batched / per call: {b['calls_per_s'] / p['calls_per_s']:.2f}x calls/s (best of {args.rounds})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
