@@ -15,8 +15,11 @@ no code starts:
   its groups are marked trained), the refit of the engine, trainer checkpoints
   (`TrainerCheckpoints`), and waits in `SnapshotPump.anchor_new_checkpoint` for the cut
   of the snapshot anchored to each new checkpoint. Also setup, restore and shutdown.
-- `rollout-pump`: the rollout pump (`RolloutPump.run`). Owns the sampler and dispatch:
-  reserves, dispatches, finishes, seals groups and makes them enter the replay buffer.
+- `rollout-pump`: the rollout pump (`RolloutPump.run`). Owns the sampler, dispatch and
+  every running episode: submits model calls to the engine (never holding a lock of the
+  list below), steps the environment, and commits what finished in group-commit batches,
+  one `atomic()` transaction per window: finishes, turn progress, seals, replay entries
+  and new dispatches.
 - `snapshot-pump`: the snapshot pump (`SnapshotPump.run`). Owns rollout snapshots: one
   attempt at a time under the save lock (snapshot_pump.py has the order of work).
 - `rolloutdb-checkpointer:<file name>`: a WAL checkpointer (`store/sqlite/database.py`),
