@@ -245,6 +245,7 @@ class RolloutPump:
                 self.p.dispatcher.discard(tx, drop, reason=ZERO_VARIANCE)
                 for g in drop:
                     pools.add_shortfall(tx, g.target_step, 1)
+                self._open_shortfall = True  # their steps need replacements, even if nothing starts now
             ready, self._waiting_replay = self._waiting_replay + keep, []
             room = queries.replay_room(tx) if ready else 0
             entered, self._waiting_replay = ready[:room], ready[room:]
