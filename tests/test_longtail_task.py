@@ -309,3 +309,22 @@ def test_the_cli_reports_an_error_from_a_long_tail_override_without_a_traceback(
     lines = err.getvalue().splitlines()
     assert code == 2 and len(lines) == 1 and "generation.max_tokens" in lines[0], lines
     assert not (tmp_path / "run").exists()
+
+
+def test_the_multiturn_example_trains_end_to_end_on_the_long_tail_task(tmp_path):
+    import sqlite3
+
+    run_dir = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "rolloutdb", "train", "--config", str(REPO / "examples" / "multiturn.yaml"),
+                           "--run-dir", str(run_dir), "algorithm.total_steps=6", "logging.plot=false"],
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "steps=6 " in proc.stdout + proc.stderr
+    resolved = load_config(run_dir / "config.yaml")
+    assert resolved.environment.task == "digits_longtail" and resolved.rollout_recovery.target_level == "turn"
+    conn = sqlite3.connect(run_dir / "rollout_state.sqlite")  # a second connection, after the run
+    try:
+        trained = conn.execute("SELECT count(*) FROM prompt_groups WHERE state = 'trained'").fetchone()[0]
+    finally:
+        conn.close()
+    assert trained == 6 * resolved.algorithm.groups_per_step
