@@ -44,8 +44,8 @@ anything with the same two methods.
 
 from __future__ import annotations
 
-import hashlib
 import bisect
+import hashlib
 import json
 import random
 from collections.abc import Sequence
