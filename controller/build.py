@@ -65,11 +65,16 @@ def build_task(config: Config, policy_dir: Path, found=None) -> tuple[PromptData
     from transformers import AutoTokenizer
 
     from rolloutdb.controller import plugins
-    from rolloutdb.controller.tasks import DigitPromptDataset, make_environment
+    from rolloutdb.controller.tasks import DigitPromptDataset, LongTailDigitDataset, make_environment
 
     env_cfg = config.environment
     tokenizer = AutoTokenizer.from_pretrained(policy_dir)
-    dataset = DigitPromptDataset(size=env_cfg.dataset_size, n_digits=env_cfg.n_digits, seed=config.run.seed)
+    dataset: DigitPromptDataset | LongTailDigitDataset
+    if env_cfg.task == "digits_longtail":
+        dataset = LongTailDigitDataset(size=env_cfg.dataset_size, max_digits=env_cfg.max_digits,
+                                       tail_alpha=env_cfg.tail_alpha, seed=config.run.seed)
+    else:
+        dataset = DigitPromptDataset(size=env_cfg.dataset_size, n_digits=env_cfg.n_digits, seed=config.run.seed)
     if found is not None:
         context = plugins.PluginContext(config=config, policy_dir=policy_dir)
         custom = plugins.build_task(found, config.dataset, tokenizer=tokenizer, context=context,
@@ -81,7 +86,7 @@ def build_task(config: Config, policy_dir: Path, found=None) -> tuple[PromptData
                 context_len = AutoConfig.from_pretrained(policy_dir).max_position_embeddings
                 custom[1].check_context(context_len, config.generation.max_tokens)
             return custom
-    name = "digits" if env_cfg.turns == 1 else "digits_multiturn"
+    name = env_cfg.task if env_cfg.turns == 1 else f"{env_cfg.task}_multiturn"
     env = make_environment(name, dataset, tokenizer, kind=env_cfg.kind, turns=env_cfg.turns)
     return dataset, env
 

@@ -15,12 +15,36 @@ Two environments implement `rolloutdb.controller.protocols.Environment`:
   Its episode state is a JSON-able dict, so an episode can be exported at a cut and
   resumed with an identical final reward.
 
+The long-tail variant (`task: digits_longtail`) is the workload on which a streaming
+rollout pump pays off: the same task, but each prompt's (and, multi-turn, each
+sub-problem's) target length L is drawn from a truncated discrete power law on
+1..max_digits,
+
+    P(L >= k) = (k^-alpha - (max_digits + 1)^-alpha) / (1 - (max_digits + 1)^-alpha),
+
+the tail of P(X >= k) = k^-alpha conditioned on X <= max_digits. With the defaults
+(max_digits 96, alpha 1.2) 57% of the targets are one digit long, the mean is 3.2
+digits, 1.2% ask for 32 or more and 0.27% for 64 or more: reply lengths like a real
+model's, most short and a few very long. Why a power law: a lockstep batch lasts as
+long as its longest reply, and under a power law that reply stays far from the mean as
+the batch grows. Computed from the formula (a group shares its prompt, so a batch of G
+groups holds G lengths): the longest of 8 averages 12.5 digits, of 32 27.6, so a
+32-group wave does useful work in about 3.2 / 27.6 = 12% of its row-steps; a geometric
+tail with the same mean gives 11.3 and 28%, too mild to show what streaming buys.
+
+A random policy cannot know L, so `LongTailSingleTurnEnv` and `LongTailMultiTurnEnv`
+also implement `ReplyLimits`: each reply decodes exactly L tokens (end of sequence
+masked) and may then end or add one more, (min, max) = (L, L + 1). The reply's length is
+the task's, not the policy's, which is what makes the workload's tail a property of the
+prompts. L is a pure function of (dataset seed, prompt index, part), like the digits.
+
 The environments need a text codec (encode/decode); any Hugging Face tokenizer works, or
 anything with the same two methods.
 """
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
 import random
@@ -36,6 +60,15 @@ TASK_KINDS = ("copy", "successor", "reverse")
 TASK_ALPHABET = DIGITS + ": \nokn"
 # Share of the reward for a reply whose length equals the target's (teaches stopping).
 LENGTH_BONUS = 0.2
+
+
+class DigitPrompts(Protocol):
+    """What the digit environments read from a dataset: `DigitPromptDataset` or
+    `LongTailDigitDataset`."""
+
+    def digits(self, index: int, part: int = 0) -> str: ...
+
+    def __getitem__(self, index: int) -> str: ...
 
 
 class TextCodec(Protocol):
@@ -148,7 +181,7 @@ class DigitPromptDataset:
 class SingleTurnDigitEnv:
     """One reply per episode. State: {"prompt_id", "target", "reply", "done"}."""
 
-    def __init__(self, dataset: DigitPromptDataset, tokenizer: Any, kind: str = "copy"):
+    def __init__(self, dataset: DigitPrompts, tokenizer: Any, kind: str = "copy"):
         target_for(kind, "0")  # refuse an unknown kind now, not at the first episode
         self.dataset = dataset
         self.codec = as_codec(tokenizer)
@@ -183,7 +216,7 @@ class MultiTurnDigitEnv:
     "targets", "scores", "done"}; each sub-problem is a pure function of (prompt id,
     turn), so the state need not carry the prompts themselves."""
 
-    def __init__(self, dataset: DigitPromptDataset, tokenizer: Any, kind: str = "copy",
+    def __init__(self, dataset: DigitPrompts, tokenizer: Any, kind: str = "copy",
                  turns: int = 3):
         target_for(kind, "0")
         if turns < 1:
@@ -223,12 +256,105 @@ class MultiTurnDigitEnv:
         return sum(state["scores"]) / self.max_turns
 
 
-def make_environment(name: str, dataset: DigitPromptDataset, tokenizer: Any,
-                     kind: str = "copy", turns: int = 3):
-    """Build an environment by config name: "digits" (single turn) or
-    "digits_multiturn"."""
+# ------------------------------------------------------------------ the long-tail task
+
+LONGTAIL_MAX_DIGITS = 96  # default longest target; docs/config.md, environment.max_digits
+LONGTAIL_ALPHA = 1.2  # default tail exponent; docs/config.md, environment.tail_alpha
+
+
+def longtail_survival(max_digits: int, alpha: float) -> list[float]:
+    """[P(L >= k) for k = 1..max_digits] of the truncated power law (module docstring):
+    1.0 first, decreasing, P(L >= max_digits) > 0."""
+    if max_digits < 1 or not alpha > 0:
+        raise ValueError("max_digits must be >= 1 and tail_alpha > 0")
+    cut = (max_digits + 1) ** -alpha
+    return [(k ** -alpha - cut) / (1.0 - cut) for k in range(1, max_digits + 1)]
+
+
+class LongTailDigitDataset:
+    """`size` prompts whose lengths follow the truncated power law on 1..max_digits.
+    Prompt (index, part) draws u ~ U[0, 1) and then its digits from one generator seeded
+    by (seed, index, part): L = the number of k with P(L >= k) > u (inverse transform
+    sampling on the survival function). Implements `PromptDataset`; offers `digits` like
+    `DigitPromptDataset`, so the digit environments run on it unchanged."""
+
+    def __init__(self, size: int = 4096, max_digits: int = LONGTAIL_MAX_DIGITS, tail_alpha: float = LONGTAIL_ALPHA,
+                 seed: int = 0):
+        if size < 1:
+            raise ValueError("size must be >= 1")
+        self.size = size
+        self.max_digits = max_digits
+        self.tail_alpha = tail_alpha
+        self.seed = seed
+        # Ascending for bisect: P(L >= max_digits), ..., P(L >= 1) = 1.
+        self._ascending = longtail_survival(max_digits, tail_alpha)[::-1]
+
+    def __len__(self) -> int:
+        return self.size
+
+    def _rng(self, index: int, part: int) -> random.Random:
+        if not 0 <= index < self.size:
+            raise IndexError(f"prompt index {index} out of range 0..{self.size - 1}")
+        return random.Random(f"digits_longtail:{self.seed}:{index}:{part}")
+
+    def _draw_length(self, rng: random.Random) -> int:
+        u = rng.random()
+        # k with P(L >= k) > u: the entries of the ascending list right of u.
+        return max(1, len(self._ascending) - bisect.bisect_right(self._ascending, u))
+
+    def length(self, index: int, part: int = 0) -> int:
+        """The target length L of prompt `index`, sub-problem `part`."""
+        return self._draw_length(self._rng(index, part))
+
+    def digits(self, index: int, part: int = 0) -> str:
+        """The digits of prompt `index` (`part` > 0: the multi-turn follow-ups)."""
+        rng = self._rng(index, part)
+        n = self._draw_length(rng)
+        return "".join(rng.choice(DIGITS) for _ in range(n))
+
+    def __getitem__(self, index: int) -> str:
+        return self.digits(index)
+
+    def fingerprint(self) -> str:
+        """sha256 over the parameters and every prompt (as `DigitPromptDataset`)."""
+        h = hashlib.sha256(
+            json.dumps({"dataset": "digits_longtail", "size": self.size, "max_digits": self.max_digits,
+                        "tail_alpha": self.tail_alpha, "seed": self.seed}, sort_keys=True).encode())
+        for i in range(self.size):
+            h.update(self.digits(i).encode())
+        return h.hexdigest()
+
+
+class LongTailSingleTurnEnv(SingleTurnDigitEnv):
+    """`SingleTurnDigitEnv` on long-tail prompts; each reply is L or L + 1 tokens."""
+
+    def reply_limits(self, state: dict) -> tuple[int, int]:
+        n = len(state["target"])  # every task kind keeps the digits' length
+        return n, n + 1
+
+
+class LongTailMultiTurnEnv(MultiTurnDigitEnv):
+    """`MultiTurnDigitEnv` on long-tail prompts; each sub-problem draws its own L, and
+    each reply is L or L + 1 tokens of the current sub-problem."""
+
+    def reply_limits(self, state: dict) -> tuple[int, int]:
+        n = len(state["targets"][state["turn"]])
+        return n, n + 1
+
+
+ENVIRONMENTS = ("digits", "digits_multiturn", "digits_longtail", "digits_longtail_multiturn")
+
+
+def make_environment(name: str, dataset: DigitPrompts, tokenizer: Any, kind: str = "copy", turns: int = 3):
+    """Build an environment by name: "digits" / "digits_longtail" (single turn) or
+    "digits_multiturn" / "digits_longtail_multiturn"; the long-tail ones want a
+    `LongTailDigitDataset`."""
     if name == "digits":
         return SingleTurnDigitEnv(dataset, tokenizer, kind=kind)
     if name == "digits_multiturn":
         return MultiTurnDigitEnv(dataset, tokenizer, kind=kind, turns=turns)
-    raise ValueError(f"unknown environment {name!r}; choose digits or digits_multiturn")
+    if name == "digits_longtail":
+        return LongTailSingleTurnEnv(dataset, tokenizer, kind=kind)
+    if name == "digits_longtail_multiturn":
+        return LongTailMultiTurnEnv(dataset, tokenizer, kind=kind, turns=turns)
+    raise ValueError(f"unknown environment {name!r}; choose one of {', '.join(ENVIRONMENTS)}")

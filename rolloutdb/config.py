@@ -208,9 +208,16 @@ class TrainerSection(FactoryFields):
 
 
 class EnvironmentSection(FactoryFields):
-    task: Literal["digits"] = Field("digits", description="The verifiable digit-string task.")
+    task: Literal["digits", "digits_longtail"] = Field(
+        "digits", description="The verifiable digit-string task; digits_longtail: target lengths drawn from a "
+                              "heavy-tailed distribution, each reply as long as its target.")
     kind: Literal["copy", "successor", "reverse"] = Field("copy", description="What the answer does to the digits.")
-    n_digits: int = Field(3, ge=1, le=12, description="Digits per prompt.")
+    n_digits: int = Field(3, ge=1, le=12, description="Digits per prompt (task digits).")
+    # 96 also bounds a single-turn conversation: BOS + 96 digits + ':' + 97 reply tokens
+    # fits the tiny policy's 256 positions; multi-turn is checked in Config.
+    max_digits: int = Field(96, ge=1, le=96, description="Longest target (task digits_longtail).")
+    tail_alpha: float = Field(1.2, gt=0, le=100, description="Tail exponent: P(length >= k) ~ k^-tail_alpha "
+                                                             "(task digits_longtail).")
     turns: int = Field(1, ge=1, le=8, description="1 = single-turn; more = multi-turn episodes.")
     dataset_size: int = Field(512, ge=1, le=1_000_000)
 
@@ -314,9 +321,30 @@ class Config(Section):
         conversation so far). Its tokenizer spells the task character by character: a
         prompt is BOS + the digits + ':'; each later turn adds a reply (at most
         max_tokens) and the environment's answer (' ok\n' + the next digits + ':')."""
-        if self.policy.model_dir is not None or self.environment.turns == 1:
+        env = self.environment
+        if env.task == "digits_longtail" and self.dataset.path is None and env.factory is None:
+            # The long-tail task sets each reply's limits to (L, L + 1) and the pump clips
+            # them to max_tokens: a lower max_tokens would cut the long targets short.
+            if self.generation.max_tokens < env.max_digits + 1:
+                raise ValueError(
+                    f"generation.max_tokens: {self.generation.max_tokens} is shorter than the longest "
+                    f"long-tail reply, environment.max_digits + 1 = {env.max_digits + 1} (the target and "
+                    "an end of sequence); raise max_tokens or lower max_digits")
+        if self.policy.model_dir is not None or env.turns == 1:
             return self
-        n, turns = self.environment.n_digits, self.environment.turns
+        turns = env.turns
+        if env.task == "digits_longtail":
+            # Every sub-problem may be max_digits long, and its reply is at most
+            # max_digits + 1 tokens whatever max_tokens is (the environment's reply limits).
+            n = env.max_digits
+            longest = 1 + (n + 1) + (turns - 1) * ((n + 1) + 4 + n + 1)
+            if longest > TINY_POLICY_CONTEXT:
+                raise ValueError(
+                    f"environment.max_digits: {turns} turns of up to {n} digits, each answered by up to "
+                    f"{n + 1} tokens, make a last prompt of up to {longest} tokens, more than the tiny "
+                    f"policy's context of {TINY_POLICY_CONTEXT}; lower max_digits or turns")
+            return self
+        n = env.n_digits
         longest = 1 + (n + 1) + (turns - 1) * (self.generation.max_tokens + 4 + n + 1)
         if longest > TINY_POLICY_CONTEXT:
             raise ValueError(
@@ -340,6 +368,8 @@ class Config(Section):
         # Only what changes the prompts' tokens; the file's content is the dataset
         # fingerprint. Absent for the digit task, so older runs keep their fingerprint.
         keyed["environment"].pop("factory"); keyed["environment"].pop("options")
+        if self.environment.task == "digits":  # keys of the long-tail task only: older runs keep theirs
+            keyed["environment"].pop("max_digits"); keyed["environment"].pop("tail_alpha")
         if self.dataset.path is not None:
             keyed["dataset"] = {"chat_template": self.dataset.chat_template}
         return hashlib.sha256(json.dumps(keyed, sort_keys=True).encode()).hexdigest()[:16]
