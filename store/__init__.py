@@ -49,6 +49,7 @@ from .live import codec, ledger, pools, queries
 from .live.capture import Capture, capture_snapshot
 from .live.invariants import InvariantReport, check_invariants
 from .live.ledger import FinishedGeneration, Reservation
+from .live.pools import EpisodeProgress, SavedEpisode
 from .live.schema import ABANDON_REASONS, GROUP_STATES, ROLLOUT_STATES, STATE_TABLES
 from .live.store import Store
 
@@ -136,9 +137,11 @@ __all__ = [
     "ROLLOUT_STATES",
     "STATE_TABLES",
     "Capture",
+    "EpisodeProgress",
     "FinishedGeneration",
     "InvariantReport",
     "Reservation",
+    "SavedEpisode",
     "Store",
     "capture_snapshot",
     "check_invariants",
