@@ -50,6 +50,7 @@ from .live.pools import EpisodeProgress, SavedEpisode  # TEMP SHIM
 from .live.capture import Capture, capture_snapshot
 from .live.invariants import InvariantReport, check_invariants
 from .live.ledger import FinishedGeneration, Reservation
+from .live.pools import EpisodeProgress, SavedEpisode
 from .live.schema import ABANDON_REASONS, GROUP_STATES, ROLLOUT_STATES, STATE_TABLES
 from .live.store import Store
 
@@ -137,9 +138,11 @@ __all__ = [
     "ROLLOUT_STATES",
     "STATE_TABLES",
     "Capture",
+    "EpisodeProgress",
     "FinishedGeneration",
     "InvariantReport",
     "Reservation",
+    "SavedEpisode",
     "Store",
     "capture_snapshot",
     "check_invariants",

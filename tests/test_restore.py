@@ -19,7 +19,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from rolloutdb.store import FinishedGeneration, Publisher, Reservation, Store, ledger, pools
+from rolloutdb.store import FinishedGeneration, Publisher, Reservation, SavedEpisode, Store, ledger, pools
 from rolloutdb.store.errors import (
     NoRestorableSnapshot,
     PayloadInventoryMismatch,
@@ -165,7 +165,7 @@ def test_restart_normalization_abandons_running_attempts_publishes_sealed_and_ha
                            "published_at_restore": 1, "payload_rows_cleared": 0, "spare_prompts": 2}
     ((key, chunks),) = plan.saved_prefixes.items()
     assert key == (run.B, 1) and [c.token_ids for c in chunks] == [[7, 8]] and chunks[0].max_tokens == 8
-    assert plan.saved_episodes == {f"{run.B}.1-a1": {"turn": 1, "state": {"turn": 1}}}
+    assert plan.saved_episodes == {(run.B, 1): SavedEpisode(f"{run.B}.1-a1", 1, 1, {"turn": 1}, None, None, None)}
     assert {"checksums", "schema", "integrity", "run_meta", "replay", "ledger", "spare_and_cursor", "replace"} <= set(plan.timings)
 
     conn = second_connection(run.live)

@@ -9,10 +9,21 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 from sqlalchemy import Connection, bindparam, delete, insert, select, update
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
-from .codec import decode_tokens, encode_tokens
+from .codec import (
+    LOGPROB_DTYPE,
+    TOKEN_DTYPE,
+    decode_logprobs,
+    decode_tokens,
+    decode_version_counts,
+    encode_logprobs,
+    encode_tokens,
+    encode_version_counts,
+    version_runs,
+)
 from ..errors import IllegalTransition
 from .ledger import Reservation
 from .schema import T
@@ -181,8 +192,57 @@ def delete_chunks(conn: Connection, attempt_ids: Sequence[int]) -> None:
 
 
 # ---------------------------------------------------------------- environment episodes
-# Written by turn recovery (W2-B, streaming rollouts: an episode's state at the cut);
-# today only the restore reads them (`read_episodes`) and tests write them.
+# Turn-level recovery (W2-B): after every finished turn the rollout pump saves the
+# episode in its next group-commit transaction (`put_episodes`); a restore reads the
+# episodes of the attempts it abandons (`read_episodes`) so the pump continues each from
+# its last committed turn. A finished or abandoned attempt keeps no row (invariant 3;
+# `ledger.finish_attempts` and `ledger.abandon_attempts` drop them).
+
+# One key per running attempt; JSON state and transcript replaced whole on every turn.
+# Built once: the upsert runs in every group-commit batch that finished a turn.
+_INSERT_EPISODES = sqlite_insert(episodes)
+_UPSERT_EPISODES = _INSERT_EPISODES.on_conflict_do_update(
+    index_elements=["episode_key"],
+    set_={c: _INSERT_EPISODES.excluded[c] for c in
+          ("attempt_id", "turn", "state", "updated_at", "token_ids", "logprobs", "version_token_counts")},
+)
+
+
+@dataclass(frozen=True)
+class EpisodeProgress:
+    """An episode after its last finished turn, as turn-level recovery saves it.
+
+    The transcript is every token after the prompt so far, the policy's replies and the
+    environment's observations in order, with one logprob (0.0 for environment tokens)
+    and one policy version (-1 for environment tokens: the loss mask is "version != -1",
+    as for samples) per token."""
+
+    attempt_id: int
+    group_id: int
+    generation_index: int
+    attempt: int  # attempt number (0, 1, ...): part of the key
+    turn: int  # turns finished so far (the next turn's index)
+    state: dict  # the environment's JSON-able state after that turn
+    token_ids: Sequence[int]
+    logprobs: Sequence[float]
+    token_versions: Sequence[int]  # one per token; -1 for environment tokens
+
+    @property
+    def key(self) -> str:
+        return episode_key(self.group_id, self.generation_index, self.attempt)
+
+
+@dataclass(frozen=True)
+class SavedEpisode:
+    """What an abandoned attempt's episode had saved at its last committed turn."""
+
+    key: str  # the episode_key of the abandoned attempt
+    attempt: int  # that attempt's number
+    turn: int
+    state: dict
+    token_ids: list[int] | None  # None: no transcript (state only, or written before v1_2_a)
+    logprobs: list[float] | None
+    token_versions: list[int] | None  # expanded from the runs
 
 
 def episode_key(group_id: int, generation_index: int, attempt: int) -> str:
@@ -190,28 +250,96 @@ def episode_key(group_id: int, generation_index: int, attempt: int) -> str:
     return f"{group_id}.{generation_index}-a{attempt}"
 
 
+def _episode_row(p: EpisodeProgress, now: float) -> dict:
+    n_tokens, n_logprobs, n_versions = len(p.token_ids), len(p.logprobs), len(p.token_versions)
+    if not n_tokens == n_logprobs == n_versions:
+        raise ValueError(
+            f"episode {p.key}: transcript of {n_tokens} token ids, {n_logprobs} logprobs and "
+            f"{n_versions} token versions; pass one logprob and one version per token (nothing was written)"
+        )
+    try:
+        state = json.dumps(p.state)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"episode {p.key}: state is not JSON-able ({e}); pass plain dicts, lists, "
+                         "strings and numbers (nothing was written)") from None
+    return {
+        "episode_key": p.key, "attempt_id": p.attempt_id, "turn": p.turn, "state": state, "updated_at": now,
+        "token_ids": encode_tokens(p.token_ids), "logprobs": encode_logprobs(p.logprobs),
+        "version_token_counts": encode_version_counts(version_runs(p.token_versions)),
+    }
+
+
+def put_episodes(conn: Connection, rows: Sequence[EpisodeProgress]) -> None:
+    """Save episodes after their last finished turn: one executemany upsert keyed by
+    the episode key, no SELECT (it runs inside the pump's group-commit transaction).
+    Every row is checked and encoded before anything is written: a transcript whose
+    tokens, logprobs and versions differ in length is refused with a ValueError.
+
+    Write progress only for running attempts, and before `ledger.finish_attempts` of
+    the same batch: finishing drops the row, so an upsert after it would leave a row of
+    a finished attempt (invariant 3)."""
+    if not rows:
+        return
+    now = time.time()
+    params = [_episode_row(p, now) for p in rows]
+    conn.execute(_UPSERT_EPISODES, params)
+
+
 def put_episode(conn: Connection, attempt_id: int, *, turn: int, state: dict) -> str:
+    """Save an episode's state only, without a transcript (an environment that saves
+    only its state): not resumable at turn level; the pump restarts such an episode.
+    Replaces a transcript saved earlier under the same key."""
     g, i, a = conn.execute(
         select(rollouts.c.group_id, rollouts.c.generation_index, rollouts.c.attempt).where(rollouts.c.attempt_id == attempt_id)
     ).one()
     key = episode_key(g, i, a)
-    stmt = sqlite_insert(episodes).values(
-        episode_key=key, attempt_id=attempt_id, turn=turn, state=json.dumps(state), updated_at=time.time()
-    )
-    conn.execute(
-        stmt.on_conflict_do_update(
-            index_elements=["episode_key"],
-            set_={"turn": stmt.excluded.turn, "state": stmt.excluded.state, "updated_at": stmt.excluded.updated_at},
-        )
-    )
+    conn.execute(_UPSERT_EPISODES, [{
+        "episode_key": key, "attempt_id": attempt_id, "turn": turn, "state": json.dumps(state),
+        "updated_at": time.time(), "token_ids": None, "logprobs": None, "version_token_counts": None,
+    }])
     return key
 
 
-def read_episodes(conn: Connection) -> dict[str, tuple[int, int, dict]]:
-    """episode key -> (attempt id, turn, state)."""
+_Transcript = tuple[list[int] | None, list[float] | None, list[int] | None]
+
+
+def _transcript(tokens: bytes | None, logprobs: bytes | None, runs: str | None) -> _Transcript:
+    """Decode a saved transcript; (None, None, None) when there is none, or when its
+    three payloads disagree in length (not written by `put_episodes`): such an episode
+    is restarted, like one saved without a transcript, rather than resumed from tokens
+    that do not line up."""
+    if tokens is None or logprobs is None or runs is None:
+        return None, None, None
+    if len(tokens) % TOKEN_DTYPE.itemsize or len(logprobs) % LOGPROB_DTYPE.itemsize:
+        return None, None, None
+    ids, lps = decode_tokens(tokens), decode_logprobs(logprobs)
+    try:
+        pairs = decode_version_counts(runs)
+    except (ValueError, TypeError):
+        return None, None, None
+    versions = np.repeat(np.array([v for v, _ in pairs], dtype=np.int64),
+                         np.array([n for _, n in pairs], dtype=np.int64)) if pairs else np.zeros(0, np.int64)
+    if not len(ids) == len(lps) == len(versions):
+        return None, None, None
+    return ids.tolist(), lps.tolist(), versions.tolist()
+
+
+def read_episodes(conn: Connection, *, running_only: bool = False) -> dict[tuple[int, int], SavedEpisode]:
+    """(group id, generation index) -> the episode its attempt saved; with
+    `running_only`, only episodes of attempts still running (a restore reads these before
+    abandoning them). A generation has one running attempt, so one episode."""
+    query = (
+        select(episodes.c.episode_key, rollouts.c.group_id, rollouts.c.generation_index, rollouts.c.attempt,
+               episodes.c.turn, episodes.c.state, episodes.c.token_ids, episodes.c.logprobs,
+               episodes.c.version_token_counts)
+        .join(rollouts, rollouts.c.attempt_id == episodes.c.attempt_id)
+        .order_by(rollouts.c.attempt_id)
+    )
+    if running_only:
+        query = query.where(rollouts.c.state == "running")
     return {
-        k: (a, t, json.loads(s))
-        for k, a, t, s in conn.execute(select(episodes.c.episode_key, episodes.c.attempt_id, episodes.c.turn, episodes.c.state)).all()
+        (g, i): SavedEpisode(k, a, t, json.loads(s), *_transcript(tok, lp, runs))
+        for k, g, i, a, t, s, tok, lp, runs in conn.execute(query).all()
     }
 
 

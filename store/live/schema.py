@@ -237,8 +237,18 @@ class StepShortfall(Base):
 
 
 class EnvEpisode(Base):
-    """Turn-level environment state exported at the last cut. `episode_key` is
-    `<group_id>.<generation_index>-a<attempt>`."""
+    """An episode of a running attempt after its last finished turn (turn-level
+    recovery). `episode_key` is `<group_id>.<generation_index>-a<attempt>`.
+
+    The transcript (revision v1_2_a) is every token after the prompt so far, the
+    policy's replies and the environment's observations in order: `token_ids` int32
+    little-endian, `logprobs` float32 little-endian (0.0 for environment tokens) and
+    `version_token_counts` JSON runs `[[version, count], ...]` as samples have them,
+    environment tokens under version -1. The loss mask is "version != -1", the rule the
+    train pump applies to samples. The three have one entry per token (the run counts
+    summed). NULL in all three: a row written before v1_2_a or by an environment that
+    saves only its state; not resumable at turn level (the pump restarts the episode).
+    """
 
     __tablename__ = "env_episodes"
 
@@ -249,6 +259,9 @@ class EnvEpisode(Base):
     turn: Mapped[int] = mapped_column(Integer)
     state: Mapped[str] = mapped_column(Text)  # JSON
     updated_at: Mapped[float] = mapped_column(Float)
+    token_ids: Mapped[bytes | None] = mapped_column(LargeBinary)
+    logprobs: Mapped[bytes | None] = mapped_column(LargeBinary)
+    version_token_counts: Mapped[str | None] = mapped_column(Text)
 
 
 class SnapshotAttempt(Base):

@@ -41,16 +41,15 @@ def _clear_unreferenced(tx: Connection) -> int:
     return sum(tx.execute(s).rowcount for s in statements)
 
 
-def _read_saved_progress(tx: Connection, running: list[int]) -> tuple[dict, dict]:
-    """Prefix chunks and environment episodes of the attempts about to be abandoned."""
+def _read_saved_progress(tx: Connection) -> tuple[dict, dict]:
+    """Prefix chunks and environment episodes of the attempts about to be abandoned (the
+    running ones), both keyed by (group id, generation index)."""
     where = {a: (g, i) for a, g, i in tx.execute(
         select(rollouts_t.c.attempt_id, rollouts_t.c.group_id, rollouts_t.c.generation_index)
         .where(rollouts_t.c.attempt_id.in_(select(chunks_t.c.attempt_id)), rollouts_t.c.state == "running")
     ).all()}
     prefixes = {where[a]: pools.read_chunks(tx, a) for a in sorted(where)}
-    abandoned = set(running)
-    episodes = {k: {"turn": t, "state": st} for k, (a, t, st) in pools.read_episodes(tx).items() if a in abandoned}
-    return prefixes, episodes
+    return prefixes, pools.read_episodes(tx, running_only=True)
 
 
 def normalize_ledger(tx: Connection, source: Path, step: int, counts: dict[str, int],
@@ -62,10 +61,7 @@ def normalize_ledger(tx: Connection, source: Path, step: int, counts: dict[str, 
     if beyond:
         raise SnapshotInconsistent(f"{source}: {beyond} group(s) trained after step {step}, the snapshot's anchor; "
                                    "the snapshot does not match its trainer checkpoint; restore another snapshot", 1)
-    running = list(tx.execute(
-        select(rollouts_t.c.attempt_id).where(rollouts_t.c.state == "running").order_by(rollouts_t.c.attempt_id)
-    ).scalars())
-    saved["prefixes"], saved["episodes"] = _read_saved_progress(tx, running)
+    saved["prefixes"], saved["episodes"] = _read_saved_progress(tx)
     counts["abandoned_attempts"] = ledger.abandon_every_running_attempt(tx, "restart")
 
     reserved = list(tx.execute(

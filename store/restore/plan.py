@@ -77,11 +77,12 @@ class RestorePlan:
     counts: dict[str, int]
     timings: dict[str, float] = field(default_factory=dict)
     env_export: Path | None = None  # the environment's export in the snapshot, if any
-    # What the attempts abandoned at restore had saved, read before normalization drops
-    # it (invariant 3), for turn-level and prefix recovery: (group id, generation index)
-    # -> prefix chunks in order, and environment episode key -> {"turn", "state"}.
+    # What the attempts abandoned at restore (reason restart) had saved, read before
+    # normalization drops it (invariant 3), for prefix and turn-level recovery, both
+    # keyed by (group id, generation index): prefix chunks in order, and the episode
+    # after its last committed turn (`token_ids` None: state only, restart the episode).
     saved_prefixes: dict[tuple[int, int], list[pools.Chunk]] = field(default_factory=dict)
-    saved_episodes: dict[str, dict] = field(default_factory=dict)
+    saved_episodes: dict[tuple[int, int], pools.SavedEpisode] = field(default_factory=dict)
     passed_over: list[str] = field(default_factory=list)  # newer snapshots refused, and why
 
 
