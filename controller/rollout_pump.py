@@ -230,14 +230,14 @@ class RolloutPump:
         completed = list(pending.completed)
         t0 = time.perf_counter()
         with self.p.store.atomic() as tx:
+            rows = [live.progress() for live in pending.progress.values()]  # running attempts only
+            if rows:
+                pools.put_episodes(tx, rows)
             by_group: dict[int, tuple[GroupHandle, dict[int, FinishedGeneration]]] = {}
             for live, gen in pending.finished:
                 by_group.setdefault(live.group.group_id, (live.group, {}))[1][live.index] = gen
             if by_group:
                 self.p.dispatcher.finish(tx, list(by_group.values()))
-            rows = [live.progress() for live in pending.progress.values()]
-            if rows:
-                pools.put_episodes(tx, rows)
             restored_started, finalize = self._dispatch_restored(tx, progress.policy_version)
             completed += finalize
             keep, drop = self._split_by_variance(tx, completed)

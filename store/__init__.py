@@ -46,7 +46,6 @@ from .sqlite.upgrade import upgrade_file
 
 # live: the Store, its transitions, reads, invariants and capture
 from .live import codec, ledger, pools, queries
-from .live.pools import EpisodeProgress, SavedEpisode  # TEMP SHIM
 from .live.capture import Capture, capture_snapshot
 from .live.invariants import InvariantReport, check_invariants
 from .live.ledger import FinishedGeneration, Reservation
@@ -150,8 +149,6 @@ __all__ = [
     "ledger",
     "pools",
     "queries",
-    "EpisodeProgress",
-    "SavedEpisode",
     # checkpoints
     "AnchorNotDurable",
     "BackgroundWorkError",

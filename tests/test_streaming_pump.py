@@ -213,3 +213,101 @@ def test_a_batch_refuses_a_window_or_size_that_would_never_close():
         CommitBatch(window_s=0.0, max_events=1)
     with pytest.raises(ValueError, match="max_events >= 1"):
         CommitBatch(window_s=1.0, max_events=0)
+
+
+# ---- turn-level recovery ------------------------------------------------------------------
+
+
+class CountingEngine:
+    """The reference engine, recording the request id of every call submitted."""
+
+    def __init__(self, engine):
+        self.engine, self.submitted = engine, []
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def submit(self, request):
+        self.submitted.append(request.request_id)
+        return self.engine.submit(request)
+
+
+def _samples(path) -> dict[tuple[int, int], tuple]:
+    db = sqlite3.connect(path)
+    rows = db.execute("SELECT prompt_id, generation_index, token_ids, logprobs, reward, version_token_counts "
+                      "FROM samples").fetchall()
+    db.close()
+    return {(p, i): rest for p, i, *rest in rows}
+
+
+def test_an_episode_restored_at_its_last_committed_turn_redoes_no_earlier_turn_and_ends_as_its_never_stopped_twin(
+        tmp_path, policy_dir):
+    from rolloutdb.controller.dispatch import GroupHandle
+    from rolloutdb.gpu_capture import load_policy
+    from rolloutdb.store import Publisher
+    from rolloutdb.store.restore.apply import restore_snapshot
+
+    _, tokenizer = load_policy(policy_dir)
+    env = MultiTurnDigitEnv(DigitPromptDataset(size=64, n_digits=2), tokenizer, turns=4)
+    overrides = {"generation": {"max_tokens": 3, "max_inflight_calls": 4},
+                 "rollout_recovery": {"target_level": "turn", "commit_window_ms": 1.0}}
+    # The twin: the same step, never stopped.
+    twin, _ = make_parts(tmp_path / "twin", policy_dir, env, overrides=overrides)
+    try:
+        run_pump(twin)
+    finally:
+        close(twin)
+    # The stopped run: stop once two episodes have a committed turn saved with its tokens.
+    live = tmp_path / "run" / "store.sqlite"
+    parts, _ = make_parts(tmp_path / "run", policy_dir, env, overrides=overrides)
+
+    def stop_when_turns_are_saved(step):
+        db = sqlite3.connect(live)
+        saved = db.execute("SELECT count(*) FROM env_episodes WHERE token_ids IS NOT NULL AND turn >= 1").fetchone()[0]
+        db.close()
+        if saved >= 2:
+            parts.runtime.stop.set()
+
+    parts.engine.step_callback = stop_when_turns_are_saved
+    try:
+        run_pump(parts)
+    finally:
+        close(parts)
+    pub = Publisher(tmp_path / "ckpt")
+    pub.publish_trainer_checkpoint(None, lambda d: (d / "weights.bin").write_bytes(b"w"))
+    with Store.open(live) as store:
+        snap = pub.publish_rollout_snapshot("bootstrap", lambda p: store.capture(p), config_text="algorithm: {}\n").path
+    pub.close()
+    plan = restore_snapshot(snap, live, config_fingerprint="", dataset_fingerprint="", forest_training={},
+                            groups_per_step=4)
+    saved = {k: s for k, s in plan.saved_episodes.items() if s.token_ids is not None}
+    assert len(saved) >= 2 and all(s.turn >= 1 for s in saved.values())
+
+    # The resumed pump: restored groups first, each saved episode from its saved turn.
+    resumed, _ = make_parts_on(live, policy_dir, env, overrides=overrides)
+    resumed.engine = CountingEngine(resumed.engine)
+    groups = [(GroupHandle(g.group_id, g.reservation, g.target_step, g.num_generations, attempts={}),
+               list(g.generations_to_run))
+              for g in sorted(plan.redispatch + plan.to_finalize, key=lambda g: g.sample_seq)]
+    pump = RolloutPump(resumed, groups, plan.saved_episodes)
+    thread = threading.Thread(target=pump.run, name="rollout-pump")
+    thread.start()
+    thread.join(120)
+    try:
+        assert not thread.is_alive() and resumed.runtime.error is None, resumed.runtime.error
+    finally:
+        close(resumed)
+    for (group, index), episode in saved.items():
+        turns = sorted(int(rid.rsplit("-t", 1)[1]) for rid in resumed.engine.submitted
+                       if rid.startswith(f"g{group}.{index}-"))
+        assert turns == list(range(episode.turn, 4)), (group, index, episode.turn, turns)
+    # Every generation, restored at a turn or redone from the start, ends as in the twin.
+    assert _samples(live) == _samples(tmp_path / "twin" / "store.sqlite")
+
+
+def make_parts_on(path, policy_dir, env, *, overrides: dict):
+    """Parts over an existing store file (a restored one)."""
+    parts, events = make_parts(path.parent / "unused", policy_dir, env, overrides=overrides)
+    parts.store.close()
+    parts.store = Store.open(path)
+    return parts, events

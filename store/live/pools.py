@@ -342,35 +342,3 @@ def read_episodes(conn: Connection, *, running_only: bool = False) -> dict[tuple
         for k, g, i, a, t, s, tok, lp, runs in conn.execute(query).all()
     }
 
-
-# TEMP SHIM (lead, replaced by the w2b-store branch)
-from dataclasses import dataclass as _dc
-
-
-@_dc(frozen=True)
-class EpisodeProgress:
-    attempt_id: int
-    group_id: int
-    generation_index: int
-    attempt: int
-    turn: int
-    state: dict
-    token_ids: Sequence[int]
-    logprobs: Sequence[float]
-    token_versions: Sequence[int]
-
-
-@_dc(frozen=True)
-class SavedEpisode:
-    key: str
-    attempt: int
-    turn: int
-    state: dict
-    token_ids: list[int] | None
-    logprobs: list[float] | None
-    token_versions: list[int] | None
-
-
-def put_episodes(conn: Connection, rows: Sequence[EpisodeProgress]) -> None:
-    for r in rows:
-        put_episode(conn, r.attempt_id, turn=r.turn, state=r.state)
