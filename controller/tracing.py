@@ -103,6 +103,38 @@ class RolloutTrace:
             self.tracer.emit("attempt_abandoned", group_id=group_id, prompt_id=prompt_id,
                         generation_index=generation_index, attempt=attempt, step=step, reason=reason)
 
+    def _attempt(self, g: GroupHandle, generation_index: int) -> dict:
+        return dict(group_id=g.group_id, prompt_id=g.reservation.prompt_id, generation_index=generation_index,
+                    attempt=g.attempt_numbers.get(generation_index, 0), step=g.target_step,
+                    policy_version=g.policy_version)
+
+    def call_finished(self, g: GroupHandle, generation_index: int, *, turn: int, tokens: int,
+                      finish_reason: str | None) -> None:
+        """The engine returned one call (turn `turn`, 0-based) of the generation's current
+        attempt; `tokens`: what this call decoded, a continued call's prefix not counted.
+        Emitted before the commit batch that writes it."""
+        if self.tracer.enabled:
+            self.tracer.emit("call_finished", turn=turn, tokens=tokens, finish_reason=finish_reason,
+                             **self._attempt(g, generation_index))
+
+    def turn_committed(self, g: GroupHandle, generation_index: int, *, turn: int, tokens: int,
+                       total_tokens: int) -> None:
+        """The episode's state after turn `turn` is durable (emitted after its commit
+        batch; turn level only). tokens / total_tokens: policy / policy + environment
+        tokens of the episode so far."""
+        if self.tracer.enabled:
+            self.tracer.emit("turn_committed", turn=turn, tokens=tokens, total_tokens=total_tokens,
+                             **self._attempt(g, generation_index))
+
+    def episode_restored(self, g: GroupHandle, generation_index: int, *, from_attempt: int, turn: int,
+                         tokens: int, total_tokens: int) -> None:
+        """The generation's new attempt (its number in g.attempt_numbers) continues
+        `from_attempt`'s episode at turn `turn` (turns kept) with `tokens` policy tokens
+        kept (`total_tokens` with the environment's). Emitted when it is dispatched."""
+        if self.tracer.enabled:
+            self.tracer.emit("episode_restored", from_attempt=from_attempt, turn=turn, tokens=tokens,
+                             total_tokens=total_tokens, **self._attempt(g, generation_index))
+
     def refit(self, old_version: int, new_version: int, running: dict[str, int]) -> None:
         if self.tracer.enabled:
             self.tracer.emit("refit", step=new_version, old_version=old_version, new_version=new_version, running=running)

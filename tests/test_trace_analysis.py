@@ -145,11 +145,12 @@ def test_thrown_away_time_per_attempt_and_per_stop_match_the_hand_worked_answer(
     #   prompt 20 gen 1 attempt 0: 106 - 102.5 = 3.5
     #   prompt 30 gen 0 attempt 0: 106 - 103   = 3
     #   prompt 30 gen 1 attempt 1: 106 - 104   = 2   (attempt 0 ended by deadline: not counted)
+    # No turn was committed (group-level recovery): committed_at is NULL.
     assert attempts == [
-        (1, 20, 0, 0, 2, 102.0, 106.0, 4.0),
-        (1, 20, 1, 0, 2, 102.5, 106.0, 3.5),
-        (1, 30, 0, 0, 3, 103.0, 106.0, 3.0),
-        (1, 30, 1, 1, 3, 104.0, 106.0, 2.0),
+        (1, 20, 0, 0, 2, 102.0, None, 106.0, 4.0),
+        (1, 20, 1, 0, 2, 102.5, None, 106.0, 3.5),
+        (1, 30, 0, 0, 3, 103.0, None, 106.0, 3.0),
+        (1, 30, 1, 1, 3, 104.0, None, 106.0, 2.0),
     ]
     # One stop: 4 attempts, 4 + 3.5 + 3 + 2 = 12.5 s; downtime 200 - 110 = 90 s.
     assert len(per_stop) == 1
@@ -392,8 +393,8 @@ def test_rolloutdb_trace_on_a_killed_and_resumed_run_prints_the_figures_and_writ
     plots = run_dir / "plots"
     assert sorted(p.name for p in plots.iterdir()) == sorted([
         "thrown_away_per_stop.csv", "thrown_away_by_attempt.csv", "lost_progress_per_stop.csv",
-        "lost_progress_by_group.csv", "batch_age_per_step.csv", "trace_report.json",
-        "thrown_away.png", "lost_progress.png", "batch_age.png"])
+        "lost_progress_by_group.csv", "batch_age_per_step.csv", "kept_per_stop.csv", "kept_by_attempt.csv",
+        "trace_report.json", "kept.png", "thrown_away.png", "lost_progress.png", "batch_age.png"])
     for png in plots.glob("*.png"):
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     report = json.loads((plots / "trace_report.json").read_text())
@@ -461,7 +462,8 @@ def test_rolloutdb_trace_piped_into_a_reader_that_leaves_after_one_line_still_wr
     assert proc.wait(timeout=300) == 0, proc.stderr.read()
     written = sorted(p.name for p in (run / "plots").iterdir())
     assert written == sorted([f"{name}.csv" for name, _ in trace_cli.TABLES]
-                             + ["trace_report.json", "thrown_away.png", "lost_progress.png", "batch_age.png"])
+                             + ["trace_report.json", "kept.png", "thrown_away.png", "lost_progress.png",
+                                "batch_age.png"])
     assert len(json.loads((run / "plots" / "trace_report.json").read_text())["batch_age_per_step"]) == 2500
 
 

@@ -88,7 +88,7 @@ def test_a_run_appending_to_a_trace_v1_0_a_file_upgrades_it_in_place_and_keeps_e
                     "policy_version, reason FROM events ORDER BY seq")
     with Tracer(run) as again:
         again.emit("group_sealed", group_id=99, prompt_id=99)
-    assert rows(run, "SELECT version_num FROM alembic_version") == [("trace_v1_1_a",)]
+    assert rows(run, "SELECT version_num FROM alembic_version") == [("trace_v1_2_a",)]
     # Every old event, now read through the `events` view, then the new run's two.
     new = rows(run, "SELECT seq, t, run_id, event, prompt_id, generation_index, group_id, attempt, step, "
                     "policy_version, reason FROM events ORDER BY seq")

@@ -1,5 +1,5 @@
 """`rolloutdb trace RUN_DIR [RUN_DIR ...] [--baseline RUN_DIR] [--out DIR]`: what the stops
-of a run cost, and the batch age of every train step, from the run's trace.
+of a run cost and kept, and the batch age of every train step, from the run's trace.
 
 The figures are the named SQL of `rolloutdb.store.trace.queries`, run by DuckDB over the
 trace files attached read-only (`rolloutdb.store.trace.analysis`). Each result is printed,
@@ -21,7 +21,7 @@ from rolloutdb.store import Table, TraceAnalysis, TraceError, trace_file_for, wr
 from rolloutdb.timefmt import iso_utc
 
 DESCRIPTION = """\
-Report what the stops of a run cost and the batch age of its train steps, from its trace
+Report what the stops of a run cost and kept, and the batch age of its train steps, from its trace
 (RUN_DIR/logs/rollout_trace.sqlite, recorded with trace.enabled: true).
 
 Pass the run directory (or its logs/ directory). Several RUN_DIRs are read as one job,
@@ -29,8 +29,11 @@ for a job resumed into a new directory. --baseline names a run of the same job t
 stopped; lost progress is measured against it. Printed, and written into --out
 (default RUN_DIR/plots) as CSV, trace_report.json and PNG plots:
 
+  what a stop kept  per stop: the attempts running at it, the tokens they had decoded,
+                    the tokens the resumed run kept (committed turns) and the tokens
+                    it generates again
   thrown-away time  per stop: attempts abandoned with reason 'restart', from their last
-                    dispatch to the restored snapshot's cut time
+                    dispatch or committed turn to the restored snapshot's cut time
   lost progress     per stop: how much later the groups running at the stop were sealed
                     than the same prompts in the baseline (downtime removed)
   batch age         per train step: token-weighted policy updates between generating a
@@ -40,18 +43,20 @@ docs/trace.md describes the events and the figures.
 """
 
 TABLES = (
+    ("kept_per_stop", "What each stop kept"),
+    ("kept_by_attempt", "What each stop kept, by attempt"),
     ("thrown_away_per_stop", "Thrown-away time per stop"),
     ("thrown_away_by_attempt", "Thrown-away time by attempt"),
     ("lost_progress_per_stop", "Lost progress per stop"),
     ("lost_progress_by_group", "Lost progress by group"),
     ("batch_age_per_step", "Batch age per train step"),
 )
-PRINTED = {"thrown_away_per_stop", "lost_progress_per_stop", "batch_age_per_step"}
+PRINTED = {"kept_per_stop", "thrown_away_per_stop", "lost_progress_per_stop", "batch_age_per_step"}
 AGREE_TOLERANCE = 1e-9
 # Columns holding a point in time (epoch seconds in the trace): ISO-8601 UTC in the text,
 # the CSVs and the JSON alike (milliseconds; the trace file keeps full precision for a
 # join). Durations and effective times (seconds since the job started) stay numbers.
-TIME_COLUMNS = frozenset({"cut_time", "dispatched_at", "t"})
+TIME_COLUMNS = frozenset({"cut_time", "dispatched_at", "committed_at", "t"})
 
 
 def _shown(column: str, value):
@@ -180,6 +185,7 @@ def _write_outputs(out: Path, report: dict[str, Table], document: dict, has_base
     written.append(out / "trace_report.json")
     write_file_atomic(written[-1], json.dumps(document, indent=1).encode())
     for filename, plot in (
+        ("kept.png", _plot_kept),
         ("thrown_away.png", _plot_thrown_away),
         ("lost_progress.png", _plot_lost_progress),
         ("batch_age.png", _plot_batch_age),
@@ -203,6 +209,24 @@ def _empty(ax, message: str) -> None:
     ax.text(0.5, 0.5, message, ha="center", va="center", transform=ax.transAxes)
     ax.set_xticks([])
     ax.set_yticks([])
+
+
+def _plot_kept(ax, report, _has_baseline) -> None:
+    rows = report["kept_per_stop"].as_dicts()
+    ax.set_title("What each stop kept of the attempts running at it")
+    if not rows:
+        return _empty(ax, "no stops in this trace")
+    x = [r["stop_no"] for r in rows]
+    width = 0.27
+    for offset, column, colour in ((-width, "decoded_tokens", "tab:blue"), (0.0, "kept_tokens", "tab:green"),
+                                   (width, "redone_tokens", "tab:red")):
+        bars = ax.bar([i + offset for i in x], [r[column] for r in rows], width, color=colour,
+                      label=column.replace("_", " "))
+        ax.bar_label(bars)
+    ax.set_xticks(x)
+    ax.set_xlabel("stop")
+    ax.set_ylabel("policy tokens")
+    ax.legend()
 
 
 def _plot_thrown_away(ax, report, _has_baseline) -> None:

@@ -1,4 +1,4 @@
-"""DuckDB over trace files: the three figures of `rolloutdb trace`.
+"""DuckDB over trace files: the figures of `rolloutdb trace`.
 
 DuckDB reads the SQLite trace files in place (``ATTACH ... (TYPE sqlite, READ_ONLY)``)
 through the sqlite_scanner extension that the ``duckdb-extension-sqlite-scanner`` wheel
@@ -10,11 +10,12 @@ is removed afterwards: no network, and nothing written to ``~/.duckdb``.
 The SQL itself lives in `trace_queries`; this module only stacks the files into the base
 tables those queries read (see its docstring) and runs them. Each base table is one
 table of the trace file (one event type: `rolloutdb.store.trace.events`), of which DuckDB copies
-only the columns the figures read, in one scan. The exception is `attempt_dispatched`,
-the largest table of a trace, of which the figures need only the dispatches of attempts
-abandoned with reason 'restart': DuckDB's scanner pushes no filter or join down to
-SQLite, so we send that semi-join to SQLite (`sqlite_query`, answered from the
-(prompt_id, generation_index, attempt) index) and copy only its answer.
+only the columns the figures read, in one scan. The exceptions are the per-call and
+per-turn tables (`attempt_dispatched`, the largest, `call_finished`, `turn_committed`), of
+which the figures need only the rows of attempts abandoned with reason 'restart': DuckDB's
+scanner pushes no filter or join down to SQLite, so we send that semi-join to SQLite
+(`sqlite_query`, answered from each table's (prompt_id, generation_index, attempt) index)
+and copy only its answer.
 
 A trace file of an older revision is upgraded in a copy in the working directory, and
 one with a ``-wal`` beside it (a live or killed run's) is read through a private copy
@@ -44,9 +45,9 @@ from .writer import TraceError
 # The base table of trace_queries -> its table in a trace file, where the names differ.
 _FILE_TABLE = {"trace_runs": "runs"}
 # Semi-joined in SQLite for DuckDB (see the module docstring).
-_SEMI_JOINED = "attempt_dispatched"
+_SEMI_JOINED = ("attempt_dispatched", "call_finished", "turn_committed")
 _DUCKDB_TYPES = {"seq": "BIGINT", "t": "DOUBLE", "run": "BIGINT", "prompt_id": "BIGINT",
-                 "generation_index": "BIGINT", "attempt": "BIGINT"}
+                 "generation_index": "BIGINT", "attempt": "BIGINT", "turn": "BIGINT", "tokens": "BIGINT"}
 
 
 @dataclass(frozen=True)
@@ -144,28 +145,30 @@ def _as_text(column: str) -> str:
     return f"printf('%!.17g', d.{column}) AS {column}" if _DUCKDB_TYPES[column] == "DOUBLE" else f"d.{column}"
 
 
-def _semi_joined_dispatches(con, aliases: dict[str, list[str]]) -> None:
-    """`attempt_dispatched` in DuckDB: only the dispatches of attempts abandoned with
-    reason 'restart' (what THROWN_AWAY_ATTEMPTS reads), looked up by SQLite itself."""
-    columns = trace_queries.BASE_COLUMNS[_SEMI_JOINED].split(", ")
-    con.execute(f"CREATE TEMP TABLE {_SEMI_JOINED} (job VARCHAR, src INTEGER, "
-                + ", ".join(f"{c} {_DUCKDB_TYPES[c]}" for c in columns) + ")")
+def _semi_joined(con, aliases: dict[str, list[str]]) -> None:
+    """The `_SEMI_JOINED` tables in DuckDB: only the rows of attempts abandoned with
+    reason 'restart' (what THROWN_AWAY_ATTEMPTS and KEPT_ATTEMPTS read), looked up by
+    SQLite itself."""
     keys: dict[str, list] = {}
     for job, p, g, a in con.execute("SELECT DISTINCT job, prompt_id, generation_index, attempt FROM attempt_abandoned "
                                     "WHERE reason = 'restart' AND prompt_id IS NOT NULL").fetchall():
         keys.setdefault(job, []).append([p, g, a])
-    for job, job_keys in keys.items():
-        # The abandonment may be in another file of the job than the dispatch: ask each.
-        inner = (
-            f"SELECT {', '.join(_as_text(c) for c in columns)} FROM json_each('{json.dumps(job_keys)}') k "
-            f"JOIN {_SEMI_JOINED} d ON d.prompt_id = json_extract(k.value, '$[0]') "
-            "AND d.generation_index = json_extract(k.value, '$[1]') AND d.attempt = json_extract(k.value, '$[2]')"
-        )
-        for src, alias in enumerate(aliases[job]):
-            # sqlite_query returns text: cast back to the columns' types.
-            casts = ", ".join(f"CAST({c} AS {_DUCKDB_TYPES[c]})" for c in columns)
-            con.execute(f"INSERT INTO {_SEMI_JOINED} SELECT '{job}', {src}, {casts} "
-                        f"FROM sqlite_query('{alias}', '{_sql_string(inner)}')")
+    for table in _SEMI_JOINED:
+        columns = trace_queries.BASE_COLUMNS[table].split(", ")
+        con.execute(f"CREATE TEMP TABLE {table} (job VARCHAR, src INTEGER, "
+                    + ", ".join(f"{c} {_DUCKDB_TYPES[c]}" for c in columns) + ")")
+        for job, job_keys in keys.items():
+            # The abandonment may be in another file of the job than the rows: ask each.
+            inner = (
+                f"SELECT {', '.join(_as_text(c) for c in columns)} FROM json_each('{json.dumps(job_keys)}') k "
+                f"JOIN {table} d ON d.prompt_id = json_extract(k.value, '$[0]') "
+                "AND d.generation_index = json_extract(k.value, '$[1]') AND d.attempt = json_extract(k.value, '$[2]')"
+            )
+            for src, alias in enumerate(aliases[job]):
+                # sqlite_query returns text: cast back to the columns' types.
+                casts = ", ".join(f"CAST({c} AS {_DUCKDB_TYPES[c]})" for c in columns)
+                con.execute(f"INSERT INTO {table} SELECT '{job}', {src}, {casts} "
+                            f"FROM sqlite_query('{alias}', '{_sql_string(inner)}')")
 
 
 def derived_view_statements() -> list[str]:
@@ -204,9 +207,9 @@ class TraceAnalysis:
             # One scan of each table the figures read into DuckDB's columnar memory, only
             # its columns: the figures read some tables several times each, and every read
             # of an attached table is a scan through SQLite.
-            for statement in base_view_statements(aliases, kind="TABLE", skip=frozenset({_SEMI_JOINED})):
+            for statement in base_view_statements(aliases, kind="TABLE", skip=frozenset(_SEMI_JOINED)):
                 self.con.execute(statement)
-            _semi_joined_dispatches(self.con, aliases)
+            _semi_joined(self.con, aliases)
             for statement in derived_view_statements():
                 self.con.execute(statement)
         except BaseException:

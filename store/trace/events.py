@@ -1,6 +1,7 @@
 """The trace's events: each event's fields and their types, and the tables they are
-stored in (revision trace_v1_1_a: one table per event, one typed column per field;
-list-valued fields as rows of their own tables). `trace_metadata` is the schema at head;
+stored in (revision trace_v1_1_a's scheme: one table per event, one typed column per
+field; list-valued fields as rows of their own tables; trace_v1_2_a adds the per-call and
+per-turn events of streaming rollouts). `trace_metadata` is the schema at head;
 the trace's migrations (``rolloutdb/migrations/trace``) build the files, and a test
 compares the two. docs/trace.md describes every event and field; a test checks the two
 agree.
@@ -42,6 +43,10 @@ EVENT_FIELDS: dict[str, tuple[str, ...]] = {
     "train_step": ("step", "policy_version", "group_ids", "batch_age", "tokens"),
     "snapshot_cut": ("step", "policy_version", "cut_time", "snapshot_seq", "anchor", "snapshot", "groups_in_flight"),
     "restore_done": ("step", "policy_version", "cut_time", "snapshot_seq", "anchor", "snapshot", "groups_restored", "replay_restored"),
+    # trace_v1_2_a: what a stop kept (streaming pump, turn-level recovery).
+    "call_finished": _ATTEMPT + ("turn", "tokens", "finish_reason"),
+    "turn_committed": _ATTEMPT + ("turn", "tokens", "total_tokens"),
+    "episode_restored": _ATTEMPT + ("from_attempt", "turn", "tokens", "total_tokens"),
 }
 EVENTS: dict[str, frozenset[str]] = {name: frozenset(fields) for name, fields in EVENT_FIELDS.items()}
 
@@ -50,7 +55,7 @@ FIELD_TYPES = {
     **dict.fromkeys(
         ("prompt_id", "generation_index", "group_id", "attempt", "step", "policy_version", "pid", "epoch", "group_size",
          "prefix_tokens", "tokens", "generations", "old_version", "new_version", "snapshot_seq", "groups_in_flight",
-         "groups_restored", "replay_restored"),
+         "groups_restored", "replay_restored", "turn", "total_tokens", "from_attempt"),
         "int"),
     **dict.fromkeys(("reward", "batch_age", "cut_time"), "float"),
     **dict.fromkeys(("reason", "host", "finish_reason", "anchor", "snapshot"), "text"),
@@ -71,6 +76,10 @@ EVENT_INDEXES = {
     "group_discarded": ("prompt_id",),
     "group_published": ("group_id",),
     "attempt_dispatched": ("prompt_id", "generation_index", "attempt"),
+    # The analysis asks SQLite for the calls and turns of the attempts a stop abandoned.
+    "call_finished": ("prompt_id", "generation_index", "attempt"),
+    "turn_committed": ("prompt_id", "generation_index", "attempt"),
+    "episode_restored": ("prompt_id", "generation_index", "attempt"),
 }
 
 ABANDON_REASONS = ("restart", "deadline", "error")

@@ -33,6 +33,9 @@ BASE_COLUMNS: dict[str, str] = {
     "restore_done": "seq, t, run, snapshot_seq, cut_time",
     "attempt_abandoned": "seq, t, run, prompt_id, generation_index, attempt, group_id, reason",
     "attempt_dispatched": "seq, t, run, prompt_id, generation_index, attempt",
+    "call_finished": "seq, t, run, prompt_id, generation_index, attempt, turn, tokens",
+    "turn_committed": "seq, t, run, prompt_id, generation_index, attempt, turn, tokens",
+    "episode_restored": "seq, t, run, prompt_id, generation_index, attempt, from_attempt, turn, tokens",
 }
 
 # --------------------------------------------------------------------------- views
@@ -106,10 +109,13 @@ LEFT JOIN stops st ON st.job = e.job AND st.stop_no = ru.run_no
 """
 
 THROWN_AWAY_ATTEMPTS = """
--- Thrown-away time, one row per attempt abandoned with reason 'restart': from the
--- attempt's last attempt_dispatched (same prompt_id, generation_index, attempt) to the
--- cut_time of the snapshot that the resumed run restored. The attempt had been working
--- since its dispatch; the restored state knows nothing of that work.
+-- Thrown-away time, one row per attempt abandoned with reason 'restart': from the later
+-- of the attempt's last attempt_dispatched and its latest turn_committed (same
+-- prompt_id, generation_index, attempt; both at or before the cut) to the cut_time of
+-- the snapshot that the resumed run restored, floored at 0. The attempt had been working
+-- since its dispatch; a turn committed before the cut is in the snapshot and kept (turn-
+-- level recovery), so only the time since it is thrown away. Without turn_committed
+-- events (group-level recovery) this is cut_time - last dispatch.
 -- The abandonment belongs to the first stop, at or after the run that recorded it,
 -- whose resumed run restored a snapshot (normally the run that restored is the run
 -- that recorded it).
@@ -123,16 +129,92 @@ WITH abandoned AS (
            (SELECT min(st.stop_no) FROM stops st
             WHERE st.job = a.job AND st.cut_time IS NOT NULL AND st.stop_no >= a.run_no - 1) AS stop_no
     FROM abandoned a
+), dispatched AS (
+    SELECT x.job, x.stop_no, x.prompt_id, x.generation_index, x.attempt, x.group_id, st.cut_time,
+           max(d.t) AS dispatched_at
+    FROM assigned x
+    JOIN stops st ON st.job = x.job AND st.stop_no = x.stop_no
+    LEFT JOIN attempt_dispatched d
+           ON d.job = x.job AND d.prompt_id = x.prompt_id AND d.generation_index = x.generation_index
+          AND d.attempt = x.attempt AND d.t <= st.cut_time
+    GROUP BY x.job, x.stop_no, x.prompt_id, x.generation_index, x.attempt, x.group_id, st.cut_time
+), committed AS (
+    -- The attempt's turns durable by the cut: after its dispatch (a prompt seen in an
+    -- earlier epoch reuses its attempt numbers) and at or before the cut.
+    SELECT x.job, x.stop_no, x.prompt_id, x.generation_index, x.attempt,
+           max(c.t) AS committed_at, max(c.turn) AS last_committed_turn
+    FROM dispatched x
+    JOIN turn_committed c
+      ON c.job = x.job AND c.prompt_id = x.prompt_id AND c.generation_index = x.generation_index
+     AND c.attempt = x.attempt AND c.t <= x.cut_time AND (x.dispatched_at IS NULL OR c.t >= x.dispatched_at)
+    GROUP BY x.job, x.stop_no, x.prompt_id, x.generation_index, x.attempt
+), since AS (
+    SELECT x.*, c.committed_at, c.last_committed_turn,
+           CASE WHEN c.committed_at IS NOT NULL AND (x.dispatched_at IS NULL OR c.committed_at > x.dispatched_at)
+                THEN c.committed_at ELSE x.dispatched_at END AS working_since
+    FROM dispatched x
+    LEFT JOIN committed c ON c.job = x.job AND c.stop_no = x.stop_no AND c.prompt_id = x.prompt_id
+     AND c.generation_index = x.generation_index AND c.attempt = x.attempt
+)
+SELECT job, stop_no, prompt_id, generation_index, attempt, group_id, dispatched_at, committed_at,
+       last_committed_turn, cut_time,
+       CASE WHEN cut_time - working_since < 0 THEN 0.0 ELSE cut_time - working_since END AS thrown_away_s
+FROM since
+"""
+
+KEPT_ATTEMPTS = """
+-- What a stop kept, one row per attempt abandoned with reason 'restart' (the attempts of
+-- thrown_away_attempts, with their thrown-away time):
+--   decoded_tokens: tokens its calls decoded before the stop (call_finished from its
+--     last dispatch to the stopped run's last event). A call still decoding at a
+--     SIGKILL left no event: its tokens are not counted (its time is in thrown_away_s);
+--   turns_kept, kept_tokens: what the resumed run's episode_restored (from_attempt =
+--     this attempt) continued from, less what this attempt had itself been restored
+--     with at an earlier stop (kept then, not decoded by it);
+--   redone_tokens: decoded_tokens - kept_tokens, the finished calls whose turns were not
+--     in the snapshot and are generated again.
+WITH decoded AS (
+    SELECT x.job, x.stop_no, x.prompt_id, x.generation_index, x.attempt, sum(c.tokens) AS tokens
+    FROM thrown_away_attempts x
+    JOIN stops st ON st.job = x.job AND st.stop_no = x.stop_no
+    JOIN call_finished c
+      ON c.job = x.job AND c.prompt_id = x.prompt_id AND c.generation_index = x.generation_index
+     AND c.attempt = x.attempt AND c.t <= st.stopped_at AND (x.dispatched_at IS NULL OR c.t >= x.dispatched_at)
+    GROUP BY x.job, x.stop_no, x.prompt_id, x.generation_index, x.attempt
+), restored AS (
+    -- The first episode_restored after the stop that continues this attempt.
+    SELECT x.job, x.stop_no, x.prompt_id, x.generation_index, x.attempt, e.turn, e.tokens,
+           row_number() OVER (PARTITION BY x.job, x.stop_no, x.prompt_id, x.generation_index, x.attempt
+                              ORDER BY e.t, e.src, e.seq) AS nth
+    FROM thrown_away_attempts x
+    JOIN stops st ON st.job = x.job AND st.stop_no = x.stop_no
+    JOIN episode_restored e
+      ON e.job = x.job AND e.prompt_id = x.prompt_id AND e.generation_index = x.generation_index
+     AND e.from_attempt = x.attempt AND e.t > st.stopped_at
+), inherited AS (
+    -- What this attempt itself started from: its own episode_restored before the stop.
+    SELECT x.job, x.stop_no, x.prompt_id, x.generation_index, x.attempt, e.tokens,
+           row_number() OVER (PARTITION BY x.job, x.stop_no, x.prompt_id, x.generation_index, x.attempt
+                              ORDER BY e.t DESC, e.src DESC, e.seq DESC) AS nth
+    FROM thrown_away_attempts x
+    JOIN stops st ON st.job = x.job AND st.stop_no = x.stop_no
+    JOIN episode_restored e
+      ON e.job = x.job AND e.prompt_id = x.prompt_id AND e.generation_index = x.generation_index
+     AND e.attempt = x.attempt AND e.t <= st.stopped_at
 )
 SELECT x.job, x.stop_no, x.prompt_id, x.generation_index, x.attempt, x.group_id,
-       max(d.t) AS dispatched_at, st.cut_time,
-       st.cut_time - max(d.t) AS thrown_away_s
-FROM assigned x
-JOIN stops st ON st.job = x.job AND st.stop_no = x.stop_no
-LEFT JOIN attempt_dispatched d
-       ON d.job = x.job AND d.prompt_id = x.prompt_id AND d.generation_index = x.generation_index
-      AND d.attempt = x.attempt AND d.t <= st.cut_time
-GROUP BY x.job, x.stop_no, x.prompt_id, x.generation_index, x.attempt, x.group_id, st.cut_time
+       coalesce(d.tokens, 0) AS decoded_tokens,
+       coalesce(r.turn, 0) AS turns_kept,
+       coalesce(r.tokens - coalesce(i.tokens, 0), 0) AS kept_tokens,
+       coalesce(d.tokens, 0) - coalesce(r.tokens - coalesce(i.tokens, 0), 0) AS redone_tokens,
+       x.last_committed_turn, x.dispatched_at, x.committed_at, x.cut_time, x.thrown_away_s
+FROM thrown_away_attempts x
+LEFT JOIN decoded d ON d.job = x.job AND d.stop_no = x.stop_no AND d.prompt_id = x.prompt_id
+ AND d.generation_index = x.generation_index AND d.attempt = x.attempt
+LEFT JOIN restored r ON r.job = x.job AND r.stop_no = x.stop_no AND r.prompt_id = x.prompt_id
+ AND r.generation_index = x.generation_index AND r.attempt = x.attempt AND r.nth = 1
+LEFT JOIN inherited i ON i.job = x.job AND i.stop_no = x.stop_no AND i.prompt_id = x.prompt_id
+ AND i.generation_index = x.generation_index AND i.attempt = x.attempt AND i.nth = 1
 """
 
 LOST_PROGRESS_GROUPS = """
@@ -244,6 +326,7 @@ VIEWS: dict[str, str] = {
     "stops": STOPS,
     "group_timeline": GROUP_TIMELINE,
     "thrown_away_attempts": THROWN_AWAY_ATTEMPTS,
+    "kept_attempts": KEPT_ATTEMPTS,
     "lost_progress_groups": LOST_PROGRESS_GROUPS,
     "batch_age_steps": BATCH_AGE_STEPS,
 }
@@ -269,8 +352,9 @@ ORDER BY st.stop_no
 """
 
 THROWN_AWAY_BY_ATTEMPT = """
--- Figure 1, one row per abandoned attempt.
-SELECT stop_no, prompt_id, generation_index, attempt, group_id, dispatched_at, cut_time, thrown_away_s
+-- Figure 1, one row per abandoned attempt. committed_at: its latest turn committed by the
+-- cut (NULL at group level); thrown_away_s runs from the later of it and dispatched_at.
+SELECT stop_no, prompt_id, generation_index, attempt, group_id, dispatched_at, committed_at, cut_time, thrown_away_s
 FROM thrown_away_attempts
 WHERE job = 'run'
 ORDER BY stop_no, prompt_id, generation_index, attempt
@@ -308,10 +392,40 @@ WHERE job = 'run'
 ORDER BY t, run_no, step
 """
 
+KEPT_PER_STOP = """
+-- Figure 4, what each stop kept, per stop of the analysed job (see kept_attempts):
+-- the attempts running at the stop (abandoned with reason 'restart'), the tokens they had
+-- decoded, the tokens and turns the resumed run kept of them, the tokens it generates
+-- again, and their thrown-away time.
+SELECT st.stop_no, st.stopped_run, st.resumed_run, st.cut_time,
+       count(k.prompt_id) AS attempts_running,
+       coalesce(sum(k.decoded_tokens), 0) AS decoded_tokens,
+       coalesce(sum(k.kept_tokens), 0) AS kept_tokens,
+       coalesce(sum(k.redone_tokens), 0) AS redone_tokens,
+       coalesce(sum(k.turns_kept), 0) AS turns_kept,
+       coalesce(sum(k.thrown_away_s), 0.0) AS thrown_away_s
+FROM stops st
+LEFT JOIN kept_attempts k ON k.job = st.job AND k.stop_no = st.stop_no
+WHERE st.job = 'run'
+GROUP BY st.stop_no, st.stopped_run, st.resumed_run, st.cut_time
+ORDER BY st.stop_no
+"""
+
+KEPT_BY_ATTEMPT = """
+-- Figure 4, one row per attempt running at a stop.
+SELECT stop_no, prompt_id, generation_index, attempt, group_id, decoded_tokens, kept_tokens, redone_tokens,
+       turns_kept, last_committed_turn, thrown_away_s
+FROM kept_attempts
+WHERE job = 'run'
+ORDER BY stop_no, prompt_id, generation_index, attempt
+"""
+
 QUERIES: dict[str, str] = {
     "thrown_away_per_stop": THROWN_AWAY_PER_STOP,
     "thrown_away_by_attempt": THROWN_AWAY_BY_ATTEMPT,
     "lost_progress_per_stop": LOST_PROGRESS_PER_STOP,
     "lost_progress_by_group": LOST_PROGRESS_BY_GROUP,
     "batch_age_per_step": BATCH_AGE_PER_STEP,
+    "kept_per_stop": KEPT_PER_STOP,
+    "kept_by_attempt": KEPT_BY_ATTEMPT,
 }

@@ -1,0 +1,115 @@
+"""Trace: the events of streaming rollouts and turn-level recovery, `call_finished`,
+`turn_committed` and `episode_restored`, each a table of its own (trace_v1_1_a's scheme),
+and the `events` view rebuilt to show them.
+
+Revision ID: trace_v1_2_a
+Revises: trace_v1_1_a
+Create Date: 2027-01-12
+
+Why: the figure "what a stop kept" (docs/trace.md) sums the tokens an attempt running at
+a stop had decoded (its finished calls), what the resumed run kept of them (its restored
+episodes) and dates the last turn that was durable before the cut (committed turns).
+
+Data migration: none; every row of an older file stays as it is, the new tables start
+empty. The downgrade refuses a file that holds any of the new events (trace_v1_1_a has
+no place for them) rather than drop them.
+
+Frozen: the tables are defined here as they were at this revision.
+"""
+
+import sqlalchemy as sa
+from alembic import op
+
+revision = "trace_v1_2_a"
+down_revision = "trace_v1_1_a"
+branch_labels = None
+depends_on = None
+
+NAMING = {
+    "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+COMMON = ("prompt_id", "generation_index", "group_id", "attempt", "step", "policy_version", "reason")
+_ATTEMPT = ("group_id", "prompt_id", "generation_index", "attempt", "step", "policy_version")
+_GROUP = ("group_id", "prompt_id", "step", "policy_version")
+# Every event at trace_v1_1_a, in its table's column order (list fields excluded): the
+# `events` view reads them all.
+OLD_EVENT_FIELDS = {
+    "run_started": ("pid", "host"),
+    "group_reserved": _GROUP + ("epoch", "group_size"),
+    "attempt_dispatched": _ATTEMPT + ("prefix_tokens",),
+    "call_cut": _ATTEMPT + ("tokens",),
+    "attempt_abandoned": _ATTEMPT + ("reason", "tokens"),
+    "rollout_finished": _ATTEMPT + ("tokens", "reward", "finish_reason"),
+    "group_sealed": _GROUP + ("generations",),
+    "group_published": _GROUP + ("tokens",),
+    "group_discarded": _GROUP + ("reason",),
+    "refit": ("step", "policy_version", "old_version", "new_version", "running"),
+    "train_step": ("step", "policy_version", "batch_age", "tokens"),
+    "snapshot_cut": ("step", "policy_version", "cut_time", "snapshot_seq", "anchor", "snapshot", "groups_in_flight"),
+    "restore_done": ("step", "policy_version", "cut_time", "snapshot_seq", "anchor", "snapshot", "groups_restored",
+                     "replay_restored"),
+}
+NEW_EVENT_FIELDS = {
+    "call_finished": _ATTEMPT + ("turn", "tokens", "finish_reason"),
+    "turn_committed": _ATTEMPT + ("turn", "tokens", "total_tokens"),
+    "episode_restored": _ATTEMPT + ("from_attempt", "turn", "tokens", "total_tokens"),
+}
+INDEXED = ("prompt_id", "generation_index", "attempt")
+
+
+def _tables() -> sa.MetaData:
+    """The three new tables; `runs` only as the target of their foreign key."""
+    m = sa.MetaData(naming_convention=NAMING)
+    C, I = sa.Column, sa.Integer
+    sa.Table("runs", m, C("run", I, primary_key=True, autoincrement=False))
+    for name, fields in NEW_EVENT_FIELDS.items():
+        sa.Table(
+            name, m,
+            C("seq", I, primary_key=True, autoincrement=False),
+            C("t", sa.Float, nullable=False),
+            C("run", I, sa.ForeignKey("runs.run"), nullable=False),
+            *(C(f, sa.Text if f == "finish_reason" else I) for f in fields),
+            sa.Index(f"ix_{name}_{'_'.join(INDEXED)}", *INDEXED),
+        )
+    return m
+
+
+def _events_view(event_fields: dict[str, tuple[str, ...]]) -> str:
+    """Every event in one table with trace_v1_0_a's columns, for reading by eye (as
+    trace_v1_1_a builds it, over the events given)."""
+    parts = []
+    for name, fields in event_fields.items():
+        common = [f"e.{c}" if c in fields else f"NULL AS {c}" for c in COMMON]
+        extra = [f for f in fields if f not in COMMON]
+        json = ("json_object(" + ", ".join(f"'{f}', " + (f"json(e.{f})" if f == "running" else f"e.{f}") for f in extra)
+                + ")") if extra else "NULL"
+        parts.append(f"SELECT e.seq, e.t, r.run_id, '{name}' AS event, {', '.join(common)}, {json} AS fields "
+                     f"FROM {name} e JOIN runs r ON r.run = e.run")
+    return "CREATE VIEW events AS\n" + "\nUNION ALL\n".join(parts)
+
+
+def upgrade() -> None:
+    bind = op.get_bind()
+    m = _tables()
+    for name in NEW_EVENT_FIELDS:
+        m.tables[name].create(bind)
+    bind.exec_driver_sql("DROP VIEW events")
+    bind.exec_driver_sql(_events_view({**OLD_EVENT_FIELDS, **NEW_EVENT_FIELDS}))
+
+
+def downgrade() -> None:
+    bind = op.get_bind()
+    held = {name: bind.exec_driver_sql(f"SELECT count(*) FROM {name}").scalar() for name in NEW_EVENT_FIELDS}
+    held = {name: n for name, n in held.items() if n}
+    if held:
+        raise RuntimeError(f"trace holds events that trace_v1_1_a has no table for ({held}); "
+                           "keep it at trace_v1_2_a or later")
+    bind.exec_driver_sql("DROP VIEW events")
+    m = _tables()
+    for name in NEW_EVENT_FIELDS:
+        m.tables[name].drop(bind)
+    bind.exec_driver_sql(_events_view(OLD_EVENT_FIELDS))

@@ -1,0 +1,228 @@
+"""What a stop kept: the per-stop and per-attempt figures on hand-built traces, every
+answer worked out by hand in the comments.
+
+The turn-level job: one group (g1, prompt 10, two generations) of a multi-turn task,
+stopped twice.
+  Run A, t=100..110, snapshot cut at 106, killed.
+    gen 0 attempt 0, dispatched 101: turns 0 and 1 finish (20, 15 tokens) and commit
+      (102.5, 104.5) before the cut; turn 2 finishes (12 tokens) at 107 and commits at
+      107.5, after the cut.
+    gen 1 attempt 0, dispatched 101.5: turn 0 finishes (9 tokens) at 105.5 but its
+      commit batch lands at 106.5, after the cut: no committed turn at the cut.
+  Run B, t=200..207: abandons both (restart), restores cut 106; gen 0 attempt 1 continues
+    from turn 2 with 35 tokens kept, gen 1 attempt 1 starts over. gen 0: turn 2 (12) at
+    204, committed 204.5; gen 1: turn 0 (9) at 204.5, committed 204.75; snapshot cut at
+    205; gen 0 turn 3 (8) at 206, not committed by the cut; killed at 207.
+  Run C, t=300..: abandons both, restores cut 205; gen 0 attempt 2 continues from turn 3
+    with 47 tokens, gen 1 attempt 2 from turn 1 with 9.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+
+from rolloutdb.cli import main
+from rolloutdb.store.trace.analysis import TraceAnalysis, open_sqlite_analysis, sqlite_query
+from rolloutdb.store.trace import queries as trace_queries
+from rolloutdb.store.trace.writer import TRACE_FILENAME, Tracer
+from test_trace_analysis import write_run_a, write_run_b
+
+
+def _attempt(p, gi, a, **kw):
+    return dict(group_id=1, prompt_id=p, generation_index=gi, attempt=a, policy_version=0, **kw)
+
+
+def write_turn_run_a(path) -> Tracer:
+    tr = Tracer(path, clock=lambda: 100.0)
+    e = tr.emit
+    e("group_reserved", t=100, group_id=1, prompt_id=10, step=1, policy_version=0, group_size=2)
+    e("attempt_dispatched", t=101, **_attempt(10, 0, 0))
+    e("attempt_dispatched", t=101.5, **_attempt(10, 1, 0))
+    e("call_finished", t=102, turn=0, tokens=20, finish_reason="stop", **_attempt(10, 0, 0))
+    e("turn_committed", t=102.5, turn=0, tokens=20, total_tokens=30, **_attempt(10, 0, 0))
+    e("call_finished", t=104, turn=1, tokens=15, finish_reason="stop", **_attempt(10, 0, 0))
+    e("turn_committed", t=104.5, turn=1, tokens=35, total_tokens=50, **_attempt(10, 0, 0))
+    e("call_finished", t=105.5, turn=0, tokens=9, finish_reason="stop", **_attempt(10, 1, 0))
+    e("snapshot_cut", t=106.2, cut_time=106, snapshot_seq=1, anchor="bootstrap")
+    e("turn_committed", t=106.5, turn=0, tokens=9, total_tokens=14, **_attempt(10, 1, 0))
+    e("call_finished", t=107, turn=2, tokens=12, finish_reason="stop", **_attempt(10, 0, 0))
+    e("turn_committed", t=107.5, turn=2, tokens=47, total_tokens=70, **_attempt(10, 0, 0))
+    e("group_reserved", t=110, group_id=2, prompt_id=20, step=2, policy_version=0, group_size=2)
+    return tr
+
+
+def write_turn_run_b(path) -> Tracer:
+    tr = Tracer(path, clock=lambda: 200.0)
+    e = tr.emit
+    e("attempt_abandoned", t=201, reason="restart", **_attempt(10, 0, 0))
+    e("attempt_abandoned", t=201, reason="restart", **_attempt(10, 1, 0))
+    e("restore_done", t=202, snapshot_seq=1, cut_time=106, anchor="bootstrap", groups_restored=1)
+    e("attempt_dispatched", t=203, **_attempt(10, 0, 1))
+    e("episode_restored", t=203, from_attempt=0, turn=2, tokens=35, total_tokens=50, **_attempt(10, 0, 1))
+    e("attempt_dispatched", t=203, **_attempt(10, 1, 1))
+    e("call_finished", t=204, turn=2, tokens=12, finish_reason="stop", **_attempt(10, 0, 1))
+    e("turn_committed", t=204.5, turn=2, tokens=47, total_tokens=70, **_attempt(10, 0, 1))
+    e("call_finished", t=204.5, turn=0, tokens=9, finish_reason="stop", **_attempt(10, 1, 1))
+    e("turn_committed", t=204.75, turn=0, tokens=9, total_tokens=14, **_attempt(10, 1, 1))
+    e("snapshot_cut", t=205.1, cut_time=205, snapshot_seq=2, anchor="bootstrap")
+    e("call_finished", t=206, turn=3, tokens=8, finish_reason="length", **_attempt(10, 0, 1))
+    e("group_reserved", t=207, group_id=2, prompt_id=20, step=2, policy_version=0, group_size=2)
+    return tr
+
+
+def write_turn_run_c(path) -> Tracer:
+    tr = Tracer(path, clock=lambda: 300.0)
+    e = tr.emit
+    e("attempt_abandoned", t=301, reason="restart", **_attempt(10, 0, 1))
+    e("attempt_abandoned", t=301, reason="restart", **_attempt(10, 1, 1))
+    e("restore_done", t=302, snapshot_seq=2, cut_time=205, anchor="bootstrap", groups_restored=1)
+    e("attempt_dispatched", t=303, **_attempt(10, 0, 2))
+    e("episode_restored", t=303, from_attempt=1, turn=3, tokens=47, total_tokens=70, **_attempt(10, 0, 2))
+    e("attempt_dispatched", t=303, **_attempt(10, 1, 2))
+    e("episode_restored", t=303, from_attempt=1, turn=1, tokens=9, total_tokens=14, **_attempt(10, 1, 2))
+    e("call_finished", t=304, turn=3, tokens=8, finish_reason="stop", **_attempt(10, 0, 2))
+    e("group_sealed", t=306, group_id=1, prompt_id=10)
+    return tr
+
+
+# Stop 1 (cut 106), by attempt (stop, prompt, gen, attempt, group, decoded, kept, redone,
+# turns kept, last committed turn, thrown-away s):
+#   gen 0 att 0: decoded 20 + 15 + 12 = 47 (turn 2 finished after the cut still counts);
+#     kept 35 (turns 0, 1), redone 47 - 35 = 12; last turn committed by the cut: 1 (its
+#     turn 2 committed at 107.5, after); thrown away 106 - max(101, 104.5) = 1.5.
+#   gen 1 att 0: decoded 9, kept 0 (its commit at 106.5 missed the cut), redone 9; no
+#     committed turn; thrown away 106 - 101.5 = 4.5.
+# Stop 2 (cut 205):
+#   gen 0 att 1: decoded 12 + 8 = 20 in run B; run C continues with 47 tokens, of which
+#     35 att 1 was itself restored with: kept 47 - 35 = 12, redone 8; last committed turn
+#     2; thrown away 205 - max(203, 204.5) = 0.5.
+#   gen 1 att 1: decoded 9, kept 9, redone 0; turn 0 committed at 204.75: 0.25.
+BY_ATTEMPT = [
+    (1, 10, 0, 0, 1, 47, 35, 12, 2, 1, 1.5),
+    (1, 10, 1, 0, 1, 9, 0, 9, 0, None, 4.5),
+    (2, 10, 0, 1, 1, 20, 12, 8, 3, 2, 0.5),
+    (2, 10, 1, 1, 1, 9, 9, 0, 1, 0, 0.25),
+]
+# Per stop (stop, cut_time, attempts, decoded, kept, redone, turns kept, thrown away):
+#   stop 1: 2 attempts, 47 + 9 = 56, 35 + 0 = 35, 12 + 9 = 21, 2 + 0 turns, 1.5 + 4.5 = 6.0
+#   stop 2: 2 attempts, 20 + 9 = 29, 12 + 9 = 21, 8 + 0 = 8, 3 + 1 turns, 0.5 + 0.25 = 0.75
+PER_STOP = [(1, 106.0, 2, 56, 35, 21, 2, 6.0), (2, 205.0, 2, 29, 21, 8, 4, 0.75)]
+
+
+@pytest.fixture
+def turn_job(tmp_path):
+    path = tmp_path / "run" / "logs" / TRACE_FILENAME
+    for write in (write_turn_run_a, write_turn_run_b, write_turn_run_c):
+        write(path).close()
+    return path
+
+
+def _per_stop(table) -> list[tuple]:
+    return [(r["stop_no"], r["cut_time"], r["attempts_running"], r["decoded_tokens"], r["kept_tokens"],
+             r["redone_tokens"], r["turns_kept"], r["thrown_away_s"]) for r in table.as_dicts()]
+
+
+def test_a_stop_keeps_the_turns_committed_before_its_cut_and_redoes_the_rest(turn_job):
+    with TraceAnalysis([turn_job]) as a:
+        assert a.query("kept_by_attempt").rows == BY_ATTEMPT
+        assert _per_stop(a.query("kept_per_stop")) == PER_STOP
+
+
+def test_thrown_away_time_runs_from_the_last_turn_committed_before_the_cut(turn_job):
+    with TraceAnalysis([turn_job]) as a:
+        rows = a.query("thrown_away_by_attempt").as_dicts()
+        per_stop = a.query("thrown_away_per_stop").as_dicts()
+    # (gen, attempt, dispatched_at, committed_at, thrown_away_s): see BY_ATTEMPT.
+    assert [(r["generation_index"], r["attempt"], r["dispatched_at"], r["committed_at"], r["thrown_away_s"])
+            for r in rows] == [(0, 0, 101.0, 104.5, 1.5), (1, 0, 101.5, None, 4.5),
+                               (0, 1, 203.0, 204.5, 0.5), (1, 1, 203.0, 204.75, 0.25)]
+    assert [(r["stop_no"], r["attempts"], r["thrown_away_s"]) for r in per_stop] == [(1, 2, 6.0), (2, 2, 0.75)]
+
+
+def test_the_kept_figures_are_the_same_in_sqlite_and_for_a_job_resumed_into_other_directories(turn_job, tmp_path):
+    conn = open_sqlite_analysis([turn_job])
+    try:
+        with TraceAnalysis([turn_job]) as a:
+            for name in trace_queries.QUERIES:
+                assert a.query(name).rows == sqlite_query(conn, name).rows, name
+    finally:
+        conn.close()
+    # Each run in a directory of its own: the calls of run A are matched from run B's file.
+    files = [tmp_path / d / TRACE_FILENAME for d in ("a", "b", "c")]
+    for write, path in zip((write_turn_run_a, write_turn_run_b, write_turn_run_c), files):
+        write(path).close()
+    with TraceAnalysis(files) as a:
+        assert a.query("kept_by_attempt").rows == BY_ATTEMPT
+        assert _per_stop(a.query("kept_per_stop")) == PER_STOP
+
+
+def write_group_level_job(path) -> None:
+    """test_trace_analysis's job (group-level recovery: no turn events) with the calls of
+    its attempts: one call per generation (turn 0)."""
+    tr = write_run_a(path)
+    e = tr.emit
+    # Calls of attempts that will be abandoned with reason restart at the stop:
+    e("call_finished", t=104, group_id=2, prompt_id=20, generation_index=0, attempt=0, turn=0, tokens=6)
+    e("call_finished", t=109.5, group_id=3, prompt_id=30, generation_index=0, attempt=0, turn=0, tokens=5)
+    # Not running at the stop: prompt 30 gen 1 attempt 0 was abandoned for its deadline,
+    # prompt 10's group was sealed before the cut.
+    e("call_finished", t=103.2, group_id=3, prompt_id=30, generation_index=1, attempt=0, turn=0, tokens=100)
+    e("call_finished", t=104, group_id=1, prompt_id=10, generation_index=0, attempt=0, turn=0, tokens=15)
+    tr.close()
+    write_run_b(path).close()
+
+
+def test_a_group_level_run_keeps_nothing_and_its_thrown_away_time_is_unchanged(tmp_path):
+    path = tmp_path / TRACE_FILENAME
+    write_group_level_job(path)
+    with TraceAnalysis([path]) as a:
+        thrown = a.query("thrown_away_by_attempt").as_dicts()
+        kept = a.query("kept_per_stop").as_dicts()
+        by_attempt = a.query("kept_by_attempt").rows
+    # Without turn_committed, thrown_away_s is the old cut_time - last dispatch, exactly:
+    # 106 - 102, 106 - 102.5, 106 - 103, 106 - 104 (test_trace_analysis).
+    assert [(r["prompt_id"], r["generation_index"], r["attempt"], r["thrown_away_s"]) for r in thrown] == [
+        (20, 0, 0, 4.0), (20, 1, 0, 3.5), (30, 0, 0, 3.0), (30, 1, 1, 2.0)]
+    assert all(r["committed_at"] is None and r["thrown_away_s"] == r["cut_time"] - r["dispatched_at"] for r in thrown)
+    # Decoded: 6 (prompt 20 gen 0) + 5 (prompt 30 gen 0); nothing kept, all redone.
+    assert [(r[1], r[2], r[3], r[5], r[6], r[7], r[8], r[9]) for r in by_attempt] == [
+        (20, 0, 0, 6, 0, 6, 0, None), (20, 1, 0, 0, 0, 0, 0, None), (30, 0, 0, 5, 0, 5, 0, None),
+        (30, 1, 1, 0, 0, 0, 0, None)]
+    assert [(r["attempts_running"], r["decoded_tokens"], r["kept_tokens"], r["redone_tokens"], r["turns_kept"],
+             r["thrown_away_s"]) for r in kept] == [(4, 11, 0, 11, 0, 12.5)]
+
+
+def test_rolloutdb_trace_prints_what_each_stop_kept_and_writes_it_as_csv_json_and_a_plot(turn_job, capsys):
+    run_dir = turn_job.parent.parent
+    assert main(["trace", str(run_dir)]) == 0
+    printed = capsys.readouterr().out
+    section = printed.split("What each stop kept\n", 1)[1].split("\n\n", 1)[0].splitlines()
+    assert section[0].split() == ["stop_no", "stopped_run", "resumed_run", "cut_time", "attempts_running",
+                                  "decoded_tokens", "kept_tokens", "redone_tokens", "turns_kept", "thrown_away_s"]
+    assert [line.split()[3:] for line in section[1:]] == [
+        ["1970-01-01T00:01:46Z", "2", "56", "35", "21", "2", "6.000"],
+        ["1970-01-01T00:03:25Z", "2", "29", "21", "8", "4", "0.750"]]
+    plots = run_dir / "plots"
+    with open(plots / "kept_per_stop.csv", newline="") as f:
+        got = [(r["stop_no"], r["decoded_tokens"], r["kept_tokens"], r["redone_tokens"]) for r in csv.DictReader(f)]
+    assert got == [("1", "56", "35", "21"), ("2", "29", "21", "8")]
+    with open(plots / "kept_by_attempt.csv", newline="") as f:
+        assert [r["last_committed_turn"] for r in csv.DictReader(f)] == ["1", "", "2", "0"]
+    report = json.loads((plots / "trace_report.json").read_text())
+    assert [(r["decoded_tokens"], r["kept_tokens"], r["redone_tokens"]) for r in report["kept_per_stop"]] == [
+        (56, 35, 21), (29, 21, 8)]
+    assert [r["thrown_away_s"] for r in report["kept_by_attempt"]] == [1.5, 4.5, 0.5, 0.25]
+    assert (plots / "kept.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_rolloutdb_trace_on_a_run_never_stopped_shows_no_stop(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    write_turn_run_a(run_dir / "logs" / TRACE_FILENAME).close()
+    assert main(["trace", str(run_dir)]) == 0
+    printed = capsys.readouterr().out
+    assert printed.split("What each stop kept\n", 1)[1].startswith("  (none)")
+    assert (run_dir / "plots" / "kept.png").is_file()
+    assert (run_dir / "plots" / "kept_per_stop.csv").read_text().count("\n") == 1  # the header only
