@@ -200,8 +200,8 @@ class RolloutPump:
         turn = e.turn
         e.absorb(self.p.env, result)
         self.meter.call()
-        self.trace.call_finished(live.group, live.index, live.attempt, turn, len(result.token_ids),
-                                 result.finish_reason)
+        self.trace.call_finished(live.group, live.index, turn=turn, tokens=len(result.token_ids),
+                                 finish_reason=result.finish_reason)
         key = (live.group.group_id, live.index)
         if e.done:
             self.batch.drop_progress(key)
@@ -293,10 +293,13 @@ class RolloutPump:
             self.trace.dispatched(list({id(live.group): live.group for live in restored}.values()))
             for live in restored:
                 if live.from_attempt is not None:
-                    self.trace.episode_restored(live.group, live.index, live.attempt, live.from_attempt,
-                                                live.episode)
+                    e = live.episode
+                    self.trace.episode_restored(live.group, live.index, from_attempt=live.from_attempt,
+                                                turn=e.turn, tokens=e.policy_tokens, total_tokens=len(e.token_ids))
         for live in pending.progress.values():
-            self.trace.turn_committed(live.group, live.index, live.attempt, live.episode)
+            e = live.episode
+            self.trace.turn_committed(live.group, live.index, turn=e.turn - 1, tokens=e.policy_tokens,
+                                      total_tokens=len(e.token_ids))
         self.trace.finished([(live.group, live.index) for live, _ in pending.finished],
                             [live.episode for live, _ in pending.finished])
         self.trace.discarded(drop, ZERO_VARIANCE)

@@ -51,30 +51,6 @@ class RolloutTrace:
                         finish_reason=res.finish_reasons[-1] if res.finish_reasons else None,
                         version_token_counts=counts)
 
-    def call_finished(self, g: GroupHandle, index: int, attempt: int, turn: int, tokens: int,
-                      finish_reason: str) -> None:
-        """The engine returned one call (before its commit batch: what was decoded)."""
-        if self.tracer.enabled:
-            self.tracer.emit("call_finished", group_id=g.group_id, prompt_id=g.reservation.prompt_id,
-                             generation_index=index, attempt=attempt, step=g.target_step,
-                             policy_version=g.policy_version, turn=turn, tokens=tokens, finish_reason=finish_reason)
-
-    def turn_committed(self, g: GroupHandle, index: int, attempt: int, episode) -> None:
-        """The episode's state after its last finished turn is durable (turn level)."""
-        if self.tracer.enabled:
-            self.tracer.emit("turn_committed", group_id=g.group_id, prompt_id=g.reservation.prompt_id,
-                             generation_index=index, attempt=attempt, step=g.target_step,
-                             policy_version=g.policy_version, turn=episode.turn - 1,
-                             tokens=episode.policy_tokens, total_tokens=len(episode.token_ids))
-
-    def episode_restored(self, g: GroupHandle, index: int, attempt: int, from_attempt: int, episode) -> None:
-        """A new attempt continues a saved episode from its committed turns."""
-        if self.tracer.enabled:
-            self.tracer.emit("episode_restored", group_id=g.group_id, prompt_id=g.reservation.prompt_id,
-                             generation_index=index, attempt=attempt, from_attempt=from_attempt,
-                             step=g.target_step, policy_version=g.policy_version, turn=episode.turn,
-                             tokens=episode.policy_tokens, total_tokens=len(episode.token_ids))
-
     def entered_replay(self, groups: Sequence[GroupHandle], version_counts: dict[int, dict[int, int]]) -> None:
         """The groups were sealed and entered the replay buffer. The trace's event keeps
         its old name, `group_published`: it is a table of every trace file."""
