@@ -30,7 +30,7 @@ import time
 from concurrent.futures import Future
 from pathlib import Path
 
-from benchlib import latency_summary, machine_line
+from benchlib import machine_line
 
 from rolloutdb.config import Config
 from rolloutdb.controller.dispatch import LedgerDispatch
