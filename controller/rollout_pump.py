@@ -272,9 +272,10 @@ class RolloutPump:
             if not self._waiting_replay:
                 new_groups = self._dispatch_new(tx, last_step, progress.policy_version,
                                                 self._room() - len(restored_started))
+            t_commit = time.time()  # before the commit: the trace stamps this batch's events with it
         t1 = time.perf_counter()
         started = restored_started + self._episodes_for(new_groups)  # env.start outside the transaction
-        self._after_commit(pending, new_groups, restored_started, entered, drop, counts)
+        self._after_commit(pending, new_groups, restored_started, entered, drop, counts, t_commit)
         for live in started:
             self._submit(live)
         episodes = [live.episode for live, _ in pending.finished]
@@ -288,9 +289,9 @@ class RolloutPump:
             self.p.runtime.notify()
 
     def _after_commit(self, pending: Pending, new_groups: list[GroupHandle], restored: list[LiveEpisode],
-                      entered: list[GroupHandle], drop: list[GroupHandle], counts: dict) -> None:
+                      entered: list[GroupHandle], drop: list[GroupHandle], counts: dict, t_commit: float) -> None:
         """Fault points and trace events of a committed batch (the trace records only
-        what is durable, except `call_finished`)."""
+        what is durable, except `call_finished`), stamped with the batch's time."""
         if new_groups or restored:
             faults.point("pump.after_dispatch")
         if pending.progress:
@@ -301,24 +302,25 @@ class RolloutPump:
             faults.point("pump.after_enter_replay")
         if not self.trace.enabled:
             return
+        trace = self.trace.at(t_commit)
         if new_groups:
-            self.trace.reserved(new_groups, self.group_size)
-            self.trace.dispatched(new_groups)
+            trace.reserved(new_groups, self.group_size)
+            trace.dispatched(new_groups)
         if restored:
-            self.trace.dispatched(list({id(live.group): live.group for live in restored}.values()))
+            trace.dispatched(list({id(live.group): live.group for live in restored}.values()))
             for live in restored:
                 if live.from_attempt is not None:
                     e = live.episode
-                    self.trace.episode_restored(live.group, live.index, from_attempt=live.from_attempt,
-                                                turn=e.turn, tokens=e.policy_tokens, total_tokens=len(e.token_ids))
+                    trace.episode_restored(live.group, live.index, from_attempt=live.from_attempt,
+                                           turn=e.turn, tokens=e.policy_tokens, total_tokens=len(e.token_ids))
         for live in pending.progress.values():
             e = live.episode
-            self.trace.turn_committed(live.group, live.index, turn=e.turn - 1, tokens=e.policy_tokens,
-                                      total_tokens=len(e.token_ids))
-        self.trace.finished([(live.group, live.index) for live, _ in pending.finished],
-                            [live.episode for live, _ in pending.finished])
-        self.trace.discarded(drop, ZERO_VARIANCE)
-        self.trace.entered_replay(entered, counts)
+            trace.turn_committed(live.group, live.index, turn=e.turn - 1, tokens=e.policy_tokens,
+                                 total_tokens=len(e.token_ids))
+        trace.finished([(live.group, live.index) for live, _ in pending.finished],
+                       [live.episode for live, _ in pending.finished])
+        trace.discarded(drop, ZERO_VARIANCE)
+        trace.entered_replay(entered, counts)
 
     # ------------------------------------------------------------------ dispatch
 
