@@ -18,7 +18,7 @@ class _AtTime:
 
     def __init__(self, tracer: Tracer | NullTracer | _AtTime, t: float):
         self._tracer, self._t = tracer, t
-        self.enabled = tracer.enabled
+        self.enabled: bool = bool(tracer.enabled)
 
     def emit(self, event: str, **fields) -> None:
         self._tracer.emit(event, t=self._t, **fields)
