@@ -2,8 +2,13 @@
 point or at a random moment), resume, and repeat until the run ends; then check the
 whole chain of stops.
 
-Used by tests/test_crash_resume.py (a quick tier in CI, a long tier behind `slow`) and
-runnable by hand:  python tests/crash_harness.py RUN_DIR --kills 20 --seed 1
+Two configurations (`HarnessConfig`, a parameter of `run_chain`): GROUP_LEVEL, the
+single-turn digit task recovered at group level, and TURN_LEVEL, the multi-turn long-tail
+task recovered at turn level, whose saved episodes and restores are checked by
+tests/crash_episodes.py after every kill and every resume.
+
+Used by tests/test_crash_resume.py (quick tiers in CI, a long tier behind `slow`) and
+runnable by hand:  python tests/crash_harness.py RUN_DIR --kills 20 --seed 1 --config turn
 
 The harness decides what the resume should have done without the code the resume runs:
 the snapshot it must restore is read from the manifests on disk with `json` and
@@ -20,6 +25,7 @@ import json
 import os
 import re
 import random
+import shutil
 import signal
 import sqlite3
 import subprocess
@@ -28,25 +34,63 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from crash_episodes import kept_per_stop, last_trace_run, restore_problems, set_aside, transcript_problems
+
 REPO = Path(__file__).resolve().parents[1]
-EXAMPLE = REPO / "examples" / "quickstart.yaml"
-STEPS, GROUPS, GROUP_SIZE, DATASET, SEED = 5, 3, 4, 64, 7
-OVERRIDES = [
-    f"run.seed={SEED}",
-    f"algorithm.total_steps={STEPS}",
-    f"algorithm.groups_per_step={GROUPS}",
-    f"algorithm.group_size={GROUP_SIZE}",
-    "generation.max_tokens=4",
-    "generation.max_batch_size=12",
-    f"environment.dataset_size={DATASET}",
-    "environment.n_digits=2",
-    "checkpointing.interval_steps=1",
-    "rollout_checkpointing.enabled=true",
-    "rollout_checkpointing.interval_s=0.1",
-    "trace.enabled=true",
-    "logging.progress=false",
-    "logging.plot=false",
-]
+
+
+@dataclass(frozen=True)
+class HarnessConfig:
+    """One configuration the harness runs a chain of: the example it starts from, the
+    shape of the run (what the end-of-chain checks count on) and its own overrides."""
+
+    name: str
+    example: Path
+    steps: int
+    groups: int
+    group_size: int
+    dataset: int
+    seed: int
+    extra: tuple[str, ...]
+    random_kill_s: tuple[float, float]  # a random moment: this many seconds after the process touches the run
+    turns: int | None = None  # multi-turn at turn level: saved episodes are checked against it
+
+    @property
+    def overrides(self) -> list[str]:
+        return [
+            f"run.seed={self.seed}",
+            f"algorithm.total_steps={self.steps}",
+            f"algorithm.groups_per_step={self.groups}",
+            f"algorithm.group_size={self.group_size}",
+            f"environment.dataset_size={self.dataset}",
+            *self.extra,
+            *([f"environment.turns={self.turns}"] if self.turns else []),
+            "checkpointing.interval_steps=1",
+            "rollout_checkpointing.enabled=true",
+            "rollout_checkpointing.interval_s=0.1",
+            "trace.enabled=true",
+            "logging.progress=false",
+            "logging.plot=false",
+        ]
+
+
+# Single-turn digits, group-level recovery: the W1-D configuration.
+GROUP_LEVEL = HarnessConfig(
+    "group", REPO / "examples" / "quickstart.yaml", steps=5, groups=3, group_size=4, dataset=64, seed=7,
+    extra=("generation.max_tokens=4", "generation.max_batch_size=12", "environment.n_digits=2"),
+    random_kill_s=(0.0, 3.0))
+# Multi-turn long-tail digits, turn-level recovery: 3 turns of 1-8 digit targets (max_tokens
+# = max_digits + 1). 8 steps took ~1.5 s of rollouts on 2 cores, about 60 commit batches
+# with turn progress and 8 snapshots, most of them holding saved episodes (measured); 24
+# steps leave room for a dozen kills in a chain before it ends.
+TURN_LEVEL = HarnessConfig(
+    "turn", REPO / "examples" / "multiturn.yaml", steps=24, groups=3, group_size=4, dataset=64, seed=7,
+    extra=("environment.task=digits_longtail", "environment.max_digits=8", "generation.max_tokens=9",
+           "rollout_recovery.target_level=turn"),
+    random_kill_s=(0.3, 1.5), turns=3)
+CONFIGS = {c.name: c for c in (GROUP_LEVEL, TURN_LEVEL)}
+# The group-level configuration under its W1-D names (tests/test_trace_real_run.py uses them).
+EXAMPLE, OVERRIDES = GROUP_LEVEL.example, GROUP_LEVEL.overrides
 
 
 @dataclass
@@ -58,11 +102,15 @@ class ChainResult:
     restores: list[tuple[str | None, str | None]] = field(default_factory=list)  # (expected, used)
     problems: list[str] = field(default_factory=list)
     twin_dir: Path | None = None
+    config: HarnessConfig = GROUP_LEVEL
+    episodes_restored: int = 0  # episode_restored events checked against their snapshot
+    tokens_restored: int = 0  # policy tokens those events kept
+    kept_per_stop: list[int] = field(default_factory=list)  # `rolloutdb trace`: kept tokens per stop
 
 
-def _command(run_dir: Path, resume: bool) -> list[str]:
-    cmd = [sys.executable, "-m", "rolloutdb", "train", "--config", str(EXAMPLE), "--run-dir", str(run_dir)]
-    return cmd + (["--resume"] if resume else []) + OVERRIDES
+def _command(run_dir: Path, resume: bool, config: HarnessConfig = GROUP_LEVEL) -> list[str]:
+    cmd = [sys.executable, "-m", "rolloutdb", "train", "--config", str(config.example), "--run-dir", str(run_dir)]
+    return cmd + (["--resume"] if resume else []) + config.overrides
 
 
 def _env(fault: str | None) -> dict:
@@ -185,6 +233,8 @@ def check_after_kill(run_dir: Path, result: ChainResult) -> None:
                     report = check_invariants(conn)
                     if not report.ok:
                         result.problems.append(f"live store after a kill: {report.problems[:2]}")
+                    result.problems += transcript_problems(conn, "live store after a kill",
+                                                           max_turns=result.config.turns)
         finally:
             conn.close()
 
@@ -195,10 +245,18 @@ def run_once(run_dir: Path, result: ChainResult, *, fault: str | None = None, ki
     resume = (run_dir / "rollout_state.sqlite").exists()
     expected = _expected_snapshot(run_dir, result) if resume else None
     seen = len(_metrics(run_dir))
-    proc = subprocess.Popen(_command(run_dir, resume), env=_env(fault), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # The restored snapshot is checked against the resumed run's trace afterwards, from a
+    # copy: retention (or a restore dropping newer anchors) may delete it meanwhile.
+    aside = run_dir.with_name(run_dir.name + ".aside")
+    after_run = last_trace_run(run_dir) if resume else 0
+    if resume:
+        set_aside(run_dir, aside)
+    proc = subprocess.Popen(_command(run_dir, resume, result.config), env=_env(fault), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
     if kill_after is not None:
         deadline = time.monotonic() + timeout
-        # A random moment of *this* process's work: count from when it touches the run.
+        # A random moment of *this* process's work: count from when it touches the run (a
+        # fresh run creates its store; a resume writes its `restore` record).
         while proc.poll() is None and len(_metrics(run_dir)) <= seen and not _touched(run_dir, resume):
             if time.monotonic() > deadline:
                 result.problems.append(f"a run did not touch its run directory within {timeout} s")
@@ -229,12 +287,18 @@ def run_once(run_dir: Path, result: ChainResult, *, fault: str | None = None, ki
                     said is None or f"{said[1]}/rollout_snapshots/snapshot_{said[2]}"
                     != str(Path(expected).relative_to(run_dir / "checkpoints"))):
                 result.problems.append(f"the resume said {said and said[0]!r}; the newest sound snapshot was {expected}")
+        check = restore_problems(run_dir, aside, after_run, finished=proc.returncode == 0,
+                                 max_turns=result.config.turns)
+        result.problems += check.problems
+        result.episodes_restored += check.restored
+        result.tokens_restored += check.tokens
+        shutil.rmtree(aside, ignore_errors=True)
     check_after_kill(run_dir, result)
     return proc.returncode
 
 
 def _touched(run_dir: Path, resume: bool) -> bool:
-    return resume or (run_dir / "rollout_state.sqlite").exists()
+    return not resume and (run_dir / "rollout_state.sqlite").exists()
 
 
 def finish(run_dir: Path, result: ChainResult, attempts: int = 3) -> None:
@@ -249,14 +313,15 @@ def check_chain(run_dir: Path, result: ChainResult) -> None:
     from rolloutdb.controller.sampler import PromptOrder
     from rolloutdb.controller.run_audit import verify_run
 
+    c = result.config
     verdict = verify_run(run_dir)
     if not verdict.ok:
         result.problems.append(f"verify_run: {verdict.line()} {verdict.problems[:3]}")
-    if verdict.trained != STEPS * GROUPS:
-        result.problems.append(f"trained {verdict.trained} groups, expected {STEPS * GROUPS}")
+    if verdict.trained != c.steps * c.groups:
+        result.problems.append(f"trained {verdict.trained} groups, expected {c.steps * c.groups}")
     conn = sqlite3.connect(run_dir / "rollout_state.sqlite")
     try:
-        order = PromptOrder(DATASET, SEED)
+        order = PromptOrder(c.dataset, c.seed)
         rows = conn.execute("SELECT sample_seq, epoch, prompt_id FROM prompt_groups UNION ALL "
                             "SELECT sample_seq, epoch, prompt_id FROM spare_prompts ORDER BY 1").fetchall()
         cursor = conn.execute("SELECT next_seq FROM sampler_state").fetchone()[0]
@@ -266,11 +331,17 @@ def check_chain(run_dir: Path, result: ChainResult) -> None:
         if wrong:
             result.problems.append(f"{len(wrong)} prompts differ from the dataloader's order, e.g. {wrong[0]}")
         per_step = dict(conn.execute("SELECT trained_step, count(*) FROM prompt_groups WHERE state = 'trained' GROUP BY 1"))
-        if per_step != {s: GROUPS for s in range(1, STEPS + 1)}:
+        if per_step != {s: c.groups for s in range(1, c.steps + 1)}:
             result.problems.append(f"groups per trained step {per_step}")
     finally:
         conn.close()
     result.problems += restored_work_redone(run_dir)
+    kept, failed = kept_per_stop(run_dir, run_dir.with_name(run_dir.name + ".report"))
+    result.kept_per_stop = kept
+    if failed:
+        result.problems.append(failed)
+    elif c.turns is None and any(kept):
+        result.problems.append(f"a group-level run kept tokens at a stop: {kept}")
     for expected, used in result.restores:
         if expected != used:
             result.problems.append(f"restore used {used}, the newest complete snapshot was {expected}")
@@ -299,7 +370,7 @@ def ledger_outcomes(db: Path) -> dict[int, tuple]:
     return out
 
 
-def compare_with_twin(run_dir: Path, twin_dir: Path) -> list[str]:
+def compare_with_twin(run_dir: Path, twin_dir: Path, config: HarnessConfig = GROUP_LEVEL) -> list[str]:
     """The prompts the killed chain trained against those of a never-killed run with the
     same seed and config.
 
@@ -326,6 +397,7 @@ def compare_with_twin(run_dir: Path, twin_dir: Path) -> list[str]:
     The planted bug "the rollout pump drops the groups a restore hands back (discard as
     restart, refill their steps with new prompts)" breaks 1, 2 and 3."""
     problems = []
+    expected = config.steps * config.groups
     run, twin = ledger_outcomes(run_dir / "rollout_state.sqlite"), ledger_outcomes(twin_dir / "rollout_state.sqlite")
     for name, led in (("killed chain", run), ("twin", twin)):
         bad = sorted((seq, o) for seq, (_, _, o, _) in led.items() if o not in ("trained", "zero_variance", "spare"))
@@ -342,9 +414,9 @@ def compare_with_twin(run_dir: Path, twin_dir: Path) -> list[str]:
         trained = sum(len(v) for v in per_epoch.values())
         dispatched = sum(1 for _, _, o, _ in led.values() if o != "spare")
         zero = sum(1 for _, _, o, _ in led.values() if o == "zero_variance")
-        if trained != STEPS * GROUPS or dispatched != trained + zero:
+        if trained != expected or dispatched != trained + zero:
             problems.append(f"{name}: trained {trained} of {dispatched} dispatched with {zero} zero-variance discards "
-                            f"(expected trained = {STEPS * GROUPS} = dispatched - zero-variance)")
+                            f"(expected trained = {expected} = dispatched - zero-variance)")
     common = sorted(set(run) & set(twin))
     differ = [(seq, run[seq][:2], run[seq][2], twin[seq][2]) for seq in common if run[seq][:2] != twin[seq][:2]]
     if differ:
@@ -396,22 +468,22 @@ def restored_work_redone(run_dir: Path) -> list[str]:
     return []
 
 
-def start_twin(twin_dir: Path) -> subprocess.Popen:
+def start_twin(twin_dir: Path, config: HarnessConfig = GROUP_LEVEL) -> subprocess.Popen:
     """The never-killed run, started beside the chain (one extra run per chain)."""
-    return subprocess.Popen(_command(twin_dir, False), env=_env(None), stdout=subprocess.DEVNULL,
+    return subprocess.Popen(_command(twin_dir, False, config), env=_env(None), stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
 
 
-def run_chain(run_dir: Path, plan: list[tuple[str | None, float | None]], *, seed: int = 0,
-              twin: bool = True, timeout: float = 300) -> ChainResult:
-    """`plan`: (fault point spec, None) or (None, seconds after start) per kill. With
-    `twin`, a never-killed run of the same config runs in RUN_DIR.twin beside the chain
-    and the trained prompts are compared with it at the end."""
-    result = ChainResult()
+def run_chain(run_dir: Path, plan: list[tuple[str | None, float | None]], *, config: HarnessConfig = GROUP_LEVEL,
+              seed: int = 0, twin: bool = True, timeout: float = 300) -> ChainResult:
+    """`plan`: (fault point spec, None) or (None, seconds after start) per kill, on a run
+    of `config`. With `twin`, a never-killed run of the same config runs in RUN_DIR.twin
+    beside the chain and the trained prompts are compared with it at the end."""
+    result = ChainResult(config=config)
     twin_proc = None
     if twin:
         result.twin_dir = run_dir.with_name(run_dir.name + ".twin")
-        twin_proc = start_twin(result.twin_dir)
+        twin_proc = start_twin(result.twin_dir, config)
     try:
         for fault, delay in plan:
             run_once(run_dir, result, fault=fault, kill_after=delay)
@@ -430,7 +502,7 @@ def run_chain(run_dir: Path, plan: list[tuple[str | None, float | None]], *, see
             if twin_proc.returncode != 0:
                 result.problems.append(f"the never-killed twin exited {twin_proc.returncode}: {err.strip()[-500:]}")
             elif result.finished:
-                result.problems += compare_with_twin(run_dir, result.twin_dir)
+                result.problems += compare_with_twin(run_dir, result.twin_dir, config)
     finally:
         if twin_proc is not None and twin_proc.poll() is None:
             twin_proc.kill()
@@ -445,7 +517,10 @@ if __name__ == "__main__":
     ap.add_argument("run_dir", type=Path)
     ap.add_argument("--kills", type=int, default=10)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--config", choices=sorted(CONFIGS), default=GROUP_LEVEL.name)
     a = ap.parse_args()
-    rng = random.Random(a.seed)
-    res = run_chain(a.run_dir, [(None, rng.uniform(0.0, 3.0)) for _ in range(a.kills)])
-    print(json.dumps({"kills": res.kills, "runs": res.runs, "finished": res.finished, "problems": res.problems}, indent=1))
+    rng, cfg = random.Random(a.seed), CONFIGS[a.config]
+    res = run_chain(a.run_dir, [(None, rng.uniform(*cfg.random_kill_s)) for _ in range(a.kills)], config=cfg)
+    print(json.dumps({"kills": res.kills, "runs": res.runs, "finished": res.finished, "killed_at": res.killed_at,
+                      "episodes_restored": res.episodes_restored, "tokens_restored": res.tokens_restored,
+                      "kept_per_stop": res.kept_per_stop, "problems": res.problems}, indent=1))

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from crash_harness import check_after_kill, run_chain  # noqa: F401
+from crash_harness import GROUP_LEVEL, TURN_LEVEL, HarnessConfig, check_after_kill, run_chain  # noqa: F401
 from rolloutdb.controller import fault_points as controller_points
 from rolloutdb.store import faults
 
@@ -23,10 +23,14 @@ def test_every_controller_fault_point_is_called_in_the_controller():
         assert f'faults.point("{point}")' in source, point
 
 
+@pytest.mark.timeout(600)  # ~75 s on 2 cores; more than 300 s on a loaded machine (seen 2026-12-01)
 def test_killing_the_main_job_at_fault_points_and_random_moments_loses_nothing(tmp_path):
     """Quick tier: >= 10 kills in one chain."""
     rng = random.Random(11)
-    plan = [(f"{p}@{1 + rng.randrange(2)}", None) for p in controller_points.POINTS if p != "resume.after_restore"]
+    # pump.after_turn_commit never fires at group level (no turn progress is written): a
+    # plan item that kills nothing lets the run end and the rest of the plan kill nothing.
+    plan = [(f"{p}@{1 + rng.randrange(2)}", None) for p in controller_points.POINTS
+            if p not in ("resume.after_restore", "pump.after_turn_commit")]
     plan.insert(3, ("resume.after_restore", None))  # kills a resume in the middle of the chain
     plan += [(None, rng.uniform(0.2, 2.5)) for _ in range(3)]
     result = run_chain(tmp_path / "run", plan)
@@ -36,23 +40,55 @@ def test_killing_the_main_job_at_fault_points_and_random_moments_loses_nothing(t
     assert result.restores, "no resume restored a snapshot"
 
 
+@pytest.mark.timeout(600)  # ~130 s on 2 cores; 13 real processes take far longer on a loaded machine
+def test_killing_a_multi_turn_run_at_turn_level_keeps_its_committed_turns_and_loses_nothing(tmp_path):
+    """Quick tier at turn level: 12 kills in one chain of the multi-turn long-tail task,
+    after a turn's commit batch, between a call finishing and its batch committing, at a
+    resume, at a snapshot's cut, and at random moments. Besides the chain's checks, every
+    episode a resume restored matches its snapshot's saved turn, and a stop kept tokens."""
+    rng = random.Random(12)
+    # The first kill lands well into the fresh run, once snapshots hold saved episodes (the
+    # first ones, before any rollout, hold none); ~120 turn-commit batches in a whole run.
+    after_turn = [(f"pump.after_turn_commit@{12 + rng.randrange(8)}", None)]
+    after_turn += [(f"pump.after_turn_commit@{2 + rng.randrange(8)}", None) for _ in range(3)]
+    uncommitted = [(f"pump.call_finished_uncommitted@{10 + rng.randrange(60)}", None) for _ in range(3)]
+    randomly = [(None, rng.uniform(*TURN_LEVEL.random_kill_s)) for _ in range(3)]
+    plan = [after_turn[0], uncommitted[0], randomly[0], ("resume.after_restore", None), after_turn[1],
+            uncommitted[1], ("snapshot.after_cut@2", None), randomly[1], after_turn[2], uncommitted[2],
+            randomly[2], after_turn[3]]
+    result = run_chain(tmp_path / "run", plan, config=TURN_LEVEL)
+    assert not result.problems, result.problems
+    assert result.finished
+    assert result.kills >= 10, f"only {result.kills} kills landed: {result.killed_at}"
+    assert {"pump.after_turn_commit", "pump.call_finished_uncommitted"} <= {k.split("@")[0] for k in result.killed_at}
+    assert result.episodes_restored > 0, "no resume restored an episode at its last committed turn"
+    assert any(k > 0 for k in result.kept_per_stop), f"no stop kept a token: {result.kept_per_stop}"
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(7200)
-def test_hundreds_of_kills_over_many_chains_never_lose_or_duplicate_a_prompt(tmp_path):
-    """Long tier: >= 200 kills. Run with `python -m pytest -m slow tests/test_crash_resume.py`;
-    the result is recorded in RELIABILITY.md."""
+@pytest.mark.parametrize("config", [TURN_LEVEL, GROUP_LEVEL], ids=lambda c: c.name)
+def test_hundreds_of_kills_over_many_chains_never_lose_or_duplicate_a_prompt(tmp_path, config: HarnessConfig):
+    """Long tier: >= 200 kills per configuration. Run with
+    `python -m pytest -m slow tests/test_crash_resume.py -s`; the result is recorded in
+    RELIABILITY.md."""
     started = time.time()
-    total_kills, chains = 0, 0
+    total_kills, chains, restored, kept = 0, 0, 0, 0
     points = list(controller_points.POINTS) + list(faults.POINTS)
     seed = 0
     while total_kills < 200:
         rng = random.Random(seed)
         plan = [(f"{p}@{1 + rng.randrange(3)}", None) for p in rng.sample(points, 8)]
-        plan += [(None, rng.uniform(0.0, 3.0)) for _ in range(8)]
+        plan += [(None, rng.uniform(*config.random_kill_s)) for _ in range(8)]
         rng.shuffle(plan)
-        result = run_chain(tmp_path / f"chain{seed}", plan)
+        result = run_chain(tmp_path / f"chain{seed}", plan, config=config)
         assert not result.problems, (seed, result.problems)
         total_kills += result.kills
+        restored += result.episodes_restored
+        kept += sum(result.kept_per_stop)
         chains += 1
         seed += 1
-    print(f"\nlong tier: {total_kills} kills over {chains} chains in {time.time() - started:.0f} s")
+        print(f"\n{config.name} chain {seed - 1}: {result.kills} kills at {result.killed_at}; "
+              f"{result.episodes_restored} episodes restored, kept {result.kept_per_stop}", flush=True)
+    print(f"\nlong tier ({config.name}): {total_kills} kills over {chains} chains in {time.time() - started:.0f} s; "
+          f"{restored} episodes restored at their committed turn, {kept} tokens kept")
