@@ -109,8 +109,10 @@ def test_the_streaming_benchmark_runs_both_pumps_on_the_same_work_and_reports_th
     runs = r["runs"]
     assert set(runs) == {"streaming", "wave"}
     # Both pumps decoded the same calls: the same tokens, the same rewards.
-    (work,) = {(x["policy_tokens"], x["decoded_rows"], x["reward_sum"]) for m in runs for x in runs[m]}
+    (work,) = {(x["policy_tokens"], x["decoded_rows"]) for m in runs for x in runs[m]}
     assert work[0] == work[1] > 0
+    rewards = [x["reward_sum"] for m in runs for x in runs[m]]
+    assert max(rewards) - min(rewards) < 1e-6
     for mode in runs.values():
         (x,) = mode
         assert x["tokens_per_s"] > 0 and 0 <= x["occupancy"] <= 1 and x["engine_idle"] < 1
