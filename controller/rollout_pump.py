@@ -24,9 +24,10 @@ One loop for ledger and no-ledger dispatch; the difference is in `dispatch.py`.
 
 from __future__ import annotations
 
+import queue
 import time
 from collections.abc import Mapping, Sequence
-from concurrent.futures import FIRST_COMPLETED, Future, wait
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -103,6 +104,10 @@ class RolloutPump:
         # What the attempts running at the restored cut had saved (turn level only uses it)
         self._saved = dict(saved_episodes or {}) if self.turn_level else {}
         self._running: dict[Future, LiveEpisode] = {}
+        # Finished calls, in the order they finished: each future puts itself here when it
+        # completes, so waiting costs O(1) per call (concurrent.futures.wait over every
+        # running call costs O(calls in flight) per wake-up).
+        self._done: queue.SimpleQueue[Future] = queue.SimpleQueue()
         self._groups: dict[int, _GroupRun] = {}
         self._waiting_replay: list[GroupHandle] = []  # completed, kept, no permit yet
         self._flat_streak = 0  # zero-variance groups discarded in a row
@@ -124,12 +129,18 @@ class RolloutPump:
                     continue
                 if self._running:
                     left = self.batch.time_left()
-                    done, _ = wait(list(self._running), timeout=IDLE_WAIT_S if left is None else left,
-                                   return_when=FIRST_COMPLETED)
-                    for future in done:
+                    try:
+                        future: Future | None = self._done.get(timeout=IDLE_WAIT_S if left is None else left)
+                    except queue.Empty:
+                        continue
+                    while future is not None:
                         self._on_call(future)
                         if self.batch.due():  # a batch never outgrows max_events
                             self._commit()
+                        try:
+                            future = self._done.get_nowait()
+                        except queue.Empty:
+                            future = None
                 elif self._finished_everything():
                     return
                 else:
@@ -190,12 +201,16 @@ class RolloutPump:
     def _submit(self, live: LiveEpisode) -> None:
         future = self.p.engine.submit(live.episode.request(self.p.env, self.params))
         self._running[future] = live
+        future.add_done_callback(self._done.put)
 
     def _on_call(self, future: Future) -> None:
         live = self._running.pop(future)
         result = future.result()  # an engine error fails the pump, and the run
         if result.finish_reason == "abort":
-            return  # only at a stop: the engine was closed or the pump aborted it
+            if self.p.runtime.stop.is_set():
+                return  # the pump aborted it at a stop (or the engine closed): a resume redoes it
+            raise RuntimeError(f"the engine aborted call {result.request_id} while the run was going on; its episode "
+                               "cannot finish (see the engine's log for why)")
         e = live.episode
         turn = e.turn
         e.absorb(self.p.env, result)
@@ -257,9 +272,10 @@ class RolloutPump:
             if not self._waiting_replay:
                 new_groups = self._dispatch_new(tx, last_step, progress.policy_version,
                                                 self._room() - len(restored_started))
+            t_commit = time.time()  # before the commit: the trace stamps this batch's events with it
         t1 = time.perf_counter()
         started = restored_started + self._episodes_for(new_groups)  # env.start outside the transaction
-        self._after_commit(pending, new_groups, restored_started, entered, drop, counts)
+        self._after_commit(pending, new_groups, restored_started, entered, drop, counts, t_commit)
         for live in started:
             self._submit(live)
         episodes = [live.episode for live, _ in pending.finished]
@@ -273,9 +289,9 @@ class RolloutPump:
             self.p.runtime.notify()
 
     def _after_commit(self, pending: Pending, new_groups: list[GroupHandle], restored: list[LiveEpisode],
-                      entered: list[GroupHandle], drop: list[GroupHandle], counts: dict) -> None:
+                      entered: list[GroupHandle], drop: list[GroupHandle], counts: dict, t_commit: float) -> None:
         """Fault points and trace events of a committed batch (the trace records only
-        what is durable, except `call_finished`)."""
+        what is durable, except `call_finished`), stamped with the batch's time."""
         if new_groups or restored:
             faults.point("pump.after_dispatch")
         if pending.progress:
@@ -286,24 +302,25 @@ class RolloutPump:
             faults.point("pump.after_enter_replay")
         if not self.trace.enabled:
             return
+        trace = self.trace.at(t_commit)
         if new_groups:
-            self.trace.reserved(new_groups, self.group_size)
-            self.trace.dispatched(new_groups)
+            trace.reserved(new_groups, self.group_size)
+            trace.dispatched(new_groups)
         if restored:
-            self.trace.dispatched(list({id(live.group): live.group for live in restored}.values()))
+            trace.dispatched(list({id(live.group): live.group for live in restored}.values()))
             for live in restored:
                 if live.from_attempt is not None:
                     e = live.episode
-                    self.trace.episode_restored(live.group, live.index, from_attempt=live.from_attempt,
-                                                turn=e.turn, tokens=e.policy_tokens, total_tokens=len(e.token_ids))
+                    trace.episode_restored(live.group, live.index, from_attempt=live.from_attempt,
+                                           turn=e.turn, tokens=e.policy_tokens, total_tokens=len(e.token_ids))
         for live in pending.progress.values():
             e = live.episode
-            self.trace.turn_committed(live.group, live.index, turn=e.turn - 1, tokens=e.policy_tokens,
-                                      total_tokens=len(e.token_ids))
-        self.trace.finished([(live.group, live.index) for live, _ in pending.finished],
-                            [live.episode for live, _ in pending.finished])
-        self.trace.discarded(drop, ZERO_VARIANCE)
-        self.trace.entered_replay(entered, counts)
+            trace.turn_committed(live.group, live.index, turn=e.turn - 1, tokens=e.policy_tokens,
+                                 total_tokens=len(e.token_ids))
+        trace.finished([(live.group, live.index) for live, _ in pending.finished],
+                       [live.episode for live, _ in pending.finished])
+        trace.discarded(drop, ZERO_VARIANCE)
+        trace.entered_replay(entered, counts)
 
     # ------------------------------------------------------------------ dispatch
 

@@ -13,9 +13,28 @@ from rolloutdb.controller.dispatch import GroupHandle
 from rolloutdb.store import NullTracer, Tracer
 
 
+class _AtTime:
+    """A tracer whose events all carry one given time."""
+
+    def __init__(self, tracer: Tracer | NullTracer | _AtTime, t: float):
+        self._tracer, self._t = tracer, t
+        self.enabled: bool = bool(tracer.enabled)
+
+    def emit(self, event: str, **fields) -> None:
+        self._tracer.emit(event, t=self._t, **fields)
+
+
 class RolloutTrace:
-    def __init__(self, tracer: Tracer | NullTracer):
+    def __init__(self, tracer: Tracer | NullTracer | _AtTime):
         self.tracer = tracer
+
+    def at(self, t: float) -> RolloutTrace:
+        """The same events stamped `t` instead of the time of the call. The pumps stamp
+        what a transaction did with a time read inside it, before its commit: a snapshot
+        cut that sees the transaction then has a later cut time than its events, which is
+        what the trace's figures join on (an event stamped after the commit could fall
+        after a cut that already holds its change)."""
+        return RolloutTrace(_AtTime(self.tracer, t))
 
     @property
     def enabled(self) -> bool:

@@ -104,6 +104,15 @@ def test_the_hash_benchmark_reports_sha256_beside_blake3_and_both_manifest_forma
         assert all(v > 0 for v in r[phase].values())
 
 
+def test_the_episode_writes_benchmark_runs_a_group_commit_with_and_without_saved_episodes(tmp_path):
+    r = _run_bench("bench_episode_writes.py", tmp_path)
+    assert r["invariants_ok"] is True
+    (figures,) = r["lengths"].values()
+    assert figures["calls_per_tx"] == figures["episodes_per_tx"] == r["args"]["calls"]
+    assert figures["plain"]["n"] == figures["turn"]["n"] == r["args"]["reps"]
+    assert figures["ratio_mean"] > 0 and figures["plain_calls_per_s"] > 0 and figures["turn_calls_per_s"] > 0
+
+
 def test_the_streaming_benchmark_runs_both_pumps_on_the_same_work_and_reports_the_ratio(tmp_path):
     r = _run_bench("bench_streaming.py", tmp_path)
     runs = r["runs"]

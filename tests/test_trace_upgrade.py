@@ -1,6 +1,7 @@
 """A trace written at revision trace_v1_0_a (one `events` table) is still read: the
 analysis upgrades a copy and gives the same figures, and a new run appending to it
-upgrades the file in place.
+upgrades the file in place. A trace at trace_v1_1_a (before the turn events) upgrades to
+trace_v1_2_a with every row kept.
 
 The trace_v1_0_a file is the hand-built job of test_trace_analysis, written at head and
 taken down to trace_v1_0_a by the real migrations (Alembic downgrade), then checked to
@@ -12,8 +13,11 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import json
 import shutil
 import sqlite3
+
+import pytest
 
 from alembic import command
 from alembic.autogenerate import compare_metadata
@@ -24,10 +28,13 @@ from sqlalchemy.pool import NullPool
 from rolloutdb.store.trace import queries as trace_queries
 from rolloutdb.store.trace.analysis import TraceAnalysis
 from rolloutdb.store.sqlite.revision import trace_alembic_config
+from rolloutdb.store.sqlite.revision import run_trace_migrations
 from rolloutdb.store.trace.writer import TRACE_FILENAME, Tracer
 from test_trace_analysis import write_baseline, write_run_a, write_run_b
 
 V1_0_A = importlib.import_module("rolloutdb.migrations.trace.versions.trace_v1_0_a_events")
+V1_1_A = importlib.import_module("rolloutdb.migrations.trace.versions.trace_v1_1_a_event_tables")
+NEW_AT_V1_2_A = ("call_finished", "turn_committed", "episode_restored")
 
 
 def rows(path, sql):
@@ -35,7 +42,9 @@ def rows(path, sql):
         return conn.execute(sql).fetchall()
 
 
-def downgrade_to_v1_0_a(path) -> None:
+def downgrade_to(path, revision: str, tables) -> None:
+    """Take the trace at `path` down to `revision` with the real migrations and check it
+    has exactly that revision's tables (`tables`: its frozen MetaData), nothing else."""
     engine = create_engine(f"sqlite:///{path}", poolclass=NullPool)
 
     @event.listens_for(engine, "connect")
@@ -46,12 +55,16 @@ def downgrade_to_v1_0_a(path) -> None:
         with engine.begin() as conn:
             cfg = trace_alembic_config()
             cfg.attributes["connection"] = conn
-            command.downgrade(cfg, "trace_v1_0_a")
-        with engine.connect() as conn:  # exactly trace_v1_0_a's tables, nothing else
-            diff = compare_metadata(MigrationContext.configure(conn, opts={"compare_type": True}), V1_0_A._tables())
+            command.downgrade(cfg, revision)
+        with engine.connect() as conn:
+            diff = compare_metadata(MigrationContext.configure(conn, opts={"compare_type": True}), tables)
             assert diff == [], diff
     finally:
         engine.dispose()
+
+
+def downgrade_to_v1_0_a(path) -> None:
+    downgrade_to(path, "trace_v1_0_a", V1_0_A._tables())
 
 
 def _job(tmp_path, name):
@@ -97,3 +110,56 @@ def test_a_run_appending_to_a_trace_v1_0_a_file_upgrades_it_in_place_and_keeps_e
                                                             (55, again.run_id, "group_sealed")]
     assert rows(run, "SELECT run, last_seq FROM runs ORDER BY run") == [(1, 31), (2, 53), (3, 55)]
     assert rows(run, "PRAGMA integrity_check") == [("ok",)]
+
+
+def _every_row(path) -> dict[str, list]:
+    """Every row of every table and view of the file, in a fixed order."""
+    names = [n for (n,) in rows(path, "SELECT name FROM sqlite_master WHERE type IN ('table', 'view') "
+                                      "AND name NOT LIKE 'sqlite_%' AND name != 'alembic_version' ORDER BY name")]
+    return {n: sorted(rows(path, f"SELECT * FROM {n}"), key=repr) for n in names}
+
+
+def test_a_trace_v1_1_a_file_upgrades_to_trace_v1_2_a_with_every_row_kept(tmp_path):
+    run, base = _job(tmp_path, "v1_1_a")
+    downgrade_to(run, "trace_v1_1_a", V1_1_A._tables())
+    assert rows(run, "SELECT version_num FROM alembic_version") == [("trace_v1_1_a",)]
+    before = _every_row(run)
+    assert sum(len(v) for k, v in before.items() if k != "events") > 53 and len(before["events"]) == 53
+    assert not set(NEW_AT_V1_2_A) & set(before)
+
+    run_trace_migrations(run)
+
+    assert rows(run, "SELECT version_num FROM alembic_version") == [("trace_v1_2_a",)]
+    after = _every_row(run)
+    # Every old table and the `events` view hold exactly what they held; the new tables are empty.
+    assert {k: v for k, v in after.items() if k not in NEW_AT_V1_2_A} == before
+    assert {k: after[k] for k in NEW_AT_V1_2_A} == dict.fromkeys(NEW_AT_V1_2_A, [])
+    assert rows(run, "PRAGMA integrity_check") == [("ok",)]
+    assert rows(run, "PRAGMA foreign_key_check") == []
+    # A new run appends the new events, which the `events` view shows too.
+    with Tracer(run) as again:
+        again.emit("turn_committed", t=500.0, group_id=1, prompt_id=10, generation_index=0, attempt=0, turn=3,
+                   tokens=40, total_tokens=55)
+    (view,) = rows(run, "SELECT run_id, event, prompt_id, attempt, fields FROM events WHERE event = 'turn_committed'")
+    assert view[:4] == (again.run_id, "turn_committed", 10, 0)
+    assert json.loads(view[4]) == {"turn": 3, "tokens": 40, "total_tokens": 55}
+
+
+def test_a_trace_v1_1_a_file_analyses_exactly_as_the_same_job_at_head(tmp_path):
+    head_run, head_base = _job(tmp_path, "head")
+    old_run = tmp_path / "old_run.sqlite"
+    shutil.copyfile(head_run, old_run)
+    downgrade_to(old_run, "trace_v1_1_a", V1_1_A._tables())
+    before = old_run.read_bytes()
+    assert _figures(old_run, head_base) == _figures(head_run, head_base)
+    assert old_run.read_bytes() == before
+
+
+def test_a_trace_holding_turn_events_refuses_the_downgrade_to_trace_v1_1_a_and_keeps_them(tmp_path):
+    path = tmp_path / TRACE_FILENAME
+    with Tracer(path) as tr:
+        tr.emit("call_finished", group_id=1, prompt_id=1, generation_index=0, attempt=0, turn=0, tokens=4)
+    with pytest.raises(RuntimeError, match=r"trace_v1_1_a has no table for \(\{'call_finished': 1\}\)"):
+        downgrade_to(path, "trace_v1_1_a", V1_1_A._tables())
+    assert rows(path, "SELECT version_num FROM alembic_version") == [("trace_v1_2_a",)]
+    assert rows(path, "SELECT prompt_id, tokens FROM call_finished") == [(1, 4)]

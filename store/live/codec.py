@@ -5,7 +5,9 @@ A reader in any language can decode a sample with ``numpy.frombuffer(blob, "<i4"
 
 from __future__ import annotations
 
+import itertools
 import json
+import struct
 from collections.abc import Sequence
 
 import numpy as np
@@ -14,8 +16,23 @@ TOKEN_DTYPE = np.dtype("<i4")
 LOGPROB_DTYPE = np.dtype("<f4")
 
 
+# Lists go through struct, arrays through numpy: packing a 2048-long Python list with
+# struct takes 15 µs against 31-37 µs for np.asarray (the pump encodes every finished
+# call's sample and, at turn level, every saved episode's whole transcript). Anything
+# struct refuses (a value out of range) goes to numpy, whose error is the one raised.
+
+
+def _pack(values: Sequence | np.ndarray, code: str, dtype: np.dtype) -> bytes:
+    if isinstance(values, np.ndarray):
+        return values.astype(dtype, copy=False).tobytes()
+    try:
+        return struct.pack(f"<{len(values)}{code}", *values)
+    except (struct.error, OverflowError, TypeError):
+        return np.asarray(values, dtype=dtype).tobytes()
+
+
 def encode_tokens(tokens: Sequence[int] | np.ndarray) -> bytes:
-    return np.asarray(tokens, dtype=TOKEN_DTYPE).tobytes()
+    return _pack(tokens, "i", TOKEN_DTYPE)
 
 
 def decode_tokens(blob: bytes) -> np.ndarray:
@@ -23,7 +40,7 @@ def decode_tokens(blob: bytes) -> np.ndarray:
 
 
 def encode_logprobs(values: Sequence[float] | np.ndarray) -> bytes:
-    return np.asarray(values, dtype=LOGPROB_DTYPE).tobytes()
+    return _pack(values, "f", LOGPROB_DTYPE)
 
 
 def decode_logprobs(blob: bytes) -> np.ndarray:
@@ -40,11 +57,16 @@ def decode_version_counts(text: str) -> list[tuple[int, int]]:
 
 
 def version_runs(token_versions: Sequence[int]) -> list[tuple[int, int]]:
-    """Collapse a per-token version list into runs: [3,3,4] -> [(3, 2), (4, 1)]."""
-    runs: list[tuple[int, int]] = []
-    for v in token_versions:
-        if runs and runs[-1][0] == v:
-            runs[-1] = (v, runs[-1][1] + 1)
-        else:
-            runs.append((int(v), 1))
-    return runs
+    """Collapse a per-token version list into runs: [3,3,4] -> [(3, 2), (4, 1)].
+
+    groupby, not a Python loop over the tokens: turn-level recovery runs this on every
+    saved episode's whole transcript in the commit batch (2048 tokens in runs of 24 and
+    8: 43 µs against 200 µs for the loop; numpy is slower still below ~1k tokens, its
+    conversion from a list dominating)."""
+    if isinstance(token_versions, np.ndarray):  # groupby over numpy scalars: 8x slower
+        if not token_versions.size:
+            return []
+        edges = np.concatenate(([0], np.flatnonzero(token_versions[1:] != token_versions[:-1]) + 1,
+                                [token_versions.size]))
+        return list(zip(token_versions[edges[:-1]].tolist(), np.diff(edges).tolist()))
+    return [(int(v), len(list(run))) for v, run in itertools.groupby(token_versions)]

@@ -47,32 +47,26 @@ MUTANTS = [
         "drop_restored_groups",
         "exactly once across stops: a resume redoes the groups in flight",
         "controller/rollout_pump.py",
-        [("""        with self.p.store.atomic() as tx:
-            for group, generations in wave:
-                self.p.dispatcher.redispatch(tx, group, generations, policy_version=version)
-        self.trace.dispatched([g for g, _ in wave])
-        return [g for g, _ in wave]""",
-          """        with self.p.store.atomic() as tx:  # MUTANT: drop them, refill their steps
-            self.p.dispatcher.discard(tx, [g for g, _ in wave], reason="restart")
-            for g, _ in wave:
-                pools.add_shortfall(tx, g.target_step, 1)
-        return self._restored_wave()""")],
+        [("""            self.p.dispatcher.redispatch(tx, group, generations, policy_version=policy_version)
+            run = self._groups.setdefault(group.group_id, _GroupRun(group))
+            run.outstanding.update(generations)
+            started += [self._live(group, i) for i in generations]""",
+          """            self.p.dispatcher.discard(tx, [group], reason="restart")  # MUTANT: drop it, refill its step
+            pools.add_shortfall(tx, group.target_step, 1)
+            self._open_shortfall = True""")],
         ["tests/test_crash_resume.py"],
     ),
     Mutant(
         "drop_restored_groups_as_zero_variance",
         "exactly once across stops (the same bug, disguised with the algorithm's reason)",
         "controller/rollout_pump.py",
-        [("""        with self.p.store.atomic() as tx:
-            for group, generations in wave:
-                self.p.dispatcher.redispatch(tx, group, generations, policy_version=version)
-        self.trace.dispatched([g for g, _ in wave])
-        return [g for g, _ in wave]""",
-          """        with self.p.store.atomic() as tx:  # MUTANT: drop them under the algorithm's reason
-            self.p.dispatcher.discard(tx, [g for g, _ in wave], reason=ZERO_VARIANCE)
-            for g, _ in wave:
-                pools.add_shortfall(tx, g.target_step, 1)
-        return self._restored_wave()""")],
+        [("""            self.p.dispatcher.redispatch(tx, group, generations, policy_version=policy_version)
+            run = self._groups.setdefault(group.group_id, _GroupRun(group))
+            run.outstanding.update(generations)
+            started += [self._live(group, i) for i in generations]""",
+          """            self.p.dispatcher.discard(tx, [group], reason=ZERO_VARIANCE)  # MUTANT: the algorithm's reason
+            pools.add_shortfall(tx, group.target_step, 1)
+            self._open_shortfall = True""")],
         ["tests/test_crash_resume.py"],
     ),
     Mutant(
@@ -82,6 +76,14 @@ MUTANTS = [
         [("CASE WHEN w.tokens > 0 THEN w.weighted_age * 1.0 / w.tokens END AS batch_age,",
           "s.logged_batch_age AS batch_age,")],
         ["tests/test_trace_analysis.py", "tests/test_trace_real_run.py"],
+    ),
+    Mutant(
+        "restart_episodes_saved_at_a_turn",
+        "turn-level recovery: an episode running at a stop continues from its last committed turn",
+        "controller/rollout_pump.py",
+        [("        self._saved = dict(saved_episodes or {}) if self.turn_level else {}",
+          "        self._saved = {}  # MUTANT: every restored episode starts over")],
+        ["tests/test_streaming_pump.py", "tests/test_turn_recovery_real_run.py"],
     ),
     Mutant(
         "selection_picks_an_older_snapshot",

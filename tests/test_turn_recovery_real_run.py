@@ -1,0 +1,156 @@
+"""Turn-level recovery on a real run of the main job: the multi-turn long-tail example at
+`target_level: turn`, SIGKILLed once while the snapshot a resume would restore holds
+episodes with committed turns, resumed with --resume, and reported by `rolloutdb trace`
+against its never-stopped twin (same config and seed).
+
+What the resume kept is decided here from the files, not with the code under test: the
+snapshot the resume must restore is found from the manifests on disk
+(`crash_harness.newest_usable_snapshot`) while the process is frozen (SIGSTOP), a copy of
+its store file is taken before the kill (retention may remove the snapshot later), and its
+`env_episodes` rows are decoded with numpy and json. The report's figures and the resumed
+run's trace events must agree with that copy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from crash_harness import newest_usable_snapshot
+from rolloutdb.store.trace.writer import TRACE_FILENAME
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLE = REPO / "examples" / "multiturn.yaml"
+TIMEOUT_S = 240
+KILL_TRIES = 3
+CONFIG = [
+    "run.seed=3",
+    "algorithm.total_steps=8",
+    "algorithm.max_staleness=2",
+    "checkpointing.interval_steps=1",
+    "rollout_checkpointing.interval_s=0.1",
+    "trace.enabled=true",
+    "logging.progress=false",
+    "logging.plot=false",
+]
+
+
+def _train(run_dir: Path, resume: bool = False) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "rolloutdb", "train", "--config", str(EXAMPLE), "--run-dir", str(run_dir)]
+    env = {k: v for k, v in os.environ.items() if k != "ROLLOUTDB_FAULT"}
+    env["RAY_AUTH_MODE"] = "disabled"
+    return subprocess.Popen(cmd + (["--resume"] if resume else []) + CONFIG, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def _saved_turns(snapshot_db: Path) -> dict[tuple[int, int, int], tuple[int, int]]:
+    """(group, generation, attempt number) -> (turns committed, policy tokens saved) for
+    every running attempt's episode with a transcript, decoded by hand."""
+    uri = f"file:{snapshot_db}?mode=ro&immutable=1"
+    with contextlib.closing(sqlite3.connect(uri, uri=True)) as conn:
+        rows = conn.execute(
+            "SELECT r.group_id, r.generation_index, r.attempt, e.turn, e.token_ids, e.version_token_counts "
+            "FROM env_episodes e JOIN rollouts r ON r.attempt_id = e.attempt_id "
+            "WHERE r.state = 'running' AND e.token_ids IS NOT NULL").fetchall()
+    out = {}
+    for g, i, a, turn, blob, runs in rows:
+        tokens = np.frombuffer(blob, "<i4")
+        pairs = json.loads(runs)
+        assert sum(n for _, n in pairs) == len(tokens)
+        out[(g, i, a)] = (turn, sum(n for v, n in pairs if v != -1))
+    return out
+
+
+def _kill_with_turns_saved(run_dir: Path, proc: subprocess.Popen, keep: Path) -> dict | None:
+    deadline = time.monotonic() + TIMEOUT_S
+    while proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+        proc.send_signal(signal.SIGSTOP)  # nothing is published while we look
+        try:
+            newest = newest_usable_snapshot(run_dir / "checkpoints")
+            if newest is None:
+                continue
+            db = Path(newest[1]) / "rollout_state.sqlite"
+            saved = _saved_turns(db)
+            if any(turn >= 1 for turn, _ in saved.values()):
+                shutil.copyfile(db, keep)
+                proc.send_signal(signal.SIGKILL)
+                proc.wait(timeout=30)
+                return {"snapshot": newest[1], "saved": saved}
+        finally:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGCONT)
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait()
+    return None
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    root = tmp_path_factory.mktemp("turn_run")
+    twin_dir, out = root / "twin", root / "report"
+    twin = _train(twin_dir)
+    for attempt in range(KILL_TRIES):
+        run_dir = root / f"run{attempt}"
+        killed = _kill_with_turns_saved(run_dir, _train(run_dir), root / f"cut{attempt}.sqlite")
+        if killed is not None:
+            break
+    else:
+        pytest.fail(f"{KILL_TRIES} runs ended before a snapshot held an episode with a committed turn")
+    resumed = _train(run_dir, resume=True)
+    for name, proc in (("twin", twin), ("resumed", resumed)):
+        _, err = proc.communicate(timeout=TIMEOUT_S)
+        assert proc.returncode == 0, (name, err[-2000:])
+    report = subprocess.run([sys.executable, "-m", "rolloutdb", "trace", str(run_dir), "--baseline", str(twin_dir),
+                             "--out", str(out)], capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert report.returncode == 0, report.stderr
+    verify = subprocess.run([sys.executable, "-m", "rolloutdb", "verify", str(run_dir), "--json"],
+                            capture_output=True, text=True, timeout=TIMEOUT_S)
+    return {"run_dir": run_dir, "printed": report.stdout, "json": json.loads((out / "trace_report.json").read_text()),
+            "verify": verify, **killed}
+
+
+def _resumed_events(run_dir: Path, table: str, columns: str) -> list[tuple]:
+    path = run_dir / "logs" / TRACE_FILENAME
+    with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as conn:
+        (resumed,) = conn.execute("SELECT max(run) FROM runs").fetchone()
+        return conn.execute(f"SELECT {columns} FROM {table} WHERE run = ?", (resumed,)).fetchall()
+
+
+def test_every_episode_with_committed_turns_continued_from_its_last_committed_turn(job):
+    restored = {(g, i, a_from): (turn, tokens, a_new) for g, i, a_from, turn, tokens, a_new in _resumed_events(
+        job["run_dir"], "episode_restored", "group_id, generation_index, from_attempt, turn, tokens, attempt")}
+    assert {k: v[:2] for k, v in restored.items()} == job["saved"]
+    calls = _resumed_events(job["run_dir"], "call_finished", "group_id, generation_index, attempt, turn")
+    for (g, i, _a), (turn, _tokens, a_new) in restored.items():
+        turns = sorted(t for gg, ii, aa, t in calls if (gg, ii, aa) == (g, i, a_new))
+        assert turns and turns[0] == turn, ((g, i), turn, turns)  # no earlier turn generated again
+
+
+def test_the_trace_report_shows_what_the_stop_kept(job):
+    (stop,) = job["json"]["kept_per_stop"]
+    kept = sum(tokens for _turn, tokens in job["saved"].values())
+    assert stop["kept_tokens"] == kept > 0
+    assert stop["turns_kept"] == sum(turn for turn, _ in job["saved"].values())
+    assert stop["decoded_tokens"] >= stop["kept_tokens"]
+    assert stop["redone_tokens"] == stop["decoded_tokens"] - stop["kept_tokens"]
+    assert "What each stop kept" in job["printed"]
+    assert job["json"]["lost_progress_per_stop"]  # measured against the never-stopped twin
+
+
+def test_the_resumed_run_lost_and_duplicated_nothing(job):
+    assert job["verify"].returncode == 0, job["verify"].stdout + job["verify"].stderr
+    figures = json.loads(job["verify"].stdout)
+    assert figures["duplicated"] == 0 and figures["lost"] == 0, figures
