@@ -24,13 +24,17 @@ batched / per call is the figure that survives a noisy machine.
 from __future__ import annotations
 
 import argparse
+import cProfile
+import gc
+import io
+import pstats
 import tempfile
 import threading
 import time
 from concurrent.futures import Future
 from pathlib import Path
 
-from benchlib import machine_line
+from benchlib import machine_line, write_json
 
 from rolloutdb.config import Config
 from rolloutdb.controller.dispatch import LedgerDispatch
@@ -79,7 +83,42 @@ class InstantEngine:
         pass
 
 
-def run_once(groups: int, group_size: int, turns: int, window_ms: float, max_events: int) -> dict:
+def _gc_clock(pauses: list[float]):
+    """A gc callback that records how long each full (generation 2) collection took:
+    a full collection walks every tracked object of the process, torch's and
+    transformers' included, and stops every thread meanwhile."""
+    started = [0.0]
+
+    def callback(phase: str, info: dict) -> None:
+        if info["generation"] != 2:
+            return
+        if phase == "start":
+            started[0] = time.perf_counter()
+        else:
+            pauses.append(time.perf_counter() - started[0])
+
+    return callback
+
+
+def _profiled(target, path: Path | None):
+    """`target` under cProfile, its top costs written to `path` (the pump thread only)."""
+    if path is None:
+        return target
+
+    def run():
+        prof = cProfile.Profile()
+        prof.runcall(target)
+        out = io.StringIO()
+        stats = pstats.Stats(prof, stream=out)
+        stats.sort_stats("tottime").print_stats(30)
+        stats.sort_stats("cumulative").print_stats(50)
+        path.write_text(out.getvalue())
+
+    return run
+
+
+def run_once(groups: int, group_size: int, turns: int, window_ms: float, max_events: int,
+             tmp_dir: str | None = None, profile: Path | None = None, gc_freeze: bool = False) -> dict:
     cfg = Config.model_validate({
         "algorithm": {"total_steps": 1, "groups_per_step": groups, "group_size": group_size, "max_staleness": 0,
                       "replay_capacity": groups, "discard_zero_variance": False},
@@ -90,7 +129,7 @@ def run_once(groups: int, group_size: int, turns: int, window_ms: float, max_eve
     })
     dataset = DigitPromptDataset(size=max(groups, 64), n_digits=3)
     env = MultiTurnDigitEnv(dataset, DigitCodec(), turns=turns) if turns > 1 else SingleTurnDigitEnv(dataset, DigitCodec())
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory(dir=tmp_dir) as tmp:
         store = Store.create(Path(tmp) / "store.sqlite", replay_capacity=groups)
         events: list[dict] = []
         parts = RolloutParts(
@@ -100,11 +139,21 @@ def run_once(groups: int, group_size: int, turns: int, window_ms: float, max_eve
             read_progress=lambda: Progress(step=0, policy_version=0), log_event=events.append,
         )
         pump = RolloutPump(parts)
-        thread = threading.Thread(target=pump.run, name="rollout-pump")
+        gc_pauses: list[float] = []
+        if gc_freeze:
+            # Everything alive now (torch, transformers, SQLAlchemy, Alembic: ~450k objects)
+            # leaves the collector's view, so a full collection no longer walks it.
+            gc.collect()
+            gc.freeze()
+        gc.callbacks.append(_gc_clock(gc_pauses))
+        thread = threading.Thread(target=_profiled(pump.run, profile), name="rollout-pump")
         t0 = time.perf_counter()
         thread.start()
         thread.join()
         wall = time.perf_counter() - t0
+        gc.callbacks.pop()
+        if gc_freeze:
+            gc.unfreeze()
         if parts.runtime.error is not None:
             raise parts.runtime.error
         n, store_s, _cpu = store.tx_time.totals.get("rollout-pump", [0, 0.0, 0.0])
@@ -119,6 +168,7 @@ def run_once(groups: int, group_size: int, turns: int, window_ms: float, max_eve
         "commit_p99_ms": max((w["commit_p99_ms"] or 0.0) for w in windows),
         "window_p99_ms": max((w["window_p99_ms"] or 0.0) for w in windows),
         "store_share": store_s / wall,
+        "gc_full_max_ms": 1000 * max(gc_pauses, default=0.0),
     }
 
 
@@ -131,6 +181,10 @@ def main() -> int:
     ap.add_argument("--max-events", type=int, default=512)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="256 groups, 1 round")
+    ap.add_argument("--profile", default=None, help="write cProfile of the pump thread to PROFILE.<mode>.txt")
+    ap.add_argument("--gc-freeze", action="store_true", help="gc.freeze() before the pump starts (see _gc_clock)")
+    ap.add_argument("--dir", default=None, help="where the temporary stores go")
+    ap.add_argument("--json", default=None, help="write the figures here")
     args = ap.parse_args()
     if args.quick:
         args.groups, args.rounds = 256, 1
@@ -142,15 +196,23 @@ def main() -> int:
         order = ["batched", "per call"] if r % 2 == 0 else ["per call", "batched"]
         for mode in order:
             max_events = args.max_events if mode == "batched" else 1
-            results[mode].append(run_once(args.groups, args.group_size, args.turns, args.window_ms, max_events))
+            prof = Path(f"{args.profile}.{mode.replace(' ', '_')}.txt") if args.profile and r == 0 else None
+            results[mode].append(run_once(args.groups, args.group_size, args.turns, args.window_ms, max_events,
+                                          args.dir, prof, args.gc_freeze))
     for mode, runs in results.items():
         best = max(runs, key=lambda x: x["calls_per_s"])
         print(f"{mode:9s} {best['calls_per_s']:9.0f} calls/s  {best['commits']:6d} commits "
               f"({best['calls'] / max(best['commits'], 1):6.1f} calls each)  commit p99 {best['commit_p99_ms']:.2f} ms  "
-              f"window p99 {best['window_p99_ms']:.2f} ms  store share {100 * best['store_share']:.0f}%")
+              f"window p99 {best['window_p99_ms']:.2f} ms  store share {100 * best['store_share']:.0f}%  "
+              f"longest full gc {best['gc_full_max_ms']:.0f} ms")
     b = max(results["batched"], key=lambda x: x["calls_per_s"])
     p = max(results["per call"], key=lambda x: x["calls_per_s"])
-    print(f"ratio batched / per call: {b['calls_per_s'] / p['calls_per_s']:.2f}x calls/s (best of {args.rounds})")
+    ratio = b["calls_per_s"] / p["calls_per_s"]
+    print(f"ratio batched / per call: {ratio:.2f}x calls/s (best of {args.rounds})")
+    write_json(args.json, {"args": vars(args), "runs": results, "best": {"batched": b, "per call": p},
+                           "ratio_calls_per_s": ratio,
+                           "goals": {"calls_per_s_met": b["calls_per_s"] >= 20_000,
+                                     "window_p99_met": b["window_p99_ms"] <= 20.0}})
     return 0
 
 

@@ -111,3 +111,32 @@ def test_the_episode_writes_benchmark_runs_a_group_commit_with_and_without_saved
     assert figures["calls_per_tx"] == figures["episodes_per_tx"] == r["args"]["calls"]
     assert figures["plain"]["n"] == figures["turn"]["n"] == r["args"]["reps"]
     assert figures["ratio_mean"] > 0 and figures["plain_calls_per_s"] > 0 and figures["turn_calls_per_s"] > 0
+
+
+def test_the_streaming_benchmark_runs_both_pumps_on_the_same_work_and_reports_the_ratio(tmp_path):
+    r = _run_bench("bench_streaming.py", tmp_path)
+    runs = r["runs"]
+    assert set(runs) == {"streaming", "wave"}
+    # Both pumps decoded the same calls: the same tokens, the same rewards.
+    (work,) = {(x["policy_tokens"], x["decoded_rows"]) for m in runs for x in runs[m]}
+    assert work[0] == work[1] > 0
+    rewards = [x["reward_sum"] for m in runs for x in runs[m]]
+    assert max(rewards) - min(rewards) < 1e-6
+    for mode in runs.values():
+        (x,) = mode
+        assert x["tokens_per_s"] > 0 and 0 <= x["occupancy"] <= 1 and x["engine_idle"] < 1
+    assert r["ratio_tokens_per_s"] > 0 and {"ratio_met", "idle_met"} == r["goals"].keys()
+
+
+def test_the_streaming_benchmark_runs_multi_turn_on_the_flat_step_engine(tmp_path):
+    r = _run_bench("bench_streaming.py", tmp_path, "--turns", "3", "--engine", "flat", "--step-ms", "1")
+    assert r["policy_tokens"] > 0 and r["ratio_tokens_per_s"] > 0
+
+
+def test_the_group_commit_benchmark_commits_every_call_batched_and_one_per_transaction(tmp_path):
+    r = _run_bench("bench_group_commit.py", tmp_path)
+    b, p = r["best"]["batched"], r["best"]["per call"]
+    assert b["calls"] == p["calls"] == r["args"]["groups"] * r["args"]["group_size"]
+    assert p["commits"] > b["commits"] >= 1
+    assert b["calls_per_s"] > 0 and 0 < b["store_share"] < 1
+    assert {"calls_per_s_met", "window_p99_met"} == r["goals"].keys()
