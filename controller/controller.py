@@ -9,6 +9,7 @@ executors; the pumps coordinate only through the store and `RuntimeState`.
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 from dataclasses import dataclass
@@ -180,6 +181,13 @@ class Controller:
                 # killed earlier holds no work, so its resume may start over (resume.py).
                 self.snapshotter.attempt(force=True)
                 threads.append(threading.Thread(target=self.snapshotter.run, name="snapshot-pump", daemon=True))
+            # Setup leaves ~440k long-lived objects (torch, transformers, SQLAlchemy,
+            # Alembic); every full collection walked them all with every thread stopped,
+            # 360-800 ms a time, and set the rollout pump's commit-window p99. Frozen, they
+            # are never scanned again: full collections fell to 1-2 ms and committed calls/s
+            # doubled (BENCHMARKS.md, group commit).
+            gc.collect()
+            gc.freeze()
             pumps_started = time.perf_counter()
             for t in threads:
                 t.start()
@@ -194,6 +202,7 @@ class Controller:
                     self.snapshotter.wake()
                 for t in threads:
                     t.join(timeout=60)
+                gc.unfreeze()  # a process that goes on (tests, your own loop) collects them again
                 self._log_store_share(time.perf_counter() - pumps_started)
         finally:
             self.close()
