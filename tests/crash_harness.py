@@ -89,8 +89,10 @@ TURN_LEVEL = HarnessConfig(
            "rollout_recovery.target_level=turn"),
     random_kill_s=(0.3, 1.5), turns=3)
 CONFIGS = {c.name: c for c in (GROUP_LEVEL, TURN_LEVEL)}
-# The group-level configuration under its W1-D names (tests/test_trace_real_run.py uses them).
+# The group-level configuration under its W1-D names (tests/test_trace_real_run.py and
+# tests/train_cli.py use them).
 EXAMPLE, OVERRIDES = GROUP_LEVEL.example, GROUP_LEVEL.overrides
+STEPS, GROUPS = GROUP_LEVEL.steps, GROUP_LEVEL.groups
 
 
 @dataclass
