@@ -30,7 +30,7 @@ import time
 from concurrent.futures import Future
 from pathlib import Path
 
-from benchlib import machine_line
+from benchlib import machine_line, write_json
 
 from rolloutdb.config import Config
 from rolloutdb.controller.dispatch import LedgerDispatch
@@ -131,6 +131,7 @@ def main() -> int:
     ap.add_argument("--max-events", type=int, default=512)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="256 groups, 1 round")
+    ap.add_argument("--json", default=None, help="also write the best run of each mode as JSON here")
     args = ap.parse_args()
     if args.quick:
         args.groups, args.rounds = 256, 1
@@ -151,6 +152,7 @@ def main() -> int:
     b = max(results["batched"], key=lambda x: x["calls_per_s"])
     p = max(results["per call"], key=lambda x: x["calls_per_s"])
     print(f"ratio batched / per call: {b['calls_per_s'] / p['calls_per_s']:.2f}x calls/s (best of {args.rounds})")
+    write_json(args.json, {"machine": machine_line(), "args": vars(args), "batched": b, "per call": p})
     return 0
 
 
