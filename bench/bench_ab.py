@@ -80,6 +80,7 @@ def dig(d: dict, path: tuple[str, ...]):
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rev", required=True, help="the 'before' git revision")
+    p.add_argument("--after", default=None, help="the 'after' git revision (default: the working tree)")
     p.add_argument("--reps", type=int, default=3, help="runs of each version")
     p.add_argument("bench", choices=sorted(FIGURES), help="the benchmark script (in bench/)")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the benchmark")
@@ -89,7 +90,7 @@ def main(argv=None) -> None:
         before = tree_at(a.rev, Path(tmp))
         # The benchmark script is always the working tree's (the instrument); only the
         # store and controller code it imports differs.
-        paths = {a.rev: str(before), "tree": None}
+        paths = {a.rev: str(before), "tree": str(tree_at(a.after, Path(tmp) / "after")) if a.after else None}
         for rep in range(a.reps):
             for version in ((a.rev, "tree") if rep % 2 == 0 else ("tree", a.rev)):
                 pkg = paths[version]
@@ -104,7 +105,8 @@ def main(argv=None) -> None:
                     sys.exit(f"error: {version} run failed:\n{proc.stderr[-2000:]}")
                 runs[version].append(json.loads(out.read_text()))
                 print(f"  run {rep} {version} done", flush=True)
-    print(f"{a.bench} {' '.join(a.args)}: median of {a.reps} alternating runs each, before = {a.rev}")
+    print(f"{a.bench} {' '.join(a.args)}: median of {a.reps} alternating runs each, before = {a.rev}, "
+          f"after = {a.after or 'working tree'}")
     print(f"  {'':34s}{'before':>12s}{'after':>12s}   after vs before")
     for label, path, higher in FIGURES[a.bench]:
         b = statistics.median(dig(r, path) for r in runs[a.rev])
