@@ -34,10 +34,12 @@ from .invariants import InvariantReport, check_invariants
 from .ledger import FinishedGeneration, Reservation
 from ..sqlite.readonly import open_readonly
 from ..sqlite.integrity import check_sqlite_file
+from ..sqlite.prepared import Prepared
 from ..sqlite.revision import create_store_file, file_revision, require_head
 from .schema import T
 
-_BUMP = update(T["run_meta"]).values(mutation_counter=T["run_meta"].c.mutation_counter + 1)
+# Compiled once and run on the sqlite3 cursor: it ends every mutation (see ledger.py).
+_BUMP = Prepared(update(T["run_meta"]).values(mutation_counter=T["run_meta"].c.mutation_counter + 1))
 
 
 class TransactionClock:
@@ -146,7 +148,7 @@ class Store:
         with self.db.atomic() as tx:
             yield tx
             if mutation:
-                tx.execute(_BUMP)
+                _BUMP.run(tx)
         self.tx_time.add(time.perf_counter() - t0, time.thread_time() - c0)
 
     @contextlib.contextmanager

@@ -62,6 +62,9 @@ class Prepared:
     def __init__(self, stmt: Any):
         stmt = visitors.replacement_traverse(stmt, {}, _inline_literal)
         compiled = stmt.compile(dialect=_DIALECT)
+        valued = [name for name, bind in compiled.binds.items() if bind.value is not None or bind.callable is not None]
+        if valued:  # a value the compiler itself added (e.g. OFFSET 0 beside a bound LIMIT)
+            raise TypeError(f"parameters {valued} would need their values at run time: {compiled}")
         for name, bind in compiled.binds.items():
             if bind.type._cached_bind_processor(_DIALECT) is not None and not isinstance(bind.type, _HARMLESS):
                 raise TypeError(f"parameter {name!r} ({bind.type!r}) needs SQLAlchemy's processing; run it with conn.execute")
@@ -70,10 +73,10 @@ class Prepared:
                 raise TypeError(f"result column {col.name!r} ({col.type!r}) needs SQLAlchemy's processing")
         self.sql = str(compiled)
 
-    def run(self, conn: Connection, params: Mapping[str, Any] | None = None) -> sqlite3.Cursor:
+    def run(self, conn: Connection | sqlite3.Connection, params: Mapping[str, Any] | None = None) -> sqlite3.Cursor:
         return _driver(conn).execute(self.sql, params or {})
 
-    def many(self, conn: Connection, rows: Sequence[Mapping[str, Any]]) -> sqlite3.Cursor:
+    def many(self, conn: Connection | sqlite3.Connection, rows: Sequence[Mapping[str, Any]]) -> sqlite3.Cursor:
         return _driver(conn).executemany(self.sql, rows)
 
 
@@ -91,10 +94,12 @@ def _inline_literal(element: Any) -> Any:
     return literal_column(render(value), type_=element.type)
 
 
-def _driver(conn: Connection) -> sqlite3.Connection:
+def _driver(conn: Connection | sqlite3.Connection) -> sqlite3.Connection:
     """The sqlite3 connection under `conn`, inside `conn`'s transaction. A connection
     not yet in one begins it first, as SQLAlchemy's own execute would (autobegin):
     otherwise the statement would run outside any transaction (isolation_level=None)."""
+    if isinstance(conn, sqlite3.Connection):  # a snapshot cut's own connection
+        return conn
     if not conn.in_transaction():
         conn.begin()
     return conn.connection.driver_connection  # type: ignore[return-value]
