@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -81,6 +82,7 @@ _END_ATTEMPTS = Prepared(
     update(rollouts)
     .where(in_json(rollouts.c.attempt_id), rollouts.c.state == "running")
     .values(state=bindparam("new_state"), abandon_reason=bindparam("reason"), ended_at=bindparam("now"))
+    .returning(rollouts.c.attempt_id)
 )
 # Only `group_id` in WHERE: with `state = 'finished'` there too, SQLite picked the state
 # index and read every finished rollout of the run's history for each seal (125 ms at
@@ -169,6 +171,7 @@ def _move_statement(target: str, extra: tuple[str, ...]) -> Prepared:
         update(groups)
         .where(in_json(groups.c.group_id), or_(*(groups.c.state == s for s in GROUP_SOURCES[target])))
         .values(state=literal_column(f"'{target}'"), updated_at=bindparam("now"), **{k: bindparam(f"v_{k}") for k in extra})
+        .returning(groups.c.group_id)
     )
 
 
@@ -198,22 +201,28 @@ def _move_groups(conn: Connection, group_ids: Sequence[int], target: str, **valu
         return
     stmt = _move_statement(target, tuple(sorted(values)))
     params = {"ids": json_ids(group_ids), "now": time.time(), **{f"v_{k}": v for k, v in values.items()}}
-    # One UPDATE ... WHERE state IN (sources) checks and moves them all; the rowcount
-    # comes up short if any group is missing or in another state (a repeated id changes
-    # its row once, so it comes up short too), and only then a SELECT names the misfit.
-    if stmt.run(conn, params).rowcount != len(group_ids):
-        _raise_group_misfit(conn, group_ids, target)
+    # One UPDATE ... WHERE state IN (sources) checks and moves them all; it returns the
+    # ids it moved, fewer than asked if any group is missing or in another state (a
+    # repeated id moves once, so fewer too), and only then a SELECT names the misfit.
+    # (The ids, not just the count: after the UPDATE the moved groups are in `target`
+    # too, so only the ids tell them from a group that was there before.)
+    moved = stmt.run(conn, params).fetchall()
+    if len(moved) != len(group_ids):
+        _raise_group_misfit(conn, group_ids, target, {g for (g,) in moved})
 
 
-def _raise_group_misfit(conn: Connection, group_ids: Sequence[int], target: str) -> None:
-    found = group_states(conn, group_ids)
-    for g in group_ids:
+def _raise_group_misfit(conn: Connection, group_ids: Sequence[int], target: str, moved: set[int]) -> None:
+    """Name the first group the UPDATE did not move (its state is still what it was)."""
+    misfits = [g for g in group_ids if g not in moved]
+    found = group_states(conn, misfits)
+    for g in misfits:
         state = found.get(g)
         if state is None:
             raise IllegalTransition(f"group {g}: no such group in the ledger (asked to become {target})")
         if state not in GROUP_SOURCES[target]:
             raise IllegalTransition(f"group {g}: cannot go from {state} to {target}")
-    raise IllegalTransition(f"groups {list(group_ids)}: a group id is listed twice (asked to become {target})")
+    twice = next(g for g, n in Counter(group_ids).items() if n > 1)
+    raise IllegalTransition(f"group {twice}: listed twice in one transition (asked to become {target})")
 
 
 def group_states(conn: Connection, group_ids: Iterable[int]) -> dict[int, str]:
@@ -281,12 +290,16 @@ def start_attempts(conn: Connection, generations: Sequence[tuple[int, int]], *, 
 
 def _end_attempts(conn: Connection, attempt_ids: Sequence[int], state: str, reason: str | None) -> None:
     params = {"ids": json_ids(attempt_ids), "new_state": state, "reason": reason, "now": time.time()}
-    if _END_ATTEMPTS.run(conn, params).rowcount != len(attempt_ids):
-        found = dict(_SELECT_ATTEMPT_STATES.run(conn, params).fetchall())
-        for a in attempt_ids:
+    ended = _END_ATTEMPTS.run(conn, params).fetchall()
+    if len(ended) != len(attempt_ids):  # name the first attempt not ended (see _move_groups)
+        done = {a for (a,) in ended}
+        misfits = [a for a in attempt_ids if a not in done]
+        found = dict(_SELECT_ATTEMPT_STATES.run(conn, {"ids": json_ids(misfits)}).fetchall())
+        for a in misfits:
             if found.get(a) != "running":
                 raise IllegalTransition(f"attempt {a}: cannot go from {found.get(a, 'missing')} to {state}")
-        raise IllegalTransition(f"attempts {list(attempt_ids)}: an attempt id is listed twice")
+        twice = next(a for a, n in Counter(attempt_ids).items() if n > 1)
+        raise IllegalTransition(f"attempt {twice}: listed twice in one transition (asked to become {state})")
 
 
 def finish_attempts(conn: Connection, finished: Sequence[tuple[int, FinishedGeneration]]) -> None:
