@@ -104,3 +104,31 @@ def test_values_written_into_a_statement_are_literals_and_only_named_parameters_
 def test_version_runs_are_stored_as_compact_json():
     assert encode_version_counts([(3, 24), (4, 8)]) == "[[3,24],[4,8]]"
     assert encode_version_counts([]) == "[]"
+
+
+def test_the_sampler_cursor_never_moves_back_and_a_refused_move_names_both_positions(store, second_connection):
+    with store.atomic() as tx:
+        pools.advance_cursor(tx, 10, 0)
+        pools.advance_cursor(tx, 10, 1)  # staying put is allowed
+    with pytest.raises(IllegalTransition, match="sampler cursor: cannot move back from 10 to 5"):
+        with store.atomic() as tx:
+            pools.advance_cursor(tx, 5, 2)
+    store.reserve([Reservation(3, 1, 3)], num_generations=1, target_step=1)  # below the cursor: it stays
+    conn = second_connection(store.path)
+    assert conn.execute("SELECT next_seq, epoch FROM sampler_state").fetchone() == (10, 1)
+    store.reserve([Reservation(12, 2, 12)], num_generations=1, target_step=1)
+    assert conn.execute("SELECT next_seq, epoch FROM sampler_state").fetchone() == (13, 2)
+
+
+def test_groups_entering_replay_in_one_batch_each_carry_their_own_tokens_and_prompt(store, second_connection):
+    ids = store.reserve([Reservation(0, 0, 50), Reservation(1, 0, 51)], num_generations=2, target_step=1)
+    attempts = store.dispatch(ids, policy_version=0)  # group by group, generation by generation
+    with store.atomic() as tx:
+        ledger.finish_attempts(tx, [(a, _gen(n)) for a, n in zip(attempts, (3, 5, 2, 7))])
+        ledger.seal_groups(tx, ids)
+        ledger.enter_replay(tx, ids)
+    conn = second_connection(store.path)
+    assert conn.execute("SELECT group_id, prompt_id, num_tokens FROM replay_groups ORDER BY group_id").fetchall() == [
+        (ids[0], 50, 8), (ids[1], 51, 9)]
+    assert conn.execute("SELECT group_id, generation_index, prompt_id, num_tokens FROM samples ORDER BY sample_id").fetchall() == [
+        (ids[0], 0, 50, 3), (ids[0], 1, 50, 5), (ids[1], 0, 51, 2), (ids[1], 1, 51, 7)]

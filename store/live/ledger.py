@@ -54,13 +54,19 @@ GROUP_SOURCES = {
     "discarded": ("reserved", "dispatched", "sealed", "published"),
 }
 
+def _qualified(column):
+    """`table.column` as written text: in a RETURNING clause SQLAlchemy writes columns
+    without their table, so a subquery there would read `group_id = group_id` (both
+    the subquery's own column) instead of correlating with the updated row."""
+    return literal_column(f"{column.table.name}.{column.name}", type_=column.type)
+
+
 # Hot-path statements are built once with Core and compiled once (`Prepared`, see
 # store/sqlite/prepared.py): building a Core statement per call and computing its cache
 # key cost about three times as much as executing it, and SQLAlchemy's execution of a
 # cached statement still cost 30-40 µs against 5-7 µs for sqlite3 running its text
 # (bench/bench_transitions.py). Id lists are one JSON parameter (`in_json`, `json_ids`).
 _SELECT_GROUP_STATES = Prepared(select(groups.c.group_id, groups.c.state).where(in_json(groups.c.group_id)))
-_SELECT_NUM_GENERATIONS = Prepared(select(groups.c.group_id, groups.c.num_generations).where(in_json(groups.c.group_id)))
 # Per (group, generation): the last attempt number and whether any attempt is not abandoned.
 _SELECT_ATTEMPT_HISTORY = Prepared(
     select(
@@ -73,16 +79,14 @@ _SELECT_ATTEMPT_HISTORY = Prepared(
     .group_by(rollouts.c.group_id, rollouts.c.generation_index)
 )
 _SELECT_ATTEMPT_STATES = Prepared(select(rollouts.c.attempt_id, rollouts.c.state).where(in_json(rollouts.c.attempt_id)))
-_SELECT_ATTEMPT_INFO = Prepared(
-    select(rollouts.c.attempt_id, rollouts.c.group_id, rollouts.c.generation_index, groups.c.prompt_id)
-    .join(groups, groups.c.group_id == rollouts.c.group_id)
-    .where(in_json(rollouts.c.attempt_id))
-)
 _END_ATTEMPTS = Prepared(
     update(rollouts)
     .where(in_json(rollouts.c.attempt_id), rollouts.c.state == "running")
     .values(state=bindparam("new_state"), abandon_reason=bindparam("reason"), ended_at=bindparam("now"))
-    .returning(rollouts.c.attempt_id)
+    .returning(
+        rollouts.c.attempt_id, rollouts.c.group_id, rollouts.c.generation_index,
+        select(groups.c.prompt_id).where(_qualified(groups.c.group_id) == _qualified(rollouts.c.group_id)).scalar_subquery(),
+    )
 )
 # Only `group_id` in WHERE: with `state = 'finished'` there too, SQLite picked the state
 # index and read every finished rollout of the run's history for each seal (125 ms at
@@ -101,14 +105,6 @@ _SELECT_SEAL_COUNTS = Prepared(
 )
 _SELECT_CAPACITY = Prepared(select(run_meta.c.replay_capacity))
 _SELECT_PERMITS = Prepared(select(replay.c.permit))
-# Per group: epoch, prompt id, target step and its samples' tokens, in one statement.
-_SELECT_REPLAY_INFO = Prepared(
-    select(
-        groups.c.group_id, groups.c.epoch, groups.c.prompt_id, groups.c.target_step,
-        select(func.coalesce(func.sum(samples.c.num_tokens), 0))
-        .where(samples.c.group_id == groups.c.group_id).scalar_subquery(),
-    ).where(in_json(groups.c.group_id))
-)
 
 
 def _insert_from_json(table, columns: tuple[str, ...], common: dict, returning):
@@ -164,15 +160,28 @@ _ABANDON_RUNNING_OF_GROUPS = Prepared(
 
 
 @lru_cache(maxsize=None)
-def _move_statement(target: str, extra: tuple[str, ...]) -> Prepared:
+def _move_statement(target: str, extra: tuple[str, ...], returning: tuple[str, ...] = ()) -> Prepared:
     """UPDATE moving the groups `ids` to `target` from its allowed sources, setting
-    `updated_at` (`now`) and the `extra` columns (bound as `v_<column>`)."""
+    `updated_at` (`now`) and the `extra` columns (bound as `v_<column>`); returns each
+    moved group's id and the `returning` values (`_RETURNABLE`)."""
     return Prepared(
         update(groups)
         .where(in_json(groups.c.group_id), or_(*(groups.c.state == s for s in GROUP_SOURCES[target])))
         .values(state=literal_column(f"'{target}'"), updated_at=bindparam("now"), **{k: bindparam(f"v_{k}") for k in extra})
-        .returning(groups.c.group_id)
+        .returning(groups.c.group_id, *(_RETURNABLE[k] for k in returning))
     )
+
+
+# What a move can hand back with the ids it moved, so the transition needs no SELECT of
+# the rows it has just written (RETURNING may hold scalar subqueries).
+_RETURNABLE = {
+    "num_generations": groups.c.num_generations,
+    "epoch": groups.c.epoch,
+    "prompt_id": groups.c.prompt_id,
+    "target_step": groups.c.target_step,
+    "tokens": select(func.coalesce(func.sum(samples.c.num_tokens), 0))
+    .where(_qualified(samples.c.group_id) == _qualified(groups.c.group_id)).scalar_subquery(),
+}
 
 
 @dataclass(frozen=True)
@@ -195,11 +204,14 @@ class FinishedGeneration:
     version_token_counts: Sequence[tuple[int, int]]
 
 
-def _move_groups(conn: Connection, group_ids: Sequence[int], target: str, **values) -> None:
-    """Move every group in `group_ids` to `target`, or raise naming the first misfit."""
+def _move_groups(
+    conn: Connection, group_ids: Sequence[int], target: str, returning: tuple[str, ...] = (), **values
+) -> list[tuple]:
+    """Move every group in `group_ids` to `target`, or raise naming the first misfit.
+    Returns (group id, *returning) per group, in no promised order."""
     if not group_ids:
-        return
-    stmt = _move_statement(target, tuple(sorted(values)))
+        return []
+    stmt = _move_statement(target, tuple(sorted(values)), returning)
     params = {"ids": json_ids(group_ids), "now": time.time(), **{f"v_{k}": v for k, v in values.items()}}
     # One UPDATE ... WHERE state IN (sources) checks and moves them all; it returns the
     # ids it moved, fewer than asked if any group is missing or in another state (a
@@ -208,7 +220,8 @@ def _move_groups(conn: Connection, group_ids: Sequence[int], target: str, **valu
     # too, so only the ids tell them from a group that was there before.)
     moved = stmt.run(conn, params).fetchall()
     if len(moved) != len(group_ids):
-        _raise_group_misfit(conn, group_ids, target, {g for (g,) in moved})
+        _raise_group_misfit(conn, group_ids, target, {row[0] for row in moved})
+    return moved
 
 
 def _raise_group_misfit(conn: Connection, group_ids: Sequence[int], target: str, moved: set[int]) -> None:
@@ -254,10 +267,13 @@ def reserve_groups(
 def dispatch_groups(conn: Connection, group_ids: Sequence[int], *, policy_version: int) -> list[int]:
     """reserved -> dispatched, with one running attempt (attempt 0) per generation.
     Returns the attempt ids, group by group, generation by generation."""
-    _move_groups(conn, group_ids, "dispatched", policy_version=policy_version)
-    n_by_group = dict(_SELECT_NUM_GENERATIONS.run(conn, {"ids": json_ids(group_ids)}).fetchall())
-    wanted = [(g, i) for g in group_ids for i in range(n_by_group[g])]
-    return start_attempts(conn, wanted, policy_version=policy_version)
+    n_by_group = dict(_move_groups(conn, group_ids, "dispatched", ("num_generations",), policy_version=policy_version))
+    # A group leaves `reserved` only here or in dispatch_without_attempts and never comes
+    # back, and attempts start only for dispatched groups: a group just moved from
+    # reserved has no attempt yet, so each generation's is attempt 0 with no look at the
+    # history `start_attempts` reads (the UNIQUE (group, generation, attempt) key would
+    # refuse a second attempt 0 anyway).
+    return _insert_attempts(conn, [(g, i, 0) for g in group_ids for i in range(n_by_group[g])], policy_version)
 
 
 def dispatch_without_attempts(conn: Connection, group_ids: Sequence[int], *, policy_version: int) -> None:
@@ -283,16 +299,23 @@ def start_attempts(conn: Connection, generations: Sequence[tuple[int, int]], *, 
         if (g, i) in live:
             raise IllegalTransition(f"group {g} generation {i}: already has a running or finished attempt")
         rows.append((g, i, last.get((g, i), -1) + 1))
+    return _insert_attempts(conn, rows, policy_version)
+
+
+def _insert_attempts(conn: Connection, rows: list[tuple[int, int, int]], policy_version: int) -> list[int]:
+    """Running attempts for (group id, generation index, attempt); their ids in order."""
     params = {"rows": json_ids(rows), "policy_version": policy_version, "now": time.time()}
     found = {(g, i, a): aid for g, i, a, aid in _INSERT_ROLLOUTS.run(conn, params).fetchall()}
     return [found[r] for r in rows]
 
 
-def _end_attempts(conn: Connection, attempt_ids: Sequence[int], state: str, reason: str | None) -> None:
+def _end_attempts(conn: Connection, attempt_ids: Sequence[int], state: str, reason: str | None) -> list[tuple]:
+    """End running attempts, or raise naming the first misfit; returns (attempt id,
+    group id, generation index, prompt id) per attempt, in no promised order."""
     params = {"ids": json_ids(attempt_ids), "new_state": state, "reason": reason, "now": time.time()}
     ended = _END_ATTEMPTS.run(conn, params).fetchall()
     if len(ended) != len(attempt_ids):  # name the first attempt not ended (see _move_groups)
-        done = {a for (a,) in ended}
+        done = {row[0] for row in ended}
         misfits = [a for a in attempt_ids if a not in done]
         found = dict(_SELECT_ATTEMPT_STATES.run(conn, {"ids": json_ids(misfits)}).fetchall())
         for a in misfits:
@@ -300,6 +323,7 @@ def _end_attempts(conn: Connection, attempt_ids: Sequence[int], state: str, reas
                 raise IllegalTransition(f"attempt {a}: cannot go from {found.get(a, 'missing')} to {state}")
         twice = next(a for a, n in Counter(attempt_ids).items() if n > 1)
         raise IllegalTransition(f"attempt {twice}: listed twice in one transition (asked to become {state})")
+    return ended
 
 
 def finish_attempts(conn: Connection, finished: Sequence[tuple[int, FinishedGeneration]]) -> None:
@@ -307,11 +331,9 @@ def finish_attempts(conn: Connection, finished: Sequence[tuple[int, FinishedGene
     if not finished:
         return
     ids = [a for a, _ in finished]
-    _end_attempts(conn, ids, "finished", None)
-    json_list = {"ids": json_ids(ids)}
-    info = {aid: (g, i, pid) for aid, g, i, pid in _SELECT_ATTEMPT_INFO.run(conn, json_list).fetchall()}
+    info = {aid: (g, i, pid) for aid, g, i, pid in _end_attempts(conn, ids, "finished", None)}
     write_samples(conn, [(info[a][0], info[a][1], info[a][2], gen) for a, gen in finished])
-    _drop_attempt_payloads(conn, json_list)
+    _drop_attempt_payloads(conn, {"ids": json_ids(ids)})
 
 
 def _drop_attempt_payloads(conn: Connection, ids: dict[str, str]) -> None:
@@ -402,8 +424,8 @@ def enter_replay(conn: Connection, group_ids: Sequence[int]) -> list[int]:
     every store and snapshot file holds it.)"""
     if not group_ids:
         return []
-    _move_groups(conn, group_ids, "published")
-    info = {g: (e, p, s, n) for g, e, p, s, n in _SELECT_REPLAY_INFO.run(conn, {"ids": json_ids(group_ids)}).fetchall()}
+    moved = _move_groups(conn, group_ids, "published", ("epoch", "prompt_id", "target_step", "tokens"))
+    info = {g: (e, p, s, n) for g, e, p, s, n in moved}
     return insert_replay(conn, [(g, *info[g]) for g in group_ids])
 
 

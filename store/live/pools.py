@@ -40,7 +40,16 @@ rollouts = T["rollouts"]
 # Built and compiled once (`Prepared`, see ledger.py): the cursor, the spare pool and the
 # shortfall are read and written in every group-commit batch that dispatches.
 _READ_CURSOR = Prepared(select(sampler.c.next_seq, sampler.c.epoch, sampler.c.seed, sampler.c.stamping))
-_ADVANCE_CURSOR = Prepared(update(sampler).values(next_seq=bindparam("to_seq"), epoch=bindparam("to_epoch")))
+# The check and the move in one statement: a cursor that would move back is not
+# matched (rowcount 0), and only then is it read to name the positions.
+_ADVANCE_CURSOR = Prepared(
+    update(sampler).where(sampler.c.next_seq <= bindparam("to_seq"))
+    .values(next_seq=bindparam("to_seq"), epoch=bindparam("to_epoch"))
+)
+_COVER_CURSOR = Prepared(
+    update(sampler).where(sampler.c.next_seq < bindparam("to_seq"))
+    .values(next_seq=bindparam("to_seq"), epoch=bindparam("to_epoch"))
+)
 _PUSH_SPARE = Prepared(insert(spare).values({c: bindparam(c) for c in ("sample_seq", "epoch", "prompt_id", "added_at")}))
 # Oldest first; DELETE ... RETURNING takes them in one statement.
 _POP_SPARE = Prepared(
@@ -75,10 +84,14 @@ def read_cursor(conn: Connection) -> Cursor:
 def advance_cursor(conn: Connection, next_seq: int, epoch: int) -> None:
     """Record that the sampler has handed out every prompt below `next_seq`. The cursor
     never moves back: a restore relies on it covering every saved group."""
-    current = read_cursor(conn)
-    if next_seq < current.next_seq:
+    if _ADVANCE_CURSOR.run(conn, {"to_seq": next_seq, "to_epoch": epoch}).rowcount != 1:
+        current = read_cursor(conn)
         raise IllegalTransition(f"sampler cursor: cannot move back from {current.next_seq} to {next_seq}")
-    _ADVANCE_CURSOR.run(conn, {"to_seq": next_seq, "to_epoch": epoch})
+
+
+def cover_cursor(conn: Connection, next_seq: int, epoch: int) -> None:
+    """Advance the cursor to `next_seq` (and `epoch`) if it is below; else leave it."""
+    _COVER_CURSOR.run(conn, {"to_seq": next_seq, "to_epoch": epoch})
 
 
 # ---------------------------------------------------------------- spare pool

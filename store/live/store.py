@@ -178,9 +178,7 @@ class Store:
     def reserve(self, reservations: Sequence[Reservation], *, num_generations: int, target_step: int | None) -> list[int]:
         with self.atomic() as tx:
             ids = ledger.reserve_groups(tx, reservations, num_generations=num_generations, target_step=target_step)
-            top = max(r.sample_seq for r in reservations) + 1
-            if top > pools.read_cursor(tx).next_seq:
-                pools.advance_cursor(tx, top, reservations[-1].epoch)
+            pools.cover_cursor(tx, max(r.sample_seq for r in reservations) + 1, reservations[-1].epoch)
             return ids
 
     def dispatch(self, group_ids: Sequence[int], *, policy_version: int) -> list[int]:
