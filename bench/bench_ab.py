@@ -39,6 +39,10 @@ FIGURES = {
         ("single p99 ms", ("single", "store", "p99_ms"), False),
         ("single p99 ms, less CPU wait", ("single", "store_cpu_free", "p99_ms"), False),
         ("raw floor single p50 ms", ("single", "raw", "p50_ms"), False),
+        *((f"batched ms per {step} tx", ("batched", "ms_per_tx_by_step", step), False)
+          for step in ("reserve", "dispatch", "finish", "seal", "enter_replay", "trained")),
+        *((f"single p50 ms, {step}", ("single", "store_by_step", step, "p50_ms"), False)
+          for step in ("reserve", "dispatch", "finish", "seal", "enter_replay", "trained")),
     ],
     "bench_group_commit.py": [
         ("batched calls/s", ("batched", "calls_per_s"), True),
