@@ -27,12 +27,13 @@ from __future__ import annotations
 import json
 import sqlite3
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 from sqlalchemy import Connection, Float, LargeBinary, bindparam, func, literal_column, select
 from sqlalchemy.sql import type_api
 from sqlalchemy.dialects.sqlite.pysqlite import SQLiteDialect_pysqlite
 from sqlalchemy.sql import visitors
+from sqlalchemy.sql.base import Executable
 from sqlalchemy.sql.elements import BindParameter, ColumnElement
 from sqlalchemy.sql.sqltypes import NullType
 
@@ -48,8 +49,9 @@ def in_json(column: ColumnElement, name: str = "ids") -> ColumnElement[bool]:
     return column.in_(select(func.json_each(bindparam(name)).table_valued("value").c.value))
 
 
-def json_ids(ids: Iterable[int]) -> str:
-    """The value of an `in_json` parameter. json.dumps of a list of ints runs in C."""
+def json_ids(ids: Iterable[Any]) -> str:
+    """The value of an `in_json` parameter (ints), or of an INSERT's JSON rows (tuples of
+    ints). json.dumps of a list of ints runs in C."""
     return json.dumps(ids if isinstance(ids, list) else list(ids))
 
 
@@ -59,9 +61,9 @@ class Prepared:
 
     __slots__ = ("sql",)
 
-    def __init__(self, stmt: Any):
-        stmt = visitors.replacement_traverse(stmt, {}, _inline_literal)
-        compiled = stmt.compile(dialect=_DIALECT)
+    def __init__(self, stmt: Executable):
+        inlined: Any = visitors.replacement_traverse(cast(Any, stmt), {}, _inline_literal)
+        compiled = inlined.compile(dialect=_DIALECT)
         valued = [name for name, bind in compiled.binds.items() if bind.value is not None or bind.callable is not None]
         if valued:  # a value the compiler itself added (e.g. OFFSET 0 beside a bound LIMIT)
             raise TypeError(f"parameters {valued} would need their values at run time: {compiled}")
@@ -80,7 +82,7 @@ class Prepared:
         return _driver(conn).executemany(self.sql, rows)
 
 
-def _inline_literal(element: Any) -> Any:
+def _inline_literal(element: Any, **_kw: Any) -> Any:
     """Values written into the statement (``state == 'running'``, ``.values(state=...)``)
     become SQL literals: only the parameters named with `bindparam` and no value are left
     for the caller to bind."""
@@ -102,4 +104,4 @@ def _driver(conn: Connection | sqlite3.Connection) -> sqlite3.Connection:
         return conn
     if not conn.in_transaction():
         conn.begin()
-    return conn.connection.driver_connection  # type: ignore[return-value]
+    return conn.connection.driver_connection
