@@ -95,6 +95,14 @@ def main(argv=None) -> None:
         # The benchmark script is always the working tree's (the instrument); only the
         # store and controller code it imports differs.
         paths = {a.rev: str(before), "tree": str(tree_at(a.after, Path(tmp) / "after")) if a.after else None}
+        # A wrong path would silently measure the working tree twice: check what each imports.
+        for version, pkg in paths.items():
+            env = dict(os.environ, PYTHONPATH=pkg) if pkg else dict(os.environ)
+            imported = subprocess.run([sys.executable, "-c", "import rolloutdb.store.live.ledger as m; print(m.__file__)"],
+                                      env=env, cwd=tmp, capture_output=True, text=True).stdout.strip()
+            expected = Path(pkg) if pkg else REPO  # (a link under pkg/: not resolved)
+            if not imported or not Path(imported).is_relative_to(expected):
+                sys.exit(f"error: the {version} run would import {imported or 'nothing'}, not the code under {expected}")
         for rep in range(a.reps):
             for version in ((a.rev, "tree") if rep % 2 == 0 else ("tree", a.rev)):
                 pkg = paths[version]

@@ -111,3 +111,15 @@ def test_the_episode_writes_benchmark_runs_a_group_commit_with_and_without_saved
     assert figures["calls_per_tx"] == figures["episodes_per_tx"] == r["args"]["calls"]
     assert figures["plain"]["n"] == figures["turn"]["n"] == r["args"]["reps"]
     assert figures["ratio_mean"] > 0 and figures["plain_calls_per_s"] > 0 and figures["turn_calls_per_s"] > 0
+
+
+def test_the_before_after_benchmark_runs_a_revision_next_to_the_working_tree(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "bench_ab.py"), "--rev", "HEAD", "--reps", "1",
+         "bench_transitions.py", "--quick", "--dir", str(tmp_path)],
+        cwd=REPO, capture_output=True, text=True, timeout=180,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "before = HEAD, after = working tree" in proc.stdout
+    assert "batched group transitions/s" in proc.stdout and "single p99 ms" in proc.stdout
+    assert list(tmp_path.iterdir()) == []  # the benchmark's temporary stores are gone
