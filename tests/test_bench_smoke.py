@@ -140,3 +140,15 @@ def test_the_group_commit_benchmark_commits_every_call_batched_and_one_per_trans
     assert p["commits"] > b["commits"] >= 1
     assert b["calls_per_s"] > 0 and 0 < b["store_share"] < 1
     assert {"calls_per_s_met", "window_p99_met"} == r["goals"].keys()
+
+
+def test_the_before_after_benchmark_runs_a_revision_next_to_the_working_tree(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "bench_ab.py"), "--rev", "HEAD", "--reps", "1",
+         "bench_transitions.py", "--quick", "--dir", str(tmp_path)],
+        cwd=REPO, capture_output=True, text=True, timeout=180,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "before = HEAD, after = working tree" in proc.stdout
+    assert "batched group transitions/s" in proc.stdout and "single p99 ms" in proc.stdout
+    assert list(tmp_path.iterdir()) == []  # the benchmark's temporary stores are gone

@@ -14,14 +14,17 @@ Rollout states:  running -> finished | abandoned (restart, deadline, error)
 
 from __future__ import annotations
 
+import itertools
 import time
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from functools import lru_cache
 
-from sqlalchemy import Connection, bindparam, case, delete, func, insert, or_, select, update
+from sqlalchemy import Connection, Integer, bindparam, case, delete, func, insert, literal_column, or_, select, type_coerce, update
 
+from ..sqlite.prepared import Prepared, in_json, json_ids
 from .codec import encode_logprobs, encode_tokens, encode_version_counts
 from ..errors import IllegalTransition, ReplayFullError
 from .schema import ABANDON_REASONS, T
@@ -51,82 +54,134 @@ GROUP_SOURCES = {
     "discarded": ("reserved", "dispatched", "sealed", "published"),
 }
 
-# Hot-path statements are built once, with bind parameters (IN lists as expanding
-# parameters): building a Core statement per call and computing its cache key cost
-# about three times as much as executing it (measured by bench/bench_transitions.py,
-# where it kept a one-transition transaction above 1 ms at p99).
-_IDS = bindparam("ids", expanding=True)
-_IN_CHUNK = 10_000
-_SELECT_GROUP_STATES = select(groups.c.group_id, groups.c.state).where(groups.c.group_id.in_(_IDS))
-_SELECT_NUM_GENERATIONS = select(groups.c.group_id, groups.c.num_generations).where(groups.c.group_id.in_(_IDS))
+def _qualified(column):
+    """`table.column` as written text: in a RETURNING clause SQLAlchemy writes columns
+    without their table, so a subquery there would read `group_id = group_id` (both
+    the subquery's own column) instead of correlating with the updated row."""
+    return literal_column(f"{column.table.name}.{column.name}", type_=column.type)
+
+
+# Hot-path statements are built once with Core and compiled once (`Prepared`, see
+# store/sqlite/prepared.py): building a Core statement per call and computing its cache
+# key cost about three times as much as executing it, and SQLAlchemy's execution of a
+# cached statement still cost 30-40 µs against 5-7 µs for sqlite3 running its text
+# (bench/bench_transitions.py). Id lists are one JSON parameter (`in_json`, `json_ids`).
+_SELECT_GROUP_STATES = Prepared(select(groups.c.group_id, groups.c.state).where(in_json(groups.c.group_id)))
 # Per (group, generation): the last attempt number and whether any attempt is not abandoned.
-_SELECT_ATTEMPT_HISTORY = (
+_SELECT_ATTEMPT_HISTORY = Prepared(
     select(
         rollouts.c.group_id,
         rollouts.c.generation_index,
         func.max(rollouts.c.attempt),
-        func.max(rollouts.c.state != "abandoned"),
+        func.max(type_coerce(rollouts.c.state != "abandoned", Integer)),  # 0/1, not a bool
     )
-    .where(rollouts.c.group_id.in_(_IDS))
+    .where(in_json(rollouts.c.group_id))
     .group_by(rollouts.c.group_id, rollouts.c.generation_index)
 )
-_SELECT_ATTEMPT_STATES = select(rollouts.c.attempt_id, rollouts.c.state).where(rollouts.c.attempt_id.in_(_IDS))
-_SELECT_ATTEMPT_INFO = (
-    select(rollouts.c.attempt_id, rollouts.c.group_id, rollouts.c.generation_index, groups.c.prompt_id)
-    .join(groups, groups.c.group_id == rollouts.c.group_id)
-    .where(rollouts.c.attempt_id.in_(_IDS))
-)
-_END_ATTEMPTS = (
+_SELECT_ATTEMPT_STATES = Prepared(select(rollouts.c.attempt_id, rollouts.c.state).where(in_json(rollouts.c.attempt_id)))
+_END_ATTEMPTS = Prepared(
     update(rollouts)
-    .where(rollouts.c.attempt_id.in_(_IDS), rollouts.c.state == "running")
+    .where(in_json(rollouts.c.attempt_id), rollouts.c.state == "running")
     .values(state=bindparam("new_state"), abandon_reason=bindparam("reason"), ended_at=bindparam("now"))
+    .returning(
+        rollouts.c.attempt_id, rollouts.c.group_id, rollouts.c.generation_index,
+        select(groups.c.prompt_id).where(_qualified(groups.c.group_id) == _qualified(rollouts.c.group_id)).scalar_subquery(),
+    )
 )
 # Only `group_id` in WHERE: with `state = 'finished'` there too, SQLite picked the state
 # index and read every finished rollout of the run's history for each seal (125 ms at
 # 730k rows, measured for bench/bench_restore.py) instead of the groups' own rows.
-_SELECT_FINISHED_COUNTS = (
-    select(rollouts.c.group_id, func.sum(case((rollouts.c.state == "finished", 1), else_=0)))
-    .where(rollouts.c.group_id.in_(_IDS))
-    .group_by(rollouts.c.group_id)
+# Groups with no rollout row at all come back with 0 (LEFT JOIN), next to their
+# num_generations: one statement where there were two.
+_SELECT_SEAL_COUNTS = Prepared(
+    select(
+        groups.c.group_id,
+        groups.c.num_generations,
+        func.coalesce(func.sum(case((rollouts.c.state == "finished", 1), else_=0)), 0),
+    )
+    .select_from(groups.outerjoin(rollouts, rollouts.c.group_id == groups.c.group_id))
+    .where(in_json(groups.c.group_id))
+    .group_by(groups.c.group_id)
 )
-_SELECT_CAPACITY = select(run_meta.c.replay_capacity)
-_SELECT_PERMITS = select(replay.c.permit)
-_SELECT_REPLAY_INFO = select(groups.c.group_id, groups.c.epoch, groups.c.prompt_id, groups.c.target_step).where(
-    groups.c.group_id.in_(_IDS)
+_SELECT_CAPACITY = Prepared(select(run_meta.c.replay_capacity))
+_SELECT_PERMITS = Prepared(select(replay.c.permit))
+
+
+def _insert_from_json(table, columns: tuple[str, ...], common: dict, returning):
+    """INSERT ... SELECT over a JSON array of rows (`:rows`, each row a JSON array in
+    `columns` order), the `common` columns bound once, RETURNING `returning`: many rows
+    and their new ids in one statement (sqlite3's executemany cannot return rows)."""
+    rows = func.json_each(bindparam("rows")).table_valued("value")
+    picked = [func.json_extract(rows.c.value, f"$[{i}]") for i in range(len(columns))]
+    return Prepared(
+        insert(table)
+        .from_select([*columns, *common], select(*picked, *common.values()))
+        .returning(*returning)
+    )
+
+
+# Rows come back in no promised order, so each carries its key.
+_INSERT_GROUPS = _insert_from_json(
+    groups,
+    ("sample_seq", "epoch", "prompt_id"),
+    {"num_generations": bindparam("num_generations"), "target_step": bindparam("target_step"),
+     "state": literal_column("'reserved'"), "created_at": bindparam("now"), "updated_at": bindparam("now")},
+    (groups.c.sample_seq, groups.c.group_id),
 )
-_SELECT_GROUP_TOKENS = (
-    select(samples.c.group_id, func.sum(samples.c.num_tokens)).where(samples.c.group_id.in_(_IDS)).group_by(samples.c.group_id)
+_INSERT_ROLLOUTS = _insert_from_json(
+    rollouts,
+    ("group_id", "generation_index", "attempt"),
+    {"state": literal_column("'running'"), "policy_version": bindparam("policy_version"),
+     "dispatched_at": bindparam("now")},
+    (rollouts.c.group_id, rollouts.c.generation_index, rollouts.c.attempt, rollouts.c.attempt_id),
 )
-# RETURNING (SQLite >= 3.35) hands back the new ids with the insert, one statement
-# instead of an INSERT and a SELECT; rows come back in no promised order, so each carries
-# its key.
-_INSERT_GROUPS = insert(groups).returning(groups.c.sample_seq, groups.c.group_id)
-_INSERT_ROLLOUTS = insert(rollouts).returning(
-    rollouts.c.group_id, rollouts.c.generation_index, rollouts.c.attempt, rollouts.c.attempt_id
+_SAMPLE_COLUMNS = ("group_id", "generation_index", "prompt_id", "num_tokens", "token_ids", "logprobs", "reward",
+                   "policy_version", "version_token_counts", "created_at")
+_INSERT_SAMPLES = Prepared(insert(samples).values({c: bindparam(c) for c in _SAMPLE_COLUMNS}))
+_INSERT_REPLAY = Prepared(insert(replay).values({c.name: bindparam(c.name) for c in replay.c}))
+_ATTEMPTS_OF_GROUPS = select(rollouts.c.attempt_id).where(in_json(rollouts.c.group_id)).scalar_subquery()
+_DELETE_CHUNKS_OF_ATTEMPTS = Prepared(delete(chunks).where(in_json(chunks.c.attempt_id)))
+_DELETE_EPISODES_OF_ATTEMPTS = Prepared(delete(episodes).where(in_json(episodes.c.attempt_id)))
+_DROP_PAYLOADS = tuple(
+    Prepared(stmt)
+    for stmt in (
+        delete(replay).where(in_json(replay.c.group_id)),
+        delete(samples).where(in_json(samples.c.group_id)),
+        delete(finalizers).where(in_json(finalizers.c.group_id)),
+        delete(chunks).where(chunks.c.attempt_id.in_(_ATTEMPTS_OF_GROUPS)),
+        delete(episodes).where(episodes.c.attempt_id.in_(_ATTEMPTS_OF_GROUPS)),
+    )
 )
-_INSERT_SAMPLES = insert(samples)
-_INSERT_REPLAY = insert(replay)
-_ATTEMPTS_OF_GROUPS = select(rollouts.c.attempt_id).where(rollouts.c.group_id.in_(_IDS)).scalar_subquery()
-_DELETE_CHUNKS_OF_ATTEMPTS = delete(chunks).where(chunks.c.attempt_id.in_(_IDS))
-_DELETE_EPISODES_OF_ATTEMPTS = delete(episodes).where(episodes.c.attempt_id.in_(_IDS))
-_DROP_PAYLOADS = (
-    delete(replay).where(replay.c.group_id.in_(_IDS)),
-    delete(samples).where(samples.c.group_id.in_(_IDS)),
-    delete(finalizers).where(finalizers.c.group_id.in_(_IDS)),
-    delete(chunks).where(chunks.c.attempt_id.in_(_ATTEMPTS_OF_GROUPS)),
-    delete(episodes).where(episodes.c.attempt_id.in_(_ATTEMPTS_OF_GROUPS)),
+_ABANDON_RUNNING_OF_GROUPS = Prepared(
+    update(rollouts)
+    .where(in_json(rollouts.c.group_id), rollouts.c.state == "running")
+    .values(state=literal_column("'abandoned'"), abandon_reason=literal_column("'error'"), ended_at=bindparam("now"))
 )
 
 
 @lru_cache(maxsize=None)
-def _move_statement(target: str, extra: tuple[str, ...]):
+def _move_statement(target: str, extra: tuple[str, ...], returning: tuple[str, ...] = ()) -> Prepared:
     """UPDATE moving the groups `ids` to `target` from its allowed sources, setting
-    `updated_at` (`now`) and the `extra` columns (bound as `v_<column>`)."""
-    return (
+    `updated_at` (`now`) and the `extra` columns (bound as `v_<column>`); returns each
+    moved group's id and the `returning` values (`_RETURNABLE`)."""
+    return Prepared(
         update(groups)
-        .where(groups.c.group_id.in_(_IDS), or_(*(groups.c.state == s for s in GROUP_SOURCES[target])))
-        .values(state=target, updated_at=bindparam("now"), **{k: bindparam(f"v_{k}") for k in extra})
+        .where(in_json(groups.c.group_id), or_(*(groups.c.state == s for s in GROUP_SOURCES[target])))
+        .values(state=literal_column(f"'{target}'"), updated_at=bindparam("now"), **{k: bindparam(f"v_{k}") for k in extra})
+        .returning(groups.c.group_id, *(_RETURNABLE[k] for k in returning))
     )
+
+
+# What a move can hand back with the ids it moved, so the transition needs no SELECT of
+# the rows it has just written (RETURNING may hold scalar subqueries).
+_RETURNABLE = {
+    "num_generations": groups.c.num_generations,
+    "epoch": groups.c.epoch,
+    "prompt_id": groups.c.prompt_id,
+    "target_step": groups.c.target_step,
+    "tokens": select(func.coalesce(func.sum(samples.c.num_tokens), 0))
+    .where(_qualified(samples.c.group_id) == _qualified(groups.c.group_id)).scalar_subquery(),
+}
 
 
 @dataclass(frozen=True)
@@ -149,39 +204,42 @@ class FinishedGeneration:
     version_token_counts: Sequence[tuple[int, int]]
 
 
-def _move_groups(conn: Connection, group_ids: Sequence[int], target: str, **values) -> None:
-    """Move every group in `group_ids` to `target`, or raise naming the first misfit."""
+def _move_groups(
+    conn: Connection, group_ids: Sequence[int], target: str, returning: tuple[str, ...] = (), **values
+) -> list[tuple]:
+    """Move every group in `group_ids` to `target`, or raise naming the first misfit.
+    Returns (group id, *returning) per group, in no promised order."""
     if not group_ids:
-        return
-    stmt = _move_statement(target, tuple(sorted(values)))
-    common = {"now": time.time(), **{f"v_{k}": v for k, v in values.items()}}
-    if _update_in_chunks(conn, stmt, group_ids, common) != len(group_ids):
-        _raise_group_misfit(conn, group_ids, target)
+        return []
+    stmt = _move_statement(target, tuple(sorted(values)), returning)
+    params = {"ids": json_ids(group_ids), "now": time.time(), **{f"v_{k}": v for k, v in values.items()}}
+    # One UPDATE ... WHERE state IN (sources) checks and moves them all; it returns the
+    # ids it moved, fewer than asked if any group is missing or in another state (a
+    # repeated id moves once, so fewer too), and only then a SELECT names the misfit.
+    # (The ids, not just the count: after the UPDATE the moved groups are in `target`
+    # too, so only the ids tell them from a group that was there before.)
+    moved = stmt.run(conn, params).fetchall()
+    if len(moved) != len(group_ids):
+        _raise_group_misfit(conn, group_ids, target, {row[0] for row in moved})
+    return moved
 
 
-def _update_in_chunks(conn: Connection, stmt, ids: Sequence[int], params: dict) -> int:
-    """Run an UPDATE ... WHERE id IN (:ids) over `ids`; returns the rows changed. One
-    statement per chunk rather than an executemany of one row per id (which spent most
-    of a batched transition in per-row parameter handling); chunks stay well below
-    SQLite's limit on bound variables. A repeated id changes its row once, so the
-    count comes up short and the caller names the misfit."""
-    ids = list(ids)
-    return sum(conn.execute(stmt, {"ids": ids[i : i + _IN_CHUNK], **params}).rowcount for i in range(0, len(ids), _IN_CHUNK))
-
-
-def _raise_group_misfit(conn: Connection, group_ids: Sequence[int], target: str) -> None:
-    found = group_states(conn, group_ids)
-    for g in group_ids:
+def _raise_group_misfit(conn: Connection, group_ids: Sequence[int], target: str, moved: set[int]) -> None:
+    """Name the first group the UPDATE did not move (its state is still what it was)."""
+    misfits = [g for g in group_ids if g not in moved]
+    found = group_states(conn, misfits)
+    for g in misfits:
         state = found.get(g)
         if state is None:
             raise IllegalTransition(f"group {g}: no such group in the ledger (asked to become {target})")
         if state not in GROUP_SOURCES[target]:
             raise IllegalTransition(f"group {g}: cannot go from {state} to {target}")
-    raise IllegalTransition(f"groups {list(group_ids)}: a group id is listed twice (asked to become {target})")
+    twice = next(g for g, n in Counter(group_ids).items() if n > 1)
+    raise IllegalTransition(f"group {twice}: listed twice in one transition (asked to become {target})")
 
 
 def group_states(conn: Connection, group_ids: Iterable[int]) -> dict[int, str]:
-    return dict(conn.execute(_SELECT_GROUP_STATES, {"ids": list(group_ids)}).all())
+    return dict(_SELECT_GROUP_STATES.run(conn, {"ids": json_ids(group_ids)}).fetchall())
 
 
 def reserve_groups(
@@ -196,31 +254,26 @@ def reserve_groups(
     refused by the UNIQUE constraint: that is invariant 1 enforced by the schema."""
     if not reservations:
         return []
-    now = time.time()
-    rows = [
-        {
-            "sample_seq": r.sample_seq,
-            "epoch": r.epoch,
-            "prompt_id": r.prompt_id,
-            "num_generations": num_generations,
-            "target_step": target_step,
-            "state": "reserved",
-            "created_at": now,
-            "updated_at": now,
-        }
-        for r in reservations
-    ]
-    by_seq = dict(conn.execute(_INSERT_GROUPS, rows).all())
+    params = {
+        "rows": json_ids([[r.sample_seq, r.epoch, r.prompt_id] for r in reservations]),
+        "num_generations": num_generations,
+        "target_step": target_step,
+        "now": time.time(),
+    }
+    by_seq = dict(_INSERT_GROUPS.run(conn, params).fetchall())
     return [by_seq[r.sample_seq] for r in reservations]
 
 
 def dispatch_groups(conn: Connection, group_ids: Sequence[int], *, policy_version: int) -> list[int]:
     """reserved -> dispatched, with one running attempt (attempt 0) per generation.
     Returns the attempt ids, group by group, generation by generation."""
-    _move_groups(conn, group_ids, "dispatched", policy_version=policy_version)
-    n_by_group = dict(conn.execute(_SELECT_NUM_GENERATIONS, {"ids": list(group_ids)}).all())
-    wanted = [(g, i) for g in group_ids for i in range(n_by_group[g])]
-    return start_attempts(conn, wanted, policy_version=policy_version)
+    n_by_group = dict(_move_groups(conn, group_ids, "dispatched", ("num_generations",), policy_version=policy_version))
+    # A group leaves `reserved` only here or in dispatch_without_attempts and never comes
+    # back, and attempts start only for dispatched groups: a group just moved from
+    # reserved has no attempt yet, so each generation's is attempt 0 with no look at the
+    # history `start_attempts` reads (the UNIQUE (group, generation, attempt) key would
+    # refuse a second attempt 0 anyway).
+    return _insert_attempts(conn, [(g, i, 0) for g in group_ids for i in range(n_by_group[g])], policy_version)
 
 
 def dispatch_without_attempts(conn: Connection, group_ids: Sequence[int], *, policy_version: int) -> None:
@@ -234,40 +287,43 @@ def start_attempts(conn: Connection, generations: Sequence[tuple[int, int]], *, 
     time, one more than the last attempt after an abandon. Returns attempt ids in order."""
     if not generations:
         return []
-    gids = sorted({g for g, _ in generations})
-    history = conn.execute(_SELECT_ATTEMPT_HISTORY, {"ids": gids}).all()
+    gids = json_ids(sorted({g for g, _ in generations}))
+    history = _SELECT_ATTEMPT_HISTORY.run(conn, {"ids": gids}).fetchall()
     last = {(g, i): a for g, i, a, _ in history}
     live = {(g, i) for g, i, _, not_abandoned in history if not_abandoned}
-    states = group_states(conn, gids)
-    now = time.time()
+    states = dict(_SELECT_GROUP_STATES.run(conn, {"ids": gids}).fetchall())
     rows = []
     for g, i in generations:
         if states.get(g) != "dispatched":
             raise IllegalTransition(f"group {g}: cannot start an attempt while {states.get(g, 'missing')} (needs dispatched)")
         if (g, i) in live:
             raise IllegalTransition(f"group {g} generation {i}: already has a running or finished attempt")
-        rows.append(
-            {
-                "group_id": g,
-                "generation_index": i,
-                "attempt": last.get((g, i), -1) + 1,
-                "state": "running",
-                "policy_version": policy_version,
-                "dispatched_at": now,
-            }
-        )
-    found = {(g, i, a): aid for g, i, a, aid in conn.execute(_INSERT_ROLLOUTS, rows).all()}
-    return [found[(r["group_id"], r["generation_index"], r["attempt"])] for r in rows]
+        rows.append((g, i, last.get((g, i), -1) + 1))
+    return _insert_attempts(conn, rows, policy_version)
 
 
-def _end_attempts(conn: Connection, attempt_ids: Sequence[int], state: str, reason: str | None) -> None:
-    common = {"new_state": state, "reason": reason, "now": time.time()}
-    if _update_in_chunks(conn, _END_ATTEMPTS, attempt_ids, common) != len(attempt_ids):
-        found = dict(conn.execute(_SELECT_ATTEMPT_STATES, {"ids": list(attempt_ids)}).all())
-        for a in attempt_ids:
+def _insert_attempts(conn: Connection, rows: list[tuple[int, int, int]], policy_version: int) -> list[int]:
+    """Running attempts for (group id, generation index, attempt); their ids in order."""
+    params = {"rows": json_ids(rows), "policy_version": policy_version, "now": time.time()}
+    found = {(g, i, a): aid for g, i, a, aid in _INSERT_ROLLOUTS.run(conn, params).fetchall()}
+    return [found[r] for r in rows]
+
+
+def _end_attempts(conn: Connection, attempt_ids: Sequence[int], state: str, reason: str | None) -> list[tuple]:
+    """End running attempts, or raise naming the first misfit; returns (attempt id,
+    group id, generation index, prompt id) per attempt, in no promised order."""
+    params = {"ids": json_ids(attempt_ids), "new_state": state, "reason": reason, "now": time.time()}
+    ended = _END_ATTEMPTS.run(conn, params).fetchall()
+    if len(ended) != len(attempt_ids):  # name the first attempt not ended (see _move_groups)
+        done = {row[0] for row in ended}
+        misfits = [a for a in attempt_ids if a not in done]
+        found = dict(_SELECT_ATTEMPT_STATES.run(conn, {"ids": json_ids(misfits)}).fetchall())
+        for a in misfits:
             if found.get(a) != "running":
                 raise IllegalTransition(f"attempt {a}: cannot go from {found.get(a, 'missing')} to {state}")
-        raise IllegalTransition(f"attempts {list(attempt_ids)}: an attempt id is listed twice")
+        twice = next(a for a, n in Counter(attempt_ids).items() if n > 1)
+        raise IllegalTransition(f"attempt {twice}: listed twice in one transition (asked to become {state})")
+    return ended
 
 
 def finish_attempts(conn: Connection, finished: Sequence[tuple[int, FinishedGeneration]]) -> None:
@@ -275,18 +331,17 @@ def finish_attempts(conn: Connection, finished: Sequence[tuple[int, FinishedGene
     if not finished:
         return
     ids = [a for a, _ in finished]
-    _end_attempts(conn, ids, "finished", None)
-    info = {aid: (g, i, pid) for aid, g, i, pid in conn.execute(_SELECT_ATTEMPT_INFO, {"ids": ids}).all()}
+    info = {aid: (g, i, pid) for aid, g, i, pid in _end_attempts(conn, ids, "finished", None)}
     write_samples(conn, [(info[a][0], info[a][1], info[a][2], gen) for a, gen in finished])
-    _drop_attempt_payloads(conn, ids)
+    _drop_attempt_payloads(conn, {"ids": json_ids(ids)})
 
 
-def _drop_attempt_payloads(conn: Connection, attempt_ids: list[int]) -> None:
+def _drop_attempt_payloads(conn: Connection, ids: dict[str, str]) -> None:
     """An attempt that is no longer running keeps no prefix chunks and no environment
     episode (invariant 3). A restart that continues from a prefix reads the chunks
-    before it abandons the attempt."""
-    conn.execute(_DELETE_CHUNKS_OF_ATTEMPTS, {"ids": attempt_ids})
-    conn.execute(_DELETE_EPISODES_OF_ATTEMPTS, {"ids": attempt_ids})
+    before it abandons the attempt. `ids`: {"ids": json_ids(attempt ids)}."""
+    _DELETE_CHUNKS_OF_ATTEMPTS.run(conn, ids)
+    _DELETE_EPISODES_OF_ATTEMPTS.run(conn, ids)
 
 
 def write_samples(conn: Connection, rows: Sequence[tuple[int, int, int, FinishedGeneration]]) -> None:
@@ -295,8 +350,8 @@ def write_samples(conn: Connection, rows: Sequence[tuple[int, int, int, Finished
     if not rows:
         return
     now = time.time()
-    conn.execute(
-        _INSERT_SAMPLES,
+    _INSERT_SAMPLES.many(
+        conn,
         [
             {
                 "group_id": g,
@@ -321,7 +376,7 @@ def abandon_attempts(conn: Connection, attempt_ids: Sequence[int], reason: str) 
         raise ValueError(f"abandon reason {reason!r} unknown; use one of {', '.join(ABANDON_REASONS)}")
     if attempt_ids:
         _end_attempts(conn, attempt_ids, "abandoned", reason)
-        _drop_attempt_payloads(conn, list(attempt_ids))
+        _drop_attempt_payloads(conn, {"ids": json_ids(attempt_ids)})
 
 
 def abandon_every_running_attempt(conn: Connection, reason: str) -> int:
@@ -345,18 +400,17 @@ def seal_groups(conn: Connection, group_ids: Sequence[int]) -> None:
     """dispatched -> sealed, only once every generation has a finished attempt."""
     if not group_ids:
         return
-    done = dict(conn.execute(_SELECT_FINISHED_COUNTS, {"ids": list(group_ids)}).all())
-    need = dict(conn.execute(_SELECT_NUM_GENERATIONS, {"ids": list(group_ids)}).all())
-    for g in group_ids:
-        if g in need and done.get(g, 0) != need[g]:
-            raise IllegalTransition(f"group {g}: cannot seal with {done.get(g, 0)} of {need[g]} generations finished")
+    for g, need, done in _SELECT_SEAL_COUNTS.run(conn, {"ids": json_ids(group_ids)}).fetchall():
+        if done != need:
+            raise IllegalTransition(f"group {g}: cannot seal with {done} of {need} generations finished")
     _move_groups(conn, group_ids, "sealed")
 
 
 def _free_permits(conn: Connection, n: int) -> list[int]:
-    capacity = conn.execute(_SELECT_CAPACITY).scalar_one()
-    taken = set(conn.execute(_SELECT_PERMITS).scalars())
-    free = [p for p in range(capacity) if p not in taken][:n]
+    (capacity,) = _SELECT_CAPACITY.run(conn).fetchone()
+    taken = {p for (p,) in _SELECT_PERMITS.run(conn).fetchall()}
+    # The lowest free permits; stops after n, rather than walking the whole capacity.
+    free = list(itertools.islice((p for p in range(capacity) if p not in taken), n))
     if len(free) < n:
         raise ReplayFullError(
             f"replay buffer full: {len(taken)} of {capacity} permits taken; train or discard a group first"
@@ -370,11 +424,9 @@ def enter_replay(conn: Connection, group_ids: Sequence[int]) -> list[int]:
     every store and snapshot file holds it.)"""
     if not group_ids:
         return []
-    _move_groups(conn, group_ids, "published")
-    ids = {"ids": list(group_ids)}
-    info = {g: (e, p, s) for g, e, p, s in conn.execute(_SELECT_REPLAY_INFO, ids).all()}
-    tokens = dict(conn.execute(_SELECT_GROUP_TOKENS, ids).all())
-    return insert_replay(conn, [(g, *info[g], tokens.get(g, 0)) for g in group_ids])
+    moved = _move_groups(conn, group_ids, "published", ("epoch", "prompt_id", "target_step", "tokens"))
+    info = {g: (e, p, s, n) for g, e, p, s, n in moved}
+    return insert_replay(conn, [(g, *info[g]) for g in group_ids])
 
 
 def insert_replay(conn: Connection, rows: Sequence[tuple[int, int, int, int | None, int]]) -> list[int]:
@@ -382,8 +434,8 @@ def insert_replay(conn: Connection, rows: Sequence[tuple[int, int, int, int | No
     permit each. Used directly by no-ledger dispatch."""
     permits = _free_permits(conn, len(rows))
     now = time.time()
-    conn.execute(
-        _INSERT_REPLAY,
+    _INSERT_REPLAY.many(
+        conn,
         [
             {"group_id": g, "permit": p, "epoch": e, "prompt_id": pid, "target_step": s, "num_tokens": n, "published_at": now}
             for (g, e, pid, s, n), p in zip(rows, permits)
@@ -393,9 +445,9 @@ def insert_replay(conn: Connection, rows: Sequence[tuple[int, int, int, int | No
 
 
 def _drop_payloads(conn: Connection, group_ids: Sequence[int]) -> None:
-    ids = {"ids": list(group_ids)}
+    ids = {"ids": json_ids(group_ids)}
     for stmt in _DROP_PAYLOADS:
-        conn.execute(stmt, ids)
+        stmt.run(conn, ids)
 
 
 def mark_trained(conn: Connection, group_ids: Sequence[int], *, step: int) -> None:
@@ -419,9 +471,5 @@ def discard_groups(conn: Connection, group_ids: Sequence[int], *, reason: str) -
     if not reason:
         raise ValueError("a discard needs a reason, e.g. 'zero_reward_variance'")
     _move_groups(conn, group_ids, "discarded", discard_reason=reason)
-    conn.execute(
-        update(rollouts)
-        .where(rollouts.c.group_id.in_(group_ids), rollouts.c.state == "running")
-        .values(state="abandoned", abandon_reason="error", ended_at=time.time())
-    )
+    _ABANDON_RUNNING_OF_GROUPS.run(conn, {"ids": json_ids(group_ids), "now": time.time()})
     _drop_payloads(conn, group_ids)

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from sqlalchemy import Connection, bindparam, delete, insert, select, update
+from sqlalchemy import Connection, bindparam, delete, insert, literal_column, select, update
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
 from .codec import (
@@ -25,6 +25,7 @@ from .codec import (
     version_runs,
 )
 from ..errors import IllegalTransition
+from ..sqlite.prepared import Prepared
 from .ledger import Reservation
 from .schema import T
 
@@ -36,10 +37,33 @@ chunks = T["token_chunks"]
 episodes = T["env_episodes"]
 rollouts = T["rollouts"]
 
-# Built once: the cursor is read and advanced in every reserve transaction, and building
-# a Core statement per call costs more than running it (see ledger.py).
-_READ_CURSOR = select(sampler.c.next_seq, sampler.c.epoch, sampler.c.seed, sampler.c.stamping)
-_ADVANCE_CURSOR = update(sampler).values(next_seq=bindparam("to_seq"), epoch=bindparam("to_epoch"))
+# Built and compiled once (`Prepared`, see ledger.py): the cursor, the spare pool and the
+# shortfall are read and written in every group-commit batch that dispatches.
+_READ_CURSOR = Prepared(select(sampler.c.next_seq, sampler.c.epoch, sampler.c.seed, sampler.c.stamping))
+# The check and the move in one statement: a cursor that would move back is not
+# matched (rowcount 0), and only then is it read to name the positions.
+_ADVANCE_CURSOR = Prepared(
+    update(sampler).where(sampler.c.next_seq <= bindparam("to_seq"))
+    .values(next_seq=bindparam("to_seq"), epoch=bindparam("to_epoch"))
+)
+_COVER_CURSOR = Prepared(
+    update(sampler).where(sampler.c.next_seq < bindparam("to_seq"))
+    .values(next_seq=bindparam("to_seq"), epoch=bindparam("to_epoch"))
+)
+_PUSH_SPARE = Prepared(insert(spare).values({c: bindparam(c) for c in ("sample_seq", "epoch", "prompt_id", "added_at")}))
+# Oldest first; DELETE ... RETURNING takes them in one statement.
+_POP_SPARE = Prepared(
+    delete(spare)
+    .where(spare.c.sample_seq.in_(select(spare.c.sample_seq).order_by(spare.c.sample_seq)
+                              .limit(bindparam("n")).offset(literal_column("0"))))
+    .returning(spare.c.sample_seq, spare.c.epoch, spare.c.prompt_id)
+)
+_DELETE_SHORTFALL = Prepared(delete(shortfall).where(shortfall.c.step == bindparam("step")))
+_UPSERT_SHORTFALL_STMT = sqlite_insert(shortfall).values(step=bindparam("step"), needed=bindparam("needed"))
+_UPSERT_SHORTFALL = Prepared(
+    _UPSERT_SHORTFALL_STMT.on_conflict_do_update(index_elements=["step"], set_={"needed": _UPSERT_SHORTFALL_STMT.excluded.needed})
+)
+_GET_SHORTFALL = Prepared(select(shortfall.c.step, shortfall.c.needed))
 
 
 # ---------------------------------------------------------------- sampler cursor
@@ -54,17 +78,20 @@ class Cursor:
 
 
 def read_cursor(conn: Connection) -> Cursor:
-    row = conn.execute(_READ_CURSOR).one()
-    return Cursor(*row)
+    return Cursor(*_READ_CURSOR.run(conn).fetchone())
 
 
 def advance_cursor(conn: Connection, next_seq: int, epoch: int) -> None:
     """Record that the sampler has handed out every prompt below `next_seq`. The cursor
     never moves back: a restore relies on it covering every saved group."""
-    current = read_cursor(conn)
-    if next_seq < current.next_seq:
+    if _ADVANCE_CURSOR.run(conn, {"to_seq": next_seq, "to_epoch": epoch}).rowcount != 1:
+        current = read_cursor(conn)
         raise IllegalTransition(f"sampler cursor: cannot move back from {current.next_seq} to {next_seq}")
-    conn.execute(_ADVANCE_CURSOR, {"to_seq": next_seq, "to_epoch": epoch})
+
+
+def cover_cursor(conn: Connection, next_seq: int, epoch: int) -> None:
+    """Advance the cursor to `next_seq` (and `epoch`) if it is below; else leave it."""
+    _COVER_CURSOR.run(conn, {"to_seq": next_seq, "to_epoch": epoch})
 
 
 # ---------------------------------------------------------------- spare pool
@@ -73,20 +100,18 @@ def advance_cursor(conn: Connection, next_seq: int, epoch: int) -> None:
 def push_spare(conn: Connection, prompts: Sequence[Reservation]) -> None:
     if prompts:
         now = time.time()
-        conn.execute(
-            insert(spare),
+        _PUSH_SPARE.many(
+            conn,
             [{"sample_seq": p.sample_seq, "epoch": p.epoch, "prompt_id": p.prompt_id, "added_at": now} for p in prompts],
         )
 
 
 def pop_spare(conn: Connection, n: int) -> list[Reservation]:
     """Take up to `n` spare prompts, oldest (lowest sampler position) first."""
-    rows = conn.execute(
-        select(spare.c.sample_seq, spare.c.epoch, spare.c.prompt_id).order_by(spare.c.sample_seq).limit(n)
-    ).all()
-    if rows:
-        conn.execute(delete(spare).where(spare.c.sample_seq.in_([r[0] for r in rows])))
-    return [Reservation(*r) for r in rows]
+    if n <= 0:
+        return []
+    # RETURNING hands rows back in no promised order: sort by sampler position.
+    return [Reservation(*r) for r in sorted(_POP_SPARE.run(conn, {"n": n}).fetchall())]
 
 
 # ---------------------------------------------------------------- shortfall
@@ -97,10 +122,9 @@ def set_shortfall(conn: Connection, step: int, needed: int) -> None:
     if needed < 0:
         raise ValueError(f"step {step}: shortfall cannot be negative ({needed})")
     if needed == 0:
-        conn.execute(delete(shortfall).where(shortfall.c.step == step))
+        _DELETE_SHORTFALL.run(conn, {"step": step})
         return
-    stmt = sqlite_insert(shortfall).values(step=step, needed=needed)
-    conn.execute(stmt.on_conflict_do_update(index_elements=["step"], set_={"needed": needed}))
+    _UPSERT_SHORTFALL.run(conn, {"step": step, "needed": needed})
 
 
 def add_shortfall(conn: Connection, step: int, delta: int) -> int:
@@ -111,7 +135,7 @@ def add_shortfall(conn: Connection, step: int, delta: int) -> int:
 
 
 def get_shortfall(conn: Connection) -> dict[int, int]:
-    return dict(conn.execute(select(shortfall.c.step, shortfall.c.needed)).all())
+    return dict(_GET_SHORTFALL.run(conn).fetchall())
 
 
 # ---------------------------------------------------------------- finalizer results
@@ -200,12 +224,13 @@ def delete_chunks(conn: Connection, attempt_ids: Sequence[int]) -> None:
 
 # One key per running attempt; JSON state and transcript replaced whole on every turn.
 # Built once: the upsert runs in every group-commit batch that finished a turn.
-_INSERT_EPISODES = sqlite_insert(episodes)
-_UPSERT_EPISODES = _INSERT_EPISODES.on_conflict_do_update(
+_EPISODE_COLUMNS = ("episode_key", "attempt_id", "turn", "state", "updated_at", "token_ids", "logprobs",
+                    "version_token_counts")
+_INSERT_EPISODES = sqlite_insert(episodes).values({c: bindparam(c) for c in _EPISODE_COLUMNS})
+_UPSERT_EPISODES = Prepared(_INSERT_EPISODES.on_conflict_do_update(
     index_elements=["episode_key"],
-    set_={c: _INSERT_EPISODES.excluded[c] for c in
-          ("attempt_id", "turn", "state", "updated_at", "token_ids", "logprobs", "version_token_counts")},
-)
+    set_={c: _INSERT_EPISODES.excluded[c] for c in _EPISODE_COLUMNS[1:]},
+))
 
 
 @dataclass(frozen=True)
@@ -282,7 +307,7 @@ def put_episodes(conn: Connection, rows: Sequence[EpisodeProgress]) -> None:
         return
     now = time.time()
     params = [_episode_row(p, now) for p in rows]
-    conn.execute(_UPSERT_EPISODES, params)
+    _UPSERT_EPISODES.many(conn, params)
 
 
 def put_episode(conn: Connection, attempt_id: int, *, turn: int, state: dict) -> str:
@@ -293,7 +318,7 @@ def put_episode(conn: Connection, attempt_id: int, *, turn: int, state: dict) ->
         select(rollouts.c.group_id, rollouts.c.generation_index, rollouts.c.attempt).where(rollouts.c.attempt_id == attempt_id)
     ).one()
     key = episode_key(g, i, a)
-    conn.execute(_UPSERT_EPISODES, [{
+    _UPSERT_EPISODES.many(conn, [{
         "episode_key": key, "attempt_id": attempt_id, "turn": turn, "state": json.dumps(state),
         "updated_at": time.time(), "token_ids": None, "logprobs": None, "version_token_counts": None,
     }])

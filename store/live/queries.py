@@ -15,6 +15,7 @@ from typing import Any
 
 from sqlalchemy import Connection, func, select
 
+from ..sqlite.prepared import Prepared, in_json, json_ids
 from . import codec
 from .pools import episode_key
 from .schema import T
@@ -24,6 +25,19 @@ _replay = T["replay_groups"]
 _groups = T["prompt_groups"]
 _rollouts = T["rollouts"]
 _shortfall = T["step_shortfall"]
+
+# The reads a group-commit batch makes, compiled once (`Prepared`, see ledger.py).
+_REPLAY_ROOM = Prepared(
+    select(T["run_meta"].c.replay_capacity - select(func.count()).select_from(_replay).scalar_subquery())
+)
+_ATTEMPT_NUMBERS = Prepared(select(_rollouts.c.attempt_id, _rollouts.c.attempt).where(in_json(_rollouts.c.attempt_id)))
+_SAMPLE_TOKENS = Prepared(
+    select(_samples.c.group_id, func.sum(_samples.c.num_tokens)).where(in_json(_samples.c.group_id)).group_by(_samples.c.group_id)
+)
+_SAMPLE_REWARDS = Prepared(select(_samples.c.group_id, _samples.c.reward).where(in_json(_samples.c.group_id)))
+_VERSION_TOKEN_COUNTS = Prepared(
+    select(_samples.c.group_id, _samples.c.version_token_counts).where(in_json(_samples.c.group_id))
+)
 
 
 def highest_stamped_step(conn: Connection) -> int | None:
@@ -40,9 +54,8 @@ def highest_stamped_step(conn: Connection) -> int | None:
 
 def replay_room(conn: Connection) -> int:
     """Free replay permits: how many sealed groups may enter the replay buffer now."""
-    capacity = conn.execute(select(T["run_meta"].c.replay_capacity)).scalar_one()
-    taken = conn.execute(select(func.count()).select_from(_replay)).scalar_one()
-    return max(0, capacity - taken)
+    (room,) = _REPLAY_ROOM.run(conn).fetchone()
+    return max(0, room)
 
 
 def highest_group_id(conn: Connection) -> int:
@@ -56,28 +69,18 @@ def highest_group_id(conn: Connection) -> int:
 
 def attempt_numbers(conn: Connection, attempt_ids: Sequence[int]) -> dict[int, int]:
     """attempt id -> its attempt number within its generation (0, 1, ...)."""
-    return dict(
-        conn.execute(select(_rollouts.c.attempt_id, _rollouts.c.attempt).where(_rollouts.c.attempt_id.in_(attempt_ids))).all()
-    )
+    return dict(_ATTEMPT_NUMBERS.run(conn, {"ids": json_ids(attempt_ids)}).fetchall())
 
 
 def sample_tokens(conn: Connection, group_ids: Sequence[int]) -> dict[int, int]:
     """group id -> tokens over its samples (groups without samples are absent)."""
-    return dict(
-        conn.execute(
-            select(_samples.c.group_id, func.sum(_samples.c.num_tokens))
-            .where(_samples.c.group_id.in_(group_ids))
-            .group_by(_samples.c.group_id)
-        ).all()
-    )
+    return dict(_SAMPLE_TOKENS.run(conn, {"ids": json_ids(group_ids)}).fetchall())
 
 
 def sample_rewards(conn: Connection, group_ids: Sequence[int]) -> dict[int, list[float]]:
     """group id -> the rewards of its samples (a restored group's earlier ones too)."""
     rewards: dict[int, list[float]] = {}
-    for gid, reward in conn.execute(
-        select(_samples.c.group_id, _samples.c.reward).where(_samples.c.group_id.in_(group_ids))
-    ).all():
+    for gid, reward in _SAMPLE_REWARDS.run(conn, {"ids": json_ids(group_ids)}).fetchall():
         rewards.setdefault(gid, []).append(reward)
     return rewards
 
@@ -85,9 +88,7 @@ def sample_rewards(conn: Connection, group_ids: Sequence[int]) -> dict[int, list
 def version_token_counts(conn: Connection, group_ids: Sequence[int]) -> dict[int, dict[int, int]]:
     """group id -> {policy version: tokens it produced}, over all the group's samples."""
     out: dict[int, dict[int, int]] = {}
-    rows = conn.execute(
-        select(_samples.c.group_id, _samples.c.version_token_counts).where(_samples.c.group_id.in_(group_ids))
-    ).all()
+    rows = _VERSION_TOKEN_COUNTS.run(conn, {"ids": json_ids(group_ids)}).fetchall()
     for gid, text in rows:
         counts = out.setdefault(gid, {})
         for v, n in codec.decode_version_counts(text):

@@ -34,10 +34,12 @@ from .invariants import InvariantReport, check_invariants
 from .ledger import FinishedGeneration, Reservation
 from ..sqlite.readonly import open_readonly
 from ..sqlite.integrity import check_sqlite_file
+from ..sqlite.prepared import Prepared
 from ..sqlite.revision import create_store_file, file_revision, require_head
 from .schema import T
 
-_BUMP = update(T["run_meta"]).values(mutation_counter=T["run_meta"].c.mutation_counter + 1)
+# Compiled once and run on the sqlite3 cursor: it ends every mutation (see ledger.py).
+_BUMP = Prepared(update(T["run_meta"]).values(mutation_counter=T["run_meta"].c.mutation_counter + 1))
 
 
 class TransactionClock:
@@ -146,7 +148,7 @@ class Store:
         with self.db.atomic() as tx:
             yield tx
             if mutation:
-                tx.execute(_BUMP)
+                _BUMP.run(tx)
         self.tx_time.add(time.perf_counter() - t0, time.thread_time() - c0)
 
     @contextlib.contextmanager
@@ -176,9 +178,7 @@ class Store:
     def reserve(self, reservations: Sequence[Reservation], *, num_generations: int, target_step: int | None) -> list[int]:
         with self.atomic() as tx:
             ids = ledger.reserve_groups(tx, reservations, num_generations=num_generations, target_step=target_step)
-            top = max(r.sample_seq for r in reservations) + 1
-            if top > pools.read_cursor(tx).next_seq:
-                pools.advance_cursor(tx, top, reservations[-1].epoch)
+            pools.cover_cursor(tx, max(r.sample_seq for r in reservations) + 1, reservations[-1].epoch)
             return ids
 
     def dispatch(self, group_ids: Sequence[int], *, policy_version: int) -> list[int]:

@@ -1,0 +1,131 @@
+"""Before/after in one run: a store benchmark from another git revision next to the working
+tree's, alternating, so that a speed-up is judged by a ratio measured side by side under
+the same load from other users of a shared machine.
+
+The revision's whole tree is extracted (`git archive`) into a temporary folder and laid out
+as an importable `rolloutdb` package (the package-dir mapping of pyproject.toml, as links);
+each run of the working tree's benchmark script is a subprocess with that folder first on
+PYTHONPATH (it wins over the editable install of the working tree, whose finder comes
+after the path finder). Runs alternate
+rev, tree, tree, rev, ... and each writes its figures as JSON (`--json`); the report prints
+the median of each chosen figure and the ratio tree / rev.
+
+    python bench/bench_ab.py --rev d679d79 --reps 3 bench_transitions.py --blocks 2
+    python bench/bench_ab.py --rev d679d79 bench_group_commit.py --rounds 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tarfile
+import io
+import tempfile
+import tomllib
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+# (label, path in the JSON, higher is better)
+FIGURES = {
+    "bench_transitions.py": [
+        ("batched group transitions/s", ("batched", "group_transitions_per_s"), True),
+        ("batched, less CPU wait", ("batched", "cpu_free_group_transitions_per_s"), True),
+        ("single p50 ms", ("single", "store", "p50_ms"), False),
+        ("single p99 ms", ("single", "store", "p99_ms"), False),
+        ("single p99 ms, less CPU wait", ("single", "store_cpu_free", "p99_ms"), False),
+        ("raw floor single p50 ms", ("single", "raw", "p50_ms"), False),
+        *((f"batched ms per {step} tx", ("batched", "ms_per_tx_by_step", step), False)
+          for step in ("reserve", "dispatch", "finish", "seal", "enter_replay", "trained")),
+        *((f"single p50 ms, {step}", ("single", "store_by_step", step, "p50_ms"), False)
+          for step in ("reserve", "dispatch", "finish", "seal", "enter_replay", "trained")),
+    ],
+    "bench_group_commit.py": [
+        ("batched calls/s", ("batched", "calls_per_s"), True),
+        ("batched window p99 ms", ("batched", "window_p99_ms"), False),
+        ("batched commit p99 ms", ("batched", "commit_p99_ms"), False),
+        ("batched store share", ("batched", "store_share"), False),
+        ("per call calls/s", ("per call", "calls_per_s"), True),
+    ],
+}
+
+
+def tree_at(rev: str, where: Path) -> Path:
+    """Extract `rev` into `where/src` and link it up as `where/pkg/rolloutdb/...`; returns
+    the folder to put on PYTHONPATH."""
+    blob = subprocess.run(["git", "archive", rev], cwd=REPO, capture_output=True, check=True).stdout
+    src = where / "src"
+    with tarfile.open(fileobj=io.BytesIO(blob)) as tar:
+        tar.extractall(src, filter="data")
+    mapping = tomllib.loads((src / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    pkg = where / "pkg"
+    # Parents before children: a child link lands inside its parent's linked folder
+    # otherwise, so each package becomes its own real folder of links.
+    for name in sorted(mapping, key=lambda n: n.count(".")):
+        target = pkg.joinpath(*name.split("."))
+        target.mkdir(parents=True, exist_ok=True)
+        for entry in (src / mapping[name]).iterdir():
+            link = target / entry.name
+            if not link.exists() and not (entry.is_dir() and any(k.startswith(f"{name}.{entry.name}") for k in mapping)):
+                link.symlink_to(entry)
+    return pkg
+
+
+def dig(d: dict, path: tuple[str, ...]):
+    for k in path:
+        d = d[k]
+    return d
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rev", required=True, help="the 'before' git revision")
+    p.add_argument("--after", default=None, help="the 'after' git revision (default: the working tree)")
+    p.add_argument("--reps", type=int, default=3, help="runs of each version")
+    p.add_argument("bench", choices=sorted(FIGURES), help="the benchmark script (in bench/)")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the benchmark")
+    a = p.parse_args(argv)
+    runs: dict[str, list[dict]] = {a.rev: [], "tree": []}
+    with tempfile.TemporaryDirectory(prefix="bench-ab-") as tmp:
+        before = tree_at(a.rev, Path(tmp))
+        # The benchmark script is always the working tree's (the instrument); only the
+        # store and controller code it imports differs.
+        paths = {a.rev: str(before), "tree": str(tree_at(a.after, Path(tmp) / "after")) if a.after else None}
+        # A wrong path would silently measure the working tree twice: check what each imports.
+        for version, pkg in paths.items():
+            env = dict(os.environ, PYTHONPATH=pkg) if pkg else dict(os.environ)
+            imported = subprocess.run([sys.executable, "-c", "import rolloutdb.store.live.ledger as m; print(m.__file__)"],
+                                      env=env, cwd=tmp, capture_output=True, text=True).stdout.strip()
+            expected = Path(pkg) if pkg else REPO  # (a link under pkg/: not resolved)
+            if not imported or not Path(imported).is_relative_to(expected):
+                sys.exit(f"error: the {version} run would import {imported or 'nothing'}, not the code under {expected}")
+        for rep in range(a.reps):
+            for version in ((a.rev, "tree") if rep % 2 == 0 else ("tree", a.rev)):
+                pkg = paths[version]
+                env = dict(os.environ)
+                if pkg:
+                    env["PYTHONPATH"] = pkg
+                out = Path(tmp) / f"{version}-{rep}.json"
+                script = REPO / "bench" / a.bench
+                proc = subprocess.run([sys.executable, str(script), *a.args, "--json", str(out)], env=env, cwd=tmp,
+                                      capture_output=True, text=True)
+                if proc.returncode:
+                    sys.exit(f"error: {version} run failed:\n{proc.stderr[-2000:]}")
+                runs[version].append(json.loads(out.read_text()))
+                print(f"  run {rep} {version} done", flush=True)
+    print(f"{a.bench} {' '.join(a.args)}: median of {a.reps} alternating runs each, before = {a.rev}, "
+          f"after = {a.after or 'working tree'}")
+    print(f"  {'':34s}{'before':>12s}{'after':>12s}   after vs before")
+    for label, path, higher in FIGURES[a.bench]:
+        b = statistics.median(dig(r, path) for r in runs[a.rev])
+        t = statistics.median(dig(r, path) for r in runs["tree"])
+        gain = (t / b) if higher else (b / t)
+        print(f"  {label:34s}{b:12.3f}{t:12.3f}   {gain:.2f}x {'better' if gain >= 1 else 'worse'}")
+
+
+if __name__ == "__main__":
+    main()
