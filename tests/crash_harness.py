@@ -58,11 +58,12 @@ class ChainResult:
     restores: list[tuple[str | None, str | None]] = field(default_factory=list)  # (expected, used)
     problems: list[str] = field(default_factory=list)
     twin_dir: Path | None = None
+    overrides: list[str] = field(default_factory=list)  # on top of OVERRIDES (e.g. checkpointing.async=true)
 
 
-def _command(run_dir: Path, resume: bool) -> list[str]:
+def _command(run_dir: Path, resume: bool, overrides: list[str] = ()) -> list[str]:
     cmd = [sys.executable, "-m", "rolloutdb", "train", "--config", str(EXAMPLE), "--run-dir", str(run_dir)]
-    return cmd + (["--resume"] if resume else []) + OVERRIDES
+    return cmd + (["--resume"] if resume else []) + OVERRIDES + list(overrides)
 
 
 def _env(fault: str | None) -> dict:
@@ -195,7 +196,7 @@ def run_once(run_dir: Path, result: ChainResult, *, fault: str | None = None, ki
     resume = (run_dir / "rollout_state.sqlite").exists()
     expected = _expected_snapshot(run_dir, result) if resume else None
     seen = len(_metrics(run_dir))
-    proc = subprocess.Popen(_command(run_dir, resume), env=_env(fault), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(_command(run_dir, resume, result.overrides), env=_env(fault), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     if kill_after is not None:
         deadline = time.monotonic() + timeout
         # A random moment of *this* process's work: count from when it touches the run.
@@ -396,22 +397,23 @@ def restored_work_redone(run_dir: Path) -> list[str]:
     return []
 
 
-def start_twin(twin_dir: Path) -> subprocess.Popen:
+def start_twin(twin_dir: Path, overrides: list[str] = ()) -> subprocess.Popen:
     """The never-killed run, started beside the chain (one extra run per chain)."""
-    return subprocess.Popen(_command(twin_dir, False), env=_env(None), stdout=subprocess.DEVNULL,
+    return subprocess.Popen(_command(twin_dir, False, overrides), env=_env(None), stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
 
 
 def run_chain(run_dir: Path, plan: list[tuple[str | None, float | None]], *, seed: int = 0,
-              twin: bool = True, timeout: float = 300) -> ChainResult:
+              twin: bool = True, timeout: float = 300, overrides: list[str] = ()) -> ChainResult:
     """`plan`: (fault point spec, None) or (None, seconds after start) per kill. With
     `twin`, a never-killed run of the same config runs in RUN_DIR.twin beside the chain
-    and the trained prompts are compared with it at the end."""
-    result = ChainResult()
+    and the trained prompts are compared with it at the end. `overrides`: config keys
+    on top of the harness's, for every run of the chain and the twin."""
+    result = ChainResult(overrides=list(overrides))
     twin_proc = None
     if twin:
         result.twin_dir = run_dir.with_name(run_dir.name + ".twin")
-        twin_proc = start_twin(result.twin_dir)
+        twin_proc = start_twin(result.twin_dir, result.overrides)
     try:
         for fault, delay in plan:
             run_once(run_dir, result, fault=fault, kill_after=delay)
