@@ -78,9 +78,11 @@ class TrainerCheckpoints:
     def _write(self, tmp: Path) -> None:
         self.trainer.save_checkpoint(tmp)
 
-    def _log(self, step: int, outcome: str, stall_s: float, **fields) -> None:
+    def _log(self, step: int, outcome: str, stall_s: float, cpu0: float, **fields) -> None:
+        """`stall_s`: the train pump's wall time in it; `stall_cpu_s`: its CPU time (what
+        it costs apart from waiting for the disk or for a CPU on a loaded machine)."""
         self.log_event({"kind": "checkpoint", "step": step, "outcome": outcome, "async": self.asynchronous,
-                        "stall_s": stall_s, "t": time.time(), **fields})
+                        "stall_s": stall_s, "stall_cpu_s": time.thread_time() - cpu0, "t": time.time(), **fields})
 
     def publish_bootstrap(self) -> None:
         """Once per run directory: a resumed run keeps the bootstrap it has. Always
@@ -96,21 +98,21 @@ class TrainerCheckpoints:
         its checkpoint when one is due. Returns whether it did."""
         if not self.config.enabled or step % self.config.interval_steps:
             return False
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.thread_time()
         if not self.asynchronous:
             published = self.publisher.publish_trainer_checkpoint(step, self._write)  # takes the save lock
-            self._log(step, "published", time.perf_counter() - t0, timings=published.timings)
+            self._log(step, "published", time.perf_counter() - t0, cpu0, timings=published.timings)
             return True
         if self.pending is not None:
             if step < self.total_steps:
-                self._log(step, "skipped_busy", time.perf_counter() - t0, writing=self.pending.anchor)
+                self._log(step, "skipped_busy", time.perf_counter() - t0, cpu0, writing=self.pending.anchor)
                 return False
             self.poll(wait=True)  # the last step's checkpoint is never skipped
-            t0 = time.perf_counter()
+            t0, cpu0 = time.perf_counter(), time.thread_time()
         state = self.trainer.checkpoint_state()  # type: ignore[attr-defined]
-        copied = time.perf_counter()
+        copied, copied_cpu = time.perf_counter(), time.thread_time()
         self.pending = begin_trainer_checkpoint(self.publisher, step, lambda tmp: self._write_state(state, tmp))
-        self._log(step, "begun", time.perf_counter() - t0, copy_s=copied - t0)
+        self._log(step, "begun", time.perf_counter() - t0, cpu0, copy_s=copied - t0, copy_cpu_s=copied_cpu - cpu0)
         return True
 
     @staticmethod
@@ -127,7 +129,7 @@ class TrainerCheckpoints:
         stage = self.pending
         if stage is None or not (wait or stage.written()):
             return None
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.thread_time()
         faults.point("train.before_checkpoint_publish")
         try:
             published = stage.publish(blocking=wait)
@@ -138,7 +140,8 @@ class TrainerCheckpoints:
             return None
         self.pending = None
         faults.point("train.after_checkpoint_publish")
-        self._log(stage.step, "published", time.perf_counter() - t0, timings=published.timings)
+        self._log(stage.step, "published", time.perf_counter() - t0, cpu0, timings=published.timings,
+                  at_end=wait)
         self.on_published()
         return published
 
