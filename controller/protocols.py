@@ -80,7 +80,9 @@ class AsyncCheckpointing(Protocol):
 
     def checkpoint_state(self) -> CheckpointState:
         """Copy the state (to CPU memory) at a step boundary, on the train pump; the
-        files `load_checkpoint` reads are then written from the copy while training goes on."""
+        files `load_checkpoint` reads are then written from the copy while training goes
+        on. rolloutdb calls it again only after the previous state was written (one
+        write at a time), so a trainer may reuse its copy buffers."""
         ...
 
 

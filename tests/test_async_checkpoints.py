@@ -157,27 +157,34 @@ class _GatedCheckpoints(TrainerCheckpoints):
 def test_a_checkpoint_due_while_the_previous_is_written_is_skipped_and_the_last_step_waits(policy_dir, tmp_path):
     cfg = _config(algorithm={"total_steps": 3})
     tr = GRPOTrainer(policy_dir, GRPOConfig(lr=1e-2))
-    pub = Publisher(tmp_path)
     events: list[dict] = []
     _GatedCheckpoints.gate.clear()
-    ckpts = _GatedCheckpoints(cfg, tr, pub, log_event=events.append)
     batch = _batch(tr)
     tr.train_step(batch)
+    reference = tmp_path / "reference_step_1"  # what a sync save at boundary 1 writes
+    reference.mkdir()
+    tr.save_checkpoint(reference)
+    pub = Publisher(tmp_path / "ckpt")
+    ckpts = _GatedCheckpoints(cfg, tr, pub, log_event=events.append)
     assert ckpts.maybe_publish(1)
     tr.train_step(batch)
     ckpts.poll()  # the write of step_1 is still running: nothing to publish
     assert not ckpts.maybe_publish(2)  # skipped, not waited for
     assert [e["outcome"] for e in events] == ["begun", "skipped_busy"]
-    assert scan(tmp_path).durable_anchor_names() == set()
+    assert scan(pub.root).durable_anchor_names() == set()
     tr.train_step(batch)
     threading.Timer(0.3, _GatedCheckpoints.gate.set).start()
     assert ckpts.maybe_publish(3)  # the last step: waits for step_1, publishes it, begins step_3
     ckpts.finish()
     assert [(e["step"], e["outcome"]) for e in events] == [
         (1, "begun"), (2, "skipped_busy"), (1, "published"), (3, "begun"), (3, "published")]
-    inv = scan(tmp_path)
+    inv = scan(pub.root)
     assert inv.durable_anchor_names() == {"step_1", "step_3"} and not inv.leftovers()
-    assert json.loads((tmp_path / "step_3" / "trainer_state.json").read_text())["step"] == 3
+    assert json.loads((pub.root / "step_3" / "trainer_state.json").read_text())["step"] == 3
+    # step_1 holds step 1's state, though it was written after steps 2 and 3 trained
+    # (and the trainer's copy buffers were reused for step 3 only after it was written).
+    written = _bytes(pub.root / "step_1")
+    assert {k: v for k, v in written.items() if k != "manifest.json"} == _bytes(reference)
     pub.close()
 
 

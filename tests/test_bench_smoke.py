@@ -111,3 +111,15 @@ def test_the_episode_writes_benchmark_runs_a_group_commit_with_and_without_saved
     assert figures["calls_per_tx"] == figures["episodes_per_tx"] == r["args"]["calls"]
     assert figures["plain"]["n"] == figures["turn"]["n"] == r["args"]["reps"]
     assert figures["ratio_mean"] > 0 and figures["plain_calls_per_s"] > 0 and figures["turn_calls_per_s"] > 0
+
+
+def test_the_async_checkpoint_benchmark_runs_the_real_controller_sync_and_async(tmp_path):
+    r = _run_bench("bench_async_checkpoint.py", tmp_path)
+    assert [run["mode"] for run in r["runs"]] == ["sync", "async"]
+    for run in r["runs"]:
+        assert run["checkpoints_published"] == 2, run  # steps 2 and 4: the last is never skipped
+        assert run["snapshots_published"] >= 3, run  # bootstrap's and one per checkpoint
+        assert run["stall_per_checkpoint_s"] > 0 and run["checkpoint_bytes"] > 0
+    (sync, asynchronous) = r["runs"]
+    assert len(asynchronous["copy_s"]) == 2 and sync["copy_s"] == []
+    assert len(r["ratio_sync_over_async"]) == 1
