@@ -215,6 +215,8 @@ class SnapshotPump:
         """Publish (and record) every held cut whose checkpoint is now published; record
         `failed` for one whose checkpoint was aborted. On the snapshot pump, and once on
         the main thread at the end of a run, after the pumps stopped."""
+        if not self._held:  # appended only by this thread's attempts (or after it stopped)
+            return
         done: list[AttemptResult] = []
         with self.publisher.lock:
             for held in [h for h in self._held if h.stage.pending.done]:
