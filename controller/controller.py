@@ -101,7 +101,8 @@ class Controller:
             self.store = self.create_store()
         if done is not None:
             resuming.announce(self, done)
-        self.checkpoints = TrainerCheckpoints(cfg, self.trainer, self.publisher)
+        self.checkpoints = TrainerCheckpoints(cfg, self.trainer, self.publisher, log_event=self._log,
+                                              on_published=self._checkpoint_published)
         self.checkpoints.publish_bootstrap()
         self.bar = ProgressBar(cfg.algorithm.total_steps, enabled=cfg.logging.progress, start_step=self.trainer.step)
         if cfg.ledger_dispatch:
@@ -152,10 +153,23 @@ class Controller:
         """After a trainer checkpoint, a snapshot anchored to it: the train pump waits
         only until its cut is taken (the copy and fsyncs run on the snapshot pump), so
         no optimizer commit lands first and every durable step gets its snapshot unless
-        the process dies in between."""
-        if self.checkpoints.maybe_publish(step) and self.snapshotter is not None:
+        the process dies in between. With `checkpointing.async` the checkpoint is only
+        begun here (a copy of the state) and the cut is held until a later boundary
+        publishes it (`poll`; trainer_checkpoints.py, snapshot_pump.py)."""
+        self.checkpoints.poll()  # async: an earlier checkpoint whose write has ended
+        if not self.checkpoints.maybe_publish(step):
+            return
+        if self.checkpoints.pending is not None:
+            if self.snapshotter is not None:
+                self.snapshotter.anchor_new_checkpoint(step, pending=self.checkpoints.pending)
+            faults.point("train.after_checkpoint_copy")
+        elif self.snapshotter is not None:
             faults.point("train.after_checkpoint")
             self.snapshotter.anchor_new_checkpoint(step)
+
+    def _checkpoint_published(self) -> None:
+        if self.snapshotter is not None:
+            self.snapshotter.wake()  # the cut held for it can be published now
 
     # ------------------------------------------------------------------ run
 
@@ -193,6 +207,8 @@ class Controller:
                 t.start()
             try:
                 TrainPump(self.parts, on_step_done=self._step_done).run()
+                if not self.runtime.stop.is_set():
+                    self.checkpoints.finish()  # async: the last checkpoint published
             except BaseException as e:
                 self.runtime.fail(e)
             finally:
@@ -203,6 +219,9 @@ class Controller:
                 for t in threads:
                     t.join(timeout=60)
                 gc.unfreeze()  # a process that goes on (tests, your own loop) collects them again
+                if self.snapshotter is not None and self.runtime.error is None:
+                    self.snapshotter.publish_held()  # the last checkpoint's snapshot
+                self.checkpoints.abandon()  # a failed run's unpublished checkpoint
                 self._log_store_share(time.perf_counter() - pumps_started)
         finally:
             self.close()

@@ -15,6 +15,21 @@ POINTS: tuple[str, ...] = faults.register(
     "pump.call_finished_uncommitted",
     "train.after_commit",
     "train.after_checkpoint",
+    # checkpointing.async: the state copied and the cut held (train pump); the files
+    # written (background thread); the write ended, not yet renamed; renamed, its
+    # held snapshot not yet published (train pump, a later step boundary).
+    "train.after_checkpoint_copy",
+    "checkpoint.files_written",
+    "train.before_checkpoint_publish",
+    "train.after_checkpoint_publish",
     "snapshot.after_cut",
     "resume.after_restore",
+)
+
+# Reached only with checkpointing.async: true (the crash tests give those chains it).
+ASYNC_POINTS: tuple[str, ...] = (
+    "train.after_checkpoint_copy",
+    "checkpoint.files_written",
+    "train.before_checkpoint_publish",
+    "train.after_checkpoint_publish",
 )

@@ -59,6 +59,34 @@ class Trainer(Protocol):
 
 
 @dataclass
+class CheckpointState:
+    """A trainer's state as of one step boundary, handed to a writer on another thread
+    (`checkpointing.async`). Every tensor is the trainer's own copy, which training no
+    longer touches; the writer (`trainer_checkpoints.write_checkpoint_state`) writes each
+    mapping of `tensors` as one safetensors file, each value of `documents` as one JSON
+    file and copies each of `copies` (files that never change during the run) as is.
+    Keys are plain file names."""
+
+    tensors: dict[str, Mapping[str, Any]] = field(default_factory=dict)  # file -> {name: tensor}
+    documents: dict[str, Any] = field(default_factory=dict)  # file -> JSON-able value
+    copies: dict[str, Path] = field(default_factory=dict)  # file -> source file
+    metadata: dict[str, dict[str, str]] = field(default_factory=dict)  # safetensors header, per file
+
+
+@runtime_checkable
+class AsyncCheckpointing(Protocol):
+    """Optional, beside `Trainer`: what `checkpointing.async: true` needs. A trainer
+    with only `save_checkpoint` is checkpointed synchronously (async off)."""
+
+    def checkpoint_state(self) -> CheckpointState:
+        """Copy the state (to CPU memory) at a step boundary, on the train pump; the
+        files `load_checkpoint` reads are then written from the copy while training goes
+        on. rolloutdb calls it again only after the previous state was written (one
+        write at a time), so a trainer may reuse its copy buffers."""
+        ...
+
+
+@dataclass
 class Turn:
     """What the environment says after a policy turn."""
 

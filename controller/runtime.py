@@ -13,8 +13,11 @@ no code starts:
 - `MainThread`: the train pump (`TrainPump.run`, called by `Controller.run`). Owns the
   trainer and the optimizer commit (holds the commit lock from the optimizer step until
   its groups are marked trained), the refit of the engine, trainer checkpoints
-  (`TrainerCheckpoints`), and waits in `SnapshotPump.anchor_new_checkpoint` for the cut
-  of the snapshot anchored to each new checkpoint. Also setup, restore and shutdown.
+  (`TrainerCheckpoints`; with `checkpointing.async` it copies the state at the step
+  boundary and renames the written checkpoint into place at a later one, under the save
+  lock, trying it without waiting), and waits in `SnapshotPump.anchor_new_checkpoint`
+  for the cut of the snapshot anchored to each new checkpoint. Also setup, restore and
+  shutdown.
 - `rollout-pump`: the rollout pump (`RolloutPump.run`). Owns the sampler, dispatch and
   every running episode: submits model calls to the engine (never holding a lock of the
   list below), steps the environment, and commits what finished in group-commit batches,
@@ -33,9 +36,13 @@ no code starts:
 - `rolloutdb-fsync`: the fsync helper (`store/checkpoints/publish.py`,
   `commit_directory`), a one-thread pool for the length of one publication: fsyncs each
   file while the publishing thread hashes it.
-- `rolloutdb-publish`: the Publisher's background pool (`publish_deferred` and
-  background retention). `rolloutdb train` starts neither today; it runs under the save
-  lock like every other save.
+- `rolloutdb-publish`: the Publisher's background pool (`publish_deferred`, background
+  retention, and the writer of asynchronous trainer checkpoints,
+  `store/checkpoints/staged.py`). `rolloutdb train` starts it only with
+  `checkpointing.async: true`: it writes and seals the copy of the trainer's state taken
+  at a step boundary holding no lock (the temporary directory is in the Publisher's busy
+  set, so no save removes it), then runs retention under the save lock once the train
+  pump has published the checkpoint.
 - `rolloutdb-restore-integrity`: during a restore (main thread, before the pumps
   start), `PRAGMA integrity_check` of the snapshot's file while it is copied
   (`store/restore/copying.py`, `SourceIntegrityCheck`).

@@ -23,6 +23,16 @@ Every attempt records its outcome here and only here (`attempt`): one `AttemptRe
 becomes one row in the store (`snapshot_attempts`) and one `snapshot` line in the
 metrics. The Publisher records nothing; publication is about files.
 
+Asynchronous trainer checkpoints (`checkpointing.async`): a snapshot anchored to
+`step_<N>` must be cut while the trainer is at step N, but `step_<N>` is published only
+at a later step boundary. So the train pump's forced attempt at boundary N takes its
+cut into a stage *held* inside the checkpoint's temporary directory
+(`Publisher.begin_snapshot(anchor, pending=...)`), and step 6 waits: the held stage is
+published, and its attempt recorded, once the checkpoint is (`publish_held`); if the
+checkpoint is never published the attempt is recorded `failed`. While a checkpoint is
+pending, other attempts find no durable anchor (`skipped_not_durable`): a snapshot never
+anchors to an unpublished checkpoint.
+
 Words: a pump's write transaction is a *mutation* (the store's `mutation_counter` counts
 them); a snapshot's read transaction, the one consistent state it copies, is its *cut*
 (`cut_time`, `at_cut`). A "commit" here is the train pump's optimizer commit.
@@ -36,6 +46,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 from rolloutdb.controller.env_checkpoint import EnvironmentCheckpoint
 from rolloutdb.controller.runtime import RolloutParts
@@ -73,6 +84,19 @@ class AttemptResult:
     mutation_counter: int | None = None
 
 
+@dataclass(eq=False)
+class _Held:
+    """A cut anchored to a pending checkpoint, published once the checkpoint is."""
+
+    stage: Any  # SnapshotStage inside the pending checkpoint's temporary directory
+    capture: Any
+    export: dict
+    result: AttemptResult
+
+
+HELD = "held"  # not an outcome: the attempt is recorded when its held stage resolves
+
+
 class SnapshotPump:
     """The snapshot pump. Reached only through `run` (its thread), `attempt`, `wake` and
     `anchor_new_checkpoint` (the train pump)."""
@@ -96,6 +120,8 @@ class SnapshotPump:
         self._waiters: list[_CutWaiter] = []
         self._waiters_lock = threading.Lock()
         self._last_counter: int | None = None
+        self._pending: Any = None  # store.TrainerStage: an async checkpoint not yet published
+        self._held: list[_Held] = []  # touched under the save lock only
         # The latest attempts, for tests and benchmarks; bounded for runs of days.
         self.results: deque[AttemptResult] = deque(maxlen=1024)
 
@@ -111,6 +137,7 @@ class SnapshotPump:
                     return
                 force, self._force = self._force, False
                 self.attempt(force=force)
+                self.publish_held()
         except BaseException as e:  # noqa: BLE001 - handed to the controller
             rt.fail(e)
 
@@ -119,7 +146,7 @@ class SnapshotPump:
         self._force = self._force or force
         self._wake.set()
 
-    def anchor_new_checkpoint(self, step: int, *, timeout: float = ANCHOR_WAIT_S) -> bool:
+    def anchor_new_checkpoint(self, step: int, *, pending: Any = None, timeout: float = ANCHOR_WAIT_S) -> bool:
         """Called by the train pump right after it published `step_<step>`: a forced
         attempt anchored to it, and a wait until that attempt's *cut* is taken (or the
         attempt ended). The copy and the fsyncs then run on the snapshot pump while
@@ -132,9 +159,13 @@ class SnapshotPump:
         a slow disk) must not stall training. Giving up costs at most that snapshot (the
         next optimizer commit may land first: the attempt then ends `aborted_commit`,
         and a resume starts from an earlier snapshot). So it is said, not hidden: a
-        `snapshot_wait` line with outcome `timed_out` in the metrics and a warning."""
+        `snapshot_wait` line with outcome `timed_out` in the metrics and a warning.
+
+        `pending` (async checkpoints): the `TrainerStage` of `step_<step>`, begun but not
+        published; the cut is held inside it until it is (module docstring)."""
         waiter = _CutWaiter(step)
         with self._waiters_lock:
+            self._pending = pending
             self._waiters.append(waiter)
         self.wake(force=True)
         if not waiter.event.wait(timeout):
@@ -175,9 +206,46 @@ class SnapshotPump:
                 result = self._attempt_locked(force, t0)
         finally:
             self._release_waiters(None, False, only=seen)  # nobody waits past an attempt it saw
-        self.results.append(result)
-        self._record(result)
+        if result.outcome != HELD:
+            self.results.append(result)
+            self._record(result)
         return result
+
+    def publish_held(self) -> None:
+        """Publish (and record) every held cut whose checkpoint is now published; record
+        `failed` for one whose checkpoint was aborted. On the snapshot pump, and once on
+        the main thread at the end of a run, after the pumps stopped."""
+        if not self._held:  # appended only by this thread's attempts (or after it stopped)
+            return
+        done: list[AttemptResult] = []
+        with self.publisher.lock:
+            for held in [h for h in self._held if h.stage.pending.done]:
+                self._held.remove(held)
+                done.append(self._publish_one(held))
+        for result in done:
+            self.results.append(result)
+            self._record(result)
+
+    def _publish_one(self, held: _Held) -> AttemptResult:
+        r = held.result
+        held_at = r.timings.pop("_held_at")
+        trainer = held.stage.pending
+        if trainer.published is None or held.stage.done:
+            return AttemptResult("failed", r.anchor, r.sequence, r.timings,
+                                 f"its trainer checkpoint {r.anchor} was never published: {trainer.error}",
+                                 r.mutation_counter)
+        t_pub = time.perf_counter()
+        try:
+            published = held.stage.publish(held.capture, self.config_text,
+                                           json.dumps(held.export, sort_keys=True) if held.export else None)
+        except Exception as e:  # noqa: BLE001 - a failed publish is an outcome, the run goes on
+            return AttemptResult("failed", r.anchor, r.sequence, r.timings, f"{type(e).__name__}: {e}",
+                                 r.mutation_counter)
+        timings = {**r.timings, "held_s": t_pub - held_at, "publish": time.perf_counter() - t_pub}
+        self._last_counter = held.capture.mutation_counter
+        self.p.tracer.emit("snapshot_cut", cut_time=held.capture.cut_time, snapshot_seq=published.sequence,
+                           anchor=r.anchor, step=trainer.step)
+        return AttemptResult("published", r.anchor, published.sequence, timings, None, r.mutation_counter)
 
     def _record(self, result: AttemptResult) -> None:
         """The one place a snapshot attempt's outcome is recorded: its row, then its
@@ -199,7 +267,13 @@ class SnapshotPump:
             return AttemptResult("skipped_unchanged")
         step = self.p.read_progress().step
         anchor = anchor_name(step or None)
-        if anchor not in scan(self.publisher.root).durable_anchor_names():
+        pending = self._pending
+        if pending is not None and (pending.done or pending.anchor != anchor):
+            pending = None
+        if pending is None and anchor not in scan(self.publisher.root).durable_anchor_names():
+            return AttemptResult("skipped_not_durable", anchor)
+        # One held cut per pending checkpoint: the one its step boundary asked for.
+        if pending is not None and (not force or any(h.stage.pending is pending for h in self._held)):
             return AttemptResult("skipped_not_durable", anchor)
         timings = {"lock_and_anchor": time.perf_counter() - t0}
 
@@ -213,7 +287,7 @@ class SnapshotPump:
             if rt.commit_lock.locked() or self.p.read_progress().step != step:
                 return AttemptResult("aborted_commit", anchor, timings=timings)
             try:
-                stage = self.publisher.begin_snapshot(anchor)
+                stage = self.publisher.begin_snapshot(anchor, pending=pending)
             except PublishError as e:  # a full disk, a failed deferred publish: an outcome, like a failed publish
                 return AttemptResult("failed", anchor, timings=timings, error=f"{type(e).__name__}: {e}")
             try:
@@ -229,6 +303,11 @@ class SnapshotPump:
         faults.point("snapshot.after_cut")
         timings.update({f"cut_{k}": v for k, v in capture.timings.items()})
         export = capture.check_result
+        if pending is not None:
+            timings["_held_at"] = time.perf_counter()
+            result = AttemptResult(HELD, anchor, stage.sequence, timings, None, capture.mutation_counter)
+            self._held.append(_Held(stage, capture, export, result))
+            return result
         t_pub = time.perf_counter()
         try:
             published = stage.publish(

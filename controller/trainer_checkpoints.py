@@ -1,32 +1,92 @@
 """Trainer checkpoints: `bootstrap/` before the first step and `step_<N>/` on the
 configured interval, published through the store's one commit protocol under the save
-lock (the Publisher's) that rollout snapshots take too."""
+lock (the Publisher's) that rollout snapshots take too.
+
+Synchronous (the default): the train pump writes, fsyncs and renames the checkpoint at
+the step boundary, so it stalls for the whole write.
+
+Asynchronous (`checkpointing.async: true`, a trainer with `checkpoint_state`): at the
+step boundary the train pump only copies the state into CPU memory and makes the
+temporary directory; the Publisher's background thread writes and seals it
+(`store/checkpoints/staged.py`), and the train pump publishes it (rename, parent fsync)
+at the first later step boundary where the write has ended. Until then the anchor in
+force is the previous one. One write at a time: a checkpoint that falls due while the
+previous one is still being written is *skipped* (a `checkpoint` line with outcome
+`skipped_busy`), so the train pump never waits for the disk; the last step's checkpoint
+is never skipped (the train pump waits for the earlier write, then begins it), and the
+run's end waits for it to be published.
+"""
 
 from __future__ import annotations
 
+import json
+import shutil
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 from rolloutdb.config import Config
-from rolloutdb.controller.protocols import Trainer
-from rolloutdb.store import Publisher
+from rolloutdb.controller.protocols import AsyncCheckpointing, CheckpointState, Trainer
+from rolloutdb.store import Published, Publisher, TrainerStage, begin_trainer_checkpoint, faults
+
+
+def write_checkpoint_state(state: CheckpointState, directory: Path) -> list[Path]:
+    """Write a `CheckpointState` into an existing directory: each tensor mapping as one
+    safetensors file, each document as one JSON file, each copy as is. Touches nothing
+    but `state` and `directory`, so it runs on any thread."""
+    from safetensors.torch import save_file
+
+    written = []
+    for name in [*state.tensors, *state.documents, *state.copies]:
+        if Path(name).name != name or name in (".", ".."):
+            raise ValueError(f"checkpoint file {name!r}: must be a plain file name")
+    for name, tensors in state.tensors.items():
+        save_file(dict(tensors), directory / name, metadata=state.metadata.get(name))
+        written.append(directory / name)
+    for name, doc in state.documents.items():
+        (directory / name).write_text(json.dumps(doc, indent=1, sort_keys=True))
+        written.append(directory / name)
+    for name, src in state.copies.items():
+        shutil.copyfile(src, directory / name)
+        written.append(directory / name)
+    return written
 
 
 class TrainerCheckpoints:
     """Publishes `bootstrap/` before the first step and `step_<N>/` every
-    `checkpointing.interval_steps`, through the one commit protocol. Each publication
-    holds the save lock (`Publisher.lock`, runtime.py's lock order) for its length, so it
-    never lands inside a rollout snapshot attempt."""
+    `checkpointing.interval_steps`, through the one commit protocol, synchronously or
+    (`checkpointing.async`) from a copy written in the background (module docstring).
+    `log_event` gets one `checkpoint` line per due checkpoint: outcome `published`
+    (sync), `begun` then `published` (async), or `skipped_busy`, with `stall_s`, the
+    train pump's time in it; `on_published` is called after an asynchronous publication."""
 
-    def __init__(self, config: Config, trainer: Trainer, publisher: Publisher):
+    def __init__(self, config: Config, trainer: Trainer, publisher: Publisher, *,
+                 log_event: Callable[[dict], None] | None = None, on_published: Callable[[], None] | None = None):
         self.config = config.checkpointing
+        self.total_steps = config.algorithm.total_steps
         self.trainer = trainer
         self.publisher = publisher
+        self.asynchronous = self.config.enabled and self.config.async_
+        if self.asynchronous and not isinstance(trainer, AsyncCheckpointing):
+            raise ValueError(f"checkpointing.async: true needs a trainer with checkpoint_state() "
+                             f"(controller/protocols.py AsyncCheckpointing); {type(trainer).__name__} has only "
+                             "save_checkpoint: set checkpointing.async: false or implement it")
+        self.log_event = log_event or (lambda event: None)
+        self.on_published = on_published or (lambda: None)
+        self.pending: TrainerStage | None = None  # async: begun, not yet published
 
     def _write(self, tmp: Path) -> None:
         self.trainer.save_checkpoint(tmp)
 
+    def _log(self, step: int, outcome: str, stall_s: float, cpu0: float, **fields) -> None:
+        """`stall_s`: the train pump's wall time in it; `stall_cpu_s`: its CPU time (what
+        it costs apart from waiting for the disk or for a CPU on a loaded machine)."""
+        self.log_event({"kind": "checkpoint", "step": step, "outcome": outcome, "async": self.asynchronous,
+                        "stall_s": stall_s, "stall_cpu_s": time.thread_time() - cpu0, "t": time.time(), **fields})
+
     def publish_bootstrap(self) -> None:
-        """Once per run directory: a resumed run keeps the bootstrap it has."""
+        """Once per run directory: a resumed run keeps the bootstrap it has. Always
+        synchronous: nothing trains yet."""
         from rolloutdb.store import BOOTSTRAP, scan
 
         with self.publisher.lock:  # the look and the publication are one save
@@ -34,7 +94,63 @@ class TrainerCheckpoints:
                 self.publisher.publish_bootstrap(self._write)
 
     def maybe_publish(self, step: int) -> bool:
+        """At the boundary after optimizer step `step`: publish (sync) or begin (async)
+        its checkpoint when one is due. Returns whether it did."""
         if not self.config.enabled or step % self.config.interval_steps:
             return False
-        self.publisher.publish_trainer_checkpoint(step, self._write)  # takes the save lock
+        t0, cpu0 = time.perf_counter(), time.thread_time()
+        if not self.asynchronous:
+            published = self.publisher.publish_trainer_checkpoint(step, self._write)  # takes the save lock
+            self._log(step, "published", time.perf_counter() - t0, cpu0, timings=published.timings)
+            return True
+        if self.pending is not None:
+            if step < self.total_steps:
+                self._log(step, "skipped_busy", time.perf_counter() - t0, cpu0, writing=self.pending.anchor)
+                return False
+            self.poll(wait=True)  # the last step's checkpoint is never skipped
+            t0, cpu0 = time.perf_counter(), time.thread_time()
+        state = self.trainer.checkpoint_state()  # type: ignore[attr-defined]
+        copied, copied_cpu = time.perf_counter(), time.thread_time()
+        self.pending = begin_trainer_checkpoint(self.publisher, step, lambda tmp: self._write_state(state, tmp))
+        self._log(step, "begun", time.perf_counter() - t0, cpu0, copy_s=copied - t0, copy_cpu_s=copied_cpu - cpu0)
         return True
+
+    @staticmethod
+    def _write_state(state: CheckpointState, tmp: Path) -> None:
+        """On the Publisher's background thread."""
+        write_checkpoint_state(state, tmp)
+        faults.point("checkpoint.files_written")
+
+    def poll(self, *, wait: bool = False) -> Published | None:
+        """Async, at a step boundary: publish the pending checkpoint if its write has
+        ended and the save lock is free (else leave it for a later boundary); with
+        `wait`, wait for both. A failed write raises PublishError: the previous anchor
+        stays in force."""
+        stage = self.pending
+        if stage is None or not (wait or stage.written()):
+            return None
+        t0, cpu0 = time.perf_counter(), time.thread_time()
+        faults.point("train.before_checkpoint_publish")
+        try:
+            published = stage.publish(blocking=wait)
+        except BaseException:
+            self.pending = None  # removed by publish; the run fails with the error
+            raise
+        if published is None:
+            return None
+        self.pending = None
+        faults.point("train.after_checkpoint_publish")
+        self._log(stage.step, "published", time.perf_counter() - t0, cpu0, timings=published.timings,
+                  at_end=wait)
+        self.on_published()
+        return published
+
+    def finish(self) -> None:
+        """At the end of a run: the pending checkpoint published (waits for its write)."""
+        self.poll(wait=True)
+
+    def abandon(self) -> None:
+        """A run that fails: remove the pending checkpoint (waits for its write to end)."""
+        if self.pending is not None:
+            self.pending.abort()
+            self.pending = None

@@ -226,7 +226,13 @@ class EnvironmentSection(FactoryFields):
 
 
 class CheckpointingSection(Section):
+    # `async` is a Python keyword: the field is `async_`, the YAML key (and the resolved
+    # config.yaml) is `async`.
+    model_config = ConfigDict(**Section.model_config, validate_by_alias=True, validate_by_name=True,
+                              serialize_by_alias=True)
     enabled: bool = True
+    async_: bool = Field(False, alias="async", description="Write trainer checkpoints off the train pump from a "
+                                                           "copy of the state; publish them at a later step boundary.")
     interval_steps: int = Field(5, ge=1, le=10**9, description="Publish a trainer checkpoint step_<N>/ every N steps.")
     keep_last: int = Field(2, ge=1, le=1_000_000, description="Trainer checkpoints kept.")
     resume: str | None = Field(None, description="null: fresh run; 'latest' or a snapshot directory: resume.")

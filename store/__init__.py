@@ -64,6 +64,7 @@ from .checkpoints.publish import (
     Publisher,
     SnapshotStage,
 )
+from .checkpoints.staged import TrainerStage, begin_trainer_checkpoint
 from .checkpoints.retention import (
     KeepNewestSnapshotPerAnchor,
     KeepNewestSnapshots,
@@ -167,6 +168,8 @@ __all__ = [
     "Publisher",
     "Retention",
     "SnapshotStage",
+    "TrainerStage",
+    "begin_trainer_checkpoint",
     "anchor_name",
     "default_retention",
     "read_manifest",

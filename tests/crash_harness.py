@@ -105,14 +105,15 @@ class ChainResult:
     problems: list[str] = field(default_factory=list)
     twin_dir: Path | None = None
     config: HarnessConfig = GROUP_LEVEL
+    overrides: list[str] = field(default_factory=list)  # on top of the config's (e.g. checkpointing.async=true)
     episodes_restored: int = 0  # episode_restored events checked against their snapshot
     tokens_restored: int = 0  # policy tokens those events kept
     kept_per_stop: list[int] = field(default_factory=list)  # `rolloutdb trace`: kept tokens per stop
 
 
-def _command(run_dir: Path, resume: bool, config: HarnessConfig = GROUP_LEVEL) -> list[str]:
+def _command(run_dir: Path, resume: bool, config: HarnessConfig = GROUP_LEVEL, overrides: list[str] = ()) -> list[str]:
     cmd = [sys.executable, "-m", "rolloutdb", "train", "--config", str(config.example), "--run-dir", str(run_dir)]
-    return cmd + (["--resume"] if resume else []) + config.overrides
+    return cmd + (["--resume"] if resume else []) + config.overrides + list(overrides)
 
 
 def _env(fault: str | None) -> dict:
@@ -253,8 +254,8 @@ def run_once(run_dir: Path, result: ChainResult, *, fault: str | None = None, ki
     after_run = last_trace_run(run_dir) if resume else 0
     if resume:
         set_aside(run_dir, aside)
-    proc = subprocess.Popen(_command(run_dir, resume, result.config), env=_env(fault), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(_command(run_dir, resume, result.config, result.overrides), env=_env(fault),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     if kill_after is not None:
         deadline = time.monotonic() + timeout
         # A random moment of *this* process's work: count from when it touches the run (a
@@ -470,22 +471,23 @@ def restored_work_redone(run_dir: Path) -> list[str]:
     return []
 
 
-def start_twin(twin_dir: Path, config: HarnessConfig = GROUP_LEVEL) -> subprocess.Popen:
+def start_twin(twin_dir: Path, config: HarnessConfig = GROUP_LEVEL, overrides: list[str] = ()) -> subprocess.Popen:
     """The never-killed run, started beside the chain (one extra run per chain)."""
-    return subprocess.Popen(_command(twin_dir, False, config), env=_env(None), stdout=subprocess.DEVNULL,
+    return subprocess.Popen(_command(twin_dir, False, config, overrides), env=_env(None), stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
 
 
 def run_chain(run_dir: Path, plan: list[tuple[str | None, float | None]], *, config: HarnessConfig = GROUP_LEVEL,
-              seed: int = 0, twin: bool = True, timeout: float = 300) -> ChainResult:
+              seed: int = 0, twin: bool = True, timeout: float = 300, overrides: list[str] = ()) -> ChainResult:
     """`plan`: (fault point spec, None) or (None, seconds after start) per kill, on a run
     of `config`. With `twin`, a never-killed run of the same config runs in RUN_DIR.twin
-    beside the chain and the trained prompts are compared with it at the end."""
-    result = ChainResult(config=config)
+    beside the chain and the trained prompts are compared with it at the end.
+    `overrides`: config keys on top of the config's, for every run of the chain and the twin."""
+    result = ChainResult(config=config, overrides=list(overrides))
     twin_proc = None
     if twin:
         result.twin_dir = run_dir.with_name(run_dir.name + ".twin")
-        twin_proc = start_twin(result.twin_dir, config)
+        twin_proc = start_twin(result.twin_dir, config, result.overrides)
     try:
         for fault, delay in plan:
             run_once(run_dir, result, fault=fault, kill_after=delay)

@@ -152,3 +152,14 @@ def test_the_before_after_benchmark_runs_a_revision_next_to_the_working_tree(tmp
     assert "before = HEAD, after = working tree" in proc.stdout
     assert "batched group transitions/s" in proc.stdout and "single p99 ms" in proc.stdout
     assert list(tmp_path.iterdir()) == []  # the benchmark's temporary stores are gone
+
+def test_the_async_checkpoint_benchmark_runs_the_real_controller_sync_and_async(tmp_path):
+    r = _run_bench("bench_async_checkpoint.py", tmp_path)
+    assert [run["mode"] for run in r["runs"]] == ["sync", "async"]
+    for run in r["runs"]:
+        assert run["checkpoints_published"] == 2, run  # steps 2 and 4: the last is never skipped
+        assert run["snapshots_published"] >= 3, run  # bootstrap's and one per checkpoint
+        assert run["stall_per_checkpoint_s"] > 0 and run["checkpoint_bytes"] > 0
+    (sync, asynchronous) = r["runs"]
+    assert len(asynchronous["copy_s"]) == 2 and sync["copy_s"] == []
+    assert len(r["ratio_sync_over_async"]) == 1

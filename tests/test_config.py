@@ -142,7 +142,8 @@ def test_every_config_key_is_explained_in_the_docs():
     doc = (Path(__file__).resolve().parents[1] / "docs" / "config.md").read_text()
     for section, field in Config.model_fields.items():
         assert f"## `{section}`" in doc, section
-        for key in field.annotation.model_fields:
+        for name, key_field in field.annotation.model_fields.items():
+            key = key_field.alias or name  # `checkpointing.async` is the field async_
             assert f"| `{key}` |" in doc, f"{section}.{key}"
 
 

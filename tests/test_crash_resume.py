@@ -27,10 +27,11 @@ def test_every_controller_fault_point_is_called_in_the_controller():
 def test_killing_the_main_job_at_fault_points_and_random_moments_loses_nothing(tmp_path):
     """Quick tier: >= 10 kills in one chain."""
     rng = random.Random(11)
-    # pump.after_turn_commit never fires at group level (no turn progress is written): a
-    # plan item that kills nothing lets the run end and the rest of the plan kill nothing.
+    # pump.after_turn_commit never fires at group level (no turn progress is written), nor
+    # the async checkpoint points with checkpointing.async off: a plan item that kills
+    # nothing lets the run end and the rest of the plan kill nothing.
     plan = [(f"{p}@{1 + rng.randrange(2)}", None) for p in controller_points.POINTS
-            if p not in ("resume.after_restore", "pump.after_turn_commit")]
+            if p not in ("resume.after_restore", "pump.after_turn_commit") and p not in controller_points.ASYNC_POINTS]
     plan.insert(3, ("resume.after_restore", None))  # kills a resume in the middle of the chain
     plan += [(None, rng.uniform(0.2, 2.5)) for _ in range(3)]
     result = run_chain(tmp_path / "run", plan)
@@ -65,6 +66,19 @@ def test_killing_a_multi_turn_run_at_turn_level_keeps_its_committed_turns_and_lo
     assert any(k > 0 for k in result.kept_per_stop), f"no stop kept a token: {result.kept_per_stop}"
 
 
+def test_killing_an_async_checkpointing_run_at_each_of_its_points_resumes_from_the_previous_anchor(tmp_path):
+    """Quick tier, checkpointing.async: a kill while a checkpoint is copied, written,
+    sealed but not renamed, or renamed before its held snapshot is published. Every
+    resume must restore the newest sound snapshot the harness finds on disk (so never
+    one under the unpublished checkpoint), and the chain must train every group once."""
+    plan = [(f"{p}@{n}", None) for p in controller_points.ASYNC_POINTS for n in (1, 2)]
+    result = run_chain(tmp_path / "run", plan, overrides=["checkpointing.async=true"])
+    assert not result.problems, result.problems
+    assert result.finished
+    assert result.kills == len(plan), f"only {result.kills} of {len(plan)} kills landed: {result.killed_at}"
+    assert result.restores, "no resume restored a snapshot"
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(7200)
 @pytest.mark.parametrize("config", [TURN_LEVEL, GROUP_LEVEL], ids=lambda c: c.name)
@@ -78,10 +92,14 @@ def test_hundreds_of_kills_over_many_chains_never_lose_or_duplicate_a_prompt(tmp
     seed = 0
     while total_kills < 200:
         rng = random.Random(seed)
-        plan = [(f"{p}@{1 + rng.randrange(3)}", None) for p in rng.sample(points, 8)]
+        # Every other group-level chain checkpoints asynchronously (its points only fire then).
+        async_chain = config is GROUP_LEVEL and seed % 2 == 1
+        usable = [p for p in points if async_chain or p not in controller_points.ASYNC_POINTS]
+        plan = [(f"{p}@{1 + rng.randrange(3)}", None) for p in rng.sample(usable, 8)]
         plan += [(None, rng.uniform(*config.random_kill_s)) for _ in range(8)]
         rng.shuffle(plan)
-        result = run_chain(tmp_path / f"chain{seed}", plan, config=config)
+        result = run_chain(tmp_path / f"chain{seed}", plan, config=config,
+                           overrides=["checkpointing.async=true"] if async_chain else [])
         assert not result.problems, (seed, result.problems)
         total_kills += result.kills
         restored += result.episodes_restored

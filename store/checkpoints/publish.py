@@ -133,6 +133,13 @@ def _fail(what: str, target: Path, e: OSError) -> PublishError:
 def commit_directory(tmp: Path, target: Path, manifest: Manifest, *, skip_dirs: tuple[str, ...] = ()) -> dict[str, float]:
     """Steps 2-5 of the protocol for a temporary directory whose payload is written.
     Fills `manifest.files`. Raises OSError; the caller maps it to PublishError."""
+    timings = seal_directory(tmp, manifest, skip_dirs=skip_dirs)
+    return {**timings, **rename_into_place(tmp, target)}
+
+
+def seal_directory(tmp: Path, manifest: Manifest, *, skip_dirs: tuple[str, ...] = ()) -> dict[str, float]:
+    """Steps 2-3: every file fsynced and hashed, the manifest written last, every
+    directory fsynced. The directory is still temporary (a crash leaves a leftover)."""
     t0 = time.perf_counter()
     faults.point("publish.payload_written")
     files: list[FileEntry] = []
@@ -165,13 +172,17 @@ def commit_directory(tmp: Path, target: Path, manifest: Manifest, *, skip_dirs: 
     for d in reversed(dirs):
         fsync_dir(d)
     faults.point("publish.tmpdir_fsynced")
-    t_synced = time.perf_counter()
+    return {"hash_fsync_files": t_files - t0, "manifest_dirs": time.perf_counter() - t_files}
+
+
+def rename_into_place(tmp: Path, target: Path) -> dict[str, float]:
+    """Steps 4-5: rename a sealed temporary directory into place, fsync the parent."""
+    t0 = time.perf_counter()
     rename_dir(tmp, target)
     faults.point("publish.renamed")
     fsync_dir(target.parent)
     faults.point("publish.parent_fsynced")
-    t_done = time.perf_counter()
-    return {"hash_fsync_files": t_files - t0, "manifest_dirs": t_synced - t_files, "rename": t_done - t_synced}
+    return {"rename": time.perf_counter() - t0}
 
 
 def record_high_water(checkpoint_dir: str | Path, sequence: int) -> None:
@@ -221,6 +232,13 @@ class SnapshotStage:
         self.db_path = tmp / SNAPSHOT_DB
         self.cleaned = cleaned
         self.done = False
+        self.pending: Any = None  # staged.TrainerStage: an unpublished anchor this stage waits inside
+
+    def move_under(self, anchor_path: Path) -> None:
+        """Its anchor's temporary directory was renamed to `anchor_path`."""
+        self.tmp = anchor_path / SNAPSHOTS_DIR / self.tmp.name
+        self.target = anchor_path / SNAPSHOTS_DIR / self.target.name
+        self.db_path = self.tmp / SNAPSHOT_DB
 
     def publish(self, capture: Any = None, config_text: str | bytes | None = None, env_export: bytes | str | None = None) -> Published:
         return self.publisher._finish_snapshot(self, capture, config_text, env_export)
@@ -378,21 +396,32 @@ class Publisher:
 
     # ------------------------------------------------------------ rollout snapshots
 
-    def begin_snapshot(self, anchor: str) -> SnapshotStage:
+    def begin_snapshot(self, anchor: str, *, pending: Any = None) -> SnapshotStage:
         """First half: sequence number and temporary directory. Capture into
-        `stage.db_path`, then call `stage.publish(...)`."""
+        `stage.db_path`, then call `stage.publish(...)`. With `pending` (an unpublished
+        trainer checkpoint of this anchor, a `staged.TrainerStage`), the stage is made
+        inside its temporary directory and can be published only once `pending` is."""
         with self._lock:
             inv, cleaned = self._start_save()
             anchor_path = anchor_dir(self.root, anchor)
-            try:
-                read_manifest(anchor_path)
-            except ManifestError as e:
-                raise AnchorNotDurable(f"{anchor_path}: anchor is not a durable trainer checkpoint ({e}); "
-                                       "publish or seal it before taking a snapshot anchored to it", path=anchor_path) from None
+            if pending is not None:
+                if pending.anchor != anchor or pending.done:
+                    raise AnchorNotDurable(f"{anchor_path}: {pending.anchor} is not a pending checkpoint of this anchor",
+                                           path=anchor_path)
+                anchor_path = pending.tmp
+            else:
+                try:
+                    read_manifest(anchor_path)
+                except ManifestError as e:
+                    raise AnchorNotDurable(f"{anchor_path}: anchor is not a durable trainer checkpoint ({e}); "
+                                           "publish or seal it before taking a snapshot anchored to it",
+                                           path=anchor_path) from None
             # Never reuse a number, even one a crashed attempt or retention has removed.
             sequence = max(inv.max_sequence(), self._last_sequence) + 1
             self._last_sequence = sequence
             target = snapshot_dir(self.root, anchor, sequence)
+            if pending is not None:
+                target = anchor_path / target.relative_to(target.parents[1])
             try:
                 parent = target.parent
                 if not parent.is_dir():
@@ -401,7 +430,11 @@ class Publisher:
                 tmp = self._make_tmp(target)
             except OSError as e:
                 raise _fail("creating the temporary directory", target, e) from e
-            return SnapshotStage(self, anchor, sequence, tmp, target, cleaned)
+            stage = SnapshotStage(self, anchor, sequence, tmp, target, cleaned)
+            if pending is not None:
+                stage.pending = pending
+                pending.snapshots.append(stage)
+            return stage
 
     def _abort(self, stage: SnapshotStage) -> None:
         with self._lock:
@@ -414,6 +447,9 @@ class Publisher:
             raise PublishError(f"{stage.target}: this stage was already published or aborted")
         with self._lock:
             t0 = time.perf_counter()
+            if stage.pending is not None and stage.pending.published is None:
+                raise AnchorNotDurable(f"{stage.target}: its anchor {stage.anchor} is not published yet; publish it "
+                                       "first (a snapshot never anchors to an unpublished checkpoint)", path=stage.target)
             try:
                 try:
                     if not stage.db_path.is_file():
@@ -498,5 +534,5 @@ class Publisher:
 
 __all__ = [
     "BOOTSTRAP", "AnchorNotDurable", "BackgroundWorkError", "PublishError", "Published", "Publisher",
-    "SnapshotStage", "commit_directory", "record_high_water",
+    "SnapshotStage", "commit_directory", "record_high_water", "rename_into_place", "seal_directory",
 ]
