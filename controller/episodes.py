@@ -61,8 +61,6 @@ class Episode:
     finish_reasons: list[str] = field(default_factory=list)
     done: bool = False
     reward: float = 0.0
-    restored_turns: int = 0  # turns taken over from a saved episode (0: started fresh)
-    last_call_tokens: int = 0  # tokens the last absorbed call decoded
 
     @classmethod
     def start(cls, env: Environment, prompt_id: int, *, key: str, seed: int) -> Episode:
@@ -80,7 +78,7 @@ class Episode:
         prompt, _fresh = env.start(prompt_id)
         return cls(key=key, prompt_ids=list(prompt), state=dict(state), seed=seed, max_turns=env.max_turns,
                    turn=turn, token_ids=list(token_ids), logprobs=list(logprobs),
-                   token_versions=list(token_versions), restored_turns=turn)
+                   token_versions=list(token_versions))
 
     @property
     def policy_tokens(self) -> int:
@@ -112,7 +110,6 @@ class Episode:
         self.logprobs += out.logprobs
         self.token_versions += out.token_versions
         self.finish_reasons.append(out.finish_reason)
-        self.last_call_tokens = len(out.token_ids)
         reply, self.state = env.step(self.state, out.token_ids)
         self.turn += 1
         if reply.done or self.turn >= self.max_turns:
