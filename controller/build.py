@@ -91,14 +91,26 @@ def build_task(config: Config, policy_dir: Path, found=None) -> tuple[PromptData
     return dataset, env
 
 
-def build_env_checkpoint(config: Config) -> EnvironmentCheckpoint:
-    """The snapshot's environment phase for the configured environment. The embedded
-    digit tasks keep no state between snapshots (a restore replays their episodes from
-    the ledger), so today this is always `NoEnvironmentCheckpoint`; an environment server
-    that holds episodes (the wave-2 environment-server work, ARCHITECTURE.md) returns
-    its own backend here."""
-    del config  # one backend today; the choice will read config.environment
+def build_env_checkpoint(config: Config, agents=None) -> EnvironmentCheckpoint:
+    """The snapshot's environment phase: the agent servers' HTTP backend when the run has
+    servers (`agents`, from `build_agents`), else `NoEnvironmentCheckpoint` (the embedded
+    tasks keep nothing between snapshots: turn-level progress is in the store)."""
+    if config.environment.servers:
+        if agents is None:
+            raise ValueError("a run with environment.servers needs its AgentPool (build_agents) for its checkpoints")
+        return agents.checkpoint()
     return NoEnvironmentCheckpoint()
+
+
+def build_agents(config: Config, engine, *, config_path: Path, policy_dir: Path, log_dir: Path, log_event=None):
+    """The run's agent servers and its policy endpoint (not started), or None without
+    `environment.servers`. aiohttp is imported only here."""
+    if not config.environment.servers:
+        return None
+    from rolloutdb.controller.agent_server.client import AgentPool
+
+    return AgentPool(config, engine, config_path=config_path, policy_dir=policy_dir, log_dir=log_dir,
+                     log_event=log_event)
 
 
 def build_trainer(config: Config, policy_dir: Path) -> Trainer:

@@ -60,6 +60,7 @@ class Controller:
         self.restored: list[tuple[GroupHandle, list[int]]] = []
         self.saved_episodes: dict = {}  # (group, generation) -> SavedEpisode, for turn-level recovery
         self.snapshotter: SnapshotPump | None = None
+        self.agents = None  # AgentPool with environment.servers (controller/agent_server/client.py)
 
     def _progress(self) -> Progress:
         return Progress(step=self.trainer.step, policy_version=self.engine.policy_version)
@@ -101,6 +102,30 @@ class Controller:
             self.store = self.create_store()
         if done is not None:
             resuming.announce(self, done)
+        self.agents = build.build_agents(cfg, self.engine, config_path=self.dirs.config, policy_dir=policy_dir,
+                                         log_dir=self.dirs.logs, log_event=self._log)
+        env_checkpoint = build.build_env_checkpoint(cfg, self.agents)
+        if self.agents is None:
+            self._setup_pumps(env_checkpoint)
+            return
+        self.agents.start()
+        # The agents the snapshot holds go back to their servers; if anything later in
+        # setup fails, the scope takes them off again.
+        with env_checkpoint.restore_scope(self._saved_agents()):
+            self._setup_pumps(env_checkpoint)
+
+    def _saved_agents(self) -> dict[str, dict]:
+        """What the restored snapshot's env_episodes hold, keyed by the abandoned attempt's
+        episode key, with the prompt id that routes each to its server."""
+        prompts = {g.group_id: g.reservation.prompt_id for g, _ in self.restored}
+        return {
+            s.key: {"prompt_id": prompts[group_id], "turn": s.turn, "state": s.state, "token_ids": s.token_ids,
+                    "logprobs": s.logprobs, "token_versions": s.token_versions}
+            for (group_id, _), s in self.saved_episodes.items() if s.token_ids is not None and group_id in prompts
+        }
+
+    def _setup_pumps(self, env_checkpoint) -> None:
+        cfg = self.config
         self.checkpoints = TrainerCheckpoints(cfg, self.trainer, self.publisher, log_event=self._log,
                                               on_published=self._checkpoint_published)
         self.checkpoints.publish_bootstrap()
@@ -123,6 +148,7 @@ class Controller:
             read_progress=self._progress,
             log_event=self._log,
             tracer=self.tracer,
+            agents=self.agents,
         )
         if cfg.rollout_checkpointing.enabled:
             self.snapshotter = SnapshotPump(
@@ -130,7 +156,7 @@ class Controller:
                 self.publisher,
                 interval_s=cfg.rollout_checkpointing.interval_s,
                 config_text=cfg.to_yaml(),
-                env_checkpoint=build.build_env_checkpoint(cfg),
+                env_checkpoint=env_checkpoint,
             )
 
     def create_store(self) -> Store:
@@ -252,7 +278,7 @@ class Controller:
         return RunSummary(self.dirs.root, len(steps), summary_line(steps), plot, wall_s)
 
     def close(self) -> None:
-        for name in ("bar", "publisher", "tracer", "metrics", "store"):
+        for name in ("agents", "bar", "publisher", "tracer", "metrics", "store"):
             part = getattr(self, name, None)
             if part is not None:
                 part.close()

@@ -61,6 +61,14 @@ class LedgerDispatch:
         group.attempt_numbers = {i: numbers[a] for i, a in zip(generations, ids)}
         group.policy_version = policy_version
 
+    def retry(self, tx: Connection, lost: Sequence[tuple[GroupHandle, int, str]], *, policy_version: int) -> None:
+        """Abandon the running attempts of these (group, generation)s with their reason
+        (an agent server lost them) and start new ones."""
+        for reason in sorted({r for _, _, r in lost}):
+            ledger.abandon_attempts(tx, [g.attempts[i] for g, i, r in lost if r == reason], reason)
+        for group, index, _ in lost:
+            self.redispatch(tx, group, [index], policy_version=policy_version)
+
     def finish(self, tx: Connection, wave: Sequence[tuple[GroupHandle, dict[int, FinishedGeneration]]]) -> None:
         ledger.finish_attempts(tx, [(g.attempts[i], gen) for g, finished in wave for i, gen in finished.items()])
 
@@ -97,6 +105,9 @@ class NoLedgerDispatch:
 
     def redispatch(self, tx: Connection, group: GroupHandle, generations: Sequence[int], *, policy_version: int) -> None:
         raise RuntimeError("no-ledger dispatch has no restored in-flight groups to redispatch")
+
+    def retry(self, tx: Connection, lost: Sequence[tuple[GroupHandle, int, str]], *, policy_version: int) -> None:
+        raise RuntimeError("no-ledger dispatch runs no agent servers (the config refuses them)")
 
     def finish(self, tx: Connection, wave: Sequence[tuple[GroupHandle, dict[int, FinishedGeneration]]]) -> None:
         ledger.write_samples(

@@ -24,6 +24,11 @@ POINTS: tuple[str, ...] = faults.register(
     "train.after_checkpoint_publish",
     "snapshot.after_cut",
     "resume.after_restore",
+    # environment servers in export_restore mode: the snapshot's environment phase
+    "env.after_prepare",
+    "env.after_commit",
+    "env.after_drain",
+    "env.after_export",
 )
 
 # Reached only with checkpointing.async: true (the crash tests give those chains it).
@@ -33,3 +38,7 @@ ASYNC_POINTS: tuple[str, ...] = (
     "train.before_checkpoint_publish",
     "train.after_checkpoint_publish",
 )
+
+# Reached only with an environment server in export_restore mode (the agent-server
+# crash tests, tests/test_agent_server_faults.py, kill at each).
+ENV_POINTS: tuple[str, ...] = ("env.after_prepare", "env.after_commit", "env.after_drain", "env.after_export")

@@ -35,6 +35,8 @@ class Pending:
     finished: list[tuple[Any, Any]] = field(default_factory=list)
     progress: dict[Any, Any] = field(default_factory=dict)
     completed: list[Any] = field(default_factory=list)
+    # (live episode, abandon reason): attempts an agent server lost, to abandon and start again
+    retries: list[tuple[Any, str]] = field(default_factory=list)
     events: int = 0
     first_event_at: float | None = None
 
@@ -70,6 +72,10 @@ class CommitBatch:
     def drop_progress(self, attempt_key: Any) -> None:
         """The attempt finished in this batch: its sample replaces its saved progress."""
         self._pending.progress.pop(attempt_key, None)
+
+    def add_retry(self, live: Any, reason: str) -> None:
+        self._pending.retries.append((live, reason))
+        self._event()
 
     def add_completed(self, group: Any) -> None:
         self._pending.completed.append(group)

@@ -144,6 +144,7 @@ def restore_run(ctl) -> Restored:
         ctl.trainer.load_checkpoint(selection.anchor.path)  # its files were checked against its manifest
         ctl.engine.load_weights(ctl.trainer.export_weights(), ctl.trainer.step)
 
+    check_server_modes(ctl.config, plan.selection.snapshot.path if plan.selection else None)
     try:
         restore_plan = _restore(ctl, plan, load_weights)
     except NoRestorableSnapshot as e:  # every pair failed at restore: still nothing written
@@ -160,6 +161,32 @@ def restore_run(ctl) -> Restored:
         for g in sorted(restore_plan.redispatch + restore_plan.to_finalize, key=lambda g: g.sample_seq)
     ]
     return Restored(plan, store, groups, restore_plan, dropped, t0=t0)
+
+
+def check_server_modes(config, snapshot_dir: Path | None) -> None:
+    """Refuse (before anything is written) a restore whose agent servers run in other
+    checkpoint modes than they did when the snapshot was taken: an export_restore
+    snapshot's agents would go to a server that cannot take them, or a restart_only
+    snapshot would be read as holding agents. The snapshot's config.yaml records the
+    modes; the config fingerprint already covers which servers there are."""
+    if snapshot_dir is None:
+        return
+    import yaml
+
+    path = snapshot_dir / "config.yaml"
+    try:
+        old = yaml.safe_load(path.read_text()) if path.is_file() else {}
+    except (OSError, yaml.YAMLError):
+        return  # the snapshot's own checks report a damaged file
+    servers = ((old or {}).get("environment") or {}).get("servers") or [] if isinstance(old, dict) else []
+    then = {s.get("name"): s.get("mode", "export_restore") for s in servers if isinstance(s, dict)}
+    now = {s.name: s.mode for s in config.environment.servers}
+    differ = [f"{n}: {then.get(n, 'no server')} in the snapshot, {now.get(n, 'no server')} now"
+              for n in sorted(set(then) | set(now), key=str) if then.get(n) != now.get(n)]
+    if differ:
+        raise ResumeError(f"environment servers changed checkpoint mode since {snapshot_dir.name} ({'; '.join(differ)}), "
+                          "so its agents cannot be restored as they were saved; nothing was changed: resume with the "
+                          "modes the run had (environment.servers[].mode), or pass --start-over")
 
 
 def _restore(ctl, plan: ResumePlan, load_weights):

@@ -52,6 +52,9 @@ from rolloutdb.store import (
 
 ZERO_VARIANCE = ledger.ZERO_REWARD_VARIANCE  # the store owns the names of the reasons the algorithm owns
 IDLE_WAIT_S = 0.5
+# Episodes an agent server may lose in a row (every one since its last finished episode)
+# before the run stops: a server that comes back and fails every episode is broken.
+MAX_LOST_IN_A_ROW = 1000
 
 
 @dataclass(eq=False)
@@ -64,6 +67,7 @@ class LiveEpisode:
     attempt: int
     episode: Episode
     from_attempt: int | None = None  # the abandoned attempt whose saved turns it continues
+    continue_from: str | None = None  # on an agent server: the installed agent it continues
 
     def progress(self) -> EpisodeProgress:
         e = self.episode
@@ -112,6 +116,11 @@ class RolloutPump:
         self._waiting_replay: list[GroupHandle] = []  # completed, kept, no permit yet
         self._flat_streak = 0  # zero-variance groups discarded in a row
         self.trace = RolloutTrace(parts.tracer)
+        # Agent servers run whole episodes (each future is one episode, not one call)
+        self.agents = parts.agents
+        self._lost_in_a_row: dict[str, int] = {}
+        if self.agents is not None:
+            self.agents.on_call = self._served_call
         self._last_opened = self._derive_last_opened()
         with self.p.store.read() as conn:
             self._open_shortfall = bool(pools.get_shortfall(conn))
@@ -155,8 +164,9 @@ class RolloutPump:
 
     def _abort_running(self) -> None:
         """At a stop the calls in flight are abandoned: a resume redoes them (from their
-        episode's last committed turn at turn level)."""
-        if self._running:
+        episode's last committed turn at turn level). Agent servers' episodes end when
+        the controller closes its policy endpoint (their calls fail)."""
+        if self._running and self.agents is None:
             ids = [f"{live.episode.key}-t{live.episode.turn}" for live in self._running.values()]
             try:
                 self.p.engine.abort(ids)
@@ -199,11 +209,57 @@ class RolloutPump:
     # ------------------------------------------------------------------ calls
 
     def _submit(self, live: LiveEpisode) -> None:
-        future = self.p.engine.submit(live.episode.request(self.p.env, self.params))
+        if self.agents is not None:
+            future = self.agents.run(live, key=live.episode.key, prompt_id=live.group.reservation.prompt_id,
+                                     seed=live.episode.seed, params=self.params, continue_from=live.continue_from)
+        else:
+            future = self.p.engine.submit(live.episode.request(self.p.env, self.params))
         self._running[future] = live
         future.add_done_callback(self._done.put)
 
+    def _served_call(self, live: LiveEpisode, turn: int, result) -> None:
+        """A model call an agent server made for `live` (on the HTTP loop's thread)."""
+        self.meter.call()
+        self.trace.call_finished(live.group, live.index, turn=turn, tokens=len(result.token_ids),
+                                 finish_reason=result.finish_reason)
+
+    def _on_episode(self, future: Future) -> None:
+        """An agent server's episode ended: its sample goes in the batch; an episode the
+        server lost (it died, or the deadline passed) is abandoned with that reason and
+        started again in the same batch."""
+        live = self._running.pop(future)
+        outcome = future.result()  # a protocol error fails the pump, and the run
+        if outcome.status != "finished":
+            if self.p.runtime.stop.is_set():
+                return  # the controller is stopping: a resume redoes it
+            lost = self._lost_in_a_row[outcome.server] = self._lost_in_a_row.get(outcome.server, 0) + 1
+            if lost > MAX_LOST_IN_A_ROW:
+                raise RuntimeError(f"agent server {outcome.server} lost {lost} episodes in a row; the last: "
+                                   f"{outcome.error} (see logs/agent_server_{outcome.server}.log)")
+            self.batch.add_retry(live, outcome.status)
+            return
+        self._lost_in_a_row[outcome.server] = 0
+        e = live.episode
+        e.turn, e.reward, e.done = outcome.turn, outcome.reward, True
+        e.token_ids, e.logprobs, e.token_versions = outcome.token_ids, outcome.logprobs, outcome.token_versions
+        e.finish_reasons = outcome.finish_reasons
+        self._episode_done(live)
+
+    def _episode_done(self, live: LiveEpisode) -> None:
+        e = live.episode
+        self.batch.drop_progress((live.group.group_id, live.index))
+        self.batch.add_finished(live, FinishedGeneration(
+            token_ids=e.token_ids, logprobs=e.logprobs, reward=e.reward,
+            version_token_counts=codec.version_runs(e.token_versions)))
+        run = self._groups[live.group.group_id]
+        run.outstanding.discard(live.index)
+        if not run.outstanding:
+            del self._groups[live.group.group_id]
+            self.batch.add_completed(run.handle)
+
     def _on_call(self, future: Future) -> None:
+        if self.agents is not None:
+            return self._on_episode(future)
         live = self._running.pop(future)
         result = future.result()  # an engine error fails the pump, and the run
         if result.finish_reason == "abort":
@@ -217,20 +273,11 @@ class RolloutPump:
         self.meter.call()
         self.trace.call_finished(live.group, live.index, turn=turn, tokens=len(result.token_ids),
                                  finish_reason=result.finish_reason)
-        key = (live.group.group_id, live.index)
         if e.done:
-            self.batch.drop_progress(key)
-            self.batch.add_finished(live, FinishedGeneration(
-                token_ids=e.token_ids, logprobs=e.logprobs, reward=e.reward,
-                version_token_counts=codec.version_runs(e.token_versions)))
-            run = self._groups[live.group.group_id]
-            run.outstanding.discard(live.index)
-            if not run.outstanding:
-                del self._groups[live.group.group_id]
-                self.batch.add_completed(run.handle)
+            self._episode_done(live)
         else:
             if self.turn_level:
-                self.batch.add_progress(key, live)
+                self.batch.add_progress((live.group.group_id, live.index), live)
             self._submit(live)  # the next turn starts now; its save follows in the batch
         faults.point("pump.call_finished_uncommitted")
 
@@ -253,6 +300,7 @@ class RolloutPump:
                 by_group.setdefault(live.group.group_id, (live.group, {}))[1][live.index] = gen
             if by_group:
                 self.p.dispatcher.finish(tx, list(by_group.values()))
+            retried = self._retry_lost(tx, pending.retries, progress.policy_version)
             restored_started, finalize = self._dispatch_restored(tx, progress.policy_version)
             completed += finalize
             keep, drop = self._split_by_variance(tx, completed)
@@ -274,7 +322,7 @@ class RolloutPump:
                                                 self._room() - len(restored_started))
             t_commit = time.time()  # before the commit: the trace stamps this batch's events with it
         t1 = time.perf_counter()
-        started = restored_started + self._episodes_for(new_groups)  # env.start outside the transaction
+        started = retried + restored_started + self._episodes_for(new_groups)  # env.start outside the transaction
         self._after_commit(pending, new_groups, restored_started, entered, drop, counts, t_commit)
         for live in started:
             self._submit(live)
@@ -292,6 +340,10 @@ class RolloutPump:
                       entered: list[GroupHandle], drop: list[GroupHandle], counts: dict, t_commit: float) -> None:
         """Fault points and trace events of a committed batch (the trace records only
         what is durable, except `call_finished`), stamped with the batch's time."""
+        if pending.retries and self.trace.enabled:
+            self.trace.at(t_commit).abandoned(
+                [(live.group.group_id, live.group.reservation.prompt_id, live.index, live.attempt,
+                  live.group.target_step) for live, _ in pending.retries], "error")
         if new_groups or restored:
             faults.point("pump.after_dispatch")
         if pending.progress:
@@ -323,6 +375,15 @@ class RolloutPump:
         trace.entered_replay(entered, counts)
 
     # ------------------------------------------------------------------ dispatch
+
+    def _retry_lost(self, tx, lost: list[tuple[LiveEpisode, str]], policy_version: int) -> list[LiveEpisode]:
+        """New attempts for the episodes an agent server lost, from their start (the
+        server's agent is gone with it)."""
+        if not lost:
+            return []
+        self.p.dispatcher.retry(tx, [(live.group, live.index, reason) for live, reason in lost],
+                                policy_version=policy_version)
+        return [self._live(live.group, live.index) for live, _ in lost]
 
     def _dispatch_restored(self, tx, policy_version: int) -> tuple[list[LiveEpisode], list[GroupHandle]]:
         """New attempts for the restored groups' unfinished generations, as many as
@@ -394,12 +455,28 @@ class RolloutPump:
         seed = call_seed(self.p.config.run.seed, r.epoch, r.prompt_id, index)
         attempt_id = (group.attempts or {}).get(index)
         saved = self._saved.pop((group.group_id, index), None)
+        if self.agents is not None:
+            return self._remote(group, index, attempt_id, attempt, seed, saved)
         if saved is not None and saved.token_ids is not None:
             episode = Episode.resumed(self.p.env, r.prompt_id, key=key, seed=seed, turn=saved.turn,
                                       state=saved.state, token_ids=saved.token_ids, logprobs=saved.logprobs or [],
                                       token_versions=saved.token_versions or [])
             return LiveEpisode(group, index, attempt_id, attempt, episode, from_attempt=saved.attempt)
         return LiveEpisode(group, index, attempt_id, attempt, Episode.start(self.p.env, r.prompt_id, key=key, seed=seed))
+
+    def _remote(self, group: GroupHandle, index: int, attempt_id: int | None, attempt: int, seed: int,
+                saved: SavedEpisode | None) -> LiveEpisode:
+        """An episode an agent server runs, keyed by the ledger's episode key. The Episode
+        only carries what the pump reports (the server holds the real one); a restored
+        one continues the agent its server exported, which the restore installed."""
+        key = pools.episode_key(group.group_id, index, attempt)
+        episode = Episode(key=key, prompt_ids=[], state={}, seed=seed, max_turns=0)
+        live = LiveEpisode(group, index, attempt_id, attempt, episode)
+        if saved is not None and saved.token_ids is not None and self.agents.exports(group.reservation.prompt_id):
+            live.continue_from, live.from_attempt = saved.key, saved.attempt
+            episode.turn, episode.token_ids = saved.turn, list(saved.token_ids)
+            episode.logprobs, episode.token_versions = list(saved.logprobs or []), list(saved.token_versions or [])
+        return live
 
     # ------------------------------------------------------------------ completion
 

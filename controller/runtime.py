@@ -46,6 +46,12 @@ no code starts:
 - `rolloutdb-restore-integrity`: during a restore (main thread, before the pumps
   start), `PRAGMA integrity_check` of the snapshot's file while it is copied
   (`store/restore/copying.py`, `SourceIntegrityCheck`).
+- `rolloutdb-http`: with agent servers (`environment.servers`), the asyncio loop of
+  `controller/agent_server/http_loop.py`: serves the policy endpoint (each call handed
+  to the engine's `submit`, holding no lock) and runs every HTTP client call to the
+  servers. The pumps reach it only through futures.
+- `rolloutdb-agent-start_<n>`: at setup, starts the agent server processes the
+  controller owns, in parallel (a pool that ends with setup).
 - `rolloutdb-restore-hash`: during a restore, a one-thread pool that hashes each copied
   range while the next one is read (`copy_hashing`).
 
@@ -140,3 +146,6 @@ class RolloutParts:
     # Tracing off is a NullTracer (every call does nothing), never None: no code path
     # asks whether there is a tracer (tests/test_tracing_off.py).
     tracer: Tracer | NullTracer = field(default_factory=NullTracer)
+    # Agent servers (environment.servers): episodes run there, not on `env`
+    # (controller/agent_server/client.py, AgentPool); None: episodes run in the controller.
+    agents: Any = None

@@ -8,11 +8,14 @@ An attempt, in order:
    (`skipped_unchanged`), unless forced;
 2. resolve the anchor: `bootstrap` before the first step, else `step_<N>`; skip unless
    that trainer checkpoint is durable (`skipped_not_durable`);
-3. the environment phase (retire, prepare, commit, drain), for backends that hold
-   rollout state; abort if an optimizer commit starts meanwhile (`aborted_commit`);
+3. the environment phase (retire, prepare, commit, drain, export), for backends that
+   hold rollout state (controller/agent_server/client.py); a server that fails it fails
+   the attempt, never the run; abort if an optimizer commit starts meanwhile
+   (`aborted_commit`);
 4. the cut: take the commit lock without waiting, begin the read transaction, re-check
    the trainer has not moved and the environment's export against the ledger as of the
-   cut, release the commit lock, and copy the store as of that cut. The pumps are never
+   cut, release the commit lock, and copy the store as of that cut (the checked export
+   goes into the copy's `env_episodes`: the snapshot's own file). The pumps are never
    stopped: the only exclusive hold is the commit lock, for the time it takes to begin a
    read transaction;
 5. leave the environment phase (resume) before any fsync;
@@ -50,7 +53,7 @@ from typing import Any
 
 from rolloutdb.controller.env_checkpoint import EnvironmentCheckpoint
 from rolloutdb.controller.runtime import RolloutParts
-from rolloutdb.store import Publisher, PublishError, anchor_name, faults, queries, scan
+from rolloutdb.store import EpisodeProgress, Publisher, PublishError, anchor_name, faults, pools, queries, scan
 
 log = logging.getLogger("rolloutdb.controller")
 
@@ -68,6 +71,17 @@ class _CutWaiter:
 
 class AbortedCommit(Exception):
     """An optimizer commit started between resolving the anchor and the cut."""
+
+
+class ExportMismatch(RuntimeError):
+    """The environment's export disagrees with the ledger at the cut."""
+
+
+def _episodes_into_copy(out, rows) -> int:
+    """The checked export into the snapshot's own `env_episodes` (capture's `into_copy`)."""
+    if rows:
+        pools.put_episodes(out, rows)
+    return len(rows or ())
 
 
 @dataclass
@@ -122,6 +136,9 @@ class SnapshotPump:
         self._last_counter: int | None = None
         self._pending: Any = None  # store.TrainerStage: an async checkpoint not yet published
         self._held: list[_Held] = []  # touched under the save lock only
+        self._retired: set[str] = set()  # the keys this attempt's retire named
+        self._export: dict[str, dict] = {}  # this attempt's export, read after drain
+        self._expected: set[str] = set()
         # The latest attempts, for tests and benchmarks; bounded for runs of days.
         self.results: deque[AttemptResult] = deque(maxlen=1024)
 
@@ -278,11 +295,27 @@ class SnapshotPump:
         timings = {"lock_and_anchor": time.perf_counter() - t0}
 
         t_env = time.perf_counter()
-        self.env.retire(self._abandoned_episode_keys())
-        self.env.prepare()
         try:
-            self.env.commit()
-            self.env.drain()
+            self._retired = set(self._abandoned_episode_keys())
+            self.env.retire(sorted(self._retired))
+        except Exception as e:  # noqa: BLE001 - a server that does not answer fails this attempt, not the run
+            return AttemptResult("failed", anchor, timings=timings, error=f"environment retire: {type(e).__name__}: {e}")
+        try:
+            try:
+                self.env.prepare()
+                faults.point("env.after_prepare")
+                self.env.commit()
+                faults.point("env.after_commit")
+                self.env.drain()
+                faults.point("env.after_drain")
+                # Read before the cut: the export was fixed at commit, and the cut's
+                # exclusive hold (the commit lock) must not wait on a server.
+                self._export = self.env.export()
+                self._expected = set(self.env.expected_keys()) if hasattr(self.env, "expected_keys") else set()
+                faults.point("env.after_export")
+            except Exception as e:  # noqa: BLE001 - as above
+                return AttemptResult("failed", anchor, timings=timings,
+                                     error=f"environment phase: {type(e).__name__}: {e}")
             timings["environment"] = time.perf_counter() - t_env
             if rt.commit_lock.locked() or self.p.read_progress().step != step:
                 return AttemptResult("aborted_commit", anchor, timings=timings)
@@ -300,9 +333,11 @@ class SnapshotPump:
                 return AttemptResult("failed", anchor, stage.sequence, timings, f"{type(e).__name__}: {e}")
         finally:
             self.env.resume()  # dispatch reopens before any fsync of the snapshot
+            if self.env.holds_rollout_state:
+                timings["environment_hold"] = time.perf_counter() - t_env
         faults.point("snapshot.after_cut")
         timings.update({f"cut_{k}": v for k, v in capture.timings.items()})
-        export = capture.check_result
+        export = None  # the environment's export is in the snapshot's own file (env_episodes)
         if pending is not None:
             timings["_held_at"] = time.perf_counter()
             result = AttemptResult(HELD, anchor, stage.sequence, timings, None, capture.mutation_counter)
@@ -341,21 +376,47 @@ class SnapshotPump:
                 held[0] = False
 
         try:
-            return self.p.store.capture(db_path, at_cut=at_cut)
+            return self.p.store.capture(db_path, at_cut=at_cut, into_copy=_episodes_into_copy)
         finally:
             if held[0]:
                 rt.commit_lock.release()
 
-    def _checked_export(self, conn) -> dict[str, dict]:
-        """The environment's export must name only attempts running as of the cut."""
-        export = self.env.export()
-        if not export:
-            return {}
-        running = set(queries.episode_keys(conn, "running"))
-        stray = sorted(set(export) - running)
-        if stray:
-            raise RuntimeError(f"environment export names {len(stray)} episodes the ledger does not run: {stray[:3]}")
-        return export
+    def _checked_export(self, conn) -> list[EpisodeProgress]:
+        """The environment's export, checked against the ledger as of the cut, as the
+        rows the snapshot's `env_episodes` gets (attempts still running at the cut).
+
+        Refused (the attempt fails with this message, nothing is published): a key the
+        ledger does not know or that this attempt retired (the server kept an episode it
+        was told to forget), and an attempt the server had acknowledged before the
+        export, that the ledger still runs at the cut, missing from it (the server lost
+        an agent). An exported attempt that finished after the export is dropped: its
+        sample is in the cut."""
+        export, expected = self._export, self._expected
+        if not export and not expected:
+            return []
+        known = queries.attempts_by_key(conn, set(export) | expected)
+        unknown = sorted(k for k in export if k not in known or k in self._retired)
+        missing = sorted(k for k in expected if known.get(k, (0, ""))[1] == "running" and k not in export)
+        if unknown or missing:
+            said = []
+            if unknown:
+                said.append(f"{len(unknown)} unknown or retired episodes ({', '.join(unknown[:3])})")
+            if missing:
+                said.append(f"{len(missing)} running attempts missing ({', '.join(missing[:3])})")
+            raise ExportMismatch(f"the environment's export disagrees with the ledger at the cut: {'; '.join(said)}; "
+                                 "the snapshot was refused")
+        rows = []
+        for key, agent in sorted(export.items()):
+            attempt_id, state = known[key]
+            if state != "running":
+                continue
+            rollout, attempt = key.rsplit("-a", 1)
+            group, generation = rollout.split(".", 1)
+            rows.append(EpisodeProgress(
+                attempt_id=attempt_id, group_id=int(group), generation_index=int(generation), attempt=int(attempt),
+                turn=agent["turn"], state=agent["state"], token_ids=agent.get("token_ids"),
+                logprobs=agent.get("logprobs"), token_versions=agent.get("token_versions")))
+        return rows
 
     def _abandoned_episode_keys(self) -> list[str]:
         if not self.env.holds_rollout_state:

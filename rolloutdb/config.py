@@ -210,6 +210,33 @@ class TrainerSection(FactoryFields):
     """A trainer by import path; null factory: the built-in GRPO trainer."""
 
 
+ServerMode = Literal["export_restore", "restart_only", "stateless"]
+
+
+class EnvironmentServerSection(Section):
+    """One agent server (docs/agent_server.md): a separate process that runs this run's
+    built-in task, with its own checkpoint mode. Prompts go to servers by prompt id
+    (prompt_id mod the number of servers), so a prompt always meets the same server."""
+
+    name: str = Field(pattern=r"^[a-z0-9][a-z0-9_-]{0,31}$", description="The server's name in logs, the trace and "
+                                                                         "restore checks.")
+    mode: ServerMode = Field("export_restore", description="export_restore: its agents are exported at each "
+                             "snapshot's cut and continue from there after a stop; restart_only: its episodes "
+                             "restart after a stop, it never blocks a snapshot; stateless: single-turn, nothing "
+                             "to export.")
+    url: str | None = Field(None, pattern=r"^https?://[^\s/]+(:[0-9]+)?/?$",
+                            description="A running server's base URL; null: the controller starts one on a free "
+                                        "loopback port and stops it at the end.")
+    kind: Literal["copy", "successor", "reverse"] | None = Field(None, description="This server's task kind; null: "
+                                                                                   "environment.kind.")
+    turns: int | None = Field(None, ge=1, le=8, description="This server's turns per episode; null: environment.turns.")
+    lease_s: float = Field(30.0, gt=0, le=3600, description="How long a prepared server waits for resume before it "
+                                                             "reopens dispatch by itself (the controller died).")
+    start_timeout_s: float = Field(120.0, gt=0, le=3600, description="How long to wait for the server's /health.")
+    episode_timeout_s: float = Field(600.0, gt=0, le=86_400, description="An episode's deadline on the server, "
+                                                                          "paused while a checkpoint holds dispatch.")
+
+
 class EnvironmentSection(FactoryFields):
     task: Literal["digits", "digits_longtail"] = Field(
         "digits", description="The verifiable digit-string task; digits_longtail: target lengths drawn from a "
@@ -223,6 +250,30 @@ class EnvironmentSection(FactoryFields):
                                                              "(task digits_longtail).")
     turns: int = Field(1, ge=1, le=8, description="1 = single-turn; more = multi-turn episodes.")
     dataset_size: int = Field(512, ge=1, le=1_000_000)
+    servers: list[EnvironmentServerSection] = Field(default_factory=list, description="Agent servers that run the "
+                                                    "episodes over HTTP; empty: episodes run in the controller.")
+
+    def turns_of(self, server: EnvironmentServerSection | None) -> int:
+        return self.turns if server is None or server.turns is None else server.turns
+
+    def kind_of(self, server: EnvironmentServerSection | None) -> str:
+        return self.kind if server is None or server.kind is None else server.kind
+
+    @model_validator(mode="after")
+    def _servers_distinct(self):
+        names = [s.name for s in self.servers]
+        if len(set(names)) != len(names):
+            raise ValueError(f"servers: names repeat ({', '.join(sorted({n for n in names if names.count(n) > 1}))}); "
+                             "give each server its own name")
+        if self.servers and self.factory is not None:
+            raise ValueError("servers: agent servers run the built-in tasks; a custom environment factory runs in "
+                             "the controller: remove one of the two")
+        for s in self.servers:
+            if s.mode == "stateless" and self.turns_of(s) > 1:
+                raise ValueError(f"servers: {s.name} is stateless but runs {self.turns_of(s)} turns; a stateless "
+                                 "server keeps nothing between turns, so it serves single-turn tasks only: set its "
+                                 "turns to 1 or its mode to restart_only")
+        return self
 
 
 class CheckpointingSection(Section):
@@ -331,6 +382,22 @@ class Config(Section):
         prompt is BOS + the digits + ':'; each later turn adds a reply (at most
         max_tokens) and the environment's answer (' ok\n' + the next digits + ':')."""
         env = self.environment
+        if env.servers and self.dataset.path is not None:
+            raise ValueError("environment.servers: agent servers run the built-in digit tasks; a dataset file needs "
+                             "episodes in the controller: remove dataset.path or the servers")
+        if env.servers and self.rollout_recovery.target_level == "none":
+            raise ValueError("environment.servers: agent servers need ledger dispatch (their episodes are keyed "
+                             "by attempt); set rollout_recovery.target_level to group or turn")
+        exporting = [s.name for s in env.servers if s.mode == "export_restore"]
+        if exporting and self.rollout_recovery.target_level != "turn":
+            raise ValueError(f"environment.servers: {', '.join(exporting)} export their agents for turn-level "
+                             "recovery; set rollout_recovery.target_level: turn, or their mode to restart_only")
+        for turns in sorted({env.turns_of(s) for s in env.servers} | {env.turns}):
+            self._fits(turns)
+        return self
+
+    def _fits(self, turns: int) -> None:
+        env = self.environment
         if env.task == "digits_longtail" and self.dataset.path is None and env.factory is None:
             # The long-tail task sets each reply's limits to (L, L + 1) and the pump clips
             # them to max_tokens: a lower max_tokens would cut the long targets short.
@@ -339,9 +406,8 @@ class Config(Section):
                     f"generation.max_tokens: {self.generation.max_tokens} is shorter than the longest "
                     f"long-tail reply, environment.max_digits + 1 = {env.max_digits + 1} (the target and "
                     "an end of sequence); raise max_tokens or lower max_digits")
-        if self.policy.model_dir is not None or env.turns == 1:
-            return self
-        turns = env.turns
+        if self.policy.model_dir is not None or turns == 1:
+            return
         if env.task == "digits_longtail":
             # Every sub-problem may be max_digits long, and its reply is at most
             # max_digits + 1 tokens whatever max_tokens is (the environment's reply limits).
@@ -352,7 +418,7 @@ class Config(Section):
                     f"environment.max_digits: {turns} turns of up to {n} digits, each answered by up to "
                     f"{n + 1} tokens, make a last prompt of up to {longest} tokens, more than the tiny "
                     f"policy's context of {TINY_POLICY_CONTEXT}; lower max_digits or turns")
-            return self
+            return
         n = env.n_digits
         longest = 1 + (n + 1) + (turns - 1) * (self.generation.max_tokens + 4 + n + 1)
         if longest > TINY_POLICY_CONTEXT:
@@ -361,7 +427,6 @@ class Config(Section):
                 f"environment.turns={turns} turns of {n} digits make a last prompt of up to {longest} tokens, "
                 f"more than the tiny policy's context of {TINY_POLICY_CONTEXT}; lower max_tokens or turns"
             )
-        return self
 
     @property
     def ledger_dispatch(self) -> bool:
@@ -377,6 +442,14 @@ class Config(Section):
         # Only what changes the prompts' tokens; the file's content is the dataset
         # fingerprint. Absent for the digit task, so older runs keep their fingerprint.
         keyed["environment"].pop("factory"); keyed["environment"].pop("options")
+        # Servers: what shapes the episodes (which server a prompt meets, its task) is
+        # fingerprinted; how they are reached is not, and modes get their own check at
+        # restore (a message naming the server). No servers: older runs keep theirs.
+        servers = keyed["environment"].pop("servers")
+        if servers:
+            keyed["environment"]["servers"] = [
+                [s["name"], self.environment.kind_of(srv), self.environment.turns_of(srv)]
+                for s, srv in zip(servers, self.environment.servers)]
         if self.environment.task == "digits":  # keys of the long-tail task only: older runs keep theirs
             keyed["environment"].pop("max_digits"); keyed["environment"].pop("tail_alpha")
         if self.dataset.path is not None:

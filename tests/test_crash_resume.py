@@ -31,7 +31,8 @@ def test_killing_the_main_job_at_fault_points_and_random_moments_loses_nothing(t
     # the async checkpoint points with checkpointing.async off: a plan item that kills
     # nothing lets the run end and the rest of the plan kill nothing.
     plan = [(f"{p}@{1 + rng.randrange(2)}", None) for p in controller_points.POINTS
-            if p not in ("resume.after_restore", "pump.after_turn_commit") and p not in controller_points.ASYNC_POINTS]
+            if p not in ("resume.after_restore", "pump.after_turn_commit") and p not in controller_points.ASYNC_POINTS
+            and p not in controller_points.ENV_POINTS]
     plan.insert(3, ("resume.after_restore", None))  # kills a resume in the middle of the chain
     plan += [(None, rng.uniform(0.2, 2.5)) for _ in range(3)]
     result = run_chain(tmp_path / "run", plan)
@@ -94,7 +95,8 @@ def test_hundreds_of_kills_over_many_chains_never_lose_or_duplicate_a_prompt(tmp
         rng = random.Random(seed)
         # Every other group-level chain checkpoints asynchronously (its points only fire then).
         async_chain = config is GROUP_LEVEL and seed % 2 == 1
-        usable = [p for p in points if async_chain or p not in controller_points.ASYNC_POINTS]
+        usable = [p for p in points if (async_chain or p not in controller_points.ASYNC_POINTS)
+                  and p not in controller_points.ENV_POINTS]
         plan = [(f"{p}@{1 + rng.randrange(3)}", None) for p in rng.sample(usable, 8)]
         plan += [(None, rng.uniform(*config.random_kill_s)) for _ in range(8)]
         rng.shuffle(plan)

@@ -6,7 +6,8 @@
         rollout_snapshots/
           snapshot_<seq>/
             rollout_state.sqlite        the store as of the snapshot's cut
-            env_export.json             the environment's export (when there is one)
+            env_export.json             an environment's export, written by versions before
+                                        agent servers (exports now go into env_episodes)
             config.yaml                 the resolved config
             manifest.json               written last
       step_<N>/                         a trainer checkpoint (the trainer's files)

@@ -53,12 +53,18 @@ def capture_snapshot(
     dst: str | Path,
     *,
     at_cut: Callable[[sqlite3.Connection], Any] | None = None,
+    into_copy: Callable[[sqlite3.Connection, Any], int] | None = None,
 ) -> Capture:
     """Copy the live store at `live_path` into the new file `dst` as of one read cut.
 
     `at_cut(conn)` runs inside the read transaction, before the copy, and sees exactly
     the state being copied; an exception from it aborts the capture (nothing is left at
     `dst`). Its return value is kept in `Capture.check_result`.
+
+    `into_copy(out, check_result)` runs on the copy, in one transaction after it is
+    taken, and returns how many rows it added to `env_episodes`: what belongs to the cut
+    but lives outside the store (an environment server's export) goes into the
+    snapshot's own file this way, never beside it.
     """
     dst = Path(dst)
     if dst.exists():
@@ -80,6 +86,12 @@ def capture_snapshot(
             out.execute("PRAGMA synchronous = OFF")  # publication fsyncs the file
             src.backup(out, pages=-1)
             t_copied = time.perf_counter()
+            if into_copy is not None:
+                out.execute("BEGIN")
+                added = into_copy(out, check)
+                out.execute("COMMIT")
+                if added:
+                    counts["env_episodes"] = counts.get("env_episodes", 0) + added
             out.execute("PRAGMA journal_mode = DELETE")
         src.execute("COMMIT")
     except BaseException:

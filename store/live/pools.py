@@ -5,6 +5,7 @@ transaction, like `ledger.py`."""
 from __future__ import annotations
 
 import json
+import sqlite3
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -248,9 +249,9 @@ class EpisodeProgress:
     attempt: int  # attempt number (0, 1, ...): part of the key
     turn: int  # turns finished so far (the next turn's index)
     state: dict  # the environment's JSON-able state after that turn
-    token_ids: Sequence[int]
-    logprobs: Sequence[float]
-    token_versions: Sequence[int]  # one per token; -1 for environment tokens
+    token_ids: Sequence[int] | None  # None (all three): the state only, no transcript
+    logprobs: Sequence[float] | None
+    token_versions: Sequence[int] | None  # one per token; -1 for environment tokens
 
     @property
     def key(self) -> str:
@@ -276,25 +277,34 @@ def episode_key(group_id: int, generation_index: int, attempt: int) -> str:
 
 
 def _episode_row(p: EpisodeProgress, now: float) -> dict:
+    if p.token_ids is None and p.logprobs is None and p.token_versions is None:
+        return {"episode_key": p.key, "attempt_id": p.attempt_id, "turn": p.turn, "state": _state_json(p),
+                "updated_at": now, "token_ids": None, "logprobs": None, "version_token_counts": None}
+    if p.token_ids is None or p.logprobs is None or p.token_versions is None:
+        raise ValueError(f"episode {p.key}: give token ids, logprobs and token versions, or none of them "
+                         "(nothing was written)")
     n_tokens, n_logprobs, n_versions = len(p.token_ids), len(p.logprobs), len(p.token_versions)
     if not n_tokens == n_logprobs == n_versions:
         raise ValueError(
             f"episode {p.key}: transcript of {n_tokens} token ids, {n_logprobs} logprobs and "
             f"{n_versions} token versions; pass one logprob and one version per token (nothing was written)"
         )
-    try:
-        state = json.dumps(p.state)
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"episode {p.key}: state is not JSON-able ({e}); pass plain dicts, lists, "
-                         "strings and numbers (nothing was written)") from None
     return {
-        "episode_key": p.key, "attempt_id": p.attempt_id, "turn": p.turn, "state": state, "updated_at": now,
+        "episode_key": p.key, "attempt_id": p.attempt_id, "turn": p.turn, "state": _state_json(p), "updated_at": now,
         "token_ids": encode_tokens(p.token_ids), "logprobs": encode_logprobs(p.logprobs),
         "version_token_counts": encode_version_counts(version_runs(p.token_versions)),
     }
 
 
-def put_episodes(conn: Connection, rows: Sequence[EpisodeProgress]) -> None:
+def _state_json(p: EpisodeProgress) -> str:
+    try:
+        return json.dumps(p.state)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"episode {p.key}: state is not JSON-able ({e}); pass plain dicts, lists, "
+                         "strings and numbers (nothing was written)") from None
+
+
+def put_episodes(conn: Connection | sqlite3.Connection, rows: Sequence[EpisodeProgress]) -> None:
     """Save episodes after their last finished turn: one executemany upsert keyed by
     the episode key, no SELECT (it runs inside the pump's group-commit transaction).
     Every row is checked and encoded before anything is written: a transcript whose

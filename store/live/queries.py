@@ -9,8 +9,9 @@ connection of a snapshot cut (`capture_snapshot(at_cut=...)`).
 
 from __future__ import annotations
 
+import json
 import sqlite3
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from sqlalchemy import Connection, func, select
@@ -129,6 +130,32 @@ def episode_keys(conn: Connection | sqlite3.Connection, state: str) -> list[str]
     else:
         rows = conn.exec_driver_sql(_EPISODES_IN_STATE, (state,)).all()
     return [episode_key(g, i, a) for g, i, a in rows]
+
+
+_ATTEMPTS_OF_KEYS = """SELECT r.group_id, r.generation_index, r.attempt, r.attempt_id, r.state
+FROM json_each(?) AS k JOIN rollouts AS r
+  ON r.group_id = json_extract(k.value, '$[0]') AND r.generation_index = json_extract(k.value, '$[1]')
+ AND r.attempt = json_extract(k.value, '$[2]')"""
+
+
+def attempts_by_key(conn: Connection | sqlite3.Connection, keys: Iterable[str]) -> dict[str, tuple[int, str]]:
+    """episode key -> (attempt id, state) for the keys the ledger knows; keys it does not
+    know (or that are not episode keys) are left out. Also over a snapshot cut's raw
+    connection (the snapshot pump checks an environment's export with it)."""
+    parts = []
+    for key in keys:
+        try:
+            rollout, attempt = key.rsplit("-a", 1)
+            group, generation = rollout.split(".", 1)
+            parts.append([int(group), int(generation), int(attempt)])
+        except ValueError:
+            continue
+    if not parts:
+        return {}
+    arg = (json.dumps(parts),)
+    rows = conn.execute(_ATTEMPTS_OF_KEYS, arg).fetchall() if isinstance(conn, sqlite3.Connection) \
+        else conn.exec_driver_sql(_ATTEMPTS_OF_KEYS, arg).all()
+    return {episode_key(g, i, a): (attempt_id, state) for g, i, a, attempt_id, state in rows}
 
 
 def abandoned_by_restart(conn: Connection, since: float) -> list[Any]:

@@ -241,9 +241,9 @@ class Store:
                 )
             )
 
-    def capture(self, dst: str | Path, *, at_cut=None) -> Capture:
+    def capture(self, dst: str | Path, *, at_cut=None, into_copy=None) -> Capture:
         """A consistent copy of the store at one read cut (see `capture.py`)."""
-        return capture_snapshot(self.path, dst, at_cut=at_cut)
+        return capture_snapshot(self.path, dst, at_cut=at_cut, into_copy=into_copy)
 
     def check_invariants(self) -> InvariantReport:
         with contextlib.closing(sqlite3.connect(self.path)) as conn:
