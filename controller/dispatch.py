@@ -58,7 +58,9 @@ class LedgerDispatch:
         ids = ledger.start_attempts(tx, [(group.group_id, i) for i in generations], policy_version=policy_version)
         group.attempts = {**(group.attempts or {}), **dict(zip(generations, ids))}
         numbers = queries.attempt_numbers(tx, ids)
-        group.attempt_numbers = {i: numbers[a] for i, a in zip(generations, ids)}
+        # Merged, not replaced: an agent server's lost episodes are retried one generation
+        # at a time, and the other generations keep the numbers their keys were made from.
+        group.attempt_numbers = {**group.attempt_numbers, **{i: numbers[a] for i, a in zip(generations, ids)}}
         group.policy_version = policy_version
 
     def retry(self, tx: Connection, lost: Sequence[tuple[GroupHandle, int, str]], *, policy_version: int) -> None:

@@ -341,9 +341,12 @@ class RolloutPump:
         """Fault points and trace events of a committed batch (the trace records only
         what is durable, except `call_finished`), stamped with the batch's time."""
         if pending.retries and self.trace.enabled:
-            self.trace.at(t_commit).abandoned(
-                [(live.group.group_id, live.group.reservation.prompt_id, live.index, live.attempt,
-                  live.group.target_step) for live, _ in pending.retries], "error")
+            for why in sorted({reason for _, reason in pending.retries}):  # as the ledger records them
+                self.trace.at(t_commit).abandoned(
+                    [(live.group.group_id, live.group.reservation.prompt_id, live.index, live.attempt,
+                      live.group.target_step) for live, reason in pending.retries if reason == why], why)
+            # Their new attempts (_retry_lost), one generation each.
+            self.trace.at(t_commit).dispatched_generations([(live.group, live.index) for live, _ in pending.retries])
         if new_groups or restored:
             faults.point("pump.after_dispatch")
         if pending.progress:

@@ -57,6 +57,13 @@ class RolloutTrace:
                             generation_index=i, attempt=g.attempt_numbers.get(i, 0), step=g.target_step,
                             policy_version=g.policy_version)
 
+    def dispatched_generations(self, owners: Sequence[tuple[GroupHandle, int]]) -> None:
+        """New attempts of single generations (an agent server's lost episodes, retried)."""
+        if not self.tracer.enabled:
+            return
+        for g, i in owners:
+            self.tracer.emit("attempt_dispatched", **self._attempt(g, i))
+
     def finished(self, owners: Sequence[tuple[GroupHandle, int]], results) -> None:
         if not self.tracer.enabled:
             return
