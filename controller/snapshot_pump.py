@@ -421,5 +421,9 @@ class SnapshotPump:
     def _abandoned_episode_keys(self) -> list[str]:
         if not self.env.holds_rollout_state:
             return []
+        # Not those a restore abandoned (reason `restart`): they ran under a controller
+        # that is gone, and the servers were reset at connect, so none runs them; their
+        # keys name the saved agents the restore installed for the new attempts to
+        # continue (`continue_from`), which a retire would remove before they start.
         with self.p.store.read() as conn:
-            return queries.episode_keys(conn, "abandoned")
+            return queries.episode_keys(conn, "abandoned", except_reason="restart")

@@ -79,9 +79,10 @@ def _env(fault: str | None = None) -> dict:
     return env
 
 
-def _train(config: Path, run_dir: Path, steps: int, *, resume: bool = False, fault: str | None = None) -> subprocess.Popen:
+def _train(config: Path, run_dir: Path, steps: int, *, resume: bool = False, fault: str | None = None,
+           extra: tuple[str, ...] = ()) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "rolloutdb", "train", "--config", str(config), "--run-dir", str(run_dir)]
-    cmd += (["--resume", "latest"] if resume else []) + OVERRIDES + [f"algorithm.total_steps={steps}"]
+    cmd += (["--resume", "latest"] if resume else []) + OVERRIDES + [f"algorithm.total_steps={steps}", *extra]
     return subprocess.Popen(cmd, env=_env(fault), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
@@ -294,6 +295,8 @@ def test_a_controller_killed_in_the_environment_phase_leaves_a_server_that_reope
     figures = _verify(run_dir)
     assert figures["ok"] and figures["duplicated"] == 0 and figures["lost"] == 0, figures
     assert _health(url)["dispatch"] == "open"
+    refused = _read(run_dir / "rollout_state.sqlite", "SELECT error FROM snapshot_attempts WHERE outcome = 'failed'")
+    assert refused == [], refused  # the server follows the protocol: no export disagreed
 
 
 # ---------------------------------------------------------------------- 3. controller and servers killed together
@@ -353,6 +356,11 @@ def _kill_all_with_agents_saved(run_dir: Path, proc: subprocess.Popen, keep: Pat
     return None
 
 
+# Four groups of four in flight and a snapshot every 0.1 s: most snapshots hold agents
+# past their first turn.
+STEPS_3, BUSY = 8, ("algorithm.groups_per_step=4", "rollout_checkpointing.interval_s=0.1")
+
+
 @pytest.fixture(scope="module")
 def all_killed(tmp_path_factory):
     root = tmp_path_factory.mktemp("all_killed")
@@ -360,7 +368,8 @@ def all_killed(tmp_path_factory):
                                          {"name": "restarts", "mode": "restart_only"}])
     for attempt in range(2):
         run_dir = root / f"run{attempt}"
-        killed = _kill_all_with_agents_saved(run_dir, _train(config, run_dir, steps=6), root / f"cut{attempt}.sqlite")
+        killed = _kill_all_with_agents_saved(run_dir, _train(config, run_dir, steps=STEPS_3, extra=BUSY),
+                                             root / f"cut{attempt}.sqlite")
         if killed is not None:
             break
     else:
@@ -368,7 +377,7 @@ def all_killed(tmp_path_factory):
     assert set(killed["servers"]) == {"agents", "restarts"}
     _wait_for("the killed servers to be gone", lambda: all(_gone(pid) for pid in killed["servers"].values()),
               timeout=30)
-    rc, err = _ended(_train(config, run_dir, steps=6, resume=True))
+    rc, err = _ended(_train(config, run_dir, steps=STEPS_3, resume=True, extra=BUSY))
     assert rc == 0, err[-2000:]
     report = subprocess.run([sys.executable, "-m", "rolloutdb", "trace", str(run_dir), "--json",
                              "--out", str(root / "report")], env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
@@ -406,10 +415,16 @@ def test_the_trace_report_shows_the_turns_the_stop_kept(all_killed):
     assert stop["kept_tokens"] == sum(tokens for _, tokens, _ in saved)
 
 
+def test_no_snapshot_of_a_run_whose_servers_follow_the_protocol_is_refused(all_killed):
+    refused = _read(all_killed["run_dir"] / "rollout_state.sqlite",
+                    "SELECT error FROM snapshot_attempts WHERE outcome = 'failed'")
+    assert refused == [], refused
+
+
 def test_a_run_killed_with_its_servers_lost_and_duplicated_nothing(all_killed):
     figures = _verify(all_killed["run_dir"])
     assert figures["ok"] and figures["duplicated"] == 0 and figures["lost"] == 0, figures
-    assert figures["trained"] == 6 * 2
+    assert figures["trained"] == STEPS_3 * 4
 
 
 # ---------------------------------------------------------------------- 4. an export the ledger disagrees with
@@ -450,9 +465,9 @@ def tampered(tmp_path_factory):
 
     cfg = yaml.safe_load(EXAMPLE.read_text())
     cfg["environment"]["servers"] = [{"name": "agents", "mode": "export_restore"}]
-    cfg["algorithm"].update(total_steps=4, groups_per_step=2)
+    cfg["algorithm"].update(total_steps=10, groups_per_step=4)
     cfg["checkpointing"]["interval_steps"] = 1
-    cfg["rollout_checkpointing"]["interval_s"] = 0.3
+    cfg["rollout_checkpointing"]["interval_s"] = 0.05  # many exports while episodes run
     cfg["logging"] = {"progress": False, "plot": False}
     run_dir = tmp_path_factory.mktemp("tampered") / "run"
     real_build = build.build_env_checkpoint
@@ -507,6 +522,8 @@ def test_refused_snapshots_leave_the_run_whole(tampered):
 
 
 def _files(root: Path) -> dict[str, tuple]:
+    """Every file's size, content hash and modification time. The lock file's content is
+    put back after a refusal (RunLock.undo), not its time: its time is left out."""
     out = {}
     for path in sorted(root.rglob("*")):
         rel = path.relative_to(root).as_posix()
@@ -514,7 +531,8 @@ def _files(root: Path) -> dict[str, tuple]:
             out[rel] = ("dir",)
         else:
             st = path.stat()
-            out[rel] = (st.st_size, st.st_mtime_ns, hashlib.sha256(path.read_bytes()).hexdigest())
+            mtime = None if rel == "run.lock" else st.st_mtime_ns
+            out[rel] = (st.st_size, mtime, hashlib.sha256(path.read_bytes()).hexdigest())
     return out
 
 
@@ -523,7 +541,7 @@ def test_a_resume_into_another_checkpoint_mode_is_refused_and_changes_nothing(al
     config = _config(tmp_path / "restart_only.yaml", [{"name": "agents", "mode": "restart_only"},
                                                       {"name": "restarts", "mode": "restart_only"}])
     before = _files(run_dir)
-    rc, err = _ended(_train(config, run_dir, steps=6, resume=True))
+    rc, err = _ended(_train(config, run_dir, steps=STEPS_3, resume=True, extra=BUSY))
     assert rc != 0
     said = [line for line in err.splitlines() if line.startswith("error:")]
     assert len(said) == 1 and "Traceback" not in err, err

@@ -365,11 +365,18 @@ class HttpEnvironmentCheckpoint:
     def commit(self) -> None:
         if not self.servers:
             return
-        # Before the servers copy their agents: an attempt acknowledged now is in the copy
-        # (registration is closed), and one whose outcome arrived is not expected.
-        self._expected = set().union(*(c.acknowledged for c in self.servers))
         cid = self._cid
-        self._each(lambda c: self._post(c, "/checkpoint/commit", {"checkpoint_id": cid}))
+
+        async def one(c: AgentServerClient) -> set[str]:
+            await self._post(c, "/checkpoint/commit", {"checkpoint_id": cid})
+            # Read once the copy is made, on the loop that changes the set: an attempt
+            # still acknowledged now got no outcome yet, so no DELETE went out for it, and
+            # registration closed at prepare: it is in the copy unless the server lost it.
+            # (Read before the copy, an outcome and its DELETE could land in between: an
+            # attempt the ledger still runs at the cut, missing from a sound export.)
+            return set(c.acknowledged)
+
+        self._expected = set().union(*self._each(one))
 
     def drain(self) -> None:
         if self.servers:

@@ -121,14 +121,18 @@ def samples_of(conn: Connection, group_ids: Sequence[int]) -> list[Any]:
 _EPISODES_IN_STATE = "SELECT group_id, generation_index, attempt FROM rollouts WHERE state = ?"
 
 
-def episode_keys(conn: Connection | sqlite3.Connection, state: str) -> list[str]:
+def episode_keys(conn: Connection | sqlite3.Connection, state: str, *, except_reason: str | None = None) -> list[str]:
     """The episode keys (`pools.episode_key`) of the attempts in `state` ('running',
-    'abandoned', ...). Also over the raw connection of a snapshot cut."""
+    'abandoned', ...), leaving out those abandoned with `except_reason`. Also over the raw
+    connection of a snapshot cut."""
     rows: Sequence[Any]
+    sql, args = _EPISODES_IN_STATE, (state,)
+    if except_reason is not None:
+        sql, args = sql + " AND abandon_reason IS NOT ?", (state, except_reason)
     if isinstance(conn, sqlite3.Connection):
-        rows = conn.execute(_EPISODES_IN_STATE, (state,)).fetchall()
+        rows = conn.execute(sql, args).fetchall()
     else:
-        rows = conn.exec_driver_sql(_EPISODES_IN_STATE, (state,)).all()
+        rows = conn.exec_driver_sql(sql, args).all()
     return [episode_key(g, i, a) for g, i, a in rows]
 
 
