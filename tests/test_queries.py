@@ -50,6 +50,8 @@ def test_the_pumps_reads_match_what_a_second_connection_sees(tmp_path):
         assert [(r[0], r[1], r[2]) for r in queries.samples_of(conn, [b, a])] == [(a, 0, 10), (a, 1, 10), (b, 0, 11)]
         assert queries.episode_keys(conn, "running") == [f"{b}.1-a1"]
         assert queries.episode_keys(conn, "abandoned") == [f"{b}.1-a0"]
+        assert queries.episode_keys(conn, "abandoned", except_reason="restart") == []  # b1 was abandoned by a restart
+        assert queries.episode_keys(conn, "abandoned", except_reason="error") == [f"{b}.1-a0"]
         assert [tuple(r) for r in queries.abandoned_by_restart(conn, since)] == [(b, 11, 1, 0, 3)]
         assert queries.abandoned_by_restart(conn, time.time() + 60) == []
     with contextlib.closing(sqlite3.connect(path)) as raw:
