@@ -126,13 +126,13 @@ def episode_keys(conn: Connection | sqlite3.Connection, state: str, *, except_re
     'abandoned', ...), leaving out those abandoned with `except_reason`. Also over the raw
     connection of a snapshot cut."""
     rows: Sequence[Any]
-    sql, args = _EPISODES_IN_STATE, (state,)
+    sql, args = _EPISODES_IN_STATE, [state]
     if except_reason is not None:
-        sql, args = sql + " AND abandon_reason IS NOT ?", (state, except_reason)
+        sql, args = sql + " AND abandon_reason IS NOT ?", [state, except_reason]
     if isinstance(conn, sqlite3.Connection):
         rows = conn.execute(sql, args).fetchall()
     else:
-        rows = conn.exec_driver_sql(sql, args).all()
+        rows = conn.exec_driver_sql(sql, tuple(args)).all()
     return [episode_key(g, i, a) for g, i, a in rows]
 
 
