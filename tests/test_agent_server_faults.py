@@ -18,8 +18,9 @@ server a prompt meets is the protocol's rule (prompt id modulo the number of ser
 `AgentPool.server_for`), restated here: with the example's two servers, even prompts go
 to `agents` (export_restore), odd ones to `restarts` (restart_only).
 
-Runtime: ~2.5 min on 2 cores (each controller process starts in ~5 s, each owned server
-in ~6 s: they import torch and build the task).
+Runtime: ~3 min on 2 cores, most of it process start-up (a controller process starts in
+~5 s, an agent server in ~6 s: both import torch and build the task); the runs themselves
+train 4-8 small steps in 1-2 s.
 """
 
 from __future__ import annotations
@@ -196,7 +197,7 @@ def server_killed(tmp_path_factory):
     os.kill(pids["agents"], signal.SIGKILL)
     rc, err = _ended(proc)
     assert rc == 0, err[-2000:]
-    return {"run_dir": run_dir, "killed_pid": pids["agents"], "restarts_pid": pids["restarts"]}
+    return {"run_dir": run_dir}
 
 
 def test_a_killed_server_s_attempts_are_abandoned_with_reason_error_and_retried(server_killed):
@@ -220,7 +221,7 @@ def test_a_killed_server_s_attempts_are_abandoned_with_reason_error_and_retried(
     assert dispatched == {(g, i, a) for g, i, a, *_ in rows}
 
 
-def test_the_controller_restarted_the_killed_server_once_and_the_other_kept_running(server_killed):
+def test_the_controller_restarted_the_killed_server_once_and_left_the_other_alone(server_killed):
     restarts = [e for e in _metrics(server_killed["run_dir"]) if e.get("kind") == "agent_server_restart"]
     assert [(e["server"], e["restarts"]) for e in restarts] == [("agents", 1)]
     log = (server_killed["run_dir"] / "logs" / "agent_server_restarts.log").read_text()
