@@ -20,6 +20,7 @@ copies is known exactly. Held calls are submitted unchanged when the gate opens.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import http.client
 import json
 import threading
@@ -72,6 +73,7 @@ class HeldEngine:
         self.hold: Any = None
         self.held: list[tuple[Any, Future]] = []
         self.aborted: list[str] = []
+        self.seeds: dict[str, int | None] = {}  # request id -> the seed the call carried
 
     @property
     def policy_version(self) -> int:
@@ -79,6 +81,7 @@ class HeldEngine:
 
     def submit(self, request) -> Future:
         with self.lock:
+            self.seeds[request.request_id] = request.params.seed
             if self.hold is not None and self.hold(request.request_id):
                 waiting: Future = Future()
                 self.held.append((request, waiting))
@@ -550,6 +553,11 @@ def test_an_installed_agent_continues_from_its_turn_under_a_new_attempt(world):
     assert got["token_ids"][:n] == saved["token_ids"] and got["token_versions"][:n] == saved["token_versions"]
     turns = sorted(t for o, t, _ in world.calls[calls_before:] if o == "40.0-a1")
     assert turns == [1, 2]  # turn 0 is not played again
+    # the same prompt and seed played without a stop: the same conversation, token for
+    # token (same seeds per turn; the engine's output does not depend on its batch)
+    start(world, "41.0-a0", prompt_id=3, seed=11)
+    whole = result(world, "41.0-a0")
+    assert (got["token_ids"], got["reward"]) == (whole["token_ids"], whole["reward"])
     assert health(world)["installed"] == 0  # continue_from consumed it
     status, text = request(url, "POST", "/episodes", {"key": "40.0-a2", "prompt_id": 3, "seed": 11,
                                                      "policy": policy(world), "continue_from": "40.0-a0"})
@@ -597,12 +605,25 @@ def test_reset_forgets_every_episode_installed_agent_and_checkpoint(world):
     world.engine.release()
 
 
+def expected_seed(seed: int, turn: int) -> int:
+    """docs/agent_server.md's formula, computed here rather than imported."""
+    return int.from_bytes(hashlib.blake2b(f"{seed},{turn}".encode(), digest_size=4).digest(), "little") & 0x7FFFFFFF
+
+
+def test_the_server_sends_each_turn_the_seed_derived_from_the_episodes_seed(world):
+    reset(world)
+    start(world, "90.0-a0", prompt_id=5, seed=123456789)
+    assert result(world, "90.0-a0")["status"] == "finished"
+    sent = {rid: s for rid, s in world.engine.seeds.items() if rid.startswith("90.0-a0-")}
+    assert sent == {f"90.0-a0-t{n}": expected_seed(123456789, n) for n in range(TURNS)}
+
+
 # ---------------------------------------------------------------------- load
 
 LOAD = 256
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(90)
 def test_256_concurrent_episodes_finish_through_one_server_and_the_endpoint_without_errors(world):
     reset(world)
     url, keys = world.servers["agents"], [f"{500 + i}.0-a0" for i in range(LOAD)]
