@@ -1,234 +1,46 @@
 """The agent server protocol over real HTTP (docs/agent_server.md): a real agent server
 process (`python -m rolloutdb.controller.agent_server.env_server`, port 0) and a real
-policy endpoint over a real `ReferenceEngine` on the tiny policy, in this process.
+policy endpoint over a real `ReferenceEngine` on the tiny policy, in this process
+(tests/agent_server_world.py builds them: one module fixture, 10-40 s).
 
 What is checked: every malformed request to either server gets a 4xx with a one-line
 `{"error": ...}` and changes nothing; the checkpoint sequence (prepare, commit, drain,
-export, resume), the lease, the modes, install + continue_from, retire, reset and the
-episode deadline behave as the doc says; 256 concurrent episodes finish on 2 cores.
-
-One module fixture starts the four server processes at once (about 8 s each, mostly
-imports; in parallel 10-20 s on 2 busy cores): `agents` (export_restore, 3 turns),
-`quick` (restart_only, a deadline of 1 ms), `single` (stateless, 1 turn) and `refused`
-(the 3-turn `agents` task started with `--mode stateless`, which must not start).
-
-The engine sits behind `HeldEngine`, a gate in front of the real engine: a test closes
-it for some calls (by request id) to freeze agents at a turn boundary, so what a commit
-copies is known exactly. Held calls are submitted unchanged when the gate opens.
+export, resume), the lease, the modes, install + continue_from, retire, reset, the seeds
+and the episode deadline behave as the doc says; 256 concurrent episodes finish on 2 cores.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
-import http.client
 import json
-import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
-from urllib.parse import urlsplit
 
 import pytest
 
 pytest.importorskip("aiohttp")
 
-from rolloutdb.config import load_config  # noqa: E402
-from rolloutdb.controller import build  # noqa: E402
-from rolloutdb.controller.agent_server.http_loop import HttpLoop  # noqa: E402
-from rolloutdb.controller.agent_server.policy_endpoint import PolicyEndpoint  # noqa: E402
-from rolloutdb.controller.agent_server.process import ServerProcess, ServerStartError  # noqa: E402
-from rolloutdb.gpu_capture.reference_engine import ReferenceEngine  # noqa: E402
-
-TURNS = 3
-PROMPTS = 16
-MAX_TOKENS = 4
-
-CONFIG = f"""
-run: {{seed: 0}}
-generation: {{max_tokens: {MAX_TOKENS}}}
-environment:
-  task: digits
-  kind: copy
-  n_digits: 2
-  turns: {TURNS}
-  dataset_size: {PROMPTS}
-  servers:
-    - {{name: agents, mode: export_restore}}
-    - {{name: quick, mode: restart_only, episode_timeout_s: 0.001}}
-    - {{name: single, mode: stateless, turns: 1}}
-rollout_recovery: {{target_level: turn}}
-"""
-
-
-class HeldEngine:
-    """The real engine, with a gate: while `hold(request_id)` is true a call waits here
-    (its future unresolved) until `release()` submits it to the engine."""
-
-    def __init__(self, engine: ReferenceEngine):
-        self.engine = engine
-        self.lock = threading.Lock()
-        self.hold: Any = None
-        self.held: list[tuple[Any, Future]] = []
-        self.aborted: list[str] = []
-        self.seeds: dict[str, int | None] = {}  # request id -> the seed the call carried
-
-    @property
-    def policy_version(self) -> int:
-        return self.engine.policy_version
-
-    def submit(self, request) -> Future:
-        with self.lock:
-            self.seeds[request.request_id] = request.params.seed
-            if self.hold is not None and self.hold(request.request_id):
-                waiting: Future = Future()
-                self.held.append((request, waiting))
-                return waiting
-        return self.engine.submit(request)
-
-    def abort(self, request_ids) -> None:
-        self.aborted += list(request_ids)
-        self.engine.abort(request_ids)
-
-    def wait_held(self, n: int, timeout: float = 30.0) -> None:
-        deadline = time.monotonic() + timeout
-        while len(self.held) < n:
-            assert time.monotonic() < deadline, f"only {len(self.held)} of {n} calls reached the gate"
-            time.sleep(0.01)
-
-    def release(self) -> None:
-        with self.lock:
-            held, self.held, self.hold = self.held, [], None
-        for request, waiting in held:
-            real = self.engine.submit(request)
-            real.add_done_callback(lambda f, w=waiting: None if w.done() else w.set_result(f.result()))
-
-
-@dataclass
-class World:
-    root: Path
-    servers: dict[str, str]  # name -> base URL
-    refused: ServerStartError | None
-    refused_log: Path
-    engine: HeldEngine
-    http: HttpLoop
-    endpoint: PolicyEndpoint
-    policy_url: str
-    owners: dict[str, str] = field(default_factory=dict)
-    calls: list[tuple[str, int, Any]] = field(default_factory=list)
-    vocab_size: int = 0
-    max_model_len: int = 0
+from agent_server_world import (  # noqa: E402
+    PROMPTS,
+    TURNS,
+    checkpoint,
+    health,
+    ok,
+    open_world,
+    peek,
+    policy,
+    refusal,
+    request,
+    reset,
+    result,
+    start,
+)
 
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
-    root = tmp_path_factory.mktemp("agent_http")
-    cfg = root / "run.yaml"
-    cfg.write_text(CONFIG)
-    policy = build.build_policy(load_config(cfg), root / "policy")
-    procs = {
-        name: ServerProcess(config_path=cfg, name=server, policy_dir=policy, log_path=root / f"{name}.log",
-                            start_timeout_s=180, mode=mode)
-        for name, server, mode in [("agents", "agents", None), ("quick", "quick", None), ("single", "single", None),
-                                   ("refused", "agents", "stateless")]
-    }
-
-    def start(p: ServerProcess) -> str | ServerStartError:
-        try:
-            return p.start()
-        except ServerStartError as e:
-            return e
-
-    with ThreadPoolExecutor(len(procs)) as pool:
-        started = dict(zip(procs, pool.map(start, procs.values())))
-    real = ReferenceEngine(policy, max_batch_size=64, num_threads=1)
-    loop = HttpLoop()
-    engine = HeldEngine(real)
-    w = World(root=root, servers={}, refused=None, refused_log=root / "refused.log", engine=engine, http=loop,
-              endpoint=None, policy_url="", vocab_size=real.vocab_size, max_model_len=real.max_model_len)  # type: ignore[arg-type]
-    w.endpoint = PolicyEndpoint(engine, loop, owner=w.owners.get, on_call=lambda o, t, r: w.calls.append((o, t, r)))
-    try:
-        for name, got in started.items():
-            if name == "refused":
-                w.refused = got if isinstance(got, ServerStartError) else None
-            else:
-                assert isinstance(got, str), f"server {name} did not start: {got}"
-                w.servers[name] = got
-        w.policy_url = w.endpoint.start()
+    with open_world(tmp_path_factory.mktemp("agent_http")) as w:
         yield w
-    finally:
-        engine.release()
-        w.endpoint.close()
-        loop.close()
-        real.close()
-        for p in procs.values():
-            p.stop()
-
-
-# ---------------------------------------------------------------------- helpers
-
-
-def request(url: str, method: str, path: str, body: Any = None, *, raw: bytes | None = None,
-            headers: dict | None = None, timeout: float = 60.0) -> tuple[int, str]:
-    u = urlsplit(url)
-    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=timeout)
-    data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
-    try:
-        conn.request(method, path, body=data, headers={"Content-Type": "application/json", **(headers or {})})
-        resp = conn.getresponse()
-        return resp.status, resp.read().decode(errors="replace")
-    finally:
-        conn.close()
-
-
-def ok(url: str, method: str, path: str, body: Any = None, status: int = 200, **kw) -> dict:
-    got, text = request(url, method, path, body, **kw)
-    assert got == status, f"{method} {path}: {got} {text}"
-    return json.loads(text)
-
-
-def refusal(status: int, text: str) -> str:
-    """The one-line reason of a 4xx answer (asserting its shape)."""
-    assert 400 <= status < 500, f"expected a 4xx, got {status}: {text[:300]}"
-    assert "Traceback" not in text and 'File "' not in text, text
-    body = json.loads(text)
-    assert isinstance(body, dict) and set(body) == {"error"}, body
-    assert isinstance(body["error"], str) and body["error"].strip() and "\n" not in body["error"], body
-    return body["error"]
-
-
-def policy(w: World, **sampling) -> dict:
-    return {"url": w.policy_url, "max_tokens": MAX_TOKENS, "temperature": 1.0, **sampling}
-
-
-def start(w: World, key: str, prompt_id: int = 0, seed: int = 7, server: str = "agents", **extra) -> dict:
-    w.owners[key] = key
-    return ok(w.servers[server], "POST", "/episodes", {"key": key, "prompt_id": prompt_id, "seed": seed,
-                                                      "policy": policy(w), **extra}, status=201)
-
-
-def result(w: World, key: str, server: str = "agents", wait_s: float = 30) -> dict:
-    """The episode's end (200), waiting up to `wait_s`."""
-    status, text = request(w.servers[server], "GET", f"/episodes/{key}?wait_s={wait_s}")
-    assert status == 200, f"episode {key}: {status} {text}"
-    return json.loads(text)
-
-
-def peek(w: World, key: str) -> dict:
-    """A running episode (202), without waiting."""
-    status, text = request(w.servers["agents"], "GET", f"/episodes/{key}")
-    assert status == 202, f"episode {key}: {status} {text}"
-    return json.loads(text)
-
-
-def health(w: World, server: str = "agents") -> dict:
-    return ok(w.servers[server], "GET", "/health")
-
-
-def reset(w: World, server: str = "agents") -> None:
-    ok(w.servers[server], "POST", "/reset", {})
 
 
 # ---------------------------------------------------------------------- malformed requests
@@ -429,12 +241,6 @@ def test_an_episode_past_its_deadline_fails_with_reason_deadline(world):
 
 
 # ---------------------------------------------------------------------- checkpoints
-
-
-def checkpoint(w: World, step: str, cid: str, **extra) -> tuple[int, str]:
-    if step == "export":
-        return request(w.servers["agents"], "GET", f"/checkpoint/export?checkpoint_id={cid}")
-    return request(w.servers["agents"], "POST", f"/checkpoint/{step}", {"checkpoint_id": cid, **extra})
 
 
 def test_prepare_closes_registration_while_started_episodes_run_to_their_end(world):
