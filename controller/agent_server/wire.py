@@ -269,7 +269,7 @@ async def read_json(request) -> dict:
         raise bad(f"body is not JSON: {e}") from None
     except RecursionError:
         # json's C scanner recurses per nesting level: `[` * 100000 would be a 500
-        raise bad("body is not JSON this server reads: nested too deeply") from None
+        raise bad("body is nested too deeply to read; send a flat JSON object") from None
     if not isinstance(body, dict):
         raise bad(f"body must be a JSON object, not {type(body).__name__}")
     return body
