@@ -335,7 +335,9 @@ class AgentServer:
 
     async def export(self, request: web.Request) -> web.Response:
         self._exporting()
-        cid = request.query.get("checkpoint_id", "")
+        cid = request.query.get("checkpoint_id")
+        if not cid:
+            raise bad("missing query 'checkpoint_id' (the id sent to POST /checkpoint/prepare)")
         self._current({"checkpoint_id": cid})
         if self._committed is None:
             raise HttpError(409, f"checkpoint {cid} has not committed; POST /checkpoint/commit first")
@@ -356,6 +358,9 @@ class AgentServer:
             if not isinstance(saved["state"].get("env"), dict) or "token_ids" not in saved:
                 raise bad(f"episode {key}: this server continues agents exported by itself (state.env and a "
                           "transcript); nothing was installed")
+            if saved["turn"] > self.env.max_turns:
+                raise bad(f"episode {key}: turn {saved['turn']} is past this task's {self.env.max_turns} turns; "
+                          "nothing was installed")
         self.installed.update(episodes)
         return web.json_response({"installed": len(episodes)}, status=201)
 
@@ -365,6 +370,7 @@ class AgentServer:
         return web.json_response({"uninstalled": n})
 
     async def reset(self, request: web.Request) -> web.Response:
+        await wire.read_json(request)  # `{}`: a stray POST with some other body forgets nothing
         n = len(self.agents)
         await self._cancel(list(self.agents.values()))
         self.installed.clear()

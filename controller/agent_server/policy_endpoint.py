@@ -59,11 +59,18 @@ class PolicyEndpoint:
         self.url = self.http.call(self._start(), timeout=30)
         return self.url
 
-    async def _start(self) -> str:
+    def build_app(self) -> web.Application:
+        """The endpoint's routes, not yet served (tests/test_agent_server_docs.py lists them)."""
         app = web.Application(middlewares=[error_middleware()], client_max_size=MAX_BODY_BYTES)
         app.router.add_get("/health", self._health)
         app.router.add_post("/v1/completions", self._completions)
-        self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        return app
+
+    async def _start(self) -> str:
+        # handler_cancellation: aiohttp (>= 3.9) no longer cancels a handler whose client
+        # hung up unless asked; without it a retired agent's call decoded to its end.
+        self._runner = web.AppRunner(self.build_app(), access_log=None, handle_signals=False,
+                                     handler_cancellation=True)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port)
         await site.start()

@@ -267,6 +267,9 @@ async def read_json(request) -> dict:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
         raise bad(f"body is not JSON: {e}") from None
+    except RecursionError:
+        # json's C scanner recurses per nesting level: `[` * 100000 would be a 500
+        raise bad("body is nested too deeply to read; send a flat JSON object") from None
     if not isinstance(body, dict):
         raise bad(f"body must be a JSON object, not {type(body).__name__}")
     return body
