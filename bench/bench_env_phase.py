@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import tempfile
 import threading
@@ -56,6 +57,7 @@ class CountingEngine:
     def __init__(self, engine):
         self.engine = engine
         self.in_flight = 0
+        self.submitted = 0
         self._lock = threading.Lock()
 
     @property
@@ -66,6 +68,7 @@ class CountingEngine:
         future = self.engine.submit(request)
         with self._lock:
             self.in_flight += 1
+            self.submitted += 1
         future.add_done_callback(self._done)
         return future
 
@@ -88,6 +91,7 @@ class Refill:
         self.finished = 0
         self.finished_keys: set[str] = set()  # outcome arrived (the pump would commit these)
         self.failed: list[str] = []
+        self._futures: dict[str, Future] = {}
         self._next = 0
         self._cv = threading.Condition()
         self._stop = False
@@ -103,6 +107,7 @@ class Refill:
         outcome = None if future.cancelled() or future.exception() else future.result()
         with self._cv:
             self.live -= 1
+            self._futures.pop(key, None)
             if outcome is not None and outcome.status == "finished":
                 self.finished += 1
                 self.finished_keys.add(key)
@@ -122,13 +127,23 @@ class Refill:
                 self.live += 1
             key = f"{i}.0-a1"
             future = self.pool.run(object(), key=key, prompt_id=i % self.prompts, seed=i, params=self.params)
+            with self._cv:
+                self._futures[key] = future
             future.add_done_callback(lambda f, key=key: self._done(key, f))
 
     def stop(self) -> None:
+        """Stop refilling and cancel the episodes still running (their client tasks end
+        before the pool closes its session; the server is stopped with the pool)."""
         with self._cv:
             self._stop = True
             self._cv.notify()
+            futures = list(self._futures.values())
         self._thread.join(10)
+        for f in futures:
+            f.cancel()
+        deadline = time.monotonic() + 10
+        while self.live > 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
 
 
 def settle(client, refill: Refill, n: int, timeout: float = 120.0) -> None:
@@ -251,6 +266,7 @@ def main() -> int:
         f"tokens; {engine_line}; one agent server (export_restore); {args.rounds} round(s) x {args.phases} phases "
         f"per size, {args.gap_s:g} s apart")
     rows: dict[int, list[dict]] = {n: [] for n in args.sizes}
+    calls_per_s: dict[int, list[float]] = {n: [] for n in args.sizes}
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp_name:
         tmp = Path(tmp_name)
         config_path = write_config(tmp, args)
@@ -280,13 +296,17 @@ def main() -> int:
                 for n in (args.sizes if r % 2 == 0 else args.sizes[::-1]):
                     settle(client, refill, n)
                     time.sleep(args.gap_s * 2)  # let the new episodes reach their first calls
+                    calls0, t0 = engine.submitted, time.perf_counter()
                     for _ in range(args.phases):
                         rows[n].append(one_phase(ck, client, engine, refill))
                         time.sleep(args.gap_s)
+                    rate = (engine.submitted - calls0) / (time.perf_counter() - t0)
+                    calls_per_s[n].append(rate)
                     x = summary(rows[n][-args.phases:])
                     say(f"  round {r} {n:4d} running: hold median {x['hold']['median_ms']:7.2f} ms  "
                         f"p90 {x['hold']['p90_ms']:7.2f} ms  export {x['export_bytes'] / 1024:8.1f} KiB "
-                        f"({x['exported']:.0f} agents, {x['calls_in_flight']:.0f} calls in flight)")
+                        f"({x['exported']:.0f} agents, {x['calls_in_flight']:.0f} calls in flight, {rate:.0f} policy calls/s, "
+                        f"load {os.getloadavg()[0]:.2f})")
             finished = refill.finished
         finally:
             if refill is not None:
@@ -294,6 +314,8 @@ def main() -> int:
             pool.close()
             inner.close()
     sums = {n: summary(rows[n]) for n in args.sizes}
+    for n in args.sizes:
+        sums[n]["policy_calls_per_s"] = statistics.median(calls_per_s[n])
     lo, hi = args.sizes[0], args.sizes[-1]
     ratios = {key: sums[hi][key]["median_ms"] / sums[lo][key]["median_ms"] for key in (*CALLS, "hold")}
     ratios["export_bytes"] = sums[hi]["export_bytes"] / sums[lo]["export_bytes"]
@@ -308,7 +330,7 @@ def main() -> int:
     for n in args.sizes:
         s = sums[n]
         say(f"  {n} running: {s['exported']:.0f} agents exported ({s['expected']:.0f} expected), "
-            f"{s['calls_in_flight']:.0f} policy calls in flight at prepare, {s['tokens_exported']:.0f} transcript "
+            f"{s['calls_in_flight']:.0f} policy calls in flight at prepare ({s['policy_calls_per_s']:.0f}/s), {s['tokens_exported']:.0f} transcript "
             f"tokens, {s['export_bytes'] / max(1, s['exported']):.0f} bytes per agent; "
             f"{s['phases_with_finished_missing']} of {s['phases']} phases had {s['finished_missing']} acknowledged "
             f"attempts missing that had finished meanwhile; {s['failed_phases']} phases failed {s['errors']}")
