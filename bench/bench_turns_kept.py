@@ -4,11 +4,12 @@ and measured by `rolloutdb trace` against its twin (the same config, never stopp
 Each run is the real CLI (`python -m rolloutdb train`), its two agent server processes
 started by the controller, as README and the example's comments tell a user to run it.
 
-1. The twin runs to the end; its wall time and the time of its first published snapshot
-   that holds work (anchor past `bootstrap`, or a bootstrap snapshot with a mutation
-   counter above 0) give the window the kills are drawn from.
-2. Per kill: a fresh run; once its metrics log shows such a snapshot, wait a uniformly
-   drawn delay (seeded) in [0, the twin's last train step - its first such snapshot), SIGKILL the controller
+1. The twin runs to the end; its first published snapshot that holds work (anchor past
+   `bootstrap`, or a bootstrap snapshot with a mutation counter above 0) and its median
+   step time define where the kills are drawn from.
+2. Per kill: a fresh run; a step K drawn uniformly (seeded) from the steps after that
+   snapshot's anchor (the last excluded) and a fraction u in [0, 1); once the run has
+   logged such a snapshot and step K, wait u x the twin's median step time, SIGKILL the controller
    (its servers stop by themselves when their parent is gone), `--resume latest` to the
    end, `rolloutdb verify` (duplicated / lost) and `rolloutdb trace RUN --baseline TWIN
    --json`: what the stop kept (turns_kept, kept_tokens, redone_tokens), the thrown-away
@@ -64,13 +65,25 @@ def snapshots(run: Path) -> list[dict]:
     return out
 
 
-def last_train_step(run: Path) -> float | None:
-    """When the run logged its last train step (epoch seconds)."""
-    t = None
-    for line in (run / "logs" / "metrics.jsonl").read_text().splitlines():
+def train_steps(run: Path) -> list[dict]:
+    """The train_step events in the run's metrics log, in order."""
+    out = []
+    try:
+        text = (run / "logs" / "metrics.jsonl").read_text()
+    except OSError:
+        return out
+    for line in text.splitlines():
         if '"kind":"train_step"' in line.replace(" ", ""):
-            t = json.loads(line).get("t", t)
-    return t
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                continue  # the last line, half written
+    return out
+
+
+def anchor_step(event: dict) -> int:
+    anchor = str(event.get("anchor"))
+    return int(anchor.split("_", 1)[1]) if anchor.startswith("step_") else 0
 
 
 def fmt(value, spec: str = ".1f") -> str:
@@ -149,36 +162,43 @@ def main() -> int:
         first = next((e for e in snapshots(twin) if holds_work(e)), None)
         if first is None:
             raise SystemExit(f"the twin published no snapshot that holds work: {snapshots(twin)}")
-        # Kills land while the twin was still training: from its first snapshot with work
-        # to its last train step (startup and shutdown are most of a short run's wall).
-        last = last_train_step(twin) or (t0 + twin_wall)
-        window = max(0.5, last - first["t"])
-        say(f"twin: {twin_wall:.1f} s, first snapshot with work at {first['t'] - t0:.1f} s "
-            f"(sequence {first['sequence']}, {first['anchor']}), last train step at {last - t0:.1f} s; kills drawn "
-            f"from the {window:.1f} s between")
+        steps = train_steps(twin)
+        gaps = sorted(b["t_end"] - a["t_end"] for a, b in zip(steps, steps[1:]) if a["step"] >= anchor_step(first))
+        gap = gaps[len(gaps) // 2] if gaps else 0.5
+        say(f"twin: {twin_wall:.1f} s, first snapshot with work at {first['t'] - t0:.1f} s (sequence "
+            f"{first['sequence']}, {first['anchor']}), {len(steps)} train steps, median {gap:.2f} s apart after it")
         for k in range(args.kills):
             run = tmp / f"killed_{k}"
-            delay = rng.uniform(0, window)
+            # A random moment while the run trains, after its first snapshot with work: a
+            # step K drawn uniformly from the steps after that snapshot's anchor (the last
+            # one excluded), and a fraction of the twin's median step time after it. Drawn
+            # by step, not by seconds: how fast a run trains varies by 2x between runs on
+            # this loaded machine, so a drawn delay in seconds often lands after the end.
+            after = rng.randint(anchor_step(first) + 1, max(anchor_step(first) + 1, args.steps - 1))
+            fraction = rng.random()
             proc = train(run, overrides)
             t_start = time.time()
-            while not any(holds_work(e) for e in snapshots(run)):
+            while not any(holds_work(e) for e in snapshots(run)) or not any(
+                    e["step"] >= after for e in train_steps(run)):
                 if proc.poll() is not None:
-                    raise SystemExit(f"{run} ended (exit {proc.returncode}) before its first snapshot with work")
+                    raise SystemExit(f"{run} ended (exit {proc.returncode}) before step {after}")
                 if time.time() - t_start > args.timeout:
                     proc.kill()
-                    raise SystemExit(f"{run}: no snapshot with work within {args.timeout:g} s")
-                time.sleep(0.05)
-            seen = time.time()
-            while proc.poll() is None and time.time() - seen < delay:
+                    raise SystemExit(f"{run}: step {after} not reached within {args.timeout:g} s")
                 time.sleep(0.02)
+            seen = time.time()
+            while proc.poll() is None and time.time() - seen < fraction * gap:
+                time.sleep(0.01)
             if proc.poll() is not None:
-                say(f"  kill {k}: the run finished before the kill ({delay:.1f} s after its first snapshot); "
+                say(f"  kill {k}: the run finished before the kill (step {after} + {fraction:.2f} of a step); "
                     "not counted")
                 continue
             os.kill(proc.pid, signal.SIGKILL)
             proc.wait()
             killed_at = time.time() - t_start
             published = snapshots(run)
+            first_run = next(e for e in published if holds_work(e))
+            delay = killed_at + t_start - first_run["t"]
             resume = train(run, overrides, resume=True)
             finish(resume, run, args.timeout)
             counts = verify(run)
@@ -187,7 +207,8 @@ def main() -> int:
             lost = report["lost_progress_per_stop"]
             if len(kept) != 1:
                 raise SystemExit(f"{run}: the trace shows {len(kept)} stops, expected the one kill: {kept}")
-            row = {"kill": k, "delay_after_first_snapshot_s": delay, "killed_at_s": killed_at,
+            row = {"kill": k, "after_step": after, "step_fraction": fraction,
+                   "delay_after_first_snapshot_s": delay, "killed_at_s": killed_at,
                    "snapshots_before_kill": len(published),
                    "restored_sequence": published[-1]["sequence"], "restored_anchor": published[-1]["anchor"],
                    **{c: kept[0][c] for c in KEPT},
@@ -196,7 +217,8 @@ def main() -> int:
                                               "lost_s_max")},
                    **counts}
             results.append(row)
-            say(f"  kill {k}: {killed_at:5.1f} s into the run ({delay:.1f} s after its first snapshot with work), "
+            say(f"  kill {k}: step {after} + {fraction:.2f} of a step, {killed_at:5.1f} s into the run ({delay:.1f} s "
+                f"after its first snapshot with work), "
                 f"restored snapshot {row['restored_sequence']} ({row['restored_anchor']}): "
                 f"{row['attempts_running']} attempts running, turns_kept {row['turns_kept']}, "
                 f"kept_tokens {row['kept_tokens']} of {row['decoded_tokens']} decoded, redone_tokens "
