@@ -215,7 +215,7 @@ def main() -> int:
                    "downtime_s": report["thrown_away_per_stop"][0]["downtime"],
                    **{c: lost[0][c] for c in ("groups_running", "groups_matched", "lost_s_total", "lost_s_mean",
                                               "lost_s_max")},
-                   **counts}
+                   **counts, "by_attempt": report["kept_by_attempt"]}
             results.append(row)
             say(f"  kill {k}: step {after} + {fraction:.2f} of a step, {killed_at:5.1f} s into the run ({delay:.1f} s "
                 f"after its first snapshot with work), "
