@@ -98,6 +98,10 @@ class Refill:
         self._thread = threading.Thread(target=self._run, name="bench-refill", daemon=True)
         self._thread.start()
 
+    def finished_among(self, keys: set[str]) -> set[str]:
+        with self._cv:
+            return keys & self.finished_keys
+
     def set_target(self, n: int) -> None:
         with self._cv:
             self.target = n
@@ -195,8 +199,7 @@ def _timed_phase(ck, row: dict, refill: Refill) -> dict:
     # (`_checked_export`) refuses the snapshot for such a key if the ledger still runs it
     # at the cut, i.e. if the finish is not committed by then.
     missing = ck.expected_keys() - set(export)
-    with refill._cv:
-        finished = missing & refill.finished_keys
+    finished = refill.finished_among(missing)
     if missing - finished:
         raise SystemExit(f"the export misses {len(missing - finished)} acknowledged running episodes, "
                          f"e.g. {sorted(missing - finished)[:3]}")

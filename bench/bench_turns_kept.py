@@ -134,6 +134,18 @@ def trace(run: Path, twin: Path) -> dict:
     return json.loads(out.stdout)
 
 
+def by_server(attempts: list[dict], servers: list[str]) -> dict[str, dict[str, int]]:
+    """kept_by_attempt summed per agent server; a prompt meets servers[prompt_id % n]
+    (`AgentPool.server_for`)."""
+    out = {name: {"attempts": 0, "turns_kept": 0, "decoded_tokens": 0, "kept_tokens": 0} for name in servers}
+    for a in attempts:
+        x = out[servers[int(a["prompt_id"]) % len(servers)]]
+        x["attempts"] += 1
+        for c in ("turns_kept", "decoded_tokens", "kept_tokens"):
+            x[c] += int(a[c] or 0)
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=20, help="algorithm.total_steps of every run")
@@ -150,6 +162,9 @@ def main() -> int:
         args.steps, args.kills = 6, 1
         overrides = ["algorithm.total_steps=6", "checkpointing.interval_steps=2"]
     rng = random.Random(args.seed)
+    from rolloutdb.config import load_config
+
+    servers = [spec.name for spec in load_config(EXAMPLE).environment.servers]
     say(machine_line())
     say(f"{EXAMPLE.relative_to(REPO)} with {' '.join(overrides)}; {args.kills} kill(s), seed {args.seed}")
     tmp = Path(tempfile.mkdtemp(prefix="turns_kept_", dir=args.dir))
@@ -215,7 +230,8 @@ def main() -> int:
                    "downtime_s": report["thrown_away_per_stop"][0]["downtime"],
                    **{c: lost[0][c] for c in ("groups_running", "groups_matched", "lost_s_total", "lost_s_mean",
                                               "lost_s_max")},
-                   **counts, "by_attempt": report["kept_by_attempt"]}
+                   **counts, "by_server": by_server(report["kept_by_attempt"], servers),
+                   "by_attempt": report["kept_by_attempt"]}
             results.append(row)
             say(f"  kill {k}: step {after} + {fraction:.2f} of a step, {killed_at:5.1f} s into the run ({delay:.1f} s "
                 f"after its first snapshot with work), "
@@ -224,6 +240,9 @@ def main() -> int:
                 f"kept_tokens {row['kept_tokens']} of {row['decoded_tokens']} decoded, redone_tokens "
                 f"{row['redone_tokens']}; lost progress {fmt(row['lost_s_total'])} s over {row['groups_matched']} "
                 f"groups (max {fmt(row['lost_s_max'])} s); duplicated={row['duplicated']} lost={row['lost']}")
+            say("    by server: " + "; ".join(f"{name}: {x['attempts']} attempts, {x['turns_kept']} turns kept, "
+                                               f"{x['kept_tokens']} of {x['decoded_tokens']} tokens"
+                                               for name, x in row["by_server"].items()))
     finally:
         if args.keep:
             say(f"run directories kept in {tmp}")
