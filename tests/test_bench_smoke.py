@@ -163,3 +163,23 @@ def test_the_async_checkpoint_benchmark_runs_the_real_controller_sync_and_async(
     (sync, asynchronous) = r["runs"]
     assert len(asynchronous["copy_s"]) == 2 and sync["copy_s"] == []
     assert len(r["ratio_sync_over_async"]) == 1
+
+
+def test_the_environment_phase_benchmark_holds_running_episodes_on_a_real_agent_server(tmp_path):
+    r = _run_bench("bench_env_phase.py", tmp_path)
+    sizes = r["sizes"]
+    assert set(sizes) == {"2", "8"}
+    for n, s in sizes.items():
+        assert s["phases"] + s["failed_phases"] == r["args"]["phases"]
+        assert s["phases"] >= 1
+        for call in ("prepare", "commit", "drain", "export", "resume", "hold"):
+            assert s[call]["median_ms"] > 0
+        # The hold spans its four calls and the resume.
+        assert s["hold"]["median_ms"] >= s["prepare"]["median_ms"]
+        assert 0 < s["exported"] <= int(n) and s["export_bytes"] > 0 and s["calls_in_flight"] >= 1
+    for n, rows in r["phases"].items():
+        for row in rows:
+            if "error" not in row:
+                assert row["hold"] >= sum(row[c] for c in ("prepare", "commit", "drain", "export"))
+    assert r["ratios"]["hold"] > 0 and r["ratios"]["export_bytes"] > 0
+    assert r["episodes_finished"] > 0
