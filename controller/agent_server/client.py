@@ -197,7 +197,8 @@ class AgentServerClient:
         return self._outcome(key, data, restarted)
 
     async def _forget(self, key: str) -> None:
-        with contextlib.suppress(ServerDown):
+        # RuntimeError: the pool closed its session at the end of the run meanwhile.
+        with contextlib.suppress(ServerDown, RuntimeError):
             await self.call("DELETE", f"/episodes/{key}")
 
     def _outcome(self, key: str, data: Any, restarted: bool) -> EpisodeOutcome:
