@@ -163,3 +163,9 @@ def test_the_async_checkpoint_benchmark_runs_the_real_controller_sync_and_async(
     (sync, asynchronous) = r["runs"]
     assert len(asynchronous["copy_s"]) == 2 and sync["copy_s"] == []
     assert len(r["ratio_sync_over_async"]) == 1
+
+
+def test_the_prefix_cut_benchmark_measures_the_hold_at_two_sizes(tmp_path):
+    r = _run_bench("bench_prefix_cut.py", tmp_path)
+    assert [s["calls"] for s in r["sizes"]] == [4, 16]
+    assert all(s["cuts"] > 0 and s["hold_ms_p50"] >= 0 for s in r["sizes"])
