@@ -161,7 +161,11 @@ class SnapshotPump:
         # Prefix level: every cut saves the running calls' prefixes, and a snapshot whose
         # store did not change is still due when the engine decoded since the last one.
         engine = parts.engine
-        self.prefix = (parts.config.rollout_recovery.target_level == "prefix" and isinstance(engine, PrefixCapture))
+        cfg = parts.config
+        self.capture: PrefixCapture | None = (
+            engine if cfg is not None and cfg.rollout_recovery.target_level == "prefix"
+            and isinstance(engine, PrefixCapture) else None)
+        self.prefix = self.capture is not None
         self._last_decoded: int | None = None
         self._export: dict[str, dict] = {}  # this attempt's export, read after drain
         self._expected: set[str] = set()
@@ -308,7 +312,7 @@ class SnapshotPump:
             return AttemptResult("skipped_commit")
         counter = self.p.store.mutation_counter
         if not force and counter == self._last_counter and (
-                not self.prefix or self.p.engine.decoded_rows == self._last_decoded):
+                self.capture is None or self.capture.decoded_rows == self._last_decoded):
             return AttemptResult("skipped_unchanged")
         step = self.p.read_progress().step
         anchor = anchor_name(step or None)
@@ -400,8 +404,8 @@ class SnapshotPump:
                 if self.p.read_progress().step != step:
                     raise AbortedCommit()
                 at = _AtCut(episodes=self._checked_export(conn))
-                if self.prefix:
-                    self._prefixes_at_cut(conn, at)
+                if self.capture is not None:
+                    self._prefixes_at_cut(conn, self.capture, at)
                 self._release_waiters(step, True)  # the train pump may commit again
                 return at
             finally:
@@ -451,12 +455,11 @@ class SnapshotPump:
                 logprobs=agent.get("logprobs"), token_versions=agent.get("token_versions")))
         return rows
 
-    def _prefixes_at_cut(self, conn, at: _AtCut) -> None:
+    def _prefixes_at_cut(self, conn, engine: PrefixCapture, at: _AtCut) -> None:
         """The running calls' prefixes that belong to the cut: the engine's calls read
         once, under its lock (the hold), matched to attempts the ledger runs at the cut
         whose saved episode is at the call's turn (a call whose previous turn is not yet
         committed at the cut would resume into the wrong turn: it restarts its turn)."""
-        engine = self.p.engine
         calls = engine.running_calls()
         at.hold_s = engine.cut_hold_s  # the output step's wait, not ours for the step in progress
         at.decoded = engine.decoded_rows
