@@ -59,6 +59,7 @@ class Controller:
         self.runtime = RuntimeState()
         self.restored: list[tuple[GroupHandle, list[int]]] = []
         self.saved_episodes: dict = {}  # (group, generation) -> SavedEpisode, for turn-level recovery
+        self.saved_prefixes: dict = {}  # (group, generation) -> [Chunk], for prefix-level recovery
         self.snapshotter: SnapshotPump | None = None
         self.agents = None  # AgentPool with environment.servers (controller/agent_server/client.py)
 
@@ -98,6 +99,7 @@ class Controller:
             self.store, self.restored = done.store, done.groups
             if done.restore_plan is not None:
                 self.saved_episodes = done.restore_plan.saved_episodes
+                self.saved_prefixes = done.restore_plan.saved_prefixes
         else:
             self.store = self.create_store()
         if done is not None:
@@ -213,7 +215,7 @@ class Controller:
                 if not self.writing:
                     self.lock.undo()  # a refusal: leave even the lock file as it was
                 raise
-            pump = RolloutPump(self.parts, self.restored, self.saved_episodes)
+            pump = RolloutPump(self.parts, self.restored, self.saved_episodes, self.saved_prefixes)
             threads = [threading.Thread(target=pump.run, name="rollout-pump", daemon=True)]
             if self.snapshotter is not None:
                 # The first snapshot before the rollout pump hands out a prompt: a run

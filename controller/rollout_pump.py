@@ -28,7 +28,7 @@ import queue
 import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -37,8 +37,10 @@ from rolloutdb.controller.episodes import Episode, call_seed
 from rolloutdb.controller.group_commit import CommitBatch, Pending, RolloutMeter
 from rolloutdb.controller.runtime import RolloutParts
 from rolloutdb.controller.tracing import RolloutTrace
-from rolloutdb.gpu_capture.protocol import SamplingParams
+from rolloutdb.gpu_capture.protocol import GenerationRequest, SamplingParams
 from rolloutdb.store import (
+    CallPrefix,
+    Chunk,
     EpisodeProgress,
     FinishedGeneration,
     Reservation,
@@ -68,6 +70,8 @@ class LiveEpisode:
     episode: Episode
     from_attempt: int | None = None  # the abandoned attempt whose saved turns it continues
     continue_from: str | None = None  # on an agent server: the installed agent it continues
+    prefix: CallPrefix | None = None  # prefix level: the restored call's output so far
+    prefix_len: int = 0  # tokens the current call was resumed with (not decoded by it)
 
     def progress(self) -> EpisodeProgress:
         e = self.episode
@@ -86,13 +90,16 @@ class _GroupRun:
 
 class RolloutPump:
     def __init__(self, parts: RolloutParts, restored: Sequence[tuple[GroupHandle, list[int]]] = (),
-                 saved_episodes: Mapping[tuple[int, int], SavedEpisode] | None = None):
+                 saved_episodes: Mapping[tuple[int, int], SavedEpisode] | None = None,
+                 saved_prefixes: Mapping[tuple[int, int], Sequence[Chunk]] | None = None):
         self.p = parts
         cfg = parts.config
         self.group_size = cfg.algorithm.group_size
         self.groups_per_step = cfg.algorithm.groups_per_step
         self.max_inflight = cfg.generation.max_inflight_calls
-        self.turn_level = cfg.rollout_recovery.target_level == "turn"
+        self.turn_level = cfg.rollout_recovery.keeps_turns
+        # Prefix level: a call a restore hands back continues from its saved prefix
+        self.prefix_level = cfg.rollout_recovery.target_level == "prefix"
         self.params = SamplingParams(
             max_tokens=cfg.generation.max_tokens,
             min_tokens=cfg.generation.min_tokens,
@@ -107,6 +114,9 @@ class RolloutPump:
         self._restored = list(restored)
         # What the attempts running at the restored cut had saved (turn level only uses it)
         self._saved = dict(saved_episodes or {}) if self.turn_level else {}
+        # What the calls running at the restored cut had decoded (prefix level only)
+        self._prefixes = {k: p for k, chunks in (saved_prefixes or {}).items()
+                          if (p := CallPrefix.of(list(chunks))) is not None} if self.prefix_level else {}
         self._running: dict[Future, LiveEpisode] = {}
         # Finished calls, in the order they finished: each future puts itself here when it
         # completes, so waiting costs O(1) per call (concurrent.futures.wait over every
@@ -115,6 +125,9 @@ class RolloutPump:
         self._groups: dict[int, _GroupRun] = {}
         self._waiting_replay: list[GroupHandle] = []  # completed, kept, no permit yet
         self._flat_streak = 0  # zero-variance groups discarded in a row
+        if self._prefixes:
+            parts.log_event({"kind": "prefix_restore", "calls": len(self._prefixes),
+                             "tokens": sum(len(p.token_ids) for p in self._prefixes.values()), "t": time.time()})
         self.trace = RolloutTrace(parts.tracer)
         # Agent servers run whole episodes (each future is one episode, not one call)
         self.agents = parts.agents
@@ -213,9 +226,27 @@ class RolloutPump:
             future = self.agents.run(live, key=live.episode.key, prompt_id=live.group.reservation.prompt_id,
                                      seed=live.episode.seed, params=self.params, continue_from=live.continue_from)
         else:
-            future = self.p.engine.submit(live.episode.request(self.p.env, self.params))
+            request = live.episode.request(self.p.env, self.params)
+            live.prefix_len = 0
+            if live.prefix is not None:
+                request = self._spliced(live, request)
+            future = self.p.engine.submit(request)
         self._running[future] = live
         future.add_done_callback(self._done.put)
+
+    def _spliced(self, live: LiveEpisode, request: GenerationRequest) -> GenerationRequest:
+        """The restored call continued from its prefix: the engine counts limits,
+        penalties and stop strings over the whole output, prefix included, and returns
+        the whole output with the prefix's own logprobs and versions, so the result is
+        the uninterrupted call's. A prefix saved under other limits (it cannot be the
+        same call) restarts the turn instead."""
+        prefix, live.prefix = live.prefix, None
+        p = request.params
+        if prefix is None or (prefix.max_tokens, prefix.min_tokens) != (p.max_tokens, p.min_tokens):
+            return request
+        live.prefix_len = len(prefix.token_ids)
+        return replace(request, prefix_ids=list(prefix.token_ids), prefix_versions=list(prefix.token_versions),
+                       prefix_logprobs=list(prefix.logprobs or ()))
 
     def _served_call(self, live: LiveEpisode, turn: int, result) -> None:
         """A model call an agent server made for `live` (on the HTTP loop's thread)."""
@@ -271,7 +302,7 @@ class RolloutPump:
         turn = e.turn
         e.absorb(self.p.env, result)
         self.meter.call()
-        self.trace.call_finished(live.group, live.index, turn=turn, tokens=len(result.token_ids),
+        self.trace.call_finished(live.group, live.index, turn=turn, tokens=len(result.token_ids) - live.prefix_len,
                                  finish_reason=result.finish_reason)
         if e.done:
             self._episode_done(live)
@@ -460,12 +491,15 @@ class RolloutPump:
         saved = self._saved.pop((group.group_id, index), None)
         if self.agents is not None:
             return self._remote(group, index, attempt_id, attempt, seed, saved)
+        prefix = self._prefixes.pop((group.group_id, index), None)
         if saved is not None and saved.token_ids is not None:
             episode = Episode.resumed(self.p.env, r.prompt_id, key=key, seed=seed, turn=saved.turn,
                                       state=saved.state, token_ids=saved.token_ids, logprobs=saved.logprobs or [],
                                       token_versions=saved.token_versions or [])
-            return LiveEpisode(group, index, attempt_id, attempt, episode, from_attempt=saved.attempt)
-        return LiveEpisode(group, index, attempt_id, attempt, Episode.start(self.p.env, r.prompt_id, key=key, seed=seed))
+            return LiveEpisode(group, index, attempt_id, attempt, episode, from_attempt=saved.attempt, prefix=prefix)
+        # A prefix without a saved episode is one of the first turn (the cut matched its turn)
+        return LiveEpisode(group, index, attempt_id, attempt, Episode.start(self.p.env, r.prompt_id, key=key, seed=seed),
+                           prefix=prefix)
 
     def _remote(self, group: GroupHandle, index: int, attempt_id: int | None, attempt: int, seed: int,
                 saved: SavedEpisode | None) -> LiveEpisode:

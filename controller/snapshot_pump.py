@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import threading
 import time
 from collections import deque
@@ -53,7 +54,8 @@ from typing import Any
 
 from rolloutdb.controller.env_checkpoint import EnvironmentCheckpoint
 from rolloutdb.controller.runtime import RolloutParts
-from rolloutdb.store import EpisodeProgress, Publisher, PublishError, anchor_name, faults, pools, queries, scan
+from rolloutdb.gpu_capture.protocol import PrefixCapture
+from rolloutdb.store import CallPrefix, EpisodeProgress, Publisher, PublishError, anchor_name, faults, pools, queries, scan
 
 log = logging.getLogger("rolloutdb.controller")
 
@@ -77,11 +79,30 @@ class ExportMismatch(RuntimeError):
     """The environment's export disagrees with the ledger at the cut."""
 
 
-def _episodes_into_copy(out, rows) -> int:
-    """The checked export into the snapshot's own `env_episodes` (capture's `into_copy`)."""
-    if rows:
-        pools.put_episodes(out, rows)
-    return len(rows or ())
+@dataclass
+class _AtCut:
+    """What the cut adds to the snapshot's file, and the engine's decode count at it."""
+
+    episodes: list[EpisodeProgress] = field(default_factory=list)
+    prefixes: list[CallPrefix] = field(default_factory=list)
+    decoded: int | None = None
+    hold_s: float | None = None  # how long the prefix read held the engine's output step
+
+
+def _into_copy(out, at: _AtCut) -> dict[str, int]:
+    """The checked export into the snapshot's own `env_episodes`, the running calls'
+    prefixes into its `token_chunks` (capture's `into_copy`)."""
+    if at.episodes:
+        pools.put_episodes(out, at.episodes)
+    chunks = pools.put_prefixes(out, at.prefixes) if at.prefixes else 0
+    return {"env_episodes": len(at.episodes), "token_chunks": chunks}
+
+
+# The engine request id of an in-process episode's call: `g<group>.<generation>-a<attempt>-t<turn>`
+# (controller/rollout_pump.py `_live`, episodes.Episode.request). An agent server's calls
+# (`<group>.<generation>-a<attempt>-t<turn>`, no `g`) are not cut: their episode lives on
+# the server, which restarts the turn (the turn path).
+_IN_PROCESS_CALL = re.compile(r"^g([0-9]+)\.([0-9]+)-a([0-9]+)-t([0-9]+)$")
 
 
 @dataclass
@@ -137,6 +158,15 @@ class SnapshotPump:
         self._pending: Any = None  # store.TrainerStage: an async checkpoint not yet published
         self._held: list[_Held] = []  # touched under the save lock only
         self._retired: set[str] = set()  # the keys this attempt's retire named
+        # Prefix level: every cut saves the running calls' prefixes, and a snapshot whose
+        # store did not change is still due when the engine decoded since the last one.
+        engine = parts.engine
+        cfg = parts.config
+        self.capture: PrefixCapture | None = (
+            engine if cfg is not None and cfg.rollout_recovery.target_level == "prefix"
+            and isinstance(engine, PrefixCapture) else None)
+        self.prefix = self.capture is not None
+        self._last_decoded: int | None = None
         self._export: dict[str, dict] = {}  # this attempt's export, read after drain
         self._expected: set[str] = set()
         # The latest attempts, for tests and benchmarks; bounded for runs of days.
@@ -260,6 +290,7 @@ class SnapshotPump:
                                  r.mutation_counter)
         timings = {**r.timings, "held_s": t_pub - held_at, "publish": time.perf_counter() - t_pub}
         self._last_counter = held.capture.mutation_counter
+        self._last_decoded = held.capture.check_result.decoded
         self.p.tracer.emit("snapshot_cut", cut_time=held.capture.cut_time, snapshot_seq=published.sequence,
                            anchor=r.anchor, step=trainer.step)
         return AttemptResult("published", r.anchor, published.sequence, timings, None, r.mutation_counter)
@@ -280,7 +311,8 @@ class SnapshotPump:
         if rt.commit_lock.locked():
             return AttemptResult("skipped_commit")
         counter = self.p.store.mutation_counter
-        if not force and counter == self._last_counter:
+        if not force and counter == self._last_counter and (
+                self.capture is None or self.capture.decoded_rows == self._last_decoded):
             return AttemptResult("skipped_unchanged")
         step = self.p.read_progress().step
         anchor = anchor_name(step or None)
@@ -337,6 +369,8 @@ class SnapshotPump:
                 timings["environment_hold"] = time.perf_counter() - t_env
         faults.point("snapshot.after_cut")
         timings.update({f"cut_{k}": v for k, v in capture.timings.items()})
+        if capture.check_result.hold_s is not None:
+            timings["prefix_hold"] = capture.check_result.hold_s
         export = None  # the environment's export is in the snapshot's own file (env_episodes)
         if pending is not None:
             timings["_held_at"] = time.perf_counter()
@@ -354,6 +388,7 @@ class SnapshotPump:
         timings["publish"] = time.perf_counter() - t_pub
         timings["total"] = time.perf_counter() - t0
         self._last_counter = capture.mutation_counter
+        self._last_decoded = capture.check_result.decoded
         self.p.tracer.emit("snapshot_cut", cut_time=capture.cut_time, snapshot_seq=published.sequence, anchor=anchor, step=step)
         return AttemptResult("published", anchor, published.sequence, timings, None, capture.mutation_counter)
 
@@ -368,15 +403,17 @@ class SnapshotPump:
             try:
                 if self.p.read_progress().step != step:
                     raise AbortedCommit()
-                export = self._checked_export(conn)
+                at = _AtCut(episodes=self._checked_export(conn))
+                if self.capture is not None:
+                    self._prefixes_at_cut(conn, self.capture, at)
                 self._release_waiters(step, True)  # the train pump may commit again
-                return export
+                return at
             finally:
                 rt.commit_lock.release()
                 held[0] = False
 
         try:
-            return self.p.store.capture(db_path, at_cut=at_cut, into_copy=_episodes_into_copy)
+            return self.p.store.capture(db_path, at_cut=at_cut, into_copy=_into_copy)
         finally:
             if held[0]:
                 rt.commit_lock.release()
@@ -417,6 +454,32 @@ class SnapshotPump:
                 turn=agent["turn"], state=agent["state"], token_ids=agent.get("token_ids"),
                 logprobs=agent.get("logprobs"), token_versions=agent.get("token_versions")))
         return rows
+
+    def _prefixes_at_cut(self, conn, engine: PrefixCapture, at: _AtCut) -> None:
+        """The running calls' prefixes that belong to the cut: the engine's calls read
+        once, under its lock (the hold), matched to attempts the ledger runs at the cut
+        whose saved episode is at the call's turn (a call whose previous turn is not yet
+        committed at the cut would resume into the wrong turn: it restarts its turn)."""
+        calls = engine.running_calls()
+        at.hold_s = engine.cut_hold_s  # the output step's wait, not ours for the step in progress
+        at.decoded = engine.decoded_rows
+        wanted: dict[str, tuple[int, Any]] = {}
+        for rid, call in calls.items():
+            m = _IN_PROCESS_CALL.match(rid)
+            if m is not None and call.token_ids:
+                wanted[f"{m[1]}.{m[2]}-a{m[3]}"] = (int(m[4]), call)
+        if not wanted:
+            return
+        known = queries.attempts_by_key(conn, wanted)
+        running = {key: attempt_id for key, (attempt_id, state) in known.items() if state == "running"}
+        turns = queries.episode_turns(conn, running.values())
+        for key, attempt_id in sorted(running.items()):
+            turn, call = wanted[key]
+            if turns.get(attempt_id, 0) != turn:
+                continue
+            complete = len(call.logprobs) == len(call.token_ids)
+            at.prefixes.append(CallPrefix(attempt_id, call.token_ids, call.logprobs if complete else None,
+                                          call.token_versions, call.max_tokens, call.min_tokens))
 
     def _abandoned_episode_keys(self) -> list[str]:
         if not self.env.holds_rollout_state:

@@ -109,6 +109,44 @@ class GenerationEngine(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class RunningCall:
+    """A call in progress as a prefix cut sees it: its output so far (prefix included),
+    with the logprob and the policy version of each token. `logprobs` is shorter than
+    `token_ids` only for a resumed call still waiting for its prefill without saved
+    prefix logprobs (the engine recomputes them then)."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    token_versions: list[int]
+    max_tokens: int  # the limits the call was submitted with
+    min_tokens: int
+
+
+@runtime_checkable
+class PrefixCapture(Protocol):
+    """Beside `GenerationEngine`: an engine whose running calls can be cut and resumed
+    (prefix-level recovery). `submit` takes `GenerationRequest.prefix_*` and continues
+    the call from them exactly."""
+
+    @property
+    def decoded_rows(self) -> int:
+        """Tokens decoded since the engine started: a snapshot that sees the same count
+        and the same store state has nothing new to save."""
+        ...
+
+    @property
+    def cut_hold_s(self) -> float:
+        """How long the last `running_calls` held the output step (not counting its own
+        wait for the step in progress)."""
+        ...
+
+    def running_calls(self) -> dict[str, RunningCall]:
+        """request id -> the call's output so far, for every call in progress, read
+        atomically with respect to the engine's output step (the step waits meanwhile)."""
+        ...
+
+
 def generate_all(engine: GenerationEngine, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
     """Submit every request, then wait for all: one result per request, in order. The
     requests are checked (distinct ids) before any is submitted."""

@@ -51,7 +51,7 @@ from pathlib import Path
 import torch
 
 from .invariant_forward import InvariantLlama
-from .protocol import GenerationRequest, GenerationResult
+from .protocol import GenerationRequest, GenerationResult, RunningCall
 from .sampling import RowChoice, choose_tokens, find_stop, position_uniform, request_seed, token_logprobs
 from .tiny_policy import load_policy
 
@@ -144,6 +144,7 @@ class ReferenceEngine:
         # over steps: the benchmarks' engine idle fraction and batch occupancy.
         self.busy_s = 0.0
         self.decoded_rows = 0
+        self.cut_hold_s = 0.0  # how long the last running_calls() held the engine lock
         # Called by the worker after each step, outside the lock, with the step count:
         # lets tests (and tracing) act at an exact point between two steps.
         self.step_callback = None
@@ -212,6 +213,18 @@ class ReferenceEngine:
         too; read under the engine lock, so never in the middle of a step."""
         with self._exclusive():
             return {c.request.request_id: list(c.tokens) for c in (*self._active, *self._waiting)}
+
+    def running_calls(self) -> dict[str, RunningCall]:
+        """What a prefix cut saves (`PrefixCapture`): tokens, logprobs and versions of
+        every call not yet finished, copied under the engine lock (the next step waits
+        for the copy: measured by bench/bench_prefix_cut.py)."""
+        with self._exclusive():
+            t0 = time.perf_counter()
+            calls = {c.request.request_id: RunningCall(list(c.tokens), list(c.logprobs), list(c.versions),
+                                                       c.request.params.max_tokens, c.request.params.min_tokens)
+                     for c in (*self._active, *self._waiting)}
+            self.cut_hold_s = time.perf_counter() - t0
+            return calls
 
     def abort(self, request_ids: Sequence[str]) -> None:
         """Finish these calls (running or queued) at the start of the next step with

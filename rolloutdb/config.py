@@ -38,7 +38,6 @@ class ConfigError(ValueError):
 NOT_BUILT_YET: dict[str, dict[str, str]] = {
     "generation.backend": {"vllm": "the vLLM engine"},
     "cluster.backend": {"ray": "Ray rollout workers"},
-    "rollout_recovery.target_level": {"prefix": "prefix-level recovery"},
 }
 
 
@@ -290,11 +289,17 @@ class CheckpointingSection(Section):
 
 
 class RolloutRecoverySection(Section):
-    # Built levels only ('prefix': NOT_BUILT_YET); widening this Literal is the whole change.
-    target_level: Literal["none", "group", "turn"] = Field(
+    target_level: Literal["none", "group", "turn", "prefix"] = Field(
         "group", description="none: no ledger; group: ledger dispatch, unfinished groups redone; turn: as group, "
-                             "and an episode running at a stop continues from its last committed turn."
+                             "and an episode running at a stop continues from its last committed turn; prefix: as "
+                             "turn, and a model call running at a snapshot continues from the tokens it had decoded."
     )
+
+    @property
+    def keeps_turns(self) -> bool:
+        """turn and prefix save every finished turn of a running episode."""
+        return self.target_level in ("turn", "prefix")
+
     # Group commit: finished calls, turns and sealed groups reach the store in batches,
     # one BEGIN IMMEDIATE transaction (one cut) per window, whichever limit comes first.
     commit_window_ms: float = Field(15.0, gt=0, le=10_000, description="Longest a finished call waits for its commit.")
@@ -389,9 +394,10 @@ class Config(Section):
             raise ValueError("environment.servers: agent servers need ledger dispatch (their episodes are keyed "
                              "by attempt); set rollout_recovery.target_level to group or turn")
         exporting = [s.name for s in env.servers if s.mode == "export_restore"]
-        if exporting and self.rollout_recovery.target_level != "turn":
+        if exporting and not self.rollout_recovery.keeps_turns:
             raise ValueError(f"environment.servers: {', '.join(exporting)} export their agents for turn-level "
-                             "recovery; set rollout_recovery.target_level: turn, or their mode to restart_only")
+                             "recovery; set rollout_recovery.target_level: turn (or prefix), or their mode to "
+                             "restart_only")
         for turns in sorted({env.turns_of(s) for s in env.servers} | {env.turns}):
             self._fits(turns)
         return self

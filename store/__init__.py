@@ -49,7 +49,7 @@ from .live import codec, ledger, pools, queries
 from .live.capture import Capture, capture_snapshot
 from .live.invariants import InvariantReport, check_invariants
 from .live.ledger import FinishedGeneration, Reservation
-from .live.pools import EpisodeProgress, SavedEpisode
+from .live.pools import CallPrefix, Chunk, EpisodeProgress, SavedEpisode
 from .live.schema import ABANDON_REASONS, GROUP_STATES, ROLLOUT_STATES, STATE_TABLES
 from .live.store import Store
 
@@ -138,6 +138,8 @@ __all__ = [
     "ROLLOUT_STATES",
     "STATE_TABLES",
     "Capture",
+    "CallPrefix",
+    "Chunk",
     "EpisodeProgress",
     "FinishedGeneration",
     "InvariantReport",

@@ -2,10 +2,11 @@
 point or at a random moment), resume, and repeat until the run ends; then check the
 whole chain of stops.
 
-Two configurations (`HarnessConfig`, a parameter of `run_chain`): GROUP_LEVEL, the
-single-turn digit task recovered at group level, and TURN_LEVEL, the multi-turn long-tail
+Three configurations (`HarnessConfig`, a parameter of `run_chain`): GROUP_LEVEL, the
+single-turn digit task recovered at group level, TURN_LEVEL, the multi-turn long-tail
 task recovered at turn level, whose saved episodes and restores are checked by
-tests/crash_episodes.py after every kill and every resume.
+tests/crash_episodes.py after every kill and every resume, and PREFIX_LEVEL, the same at
+prefix level (running calls continue from their saved prefixes).
 
 Used by tests/test_crash_resume.py (quick tiers in CI, a long tier behind `slow`) and
 runnable by hand:  python tests/crash_harness.py RUN_DIR --kills 20 --seed 1 --config turn
@@ -88,7 +89,14 @@ TURN_LEVEL = HarnessConfig(
     extra=("environment.task=digits_longtail", "environment.max_digits=8", "generation.max_tokens=9",
            "rollout_recovery.target_level=turn"),
     random_kill_s=(0.3, 1.5), turns=3)
-CONFIGS = {c.name: c for c in (GROUP_LEVEL, TURN_LEVEL)}
+# The same at prefix level: every snapshot also saves the running calls' prefixes, and a
+# resume continues each from them (besides its episode's committed turns).
+PREFIX_LEVEL = HarnessConfig(
+    "prefix", REPO / "examples" / "multiturn.yaml", steps=24, groups=3, group_size=4, dataset=64, seed=9,
+    extra=("environment.task=digits_longtail", "environment.max_digits=8", "generation.max_tokens=9",
+           "rollout_recovery.target_level=prefix"),
+    random_kill_s=(0.3, 1.5), turns=3)
+CONFIGS = {c.name: c for c in (GROUP_LEVEL, TURN_LEVEL, PREFIX_LEVEL)}
 # The group-level configuration under its W1-D names (tests/test_trace_real_run.py and
 # tests/train_cli.py use them).
 EXAMPLE, OVERRIDES = GROUP_LEVEL.example, GROUP_LEVEL.overrides

@@ -183,3 +183,9 @@ def test_the_environment_phase_benchmark_holds_running_episodes_on_a_real_agent_
                 assert row["hold"] >= sum(row[c] for c in ("prepare", "commit", "drain", "export"))
     assert r["ratios"]["hold"] > 0 and r["ratios"]["export_bytes"] > 0
     assert r["episodes_finished"] > 0
+
+
+def test_the_prefix_cut_benchmark_measures_the_hold_at_two_sizes(tmp_path):
+    r = _run_bench("bench_prefix_cut.py", tmp_path)
+    assert [s["calls"] for s in r["sizes"]] == [4, 16]
+    assert all(s["cuts"] > 0 and s["hold_ms_p50"] >= 0 for s in r["sizes"])

@@ -98,7 +98,6 @@ NOT_LANDED = [
     # key, value, the values the type accepts
     ("generation.backend", "vllm", "'reference'"),
     ("cluster.backend", "ray", "'local'"),
-    ("rollout_recovery.target_level", "prefix", "'none', 'group', 'turn'"),
 ]
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from crash_harness import GROUP_LEVEL, TURN_LEVEL, HarnessConfig, check_after_kill, run_chain  # noqa: F401
+from crash_harness import GROUP_LEVEL, PREFIX_LEVEL, TURN_LEVEL, HarnessConfig, check_after_kill, run_chain  # noqa: F401
 from rolloutdb.controller import fault_points as controller_points
 from rolloutdb.store import faults
 
@@ -67,6 +67,26 @@ def test_killing_a_multi_turn_run_at_turn_level_keeps_its_committed_turns_and_lo
     assert any(k > 0 for k in result.kept_per_stop), f"no stop kept a token: {result.kept_per_stop}"
 
 
+@pytest.mark.timeout(600)  # ~90 s on 2 cores
+def test_killing_a_multi_turn_run_at_prefix_level_continues_its_calls_and_loses_nothing(tmp_path):
+    """Quick tier at prefix level: 8 kills in one chain of the multi-turn long-tail task
+    (after a turn's commit, between a call finishing and its commit, at a snapshot's cut,
+    at a resume and at random moments), with the chain's checks and the turn-level ones."""
+    rng = random.Random(13)
+    plan = [(f"pump.after_turn_commit@{12 + rng.randrange(8)}", None),
+            (None, rng.uniform(*PREFIX_LEVEL.random_kill_s)),
+            (f"pump.call_finished_uncommitted@{10 + rng.randrange(60)}", None),
+            ("resume.after_restore", None),
+            ("snapshot.after_cut@3", None),
+            (None, rng.uniform(*PREFIX_LEVEL.random_kill_s)),
+            (f"pump.after_turn_commit@{2 + rng.randrange(8)}", None),
+            (None, rng.uniform(*PREFIX_LEVEL.random_kill_s))]
+    result = run_chain(tmp_path / "run", plan, config=PREFIX_LEVEL)
+    assert not result.problems, result.problems
+    assert result.finished
+    assert result.kills >= 6, f"only {result.kills} kills landed: {result.killed_at}"
+
+
 def test_killing_an_async_checkpointing_run_at_each_of_its_points_resumes_from_the_previous_anchor(tmp_path):
     """Quick tier, checkpointing.async: a kill while a checkpoint is copied, written,
     sealed but not renamed, or renamed before its held snapshot is published. Every
@@ -82,7 +102,7 @@ def test_killing_an_async_checkpointing_run_at_each_of_its_points_resumes_from_t
 
 @pytest.mark.slow
 @pytest.mark.timeout(7200)
-@pytest.mark.parametrize("config", [TURN_LEVEL, GROUP_LEVEL], ids=lambda c: c.name)
+@pytest.mark.parametrize("config", [TURN_LEVEL, GROUP_LEVEL, PREFIX_LEVEL], ids=lambda c: c.name)
 def test_hundreds_of_kills_over_many_chains_never_lose_or_duplicate_a_prompt(tmp_path, config: HarnessConfig):
     """Long tier: >= 200 kills per configuration. Run with
     `python -m pytest -m slow tests/test_crash_resume.py -s`; the result is recorded in

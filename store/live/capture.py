@@ -53,7 +53,7 @@ def capture_snapshot(
     dst: str | Path,
     *,
     at_cut: Callable[[sqlite3.Connection], Any] | None = None,
-    into_copy: Callable[[sqlite3.Connection, Any], int] | None = None,
+    into_copy: Callable[[sqlite3.Connection, Any], dict[str, int]] | None = None,
 ) -> Capture:
     """Copy the live store at `live_path` into the new file `dst` as of one read cut.
 
@@ -62,9 +62,9 @@ def capture_snapshot(
     `dst`). Its return value is kept in `Capture.check_result`.
 
     `into_copy(out, check_result)` runs on the copy, in one transaction after it is
-    taken, and returns how many rows it added to `env_episodes`: what belongs to the cut
-    but lives outside the store (an environment server's export) goes into the
-    snapshot's own file this way, never beside it.
+    taken, and returns the rows it added per table: what belongs to the cut but lives
+    outside the store (an environment server's export, the running calls' prefixes) goes
+    into the snapshot's own file this way, never beside it.
     """
     dst = Path(dst)
     if dst.exists():
@@ -90,8 +90,8 @@ def capture_snapshot(
                 out.execute("BEGIN")
                 added = into_copy(out, check)
                 out.execute("COMMIT")
-                if added:
-                    counts["env_episodes"] = counts.get("env_episodes", 0) + added
+                for table, n in (added or {}).items():
+                    counts[table] = counts.get(table, 0) + n
             out.execute("PRAGMA journal_mode = DELETE")
         src.execute("COMMIT")
     except BaseException:

@@ -155,9 +155,11 @@ def get_finalizer_result(conn: Connection, group_id: int) -> dict | None:
 
 
 # ---------------------------------------------------------------- prefix chunks
-# Written and deleted by prefix recovery (W2-C); today only the restore reads them
-# (`read_chunks`) and tests write them. Kept: the restore's handling of chunks is tested
-# through these, and W2-C wires `add_chunk`/`delete_chunks` into the cut and the finish.
+# Prefix-level recovery (W2-D): at a snapshot's cut the tokens every running call had
+# decoded go into the snapshot's own file (`put_prefixes` on the copy, from the snapshot
+# pump); the live store never holds them, so there is nothing to delete when a call
+# finishes. A restore reads the chunks of the attempts it abandons (`read_chunks`) and
+# the pump continues each call from its prefix (`CallPrefix.of`).
 
 
 @dataclass(frozen=True)
@@ -169,6 +171,70 @@ class Chunk:
     max_tokens: int
     min_tokens: int
     policy_version: int
+    logprobs: list[float] | None = None  # None: written before v1_3_a
+
+
+@dataclass(frozen=True)
+class CallPrefix:
+    """What a running call had decoded at a cut: its output so far (one logprob and one
+    policy version per token) and the limits it was started with."""
+
+    attempt_id: int
+    token_ids: Sequence[int]
+    logprobs: Sequence[float] | None
+    token_versions: Sequence[int]
+    max_tokens: int
+    min_tokens: int
+
+    @classmethod
+    def of(cls, chunks: Sequence[Chunk]) -> CallPrefix | None:
+        """The prefix a restore's chunks (in order) add up to; None when they do not line
+        up (a gap, or logprobs in some chunks only): such a call restarts its turn."""
+        if not chunks:
+            return None
+        tokens: list[int] = []
+        logprobs: list[float] = []
+        versions: list[int] = []
+        for c in chunks:
+            if c.prefix_count != len(tokens) or (c.logprobs is None) != (chunks[0].logprobs is None):
+                return None
+            if c.logprobs is not None and len(c.logprobs) != len(c.token_ids):
+                return None
+            tokens += c.token_ids
+            logprobs += c.logprobs or []
+            versions += [c.policy_version] * len(c.token_ids)
+        first = chunks[0]
+        return cls(first.attempt_id, tokens, logprobs if first.logprobs is not None else None, versions,
+                   first.max_tokens, first.min_tokens)
+
+
+_CHUNK_COLUMNS = ("attempt_id", "chunk_index", "prefix_count", "token_ids", "max_tokens", "min_tokens",
+                  "policy_version", "created_at", "logprobs")
+_INSERT_CHUNKS = Prepared(insert(chunks).values({c: bindparam(c) for c in _CHUNK_COLUMNS}))
+
+
+def put_prefixes(conn: Connection | sqlite3.Connection, prefixes: Sequence[CallPrefix]) -> int:
+    """Save running calls' prefixes: one chunk per run of tokens of one policy version.
+    Every prefix is checked before anything is written. Returns the chunks written."""
+    now = time.time()
+    params = []
+    for p in prefixes:
+        n = len(p.token_ids)
+        if len(p.token_versions) != n or (p.logprobs is not None and len(p.logprobs) != n):
+            raise ValueError(f"prefix of attempt {p.attempt_id}: {n} tokens, {len(p.token_versions)} versions and "
+                             f"{'no' if p.logprobs is None else len(p.logprobs)} logprobs; give one version and one "
+                             "logprob per token (nothing was written)")
+        start = 0
+        for index, (version, count) in enumerate(version_runs(p.token_versions)):
+            params.append({
+                "attempt_id": p.attempt_id, "chunk_index": index, "prefix_count": start,
+                "token_ids": encode_tokens(p.token_ids[start:start + count]), "max_tokens": p.max_tokens,
+                "min_tokens": p.min_tokens, "policy_version": version, "created_at": now,
+                "logprobs": None if p.logprobs is None else encode_logprobs(p.logprobs[start:start + count]),
+            })
+            start += count
+    _INSERT_CHUNKS.many(conn, params)
+    return len(params)
 
 
 def add_chunk(
@@ -181,8 +247,9 @@ def add_chunk(
     min_tokens: int,
     policy_version: int,
 ) -> int:
-    """Save the tokens a running call decoded since its last chunk. `prefix_count` is
-    how many tokens earlier chunks hold; max/min tokens are the call's original limits."""
+    """Append one chunk (without logprobs) after a call's earlier chunks; the restore
+    tests write old-style chunks with it. `prefix_count` is how many tokens earlier
+    chunks hold; max/min tokens are the call's original limits."""
     index = conn.execute(select(chunks.c.chunk_index).where(chunks.c.attempt_id == attempt_id).order_by(chunks.c.chunk_index.desc()).limit(1)).scalar()
     index = 0 if index is None else index + 1
     conn.execute(
@@ -204,12 +271,14 @@ def read_chunks(conn: Connection, attempt_id: int) -> list[Chunk]:
     rows = conn.execute(
         select(
             chunks.c.attempt_id, chunks.c.chunk_index, chunks.c.prefix_count, chunks.c.token_ids,
-            chunks.c.max_tokens, chunks.c.min_tokens, chunks.c.policy_version,
+            chunks.c.max_tokens, chunks.c.min_tokens, chunks.c.policy_version, chunks.c.logprobs,
         )
         .where(chunks.c.attempt_id == attempt_id)
         .order_by(chunks.c.chunk_index)
     ).all()
-    return [Chunk(a, i, p, decode_tokens(t).tolist(), mx, mn, v) for a, i, p, t, mx, mn, v in rows]
+    return [Chunk(a, i, p, decode_tokens(t).tolist(), mx, mn, v,
+                  None if lp is None else [float(x) for x in decode_logprobs(lp)])
+            for a, i, p, t, mx, mn, v, lp in rows]
 
 
 def delete_chunks(conn: Connection, attempt_ids: Sequence[int]) -> None:

@@ -162,6 +162,18 @@ def attempts_by_key(conn: Connection | sqlite3.Connection, keys: Iterable[str]) 
     return {episode_key(g, i, a): (attempt_id, state) for g, i, a, attempt_id, state in rows}
 
 
+_EPISODE_TURNS = "SELECT attempt_id, turn FROM env_episodes WHERE attempt_id IN (SELECT value FROM json_each(?))"
+
+
+def episode_turns(conn: Connection | sqlite3.Connection, attempt_ids: Iterable[int]) -> dict[int, int]:
+    """attempt id -> the turn its saved episode is at (turns finished), for the attempts
+    that saved one. Also over a snapshot cut's raw connection."""
+    arg = (json.dumps(list(attempt_ids)),)
+    rows = conn.execute(_EPISODE_TURNS, arg).fetchall() if isinstance(conn, sqlite3.Connection) \
+        else conn.exec_driver_sql(_EPISODE_TURNS, arg).all()
+    return dict(rows)
+
+
 def abandoned_by_restart(conn: Connection, since: float) -> list[Any]:
     """The attempts a restore's normalization abandoned (reason `restart`) at or after
     `since`, as rows (group_id, prompt_id, generation_index, attempt, target_step)."""

@@ -149,7 +149,10 @@ class Rollout(Base):
 
 class TokenChunk(Base):
     """Prefix capture: tokens a running call had decoded at a cut, with the limits the
-    call was started with, so a resumed call can continue exactly."""
+    call was started with, so a resumed call can continue exactly. One chunk per run of
+    tokens of one policy version (a call that ran across a refit has several);
+    `logprobs` (revision v1_3_a) float32 little-endian, one per token; NULL in chunks
+    written before it (the engine then recomputes them from the prefill)."""
 
     __tablename__ = "token_chunks"
     __table_args__ = (UniqueConstraint("attempt_id", "chunk_index"),)
@@ -165,6 +168,7 @@ class TokenChunk(Base):
     min_tokens: Mapped[int] = mapped_column(Integer)
     policy_version: Mapped[int] = mapped_column(Integer)
     created_at: Mapped[float] = mapped_column(Float)
+    logprobs: Mapped[bytes | None] = mapped_column(LargeBinary)
 
 
 class Sample(Base):
