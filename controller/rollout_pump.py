@@ -393,7 +393,9 @@ class RolloutPump:
             trace.reserved(new_groups, self.group_size)
             trace.dispatched(new_groups)
         if restored:
-            trace.dispatched(list({id(live.group): live.group for live in restored}.values()))
+            prefixes = {(live.group.group_id, live.index): len(live.prefix.token_ids)
+                        for live in restored if live.prefix is not None}
+            trace.dispatched(list({id(live.group): live.group for live in restored}.values()), prefixes)
             for live in restored:
                 if live.from_attempt is not None:
                     e = live.episode

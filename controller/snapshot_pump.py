@@ -54,6 +54,7 @@ from typing import Any
 
 from rolloutdb.controller.env_checkpoint import EnvironmentCheckpoint
 from rolloutdb.controller.runtime import RolloutParts
+from rolloutdb.controller.tracing import RolloutTrace
 from rolloutdb.gpu_capture.protocol import PrefixCapture
 from rolloutdb.store import CallPrefix, EpisodeProgress, Publisher, PublishError, anchor_name, faults, pools, queries, scan
 
@@ -87,6 +88,7 @@ class _AtCut:
     prefixes: list[CallPrefix] = field(default_factory=list)
     decoded: int | None = None
     hold_s: float | None = None  # how long the prefix read held the engine's output step
+    cut_calls: list[dict] = field(default_factory=list)  # the trace's call_cut events, once published
 
 
 def _into_copy(out, at: _AtCut) -> dict[str, int]:
@@ -167,6 +169,7 @@ class SnapshotPump:
             and isinstance(engine, PrefixCapture) else None)
         self.prefix = self.capture is not None
         self._last_decoded: int | None = None
+        self.trace = RolloutTrace(parts.tracer)
         self._export: dict[str, dict] = {}  # this attempt's export, read after drain
         self._expected: set[str] = set()
         # The latest attempts, for tests and benchmarks; bounded for runs of days.
@@ -293,6 +296,7 @@ class SnapshotPump:
         self._last_decoded = held.capture.check_result.decoded
         self.p.tracer.emit("snapshot_cut", cut_time=held.capture.cut_time, snapshot_seq=published.sequence,
                            anchor=r.anchor, step=trainer.step)
+        self.trace.cut(held.capture.check_result.cut_calls, held.capture.cut_time)
         return AttemptResult("published", r.anchor, published.sequence, timings, None, r.mutation_counter)
 
     def _record(self, result: AttemptResult) -> None:
@@ -390,6 +394,7 @@ class SnapshotPump:
         self._last_counter = capture.mutation_counter
         self._last_decoded = capture.check_result.decoded
         self.p.tracer.emit("snapshot_cut", cut_time=capture.cut_time, snapshot_seq=published.sequence, anchor=anchor, step=step)
+        self.trace.cut(capture.check_result.cut_calls, capture.cut_time)
         return AttemptResult("published", anchor, published.sequence, timings, None, capture.mutation_counter)
 
     def _cut(self, db_path, step: int):
@@ -473,6 +478,7 @@ class SnapshotPump:
         known = queries.attempts_by_key(conn, wanted)
         running = {key: attempt_id for key, (attempt_id, state) in known.items() if state == "running"}
         turns = queries.episode_turns(conn, running.values())
+        prompts = queries.group_prompts(conn, (int(k.split(".", 1)[0]) for k in running))
         for key, attempt_id in sorted(running.items()):
             turn, call = wanted[key]
             if turns.get(attempt_id, 0) != turn:
@@ -480,6 +486,12 @@ class SnapshotPump:
             complete = len(call.logprobs) == len(call.token_ids)
             at.prefixes.append(CallPrefix(attempt_id, call.token_ids, call.logprobs if complete else None,
                                           call.token_versions, call.max_tokens, call.min_tokens))
+            rollout, attempt = key.rsplit("-a", 1)
+            group, generation = (int(x) for x in rollout.split(".", 1))
+            prompt_id, step = prompts.get(group, (None, None))
+            at.cut_calls.append({"group_id": group, "prompt_id": prompt_id, "generation_index": generation,
+                                 "attempt": int(attempt), "step": step, "policy_version": call.token_versions[-1],
+                                 "tokens": len(call.token_ids)})
 
     def _abandoned_episode_keys(self) -> list[str]:
         if not self.env.holds_rollout_state:

@@ -7,7 +7,7 @@ once when the tracer is not `enabled`, so the pumps pay nothing for what nobody 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from rolloutdb.controller.dispatch import GroupHandle
 from rolloutdb.store import NullTracer, Tracer
@@ -48,14 +48,27 @@ class RolloutTrace:
             self.tracer.emit("group_reserved", group_id=g.group_id, prompt_id=g.reservation.prompt_id, step=g.target_step,
                         epoch=g.reservation.epoch, group_size=group_size)
 
-    def dispatched(self, groups: Sequence[GroupHandle]) -> None:
+    def dispatched(self, groups: Sequence[GroupHandle], prefix_tokens: Mapping[tuple[int, int], int] | None = None) -> None:
+        """`prefix_tokens`: (group id, generation index) -> the prefix a restored call
+        continues from (prefix level); absent: it starts from its turn's prompt."""
         if not self.tracer.enabled:
             return
         for g in groups:
             for i in sorted(g.attempts or {}):
+                extra = {}
+                if prefix_tokens and (g.group_id, i) in prefix_tokens:
+                    extra["prefix_tokens"] = prefix_tokens[(g.group_id, i)]
                 self.tracer.emit("attempt_dispatched", group_id=g.group_id, prompt_id=g.reservation.prompt_id,
                             generation_index=i, attempt=g.attempt_numbers.get(i, 0), step=g.target_step,
-                            policy_version=g.policy_version)
+                            policy_version=g.policy_version, **extra)
+
+    def cut(self, calls: Sequence[dict], cut_time: float) -> None:
+        """A published snapshot froze these running calls (prefix level): each dict has
+        group_id, prompt_id, generation_index, attempt, step, policy_version, tokens."""
+        if not self.tracer.enabled:
+            return
+        for c in calls:
+            self.tracer.emit("call_cut", t=cut_time, **c)
 
     def dispatched_generations(self, owners: Sequence[tuple[GroupHandle, int]]) -> None:
         """New attempts of single generations (an agent server's lost episodes, retried)."""

@@ -26,6 +26,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from crash_harness import newest_usable_snapshot
@@ -59,6 +60,19 @@ def _train(run_dir: Path, record: Path, resume: bool = False) -> subprocess.Pope
     env["RAY_AUTH_MODE"] = "disabled"
     return subprocess.Popen(cmd + (["--resume"] if resume else []) + _config(record), env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def _kept_by_hand(snapshot_db: Path) -> int:
+    """What a resume from this snapshot keeps, decoded here with SQL and numpy: the policy
+    tokens of the running attempts' saved episodes and their calls' prefixes."""
+    uri = f"file:{snapshot_db}?mode=ro&immutable=1"
+    with contextlib.closing(sqlite3.connect(uri, uri=True)) as conn:
+        runs = conn.execute("SELECT e.version_token_counts FROM env_episodes e JOIN rollouts r "
+                            "ON r.attempt_id = e.attempt_id WHERE r.state = 'running' AND e.token_ids IS NOT NULL")
+        turns = sum(n for (text,) in runs for v, n in json.loads(text) if v != -1)
+        chunks = conn.execute("SELECT c.token_ids FROM token_chunks c JOIN rollouts r ON r.attempt_id = c.attempt_id "
+                              "WHERE r.state = 'running'").fetchall()
+    return turns + sum(len(np.frombuffer(blob, "<i4")) for (blob,) in chunks)
 
 
 def _prefixed_calls(snapshot_db: Path) -> int:
@@ -126,7 +140,12 @@ def job(tmp_path_factory):
     assert kills, "the run ended before any snapshot held a prefix of a running call"
     verify = subprocess.run([sys.executable, "-m", "rolloutdb", "verify", str(run_dir), "--json"],
                             capture_output=True, text=True, timeout=TIMEOUT_S)
+    report = subprocess.run([sys.executable, "-m", "rolloutdb", "trace", str(run_dir), "--baseline", str(twin_dir),
+                             "--out", str(root / "report")], capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert report.returncode == 0, report.stderr
     return {"root": root, "run_dir": run_dir, "kills": kills, "verify": verify,
+            "report": json.loads((root / "report" / "trace_report.json").read_text()),
+            "kept_by_hand": _kept_by_hand(root / "cut0.sqlite"),
             "run": _trained(root / "run.jsonl"), "twin": _trained(root / "twin.jsonl")}
 
 
@@ -148,3 +167,17 @@ def test_a_prefix_level_run_killed_twice_loses_and_doubles_nothing(job):
     assert job["verify"].returncode == 0, job["verify"].stderr
     report = json.loads(job["verify"].stdout)
     assert report["duplicated"] == 0 and report["lost"] == 0, report
+
+
+def test_the_trace_counts_the_first_stops_kept_prefixes_and_turns_as_its_snapshot_holds_them(job):
+    first = job["report"]["kept_per_stop"][0]
+    assert first["kept_tokens"] == job["kept_by_hand"]
+    assert first["kept_tokens"] > 0 and first["redone_tokens"] >= 0
+    assert first["decoded_tokens"] >= first["kept_tokens"]
+
+
+def test_an_attempt_whose_call_the_cut_froze_threw_no_time_away(job):
+    rows = job["report"]["kept_by_attempt"]
+    frozen = [r for r in rows if r["stop_no"] == 1 and r["decoded_tokens"] > 0 and r["kept_tokens"] > 0]
+    assert frozen
+    assert any(r["thrown_away_s"] == 0 for r in frozen)

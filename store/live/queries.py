@@ -162,6 +162,17 @@ def attempts_by_key(conn: Connection | sqlite3.Connection, keys: Iterable[str]) 
     return {episode_key(g, i, a): (attempt_id, state) for g, i, a, attempt_id, state in rows}
 
 
+_GROUP_PROMPTS = "SELECT group_id, prompt_id, target_step FROM prompt_groups WHERE group_id IN (SELECT value FROM json_each(?))"
+
+
+def group_prompts(conn: Connection | sqlite3.Connection, group_ids: Iterable[int]) -> dict[int, tuple[int, int | None]]:
+    """group id -> (prompt id, target step). Also over a snapshot cut's raw connection."""
+    arg = (json.dumps(sorted(set(group_ids))),)
+    rows = conn.execute(_GROUP_PROMPTS, arg).fetchall() if isinstance(conn, sqlite3.Connection) \
+        else conn.exec_driver_sql(_GROUP_PROMPTS, arg).all()
+    return {g: (p, s) for g, p, s in rows}
+
+
 _EPISODE_TURNS = "SELECT attempt_id, turn FROM env_episodes WHERE attempt_id IN (SELECT value FROM json_each(?))"
 
 

@@ -45,9 +45,10 @@ from .writer import TraceError
 # The base table of trace_queries -> its table in a trace file, where the names differ.
 _FILE_TABLE = {"trace_runs": "runs"}
 # Semi-joined in SQLite for DuckDB (see the module docstring).
-_SEMI_JOINED = ("attempt_dispatched", "call_finished", "turn_committed")
+_SEMI_JOINED = ("attempt_dispatched", "call_finished", "turn_committed", "call_cut")
 _DUCKDB_TYPES = {"seq": "BIGINT", "t": "DOUBLE", "run": "BIGINT", "prompt_id": "BIGINT",
-                 "generation_index": "BIGINT", "attempt": "BIGINT", "turn": "BIGINT", "tokens": "BIGINT"}
+                 "generation_index": "BIGINT", "attempt": "BIGINT", "turn": "BIGINT", "tokens": "BIGINT",
+                 "prefix_tokens": "BIGINT"}
 
 
 @dataclass(frozen=True)
@@ -153,11 +154,13 @@ def _semi_joined(con, aliases: dict[str, list[str]]) -> None:
     for job, p, g, a in con.execute("SELECT DISTINCT job, prompt_id, generation_index, attempt FROM attempt_abandoned "
                                     "WHERE reason = 'restart' AND prompt_id IS NOT NULL").fetchall():
         keys.setdefault(job, []).append([p, g, a])
+    # The dispatch of the attempt that replaced each abandoned one carries its prefix.
+    next_keys = {job: ks + [[p, g, a + 1] for p, g, a in ks] for job, ks in keys.items()}
     for table in _SEMI_JOINED:
         columns = trace_queries.BASE_COLUMNS[table].split(", ")
         con.execute(f"CREATE TEMP TABLE {table} (job VARCHAR, src INTEGER, "
                     + ", ".join(f"{c} {_DUCKDB_TYPES[c]}" for c in columns) + ")")
-        for job, job_keys in keys.items():
+        for job, job_keys in (next_keys if table == "attempt_dispatched" else keys).items():
             # The abandonment may be in another file of the job than the rows: ask each.
             inner = (
                 f"SELECT {', '.join(_as_text(c) for c in columns)} FROM json_each('{json.dumps(job_keys)}') k "

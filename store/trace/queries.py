@@ -32,7 +32,8 @@ BASE_COLUMNS: dict[str, str] = {
     "trained_groups": "seq, group_id",
     "restore_done": "seq, t, run, snapshot_seq, cut_time",
     "attempt_abandoned": "seq, t, run, prompt_id, generation_index, attempt, group_id, reason",
-    "attempt_dispatched": "seq, t, run, prompt_id, generation_index, attempt",
+    "attempt_dispatched": "seq, t, run, prompt_id, generation_index, attempt, prefix_tokens",
+    "call_cut": "seq, t, run, prompt_id, generation_index, attempt, tokens",
     "call_finished": "seq, t, run, prompt_id, generation_index, attempt, turn, tokens",
     "turn_committed": "seq, t, run, prompt_id, generation_index, attempt, turn, tokens",
     "episode_restored": "seq, t, run, prompt_id, generation_index, attempt, from_attempt, turn, tokens",
@@ -148,13 +149,25 @@ WITH abandoned AS (
       ON c.job = x.job AND c.prompt_id = x.prompt_id AND c.generation_index = x.generation_index
      AND c.attempt = x.attempt AND c.t <= x.cut_time AND (x.dispatched_at IS NULL OR c.t >= x.dispatched_at)
     GROUP BY x.job, x.stop_no, x.prompt_id, x.generation_index, x.attempt
+), cut_at AS (
+    -- Prefix level: a call the restored cut froze (call_cut at the cut's time) kept its
+    -- work up to the cut.
+    SELECT x.job, x.stop_no, x.prompt_id, x.generation_index, x.attempt, max(c.t) AS cut_at
+    FROM dispatched x
+    JOIN call_cut c
+      ON c.job = x.job AND c.prompt_id = x.prompt_id AND c.generation_index = x.generation_index
+     AND c.attempt = x.attempt AND abs(c.t - x.cut_time) < 1e-6
+    GROUP BY x.job, x.stop_no, x.prompt_id, x.generation_index, x.attempt
 ), since AS (
     SELECT x.*, c.committed_at, c.last_committed_turn,
-           CASE WHEN c.committed_at IS NOT NULL AND (x.dispatched_at IS NULL OR c.committed_at > x.dispatched_at)
+           CASE WHEN k.cut_at IS NOT NULL THEN x.cut_time
+                WHEN c.committed_at IS NOT NULL AND (x.dispatched_at IS NULL OR c.committed_at > x.dispatched_at)
                 THEN c.committed_at ELSE x.dispatched_at END AS working_since
     FROM dispatched x
     LEFT JOIN committed c ON c.job = x.job AND c.stop_no = x.stop_no AND c.prompt_id = x.prompt_id
      AND c.generation_index = x.generation_index AND c.attempt = x.attempt
+    LEFT JOIN cut_at k ON k.job = x.job AND k.stop_no = x.stop_no AND k.prompt_id = x.prompt_id
+     AND k.generation_index = x.generation_index AND k.attempt = x.attempt
 )
 SELECT job, stop_no, prompt_id, generation_index, attempt, group_id, dispatched_at, committed_at,
        last_committed_turn, cut_time,
@@ -166,11 +179,15 @@ KEPT_ATTEMPTS = """
 -- What a stop kept, one row per attempt abandoned with reason 'restart' (the attempts of
 -- thrown_away_attempts, with their thrown-away time):
 --   decoded_tokens: tokens its calls decoded before the stop (call_finished from its
---     last dispatch to the stopped run's last event). A call still decoding at a
---     SIGKILL left no event: its tokens are not counted (its time is in thrown_away_s);
+--     last dispatch to the stopped run's last event), and at prefix level the tokens its
+--     call running at the restored cut had decoded by then (call_cut at the cut), when
+--     that call did not finish before the stop. A call still decoding at a SIGKILL left
+--     no other event: what it decoded after the cut is not counted (its time is in
+--     thrown_away_s);
 --   turns_kept, kept_tokens: what the resumed run's episode_restored (from_attempt =
---     this attempt) continued from, less what this attempt had itself been restored
---     with at an earlier stop (kept then, not decoded by it);
+--     this attempt) continued from, plus the prefix its next attempt was dispatched with
+--     (attempt_dispatched.prefix_tokens), less what this attempt had itself been
+--     restored with at an earlier stop (kept then, not decoded by it);
 --   redone_tokens: decoded_tokens - kept_tokens, the finished calls whose turns were not
 --     in the snapshot and are generated again.
 WITH decoded AS (
@@ -180,6 +197,20 @@ WITH decoded AS (
     JOIN call_finished c
       ON c.job = x.job AND c.prompt_id = x.prompt_id AND c.generation_index = x.generation_index
      AND c.attempt = x.attempt AND c.t <= st.stopped_at AND (x.dispatched_at IS NULL OR c.t >= x.dispatched_at)
+    GROUP BY x.job, x.stop_no, x.prompt_id, x.generation_index, x.attempt
+), cut AS (
+    -- The call running at the restored cut, frozen there, unless it finished before the
+    -- stop (then its tokens are in decoded). Cut events carry the cut's own time.
+    SELECT x.job, x.stop_no, x.prompt_id, x.generation_index, x.attempt, max(c.tokens) AS tokens
+    FROM thrown_away_attempts x
+    JOIN stops st ON st.job = x.job AND st.stop_no = x.stop_no
+    JOIN call_cut c
+      ON c.job = x.job AND c.prompt_id = x.prompt_id AND c.generation_index = x.generation_index
+     AND c.attempt = x.attempt AND abs(c.t - x.cut_time) < 1e-6
+    WHERE NOT EXISTS (
+        SELECT 1 FROM call_finished f
+        WHERE f.job = x.job AND f.prompt_id = x.prompt_id AND f.generation_index = x.generation_index
+          AND f.attempt = x.attempt AND f.t > x.cut_time AND f.t <= st.stopped_at)
     GROUP BY x.job, x.stop_no, x.prompt_id, x.generation_index, x.attempt
 ), restored AS (
     -- The first episode_restored after the stop that continues this attempt.
@@ -191,6 +222,17 @@ WITH decoded AS (
     JOIN episode_restored e
       ON e.job = x.job AND e.prompt_id = x.prompt_id AND e.generation_index = x.generation_index
      AND e.from_attempt = x.attempt AND e.t > st.stopped_at
+), prefixed AS (
+    -- The first dispatch after the stop of the attempt that replaces this one, with the
+    -- prefix it continues from (prefix level).
+    SELECT x.job, x.stop_no, x.prompt_id, x.generation_index, x.attempt, coalesce(d.prefix_tokens, 0) AS tokens,
+           row_number() OVER (PARTITION BY x.job, x.stop_no, x.prompt_id, x.generation_index, x.attempt
+                              ORDER BY d.t, d.src, d.seq) AS nth
+    FROM thrown_away_attempts x
+    JOIN stops st ON st.job = x.job AND st.stop_no = x.stop_no
+    JOIN attempt_dispatched d
+      ON d.job = x.job AND d.prompt_id = x.prompt_id AND d.generation_index = x.generation_index
+     AND d.attempt = x.attempt + 1 AND d.t > st.stopped_at
 ), inherited AS (
     -- What this attempt itself started from: its own episode_restored before the stop.
     SELECT x.job, x.stop_no, x.prompt_id, x.generation_index, x.attempt, e.tokens,
@@ -201,20 +243,45 @@ WITH decoded AS (
     JOIN episode_restored e
       ON e.job = x.job AND e.prompt_id = x.prompt_id AND e.generation_index = x.generation_index
      AND e.attempt = x.attempt AND e.t <= st.stopped_at
+), own_prefix AS (
+    -- The prefix this attempt itself was dispatched with (its last dispatch before the
+    -- stop): in its cut tokens and in the next attempt's prefix, kept at an earlier stop.
+    SELECT x.job, x.stop_no, x.prompt_id, x.generation_index, x.attempt, coalesce(d.prefix_tokens, 0) AS tokens,
+           row_number() OVER (PARTITION BY x.job, x.stop_no, x.prompt_id, x.generation_index, x.attempt
+                              ORDER BY d.t DESC, d.src DESC, d.seq DESC) AS nth
+    FROM thrown_away_attempts x
+    JOIN stops st ON st.job = x.job AND st.stop_no = x.stop_no
+    JOIN attempt_dispatched d
+      ON d.job = x.job AND d.prompt_id = x.prompt_id AND d.generation_index = x.generation_index
+     AND d.attempt = x.attempt AND d.t <= st.stopped_at
+), kept AS (
+    SELECT x.job, x.stop_no, x.prompt_id, x.generation_index, x.attempt,
+           coalesce(d.tokens, 0) + CASE WHEN coalesce(c.tokens, 0) > coalesce(o.tokens, 0)
+                                        THEN coalesce(c.tokens, 0) - coalesce(o.tokens, 0) ELSE 0 END AS decoded_tokens,
+           coalesce(r.turn, 0) AS turns_kept,
+           coalesce(r.tokens - coalesce(i.tokens, 0), 0)
+             + CASE WHEN coalesce(pf.tokens, 0) > coalesce(o.tokens, 0)
+                    THEN coalesce(pf.tokens, 0) - coalesce(o.tokens, 0) ELSE 0 END AS kept_tokens
+    FROM thrown_away_attempts x
+    LEFT JOIN decoded d ON d.job = x.job AND d.stop_no = x.stop_no AND d.prompt_id = x.prompt_id
+     AND d.generation_index = x.generation_index AND d.attempt = x.attempt
+    LEFT JOIN cut c ON c.job = x.job AND c.stop_no = x.stop_no AND c.prompt_id = x.prompt_id
+     AND c.generation_index = x.generation_index AND c.attempt = x.attempt
+    LEFT JOIN restored r ON r.job = x.job AND r.stop_no = x.stop_no AND r.prompt_id = x.prompt_id
+     AND r.generation_index = x.generation_index AND r.attempt = x.attempt AND r.nth = 1
+    LEFT JOIN prefixed pf ON pf.job = x.job AND pf.stop_no = x.stop_no AND pf.prompt_id = x.prompt_id
+     AND pf.generation_index = x.generation_index AND pf.attempt = x.attempt AND pf.nth = 1
+    LEFT JOIN inherited i ON i.job = x.job AND i.stop_no = x.stop_no AND i.prompt_id = x.prompt_id
+     AND i.generation_index = x.generation_index AND i.attempt = x.attempt AND i.nth = 1
+    LEFT JOIN own_prefix o ON o.job = x.job AND o.stop_no = x.stop_no AND o.prompt_id = x.prompt_id
+     AND o.generation_index = x.generation_index AND o.attempt = x.attempt AND o.nth = 1
 )
 SELECT x.job, x.stop_no, x.prompt_id, x.generation_index, x.attempt, x.group_id,
-       coalesce(d.tokens, 0) AS decoded_tokens,
-       coalesce(r.turn, 0) AS turns_kept,
-       coalesce(r.tokens - coalesce(i.tokens, 0), 0) AS kept_tokens,
-       coalesce(d.tokens, 0) - coalesce(r.tokens - coalesce(i.tokens, 0), 0) AS redone_tokens,
+       k.decoded_tokens, k.turns_kept, k.kept_tokens, k.decoded_tokens - k.kept_tokens AS redone_tokens,
        x.last_committed_turn, x.dispatched_at, x.committed_at, x.cut_time, x.thrown_away_s
 FROM thrown_away_attempts x
-LEFT JOIN decoded d ON d.job = x.job AND d.stop_no = x.stop_no AND d.prompt_id = x.prompt_id
- AND d.generation_index = x.generation_index AND d.attempt = x.attempt
-LEFT JOIN restored r ON r.job = x.job AND r.stop_no = x.stop_no AND r.prompt_id = x.prompt_id
- AND r.generation_index = x.generation_index AND r.attempt = x.attempt AND r.nth = 1
-LEFT JOIN inherited i ON i.job = x.job AND i.stop_no = x.stop_no AND i.prompt_id = x.prompt_id
- AND i.generation_index = x.generation_index AND i.attempt = x.attempt AND i.nth = 1
+JOIN kept k ON k.job = x.job AND k.stop_no = x.stop_no AND k.prompt_id = x.prompt_id
+ AND k.generation_index = x.generation_index AND k.attempt = x.attempt
 """
 
 LOST_PROGRESS_GROUPS = """
