@@ -108,10 +108,10 @@ class MeasuredStore(Store):
     def read(self):
         yield from self._measured(super().read())
 
-    def capture(self, dst, *, at_cut=None):
+    def capture(self, dst, *, at_cut=None, into_copy=None):
         t0 = time.perf_counter()
         try:
-            return super().capture(dst, at_cut=at_cut)
+            return super().capture(dst, at_cut=at_cut, into_copy=into_copy)
         finally:
             self.capture_windows.append((t0, time.perf_counter()))
 
