@@ -216,6 +216,10 @@ class Controller:
                     self.lock.undo()  # a refusal: leave even the lock file as it was
                 raise
             pump = RolloutPump(self.parts, self.restored, self.saved_episodes, self.saved_prefixes)
+            if self.snapshotter is not None and self.config.rollout_recovery.keeps_turns:
+                self.snapshotter.flush_rollouts = pump.flush
+                if self.config.rollout_recovery.target_level == "prefix":
+                    self.snapshotter.uncommitted_calls = pump.uncommitted_calls
             threads = [threading.Thread(target=pump.run, name="rollout-pump", daemon=True)]
             if self.snapshotter is not None:
                 # The first snapshot before the rollout pump hands out a prompt: a run

@@ -50,6 +50,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 from rolloutdb.controller.env_checkpoint import EnvironmentCheckpoint
@@ -59,6 +60,10 @@ from rolloutdb.gpu_capture.protocol import PrefixCapture
 from rolloutdb.store import CallPrefix, EpisodeProgress, Publisher, PublishError, anchor_name, faults, pools, queries, scan
 
 log = logging.getLogger("rolloutdb.controller")
+
+# How long a snapshot waits for the rollout pump to commit what finished before its cut
+# (turn and prefix level); past it the cut goes ahead without (one loop turn is ~ms).
+FLUSH_WAIT_S = 0.1
 
 # How long the train pump waits for the cut of the snapshot anchored to a new trainer
 # checkpoint before it gives the wait up (`anchor_new_checkpoint`).
@@ -170,6 +175,10 @@ class SnapshotPump:
         self.prefix = self.capture is not None
         self._last_decoded: int | None = None
         self.trace = RolloutTrace(parts.tracer)
+        # Turn and prefix level: the rollout pump's `flush`, set by the controller.
+        self.flush_rollouts: Callable[[float], bool] | None = None
+        # Prefix level: the rollout pump's `uncommitted_calls`, set by the controller.
+        self.uncommitted_calls: Callable[[], dict] | None = None
         self._export: dict[str, dict] = {}  # this attempt's export, read after drain
         self._expected: set[str] = set()
         # The latest attempts, for tests and benchmarks; bounded for runs of days.
@@ -353,6 +362,10 @@ class SnapshotPump:
                 return AttemptResult("failed", anchor, timings=timings,
                                      error=f"environment phase: {type(e).__name__}: {e}")
             timings["environment"] = time.perf_counter() - t_env
+            if self.flush_rollouts is not None:
+                t_flush = time.perf_counter()
+                self.flush_rollouts(FLUSH_WAIT_S)  # what finished before the cut goes into it
+                timings["flush"] = time.perf_counter() - t_flush
             if rt.commit_lock.locked() or self.p.read_progress().step != step:
                 return AttemptResult("aborted_commit", anchor, timings=timings)
             try:
@@ -468,6 +481,10 @@ class SnapshotPump:
         calls = engine.running_calls()
         at.hold_s = engine.cut_hold_s  # the output step's wait, not ours for the step in progress
         at.decoded = engine.decoded_rows
+        if self.uncommitted_calls is not None:
+            # Read after the engine: a call that finished meanwhile was absorbed (here) or
+            # is still on its way to the pump (missed: its turn restarts).
+            calls = {**self.uncommitted_calls(), **calls}
         wanted: dict[str, tuple[int, Any]] = {}
         for rid, call in calls.items():
             m = _IN_PROCESS_CALL.match(rid)

@@ -88,8 +88,12 @@ def write_turn_run_c(path) -> Tracer:
     return tr
 
 
-# Stop 1 (cut 106), by attempt (stop, prompt, gen, attempt, group, decoded, kept, redone,
-# turns kept, last committed turn, thrown-away s):
+# Stop 1 (cut 106), by attempt (stop, prompt, gen, attempt, group, decoded, decoded by
+# the cut, kept, redone, turns kept, last committed turn, thrown-away s). Decoded by the
+# cut: the calls finished at or before the cut (no call_cut here: turn level):
+#   stop 1: gen 0 turns 0, 1 (20 + 15 = 35; turn 2 at 107 is after); gen 1 turn 0 at
+#   105.5 (9). Stop 2: gen 0 turn 2 at 204 (12; turn 3 at 206 is after); gen 1 turn 0 at
+#   204.5 (9).
 #   gen 0 att 0: decoded 20 + 15 + 12 = 47 (turn 2 finished after the cut still counts);
 #     kept 35 (turns 0, 1), redone 47 - 35 = 12; last turn committed by the cut: 1 (its
 #     turn 2 committed at 107.5, after); thrown away 106 - max(101, 104.5) = 1.5.
@@ -101,10 +105,10 @@ def write_turn_run_c(path) -> Tracer:
 #     2; thrown away 205 - max(203, 204.5) = 0.5.
 #   gen 1 att 1: decoded 9, kept 9, redone 0; turn 0 committed at 204.75: 0.25.
 BY_ATTEMPT = [
-    (1, 10, 0, 0, 1, 47, 35, 12, 2, 1, 1.5),
-    (1, 10, 1, 0, 1, 9, 0, 9, 0, None, 4.5),
-    (2, 10, 0, 1, 1, 20, 12, 8, 3, 2, 0.5),
-    (2, 10, 1, 1, 1, 9, 9, 0, 1, 0, 0.25),
+    (1, 10, 0, 0, 1, 47, 35, 35, 12, 2, 1, 1.5),
+    (1, 10, 1, 0, 1, 9, 9, 0, 9, 0, None, 4.5),
+    (2, 10, 0, 1, 1, 20, 12, 12, 8, 3, 2, 0.5),
+    (2, 10, 1, 1, 1, 9, 9, 9, 0, 1, 0, 0.25),
 ]
 # Per stop (stop, cut_time, attempts, decoded, kept, redone, turns kept, thrown away):
 #   stop 1: 2 attempts, 47 + 9 = 56, 35 + 0 = 35, 12 + 9 = 21, 2 + 0 turns, 1.5 + 4.5 = 6.0
@@ -188,7 +192,7 @@ def test_a_group_level_run_keeps_nothing_and_its_thrown_away_time_is_unchanged(t
         (20, 0, 0, 4.0), (20, 1, 0, 3.5), (30, 0, 0, 3.0), (30, 1, 1, 2.0)]
     assert all(r["committed_at"] is None and r["thrown_away_s"] == r["cut_time"] - r["dispatched_at"] for r in thrown)
     # Decoded: 6 (prompt 20 gen 0) + 5 (prompt 30 gen 0); nothing kept, all redone.
-    assert [(r[1], r[2], r[3], r[5], r[6], r[7], r[8], r[9]) for r in by_attempt] == [
+    assert [(r[1], r[2], r[3], r[5], r[7], r[8], r[9], r[10]) for r in by_attempt] == [
         (20, 0, 0, 6, 0, 6, 0, None), (20, 1, 0, 0, 0, 0, 0, None), (30, 0, 0, 5, 0, 5, 0, None),
         (30, 1, 1, 0, 0, 0, 0, None)]
     assert [(r["attempts_running"], r["decoded_tokens"], r["kept_tokens"], r["redone_tokens"], r["turns_kept"],
@@ -201,10 +205,12 @@ def test_rolloutdb_trace_prints_what_each_stop_kept_and_writes_it_as_csv_json_an
     printed = capsys.readouterr().out
     section = printed.split("What each stop kept\n", 1)[1].split("\n\n", 1)[0].splitlines()
     assert section[0].split() == ["stop_no", "stopped_run", "resumed_run", "cut_time", "attempts_running",
-                                  "decoded_tokens", "kept_tokens", "redone_tokens", "turns_kept", "thrown_away_s"]
+                                  "decoded_tokens", "decoded_by_cut", "kept_tokens", "redone_tokens", "turns_kept",
+                                  "thrown_away_s"]
+    # decoded by the cut: 35 + 9 at stop 1, 12 + 9 at stop 2 (BY_ATTEMPT above)
     assert [line.split()[3:] for line in section[1:]] == [
-        ["1970-01-01T00:01:46Z", "2", "56", "35", "21", "2", "6.000"],
-        ["1970-01-01T00:03:25Z", "2", "29", "21", "8", "4", "0.750"]]
+        ["1970-01-01T00:01:46Z", "2", "56", "44", "35", "21", "2", "6.000"],
+        ["1970-01-01T00:03:25Z", "2", "29", "21", "21", "8", "4", "0.750"]]
     plots = run_dir / "plots"
     with open(plots / "kept_per_stop.csv", newline="") as f:
         got = [(r["stop_no"], r["decoded_tokens"], r["kept_tokens"], r["redone_tokens"]) for r in csv.DictReader(f)]

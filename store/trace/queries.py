@@ -188,6 +188,8 @@ KEPT_ATTEMPTS = """
 --     this attempt) continued from, plus the prefix its next attempt was dispatched with
 --     (attempt_dispatched.prefix_tokens), less what this attempt had itself been
 --     restored with at an earlier stop (kept then, not decoded by it);
+--   decoded_by_cut: of those, what was decoded by the restored cut (finished calls by
+--     then, and the call the cut froze): what a snapshot could have kept;
 --   redone_tokens: decoded_tokens - kept_tokens, the finished calls whose turns were not
 --     in the snapshot and are generated again.
 WITH decoded AS (
@@ -197,6 +199,22 @@ WITH decoded AS (
     JOIN call_finished c
       ON c.job = x.job AND c.prompt_id = x.prompt_id AND c.generation_index = x.generation_index
      AND c.attempt = x.attempt AND c.t <= st.stopped_at AND (x.dispatched_at IS NULL OR c.t >= x.dispatched_at)
+    GROUP BY x.job, x.stop_no, x.prompt_id, x.generation_index, x.attempt
+), by_cut AS (
+    -- What its finished calls had decoded by the restored cut.
+    SELECT x.job, x.stop_no, x.prompt_id, x.generation_index, x.attempt, sum(c.tokens) AS tokens
+    FROM thrown_away_attempts x
+    JOIN call_finished c
+      ON c.job = x.job AND c.prompt_id = x.prompt_id AND c.generation_index = x.generation_index
+     AND c.attempt = x.attempt AND c.t <= x.cut_time AND (x.dispatched_at IS NULL OR c.t >= x.dispatched_at)
+    GROUP BY x.job, x.stop_no, x.prompt_id, x.generation_index, x.attempt
+), frozen AS (
+    -- Its call running at the restored cut, frozen there (prefix level), finished later or not.
+    SELECT x.job, x.stop_no, x.prompt_id, x.generation_index, x.attempt, max(c.tokens) AS tokens
+    FROM thrown_away_attempts x
+    JOIN call_cut c
+      ON c.job = x.job AND c.prompt_id = x.prompt_id AND c.generation_index = x.generation_index
+     AND c.attempt = x.attempt AND abs(c.t - x.cut_time) < 1e-6
     GROUP BY x.job, x.stop_no, x.prompt_id, x.generation_index, x.attempt
 ), cut AS (
     -- The call running at the restored cut, frozen there, unless it finished before the
@@ -258,6 +276,9 @@ WITH decoded AS (
     SELECT x.job, x.stop_no, x.prompt_id, x.generation_index, x.attempt,
            coalesce(d.tokens, 0) + CASE WHEN coalesce(c.tokens, 0) > coalesce(o.tokens, 0)
                                         THEN coalesce(c.tokens, 0) - coalesce(o.tokens, 0) ELSE 0 END AS decoded_tokens,
+           coalesce(b.tokens, 0) + CASE WHEN coalesce(fz.tokens, 0) > coalesce(o.tokens, 0)
+                                        THEN coalesce(fz.tokens, 0) - coalesce(o.tokens, 0) ELSE 0 END
+             AS decoded_by_cut,
            coalesce(r.turn, 0) AS turns_kept,
            coalesce(r.tokens - coalesce(i.tokens, 0), 0)
              + CASE WHEN coalesce(pf.tokens, 0) > coalesce(o.tokens, 0)
@@ -267,6 +288,10 @@ WITH decoded AS (
      AND d.generation_index = x.generation_index AND d.attempt = x.attempt
     LEFT JOIN cut c ON c.job = x.job AND c.stop_no = x.stop_no AND c.prompt_id = x.prompt_id
      AND c.generation_index = x.generation_index AND c.attempt = x.attempt
+    LEFT JOIN by_cut b ON b.job = x.job AND b.stop_no = x.stop_no AND b.prompt_id = x.prompt_id
+     AND b.generation_index = x.generation_index AND b.attempt = x.attempt
+    LEFT JOIN frozen fz ON fz.job = x.job AND fz.stop_no = x.stop_no AND fz.prompt_id = x.prompt_id
+     AND fz.generation_index = x.generation_index AND fz.attempt = x.attempt
     LEFT JOIN restored r ON r.job = x.job AND r.stop_no = x.stop_no AND r.prompt_id = x.prompt_id
      AND r.generation_index = x.generation_index AND r.attempt = x.attempt AND r.nth = 1
     LEFT JOIN prefixed pf ON pf.job = x.job AND pf.stop_no = x.stop_no AND pf.prompt_id = x.prompt_id
@@ -277,7 +302,8 @@ WITH decoded AS (
      AND o.generation_index = x.generation_index AND o.attempt = x.attempt AND o.nth = 1
 )
 SELECT x.job, x.stop_no, x.prompt_id, x.generation_index, x.attempt, x.group_id,
-       k.decoded_tokens, k.turns_kept, k.kept_tokens, k.decoded_tokens - k.kept_tokens AS redone_tokens,
+       k.decoded_tokens, k.decoded_by_cut, k.turns_kept, k.kept_tokens,
+       k.decoded_tokens - k.kept_tokens AS redone_tokens,
        x.last_committed_turn, x.dispatched_at, x.committed_at, x.cut_time, x.thrown_away_s
 FROM thrown_away_attempts x
 JOIN kept k ON k.job = x.job AND k.stop_no = x.stop_no AND k.prompt_id = x.prompt_id
@@ -467,6 +493,7 @@ KEPT_PER_STOP = """
 SELECT st.stop_no, st.stopped_run, st.resumed_run, st.cut_time,
        count(k.prompt_id) AS attempts_running,
        coalesce(sum(k.decoded_tokens), 0) AS decoded_tokens,
+       coalesce(sum(k.decoded_by_cut), 0) AS decoded_by_cut,
        coalesce(sum(k.kept_tokens), 0) AS kept_tokens,
        coalesce(sum(k.redone_tokens), 0) AS redone_tokens,
        coalesce(sum(k.turns_kept), 0) AS turns_kept,
@@ -480,8 +507,8 @@ ORDER BY st.stop_no
 
 KEPT_BY_ATTEMPT = """
 -- Figure 4, one row per attempt running at a stop.
-SELECT stop_no, prompt_id, generation_index, attempt, group_id, decoded_tokens, kept_tokens, redone_tokens,
-       turns_kept, last_committed_turn, thrown_away_s
+SELECT stop_no, prompt_id, generation_index, attempt, group_id, decoded_tokens, decoded_by_cut, kept_tokens,
+       redone_tokens, turns_kept, last_committed_turn, thrown_away_s
 FROM kept_attempts
 WHERE job = 'run'
 ORDER BY stop_no, prompt_id, generation_index, attempt
