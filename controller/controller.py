@@ -60,6 +60,7 @@ class Controller:
         self.restored: list[tuple[GroupHandle, list[int]]] = []
         self.saved_episodes: dict = {}  # (group, generation) -> SavedEpisode, for turn-level recovery
         self.saved_prefixes: dict = {}  # (group, generation) -> [Chunk], for prefix-level recovery
+        self.restored_cut: float | None = None  # the restored snapshot's cut time
         self.snapshotter: SnapshotPump | None = None
         self.agents = None  # AgentPool with environment.servers (controller/agent_server/client.py)
 
@@ -100,6 +101,7 @@ class Controller:
             if done.restore_plan is not None:
                 self.saved_episodes = done.restore_plan.saved_episodes
                 self.saved_prefixes = done.restore_plan.saved_prefixes
+                self.restored_cut = done.restore_plan.cut_time
         else:
             self.store = self.create_store()
         if done is not None:
@@ -215,7 +217,8 @@ class Controller:
                 if not self.writing:
                     self.lock.undo()  # a refusal: leave even the lock file as it was
                 raise
-            pump = RolloutPump(self.parts, self.restored, self.saved_episodes, self.saved_prefixes)
+            pump = RolloutPump(self.parts, self.restored, self.saved_episodes, self.saved_prefixes,
+                               restored_cut=self.restored_cut)
             if self.snapshotter is not None and self.config.rollout_recovery.keeps_turns:
                 self.snapshotter.flush_rollouts = pump.flush
                 if self.config.rollout_recovery.target_level == "prefix":

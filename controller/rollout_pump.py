@@ -94,7 +94,8 @@ class _GroupRun:
 class RolloutPump:
     def __init__(self, parts: RolloutParts, restored: Sequence[tuple[GroupHandle, list[int]]] = (),
                  saved_episodes: Mapping[tuple[int, int], SavedEpisode] | None = None,
-                 saved_prefixes: Mapping[tuple[int, int], Sequence[Chunk]] | None = None):
+                 saved_prefixes: Mapping[tuple[int, int], Sequence[Chunk]] | None = None,
+                 restored_cut: float | None = None):
         self.p = parts
         cfg = parts.config
         self.group_size = cfg.algorithm.group_size
@@ -131,6 +132,7 @@ class RolloutPump:
         self._groups: dict[int, _GroupRun] = {}
         self._waiting_replay: list[GroupHandle] = []  # completed, kept, no permit yet
         self._flat_streak = 0  # zero-variance groups discarded in a row
+        self._restored_cut = restored_cut
         if self._prefixes:
             parts.log_event({"kind": "prefix_restore", "calls": len(self._prefixes),
                              "tokens": sum(len(p.token_ids) for p in self._prefixes.values()), "t": time.time()})
@@ -444,6 +446,16 @@ class RolloutPump:
             prefixes = {(live.group.group_id, live.index): len(live.prefix.token_ids)
                         for live in restored if live.prefix is not None}
             trace.dispatched(list({id(live.group): live.group for live in restored}.values()), prefixes)
+            if prefixes and self._restored_cut is not None:
+                # The stopped run recorded these cuts only once its snapshot was published,
+                # and a SIGKILL right after can lose that record: the restore says it again,
+                # at the cut's own time, for the attempts it abandoned (the same values).
+                self.trace.cut([{"group_id": live.group.group_id, "prompt_id": live.group.reservation.prompt_id,
+                                 "generation_index": live.index, "attempt": live.attempt - 1,
+                                 "step": live.group.target_step, "policy_version": live.prefix.token_versions[-1],
+                                 "tokens": len(live.prefix.token_ids)}
+                                for live in restored if live.prefix is not None and live.prefix.token_versions],
+                               self._restored_cut)
             for live in restored:
                 if live.from_attempt is not None:
                     e = live.episode

@@ -75,6 +75,14 @@ def _kept_by_hand(snapshot_db: Path) -> int:
     return turns + sum(len(np.frombuffer(blob, "<i4")) for (blob,) in chunks)
 
 
+def _prefix_tokens_by_hand(snapshot_db: Path) -> int:
+    uri = f"file:{snapshot_db}?mode=ro&immutable=1"
+    with contextlib.closing(sqlite3.connect(uri, uri=True)) as conn:
+        chunks = conn.execute("SELECT c.token_ids FROM token_chunks c JOIN rollouts r ON r.attempt_id = c.attempt_id "
+                              "WHERE r.state = 'running'").fetchall()
+    return sum(len(np.frombuffer(blob, "<i4")) for (blob,) in chunks)
+
+
 def _prefixed_calls(snapshot_db: Path) -> int:
     """Running attempts whose calls the snapshot holds a prefix of, with one logprob per token."""
     uri = f"file:{snapshot_db}?mode=ro&immutable=1"
@@ -146,6 +154,7 @@ def job(tmp_path_factory):
     return {"root": root, "run_dir": run_dir, "kills": kills, "verify": verify,
             "report": json.loads((root / "report" / "trace_report.json").read_text()),
             "kept_by_hand": _kept_by_hand(root / "cut0.sqlite"),
+            "prefix_tokens_by_hand": _prefix_tokens_by_hand(root / "cut0.sqlite"),
             "run": _trained(root / "run.jsonl"), "twin": _trained(root / "twin.jsonl")}
 
 
@@ -170,10 +179,12 @@ def test_a_prefix_level_run_killed_twice_loses_and_doubles_nothing(job):
 
 
 def test_the_trace_counts_the_first_stops_kept_prefixes_and_turns_as_its_snapshot_holds_them(job):
+    # Only what the resumed run recorded: the stopped run's last events before its SIGKILL
+    # may never reach the trace file (its writer batches), so its decoded counts are a
+    # lower bound, and redone (decoded - kept) is not compared here.
     first = job["report"]["kept_per_stop"][0]
-    assert first["kept_tokens"] == job["kept_by_hand"]
-    assert first["kept_tokens"] > 0 and first["redone_tokens"] >= 0
-    assert first["decoded_tokens"] >= first["kept_tokens"]
+    assert first["kept_tokens"] == job["kept_by_hand"] > 0
+    assert first["decoded_by_cut"] >= job["prefix_tokens_by_hand"]
 
 
 def test_an_attempt_whose_call_the_cut_froze_threw_no_time_away(job):
