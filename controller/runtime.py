@@ -77,6 +77,11 @@ the left of a lock it holds):
 - Leaves (held briefly, nothing taken inside): the `RuntimeState` condition, the
   snapshot pump's waiter list, the metrics log's lock, the engine lock (the pumps call
   the engine holding no lock of the list above), the fault-point registry's lock.
+- Waits between pumps: at turn and prefix level a snapshot attempt, holding the save
+  lock, waits at most 0.1 s for the rollout pump to commit what finished before its cut
+  (`RolloutPump.flush`); the rollout pump never takes the save lock, so it always
+  answers (or the wait times out and the cut goes ahead). At prefix level the cut reads
+  the engine's running calls under the engine lock (a leaf) while holding the commit lock.
 """
 
 from __future__ import annotations
