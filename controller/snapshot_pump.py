@@ -43,7 +43,6 @@ them); a snapshot's read transaction, the one consistent state it copies, is its
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 import threading
@@ -132,7 +131,6 @@ class _Held:
 
     stage: Any  # SnapshotStage inside the pending checkpoint's temporary directory
     capture: Any
-    export: dict
     result: AttemptResult
 
 
@@ -295,8 +293,8 @@ class SnapshotPump:
                                  r.mutation_counter)
         t_pub = time.perf_counter()
         try:
-            published = held.stage.publish(held.capture, self.config_text,
-                                           json.dumps(held.export, sort_keys=True) if held.export else None)
+            # The environment's export is in the snapshot's own file (env_episodes).
+            published = held.stage.publish(held.capture, self.config_text)
         except Exception as e:  # noqa: BLE001 - a failed publish is an outcome, the run goes on
             return AttemptResult("failed", r.anchor, r.sequence, r.timings, f"{type(e).__name__}: {e}",
                                  r.mutation_counter)
@@ -388,17 +386,14 @@ class SnapshotPump:
         timings.update({f"cut_{k}": v for k, v in capture.timings.items()})
         if capture.check_result.hold_s is not None:
             timings["prefix_hold"] = capture.check_result.hold_s
-        export = None  # the environment's export is in the snapshot's own file (env_episodes)
         if pending is not None:
             timings["_held_at"] = time.perf_counter()
             result = AttemptResult(HELD, anchor, stage.sequence, timings, None, capture.mutation_counter)
-            self._held.append(_Held(stage, capture, export, result))
+            self._held.append(_Held(stage, capture, result))
             return result
         t_pub = time.perf_counter()
         try:
-            published = stage.publish(
-                capture, self.config_text, json.dumps(export, sort_keys=True) if export else None
-            )
+            published = stage.publish(capture, self.config_text)
         except Exception as e:  # noqa: BLE001 - a failed publish is an outcome, the run goes on
             return AttemptResult("failed", anchor, stage.sequence, timings, f"{type(e).__name__}: {e}",
                                  capture.mutation_counter)

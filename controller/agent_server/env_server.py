@@ -32,7 +32,6 @@ import os
 import signal
 import sys
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -446,10 +445,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     asyncio.run(serve(server, args.host, args.port, args.parent_pid))
     return 0
-
-
-def new_checkpoint_id() -> str:
-    return uuid.uuid4().hex[:12]
 
 
 if __name__ == "__main__":
