@@ -256,7 +256,8 @@ class RolloutPump:
     def _submit(self, live: LiveEpisode) -> None:
         if self.agents is not None:
             future = self.agents.run(live, key=live.episode.key, prompt_id=live.group.reservation.prompt_id,
-                                     seed=live.episode.seed, params=self.params, continue_from=live.continue_from)
+                                     seed=live.episode.seed, params=self.params, continue_from=live.continue_from,
+                                     prefix=live.prefix, prefix_turn=live.episode.turn)
         else:
             request = live.episode.request(self.p.env, self.params)
             live.prefix_len = 0
@@ -281,10 +282,10 @@ class RolloutPump:
         return replace(request, prefix_ids=list(prefix.token_ids), prefix_versions=list(prefix.token_versions),
                        prefix_logprobs=list(prefix.logprobs or ()))
 
-    def _served_call(self, live: LiveEpisode, turn: int, result) -> None:
-        """A model call an agent server made for `live` (on the HTTP loop's thread)."""
+    def _served_call(self, live: LiveEpisode, turn: int, result, prefix_tokens: int = 0) -> None:
+        """An agent server's model call for `live` (HTTP loop's thread), less its restored prefix."""
         self.meter.call()
-        self.trace.call_finished(live.group, live.index, turn=turn, tokens=len(result.token_ids),
+        self.trace.call_finished(live.group, live.index, turn=turn, tokens=len(result.token_ids) - prefix_tokens,
                                  finish_reason=result.finish_reason)
 
     def _on_episode(self, future: Future) -> None:
@@ -551,9 +552,9 @@ class RolloutPump:
         seed = call_seed(self.p.config.run.seed, r.epoch, r.prompt_id, index)
         attempt_id = (group.attempts or {}).get(index)
         saved = self._saved.pop((group.group_id, index), None)
-        if self.agents is not None:
-            return self._remote(group, index, attempt_id, attempt, seed, saved)
         prefix = self._prefixes.pop((group.group_id, index), None)
+        if self.agents is not None:
+            return self._remote(group, index, attempt_id, attempt, seed, saved, prefix)
         if saved is not None and saved.token_ids is not None:
             episode = Episode.resumed(self.p.env, r.prompt_id, key=key, seed=seed, turn=saved.turn,
                                       state=saved.state, token_ids=saved.token_ids, logprobs=saved.logprobs or [],
@@ -564,10 +565,10 @@ class RolloutPump:
                            prefix=prefix)
 
     def _remote(self, group: GroupHandle, index: int, attempt_id: int | None, attempt: int, seed: int,
-                saved: SavedEpisode | None) -> LiveEpisode:
+                saved: SavedEpisode | None, prefix: CallPrefix | None = None) -> LiveEpisode:
         """An episode an agent server runs, keyed by the ledger's episode key. The Episode
-        only carries what the pump reports (the server holds the real one); a restored
-        one continues the agent its server exported, which the restore installed."""
+        only carries what the pump reports (the server holds the real one); a restored one
+        continues the agent its server exported (installed), and its cut call from its prefix."""
         key = pools.episode_key(group.group_id, index, attempt)
         episode = Episode(key=key, prompt_ids=[], state={}, seed=seed, max_turns=0)
         live = LiveEpisode(group, index, attempt_id, attempt, episode)
@@ -575,6 +576,8 @@ class RolloutPump:
             live.continue_from, live.from_attempt = saved.key, saved.attempt
             episode.turn, episode.token_ids = saved.turn, list(saved.token_ids)
             episode.logprobs, episode.token_versions = list(saved.logprobs or []), list(saved.token_versions or [])
+        if prefix is not None and self.agents.continues_prefix(group.reservation.prompt_id, live.continue_from is not None):
+            live.prefix = prefix
         return live
 
     # ------------------------------------------------------------------ completion

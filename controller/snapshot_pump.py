@@ -93,6 +93,7 @@ class _AtCut:
     decoded: int | None = None
     hold_s: float | None = None  # how long the prefix read held the engine's output step
     cut_calls: list[dict] = field(default_factory=list)  # the trace's call_cut events, once published
+    fallbacks: list[dict] = field(default_factory=list)  # the trace's call_fallback events, once published
 
 
 def _into_copy(out, at: _AtCut) -> dict[str, int]:
@@ -105,10 +106,10 @@ def _into_copy(out, at: _AtCut) -> dict[str, int]:
 
 
 # The engine request id of an in-process episode's call: `g<group>.<generation>-a<attempt>-t<turn>`
-# (controller/rollout_pump.py `_live`, episodes.Episode.request). An agent server's calls
-# (`<group>.<generation>-a<attempt>-t<turn>`, no `g`) are not cut: their episode lives on
-# the server, which restarts the turn (the turn path).
+# (controller/rollout_pump.py `_live`, episodes.Episode.request), and of an agent server's
+# call (`<group>.<generation>-a<attempt>-t<turn>`, no `g`: the policy endpoint's `<key>-t<turn>`).
 _IN_PROCESS_CALL = re.compile(r"^g([0-9]+)\.([0-9]+)-a([0-9]+)-t([0-9]+)$")
+_AGENT_CALL = re.compile(r"^([0-9]+)\.([0-9]+)-a([0-9]+)-t([0-9]+)$")
 
 
 @dataclass
@@ -304,6 +305,7 @@ class SnapshotPump:
         self.p.tracer.emit("snapshot_cut", cut_time=held.capture.cut_time, snapshot_seq=published.sequence,
                            anchor=r.anchor, step=trainer.step)
         self.trace.cut(held.capture.check_result.cut_calls, held.capture.cut_time)
+        self.trace.fallback(held.capture.check_result.fallbacks, held.capture.cut_time)
         return AttemptResult("published", r.anchor, published.sequence, timings, None, r.mutation_counter)
 
     def _record(self, result: AttemptResult) -> None:
@@ -403,6 +405,7 @@ class SnapshotPump:
         self._last_decoded = capture.check_result.decoded
         self.p.tracer.emit("snapshot_cut", cut_time=capture.cut_time, snapshot_seq=published.sequence, anchor=anchor, step=step)
         self.trace.cut(capture.check_result.cut_calls, capture.cut_time)
+        self.trace.fallback(capture.check_result.fallbacks, capture.cut_time)
         return AttemptResult("published", anchor, published.sequence, timings, None, capture.mutation_counter)
 
     def _cut(self, db_path, step: int):
@@ -472,7 +475,10 @@ class SnapshotPump:
         """The running calls' prefixes that belong to the cut: the engine's calls read
         once, under its lock (the hold), matched to attempts the ledger runs at the cut
         whose saved episode is at the call's turn (a call whose previous turn is not yet
-        committed at the cut would resume into the wrong turn: it restarts its turn)."""
+        committed at the cut would resume into the wrong turn: it restarts its turn).
+        An agent server's call is matched the same way against the export checked at
+        this cut (`at.episodes`), by its server's mode (`_agent_call`). A call that cannot
+        be saved is a `call_fallback` of the trace, with its reason."""
         calls = engine.running_calls()
         at.hold_s = engine.cut_hold_s  # the output step's wait, not ours for the step in progress
         at.decoded = engine.decoded_rows
@@ -481,29 +487,65 @@ class SnapshotPump:
             # is still on its way to the pump (missed: its turn restarts).
             calls = {**self.uncommitted_calls(), **calls}
         wanted: dict[str, tuple[int, Any]] = {}
+        remote: set[str] = set()
+        servers = self.p.config.environment.servers if self.p.config is not None else []
         for rid, call in calls.items():
             m = _IN_PROCESS_CALL.match(rid)
             if m is not None and call.token_ids:
                 wanted[f"{m[1]}.{m[2]}-a{m[3]}"] = (int(m[4]), call)
+            elif servers and (m := _AGENT_CALL.match(rid)) is not None:
+                # Empty ones too: a restart_only server's call falls back whatever it decoded.
+                wanted[f"{m[1]}.{m[2]}-a{m[3]}"] = (int(m[4]), call)
+                remote.add(f"{m[1]}.{m[2]}-a{m[3]}")
         if not wanted:
             return
         known = queries.attempts_by_key(conn, wanted)
         running = {key: attempt_id for key, (attempt_id, state) in known.items() if state == "running"}
-        turns = queries.episode_turns(conn, running.values())
+        turns = queries.episode_turns(conn, [a for k, a in running.items() if k not in remote])
+        exported = {ep.attempt_id: ep.turn for ep in at.episodes}
         prompts = queries.group_prompts(conn, (int(k.split(".", 1)[0]) for k in running))
         for key, attempt_id in sorted(running.items()):
             turn, call = wanted[key]
-            if turns.get(attempt_id, 0) != turn:
-                continue
-            complete = len(call.logprobs) == len(call.token_ids)
-            at.prefixes.append(CallPrefix(attempt_id, call.token_ids, call.logprobs if complete else None,
-                                          call.token_versions, call.max_tokens, call.min_tokens))
             rollout, attempt = key.rsplit("-a", 1)
             group, generation = (int(x) for x in rollout.split(".", 1))
             prompt_id, step = prompts.get(group, (None, None))
+            if key in remote:
+                reason = self._agent_call(servers, prompt_id, attempt_id, turn, exported)
+            else:
+                reason = None if turns.get(attempt_id, 0) == turn else "turn_not_committed"
+            if reason is not None:
+                at.fallbacks.append({"attempt_id": attempt_id, "turn": turn, "reason": reason})
+                continue
+            if not call.token_ids:
+                continue  # nothing decoded yet: nothing to keep, nothing lost
+            complete = len(call.logprobs) == len(call.token_ids)
+            at.prefixes.append(CallPrefix(attempt_id, call.token_ids, call.logprobs if complete else None,
+                                          call.token_versions, call.max_tokens, call.min_tokens))
             at.cut_calls.append({"group_id": group, "prompt_id": prompt_id, "generation_index": generation,
                                  "attempt": int(attempt), "step": step, "policy_version": call.token_versions[-1],
                                  "tokens": len(call.token_ids)})
+
+    @staticmethod
+    def _agent_call(servers, prompt_id: int | None, attempt_id: int, turn: int,
+                    exported: dict[int, int]) -> str | None:
+        """Why an agent server's call running at the cut cannot be saved, or None when it
+        can. An `export_restore` agent continues from its exported turn (`turn` finished
+        turns: its next call is that turn) and makes that turn's call again with the
+        same prompt, seed and limits, so a call of exactly that turn continues from its
+        prefix; a call of a later turn started after the export (its turn restarts). A
+        `stateless` server's episode has one turn that restarts identically (same prompt,
+        same seed): its turn-0 call continues too. A `restart_only` server's agents
+        restart from turn 0 with state the store never saw: its calls fall back."""
+        if prompt_id is None:
+            return "unknown_prompt"
+        spec = servers[prompt_id % len(servers)]  # the pool's rule (AgentPool.server_for)
+        if spec.mode == "restart_only":
+            return f"restart_only_server:{spec.name}"
+        if spec.mode == "stateless":
+            return None if turn == 0 else f"stateless_server_turn:{spec.name}"
+        if attempt_id not in exported:
+            return f"not_exported:{spec.name}"
+        return None if exported[attempt_id] == turn else f"export_at_other_turn:{spec.name}"
 
     def _abandoned_episode_keys(self) -> list[str]:
         if not self.env.holds_rollout_state:

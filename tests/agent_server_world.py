@@ -148,7 +148,7 @@ def open_world(root: Path) -> Iterator[World]:
                   endpoint=None, policy_url="", vocab_size=real.vocab_size,  # type: ignore[arg-type]
                   max_model_len=real.max_model_len)
         w.endpoint = PolicyEndpoint(engine, loop, owner=w.owners.get,
-                                    on_call=lambda o, t, r: w.calls.append((o, t, r)))
+                                    on_call=lambda o, t, r, _prefix=0: w.calls.append((o, t, r)))
         for name, got in started.items():
             if name == "refused":
                 w.refused = got if isinstance(got, ServerStartError) else None

@@ -230,9 +230,12 @@ class AgentPool:
         self.config = config
         self.http = HttpLoop()
         self._owners: dict[str, Any] = {}
-        self.on_call: Callable[[Any, int, Any], None] | None = None
+        self.on_call: Callable[[Any, int, Any, int], None] | None = None
         self.log_event = log_event
-        self.endpoint = PolicyEndpoint(engine, self.http, owner=self._owners.get, on_call=self._served)
+        # key -> (turn, prefix): a restored call's output so far, for the episode's first call
+        self._prefixes: dict[str, tuple[int, Any]] = {}
+        self.endpoint = PolicyEndpoint(engine, self.http, owner=self._owners.get, on_call=self._served,
+                                       prefix_for=self._take_prefix, on_splice=self._spliced)
         self.session: ClientSession = self.http.call(self._open_session())
         self.policy_url = ""
         self.clients: list[AgentServerClient] = []
@@ -250,9 +253,23 @@ class AgentPool:
         if self.log_event is not None:
             self.log_event({**event, "t": time.time()})
 
-    def _served(self, owner: Any, turn: int, result: Any) -> None:
+    def _served(self, owner: Any, turn: int, result: Any, prefix_tokens: int = 0) -> None:
         if self.on_call is not None:
-            self.on_call(owner, turn, result)
+            self.on_call(owner, turn, result, prefix_tokens)
+
+    def _take_prefix(self, key: str) -> tuple[int, Any] | None:
+        # Popped by the episode's first call, whatever its turn: an agent that restarted
+        # from turn 0 instead (its server lost the installed agent) never reaches the
+        # saved call with the same conversation.
+        return self._prefixes.pop(key, None)
+
+    def _spliced(self, key: str, turn: int, prefix_tokens: int, result: Any, reason: str | None) -> None:
+        """The metrics line of a restored prefix at its episode's first call: spliced
+        (`reason` None; `engine_prefix_tokens` is what the engine reports it continued
+        from), or dropped with the reason."""
+        self.note(kind="agent_prefix", key=key, turn=turn, prefix_tokens=prefix_tokens, spliced=reason is None,
+                  reason=reason, tokens=None if result is None else len(result.token_ids),
+                  engine_prefix_tokens=None if result is None else (result.extra or {}).get("num_prefix_tokens"))
 
     # ---------------------------------------------------------------- life
 
@@ -306,12 +323,24 @@ class AgentPool:
     def exports(self, prompt_id: int) -> bool:
         return self.server_for(prompt_id).spec.mode == "export_restore"
 
+    def continues_prefix(self, prompt_id: int, continued: bool) -> bool:
+        """Whether a restored call's prefix applies to this prompt's new attempt: an
+        `export_restore` server's agent continued from its export (`continued`), or a
+        `stateless` server's episode (one turn, restarted identically). A `restart_only`
+        server's never (the cut saves none)."""
+        mode = self.server_for(prompt_id).spec.mode
+        return (mode == "export_restore" and continued) or mode == "stateless"
+
     def run(self, owner: Any, *, key: str, prompt_id: int, seed: int, params: SamplingParams,
-            continue_from: str | None = None) -> concurrent.futures.Future:
-        """Run one attempt's episode on its server; the future's result is an `EpisodeOutcome`."""
+            continue_from: str | None = None, prefix: Any = None, prefix_turn: int = 0) -> concurrent.futures.Future:
+        """Run one attempt's episode on its server; the future's result is an `EpisodeOutcome`.
+        `prefix` (a `CallPrefix`): the output its call of turn `prefix_turn` had decoded at
+        the restored cut; the policy endpoint continues that call from it."""
         self._owners[key] = owner
+        if prefix is not None:
+            self._prefixes[key] = (prefix_turn, prefix)
         future = self.http.submit(self.server_for(prompt_id).run_episode(key, prompt_id, seed, params, continue_from))
-        future.add_done_callback(lambda _f: self._owners.pop(key, None))
+        future.add_done_callback(lambda _f: (self._owners.pop(key, None), self._prefixes.pop(key, None)))
         return future
 
     def checkpoint(self) -> HttpEnvironmentCheckpoint:

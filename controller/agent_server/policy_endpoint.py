@@ -10,6 +10,15 @@ another run's) is refused with 409: an abandoned attempt's agent cannot add work
 
 A client that hangs up mid-call (its agent was retired, its server died) aborts the
 engine call: no slot decodes for nobody.
+
+Prefix level: an episode restored from a snapshot whose cut froze its call may come with
+that call's output so far (`prefix_for(key)`: the turn and the prefix, taken by the
+episode's first call). When the first call is of that turn and asks the same limits, the
+engine gets the prompt and the prefix (`GenerationRequest.prefix_*`: it counts the prefix
+as output for limits, penalties, stop strings and the seed's stream) and the reply is the
+whole output, the prefix with its original logprobs and versions first: the agent sees
+exactly the reply the uninterrupted call would have given. Otherwise the prefix is
+dropped and the call decodes from its start (the turn path), with the reason reported.
 """
 
 from __future__ import annotations
@@ -17,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from aiohttp import web
@@ -37,17 +47,42 @@ from rolloutdb.controller.agent_server.wire import (
 )
 from rolloutdb.gpu_capture.protocol import GenerationRequest, GenerationResult
 
-# (owner, turn, result) -> None: the pool's bookkeeping of a served call (trace, meter)
-OnCall = Callable[[Any, int, GenerationResult], None]
+# (owner, turn, result, prefix tokens) -> None: the pool's bookkeeping of a served call (trace, meter)
+OnCall = Callable[[Any, int, GenerationResult, int], None]
+# key -> (turn, prefix) or None, taken once: a restored call's output so far. The prefix has
+# `token_ids`, `logprobs` (or None), `token_versions`, `max_tokens`, `min_tokens` (a `CallPrefix`).
+PrefixFor = Callable[[str], "tuple[int, Any] | None"]
+# (key, turn, prefix tokens, result or None, reason it was dropped or None) -> None
+OnSplice = Callable[[str, int, int, "GenerationResult | None", "str | None"], None]
+
+
+def spliced(request: GenerationRequest, saved: tuple[int, Any] | None, turn: int) -> tuple[GenerationRequest, str | None]:
+    """`request` continued from `saved` = (turn, prefix) when it is that turn's call with
+    the limits the prefix was decoded under (the same call: same conversation, seed and
+    limits); else `request` unchanged and why the prefix cannot be used."""
+    if saved is None:
+        return request, None
+    at, prefix = saved
+    if at != turn:
+        return request, f"the episode's first call is of turn {turn}, the prefix of turn {at}"
+    p = request.params
+    if (prefix.max_tokens, prefix.min_tokens) != (p.max_tokens, p.min_tokens):
+        return request, (f"limits differ: the prefix was decoded under max_tokens {prefix.max_tokens}, min_tokens "
+                         f"{prefix.min_tokens}, the call asks {p.max_tokens}, {p.min_tokens}")
+    return replace(request, prefix_ids=list(prefix.token_ids), prefix_versions=list(prefix.token_versions),
+                   prefix_logprobs=list(prefix.logprobs or ())), None
 
 
 class PolicyEndpoint:
     def __init__(self, engine, http: HttpLoop, *, owner: Callable[[str], Any | None], on_call: OnCall | None = None,
+                 prefix_for: PrefixFor | None = None, on_splice: OnSplice | None = None,
                  model: str = "policy", host: str = "127.0.0.1", port: int = 0):
         self.engine = engine
         self.http = http
         self.owner = owner
         self.on_call = on_call
+        self.prefix_for = prefix_for
+        self.on_splice = on_splice
         self.model = model
         self.host, self.port = host, port
         self.calls = 0
@@ -110,8 +145,11 @@ class PolicyEndpoint:
             raise HttpError(409, f"episode {key} is not running in this controller (finished, abandoned or "
                                  "another run's); stop the episode")
         rid = f"{key}-t{turn}"
+        saved = self.prefix_for(key) if self.prefix_for is not None else None
+        call, dropped = spliced(GenerationRequest(request_id=rid, prompt_ids=prompt, params=params), saved, turn)
+        prefix_tokens = len(call.prefix_ids)
         try:
-            future = self.engine.submit(GenerationRequest(request_id=rid, prompt_ids=prompt, params=params))
+            future = self.engine.submit(call)
         except ValueError as e:
             raise HttpError(409 if "already running" in str(e) else 400, str(e)) from None
         except RuntimeError as e:
@@ -126,7 +164,9 @@ class PolicyEndpoint:
                 pass
             raise
         self.calls += 1
+        if saved is not None and self.on_splice is not None:
+            self.on_splice(key, turn, len(saved[1].token_ids), result if dropped is None else None, dropped)
         if self.on_call is not None:
-            self.on_call(owner, turn, result)
+            self.on_call(owner, turn, result, prefix_tokens)
         return web.json_response(completion_response(result, model=self.model, prompt_tokens=len(prompt),
                                                      created=int(time.time())))
