@@ -184,6 +184,31 @@ def test_a_prefix_meets_only_the_first_call_of_its_turn_and_limits_else_the_call
     assert "limits differ" in dropped[4]
 
 
+def test_the_cut_keeps_an_agent_call_by_its_servers_mode_and_names_why_it_cannot():
+    """Which agent calls running at a cut are saved (None) and why the others fall back,
+    over a real config with one server of each mode (prompt id modulo 3 picks it)."""
+    import yaml
+
+    from rolloutdb.config import config_from_dict
+    from rolloutdb.controller.snapshot_pump import SnapshotPump
+
+    cfg = yaml.safe_load((Path(__file__).resolve().parents[1] / "examples" / "agent_server.yaml").read_text())
+    cfg["environment"]["servers"] = [{"name": "agents", "mode": "export_restore"},
+                                     {"name": "restarts", "mode": "restart_only"},
+                                     {"name": "single", "mode": "stateless", "turns": 1}]
+    servers = config_from_dict(cfg).environment.servers
+    exported = {10: 2, 11: 0}  # attempt id -> the turn its agent's export is at
+    why = SnapshotPump._agent_call
+    assert why(servers, 3, 10, 2, exported) is None  # agents: the call of the exported turn
+    assert why(servers, 3, 11, 0, exported) is None
+    assert why(servers, 3, 10, 3, exported) == "export_at_other_turn:agents"  # started after the export
+    assert why(servers, 3, 12, 0, exported) == "not_exported:agents"
+    assert why(servers, 4, 13, 0, exported) == "restart_only_server:restarts"
+    assert why(servers, 7, 14, 2, exported) == "restart_only_server:restarts"
+    assert why(servers, 5, 15, 0, exported) is None  # stateless: one turn, restarted identically
+    assert why(servers, 5, 15, 1, exported) == "stateless_server_turn:single"
+
+
 # ---------------------------------------------------------------------- the real run
 
 # Real processes, as tests/test_agent_server_faults.py runs them: `python -m rolloutdb train`
