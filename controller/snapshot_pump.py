@@ -480,11 +480,13 @@ class SnapshotPump:
             # Read after the engine: a call that finished meanwhile was absorbed (here) or
             # is still on its way to the pump (missed: its turn restarts).
             calls = {**self.uncommitted_calls(), **calls}
-        wanted: dict[str, tuple[int, Any]] = {}
+        # An attempt may have two: a finished turn's call not yet committed and the next
+        # turn's call already running; the one at the saved episode's turn is kept.
+        wanted: dict[str, dict[int, Any]] = {}
         for rid, call in calls.items():
             m = _IN_PROCESS_CALL.match(rid)
             if m is not None and call.token_ids:
-                wanted[f"{m[1]}.{m[2]}-a{m[3]}"] = (int(m[4]), call)
+                wanted.setdefault(f"{m[1]}.{m[2]}-a{m[3]}", {})[int(m[4])] = call
         if not wanted:
             return
         known = queries.attempts_by_key(conn, wanted)
@@ -492,8 +494,9 @@ class SnapshotPump:
         turns = queries.episode_turns(conn, running.values())
         prompts = queries.group_prompts(conn, (int(k.split(".", 1)[0]) for k in running))
         for key, attempt_id in sorted(running.items()):
-            turn, call = wanted[key]
-            if turns.get(attempt_id, 0) != turn:
+            turn = turns.get(attempt_id, 0)
+            call = wanted[key].get(turn)
+            if call is None:
                 continue
             complete = len(call.logprobs) == len(call.token_ids)
             at.prefixes.append(CallPrefix(attempt_id, call.token_ids, call.logprobs if complete else None,
