@@ -325,20 +325,22 @@ class RolloutPump:
     def _on_call(self, future: Future) -> None:
         if self.agents is not None:
             return self._on_episode(future)
-        live = self._running.pop(future)
+        live = self._running[future]
         result = future.result()  # an engine error fails the pump, and the run
         if result.finish_reason == "abort":
+            del self._running[future]
             if self.p.runtime.stop.is_set():
                 return  # the pump aborted it at a stop (or the engine closed): a resume redoes it
             raise RuntimeError(f"the engine aborted call {result.request_id} while the run was going on; its episode "
                                "cannot finish (see the engine's log for why)")
+        if self.prefix_level:
+            # Until its batch commits, a cut saves this call whole (see `uncommitted_calls`).
+            # Written before the call leaves `_running`: a cut finds it in one or the other.
+            self._uncommitted[result.request_id] = _whole(result, live.limits)
+            self._uncommitted_ids.append(result.request_id)
+        del self._running[future]
         e = live.episode
         turn = e.turn
-        if self.prefix_level:
-            # Until its batch commits, a cut saves this call whole (see `uncommitted_calls`)
-            self._uncommitted[result.request_id] = RunningCall(
-                list(result.token_ids), list(result.logprobs), list(result.token_versions), *live.limits)
-            self._uncommitted_ids.append(result.request_id)
         e.absorb(self.p.env, result)
         self.meter.call()
         self.trace.call_finished(live.group, live.index, turn=turn, tokens=len(result.token_ids) - live.prefix_len,
@@ -359,8 +361,23 @@ class RolloutPump:
         committed yet, each as a complete prefix. A cut that misses them would lose them
         with the window (they are neither running in the engine nor in the store); saved
         whole, a resumed call finishes at once with the same output (the engine finds its
-        end in the prefix: EOS, a stop string or max_tokens)."""
-        return dict(self._uncommitted)
+        end in the prefix: EOS, a stop string or max_tokens).
+
+        Also the calls in transit: finished in the engine (their future is done) but not
+        yet taken from the completion queue by this pump. The engine finishes a call
+        under the lock its `running_calls` reads under, and `_on_call` adds a call here
+        before it leaves `_running`; reading `_running` before `_uncommitted` (and the
+        cut reads the engine before this) therefore finds every call somewhere
+        (bench_prefix_kept.py: in-transit calls were most of what a cut still lost)."""
+        if self.agents is not None:
+            return {}
+        in_transit = {}
+        for future, live in dict(self._running).items():  # a copy: the pump thread changes it
+            if future.done() and future.exception() is None:
+                result = future.result()
+                if result.finish_reason != "abort":
+                    in_transit[result.request_id] = _whole(result, live.limits)
+        return {**in_transit, **self._uncommitted}
 
     def _commit(self) -> None:
         pending = self.batch.take()
@@ -598,3 +615,8 @@ class RolloutPump:
         drop = [g for g in groups if np.std(rewards[g.group_id]) <= 1e-9]
         self._flat_streak = 0 if keep else self._flat_streak + len(drop)
         return keep, drop
+
+
+def _whole(result, limits: tuple[int, int]) -> RunningCall:
+    """A finished call as a complete prefix: resumed, it ends at once with this output."""
+    return RunningCall(list(result.token_ids), list(result.logprobs), list(result.token_versions), *limits)

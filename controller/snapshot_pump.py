@@ -483,19 +483,21 @@ class SnapshotPump:
         at.hold_s = engine.cut_hold_s  # the output step's wait, not ours for the step in progress
         at.decoded = engine.decoded_rows
         if self.uncommitted_calls is not None:
-            # Read after the engine: a call that finished meanwhile was absorbed (here) or
-            # is still on its way to the pump (missed: its turn restarts).
+            # Read after the engine: a call that finished meanwhile is in transit to the
+            # pump or absorbed by it, and found there (`RolloutPump.uncommitted_calls`).
             calls = {**self.uncommitted_calls(), **calls}
-        wanted: dict[str, tuple[int, Any]] = {}
+        # An in-process attempt may have two: a finished turn's call not yet committed and
+        # the next turn's call already running; the one at the saved episode's turn is kept.
+        wanted: dict[str, dict[int, Any]] = {}
         remote: set[str] = set()
         servers = self.p.config.environment.servers if self.p.config is not None else []
         for rid, call in calls.items():
             m = _IN_PROCESS_CALL.match(rid)
             if m is not None and call.token_ids:
-                wanted[f"{m[1]}.{m[2]}-a{m[3]}"] = (int(m[4]), call)
+                wanted.setdefault(f"{m[1]}.{m[2]}-a{m[3]}", {})[int(m[4])] = call
             elif servers and (m := _AGENT_CALL.match(rid)) is not None:
                 # Empty ones too: a restart_only server's call falls back whatever it decoded.
-                wanted[f"{m[1]}.{m[2]}-a{m[3]}"] = (int(m[4]), call)
+                wanted.setdefault(f"{m[1]}.{m[2]}-a{m[3]}", {})[int(m[4])] = call
                 remote.add(f"{m[1]}.{m[2]}-a{m[3]}")
         if not wanted:
             return
@@ -505,7 +507,9 @@ class SnapshotPump:
         exported = {ep.attempt_id: ep.turn for ep in at.episodes}
         prompts = queries.group_prompts(conn, (int(k.split(".", 1)[0]) for k in running))
         for key, attempt_id in sorted(running.items()):
-            turn, call = wanted[key]
+            by_turn = wanted[key]
+            turn = turns.get(attempt_id, 0) if key not in remote and turns.get(attempt_id, 0) in by_turn else max(by_turn)
+            call = by_turn[turn]
             rollout, attempt = key.rsplit("-a", 1)
             group, generation = (int(x) for x in rollout.split(".", 1))
             prompt_id, step = prompts.get(group, (None, None))
