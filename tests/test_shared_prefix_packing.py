@@ -1,0 +1,203 @@
+"""Shared-prefix ("forest") packing: a group's completions behind one copy of the prompt
+train exactly as one row per completion would.
+
+The oracle for per-token logprobs is the model run on each completion alone (one
+unpadded sequence, batch of one), computed here with log_softmax; the oracle for the loss
+and the gradients is the plain layout's `train_step` (tests/test_grpo.py checks that one
+against numbers computed by hand). Everything runs in fp32.
+
+Tolerances: both layouts compute the same function, but not the same sums: a packed row
+is longer, so every attention softmax and score-times-value product adds more (exactly
+zero) terms, in another order, and SDPA may pick another kernel for the 4-D mask.
+Measured here (/tmp runs of this file's cases, 2026-12-01): logprobs (of size ~3) differ
+by at most 2.4e-7 (2 ulp), gradients by at most 6e-8 absolute with the largest element
+~0.3, the loss by at most 8e-9. The tolerances are ~8x those: logprobs atol 2e-6,
+gradients atol 5e-7 + rtol 1e-4. Weights after AdamW steps differ more, 1.7e-5 at lr
+1e-2: Adam's first update is lr * g / (|g| + eps), which turns the 6e-8 difference of a
+gradient element that is itself ~1e-7 into a visible part of lr; weights get atol 1e-4
+(lr / 100). The planted bugs move logprobs by 1e-2 and more (see the final report of
+W2-D item 5).
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from rolloutdb.controller.grpo import GRPOConfig, GRPOTrainer
+from rolloutdb.controller.packing import micro_batches, pack_shared_prefix, shared_prefix_length
+from rolloutdb.controller.protocols import Completion, TrainGroup
+from rolloutdb.controller.tasks import TASK_ALPHABET
+from rolloutdb.gpu_capture.tiny_policy import build_tiny_policy
+
+LOGP_TOL = dict(rtol=0, atol=2e-6)
+GRAD_TOL = dict(rtol=1e-4, atol=5e-7)
+WEIGHT_TOL = dict(rtol=0, atol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def policy_dir(tmp_path_factory) -> Path:
+    # Two layers, so the second layer's attention reads hidden states that a sibling
+    # would already have leaked into in the first.
+    return build_tiny_policy(tmp_path_factory.mktemp("policy"), seed=3, hidden_size=32, num_layers=2,
+                             num_heads=4, intermediate_size=64, alphabet=TASK_ALPHABET)
+
+
+def trainer(policy_dir: Path, **overrides) -> GRPOTrainer:
+    return GRPOTrainer(policy_dir, GRPOConfig(**{"lr": 1e-2, "max_grad_norm": None, **overrides}))
+
+
+def alone(model: torch.nn.Module, prompt: list[int], tokens: list[int]) -> list[float]:
+    """Log-probabilities of `tokens` after `prompt`, one unpadded sequence on its own."""
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt + tokens])).logits[0].float()
+    logp = torch.log_softmax(logits, dim=-1)
+    return [float(logp[len(prompt) - 1 + j, t]) for j, t in enumerate(tokens)]
+
+
+def completion(model, prompt, tokens, reward, mask=None, skew=0.0, rng=None) -> Completion:
+    """A completion whose old logprobs are the policy's, moved by up to `skew` (so some
+    ratios leave the clip range and both branches of the PPO min are exercised)."""
+    lp = alone(model, list(prompt), list(tokens))
+    if skew:
+        lp = [x + rng.uniform(-skew, skew) for x in lp]
+    return Completion(list(prompt), list(tokens), lp, [0] * len(tokens), reward, mask)
+
+
+def group_of_four(model, rng) -> TrainGroup:
+    prompt = [1, 5, 6, 7, 3]
+    replies = [[8, 9, 10, 2], [4], [11, 12, 13, 14, 15, 6, 2], [9, 9]]  # lengths 4, 1, 7, 2
+    return TrainGroup(0, 0, [completion(model, prompt, r, rew, skew=0.5, rng=rng)
+                             for r, rew in zip(replies, [1.0, 0.0, 0.25, 0.75])])
+
+
+def several_groups(model, rng) -> list[TrainGroup]:
+    """Three groups: prompts of other lengths, other sizes, and a multi-turn group whose
+    prompts differ after a common part and whose replies hold environment tokens."""
+    g0 = group_of_four(model, rng)
+    g1 = TrainGroup(1, 1, [completion(model, [1, 4, 4, 4, 4, 4, 4, 4, 4, 3], r, rew, skew=0.5, rng=rng)
+                           for r, rew in [([5, 6], 0.0), ([7, 8, 9], 1.0)]])
+    multi = [([1, 6, 7, 3], [8, 2, 5, 5, 9, 2], [1, 1, 0, 0, 1, 1], 0.3),
+             ([1, 6, 7, 3, 12], [8, 2, 5, 5, 10], [1, 1, 0, 0, 1], 0.9),  # prompt longer: a branch of its own
+             ([1, 6, 9], [4, 4, 4], None, 0.1)]  # prompts share only [1, 6]
+    g2 = TrainGroup(2, 2, [completion(model, p, t, rew, m, skew=0.5, rng=rng) for p, t, m, rew in multi])
+    return [g0, g1, g2]
+
+
+def grads(tr: GRPOTrainer) -> dict[str, torch.Tensor]:
+    return {n: p.grad.detach().clone() for n, p in tr.model.named_parameters()}
+
+
+def assert_close_dicts(a: dict, b: dict, **tol) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.allclose(a[k], b[k], **tol), f"{k}: max diff {float((a[k] - b[k]).abs().max()):.3g}"
+
+
+def packed_logprobs(tr: GRPOTrainer, groups: list[TrainGroup]) -> list[list[float]]:
+    from rolloutdb.controller.grpo import token_logprobs
+
+    comps = [c for g in groups for c in g.completions]
+    batch = pack_shared_prefix([g.completions for g in groups], [0.0] * len(comps), tr.pad_id)
+    with torch.no_grad():
+        logp = token_logprobs(tr.model, batch)
+    return [logp[b, : len(c.token_ids)].tolist() for b, c in enumerate(comps)]
+
+
+# --------------------------------------------------------------------------- layout
+
+
+def test_the_shared_prompt_is_the_longest_common_prefix_of_the_groups_prompts():
+    assert shared_prefix_length([[1, 2, 3], [1, 2, 3]]) == 3
+    assert shared_prefix_length([[1, 2, 3], [1, 2, 3, 4]]) == 3
+    assert shared_prefix_length([[1, 2, 3], [1, 5, 3]]) == 1
+    assert shared_prefix_length([[7], [1]]) == 0
+
+
+def test_a_packed_group_holds_its_prompt_once_with_positions_restarting_after_it():
+    a = Completion([1, 5, 6], [7, 8], [0.0, 0.0], [0, 0], 0.0)
+    b = Completion([1, 5, 6], [9], [0.0], [0], 0.0)
+    batch = pack_shared_prefix([[a, b]], [0.0, 0.0])
+    assert batch.input_ids.tolist() == [[1, 5, 6, 7, 8, 9]]
+    assert batch.position_ids.tolist() == [[0, 1, 2, 3, 4, 3]]
+    # a's tokens are predicted at the prompt's last token and at its own 7; b's at the prompt's last
+    assert batch.gather_positions.tolist() == [[2, 3], [2, 0]]
+    visible = batch.attention_mask[0].int().tolist()
+    assert visible[5] == [1, 1, 1, 0, 0, 1]  # b's 9 sees the prompt and itself, not a's 7 and 8
+    assert visible[4] == [1, 1, 1, 1, 1, 0]
+
+
+def test_micro_batches_take_whole_groups():
+    comps = [Completion([1], [2], [0.0], [0], 0.0)]
+    batch = pack_shared_prefix([comps * 3, comps * 2, comps * 2], [0.0] * 7)
+    assert micro_batches(batch, 4) == [(slice(0, 1), slice(0, 3)), (slice(1, 3), slice(3, 7))]
+    assert micro_batches(batch, 2) == [(slice(0, 1), slice(0, 3)), (slice(1, 2), slice(3, 5)),
+                                       (slice(2, 3), slice(5, 7))]
+
+
+# ------------------------------------------------------------------- equal numbers
+
+
+def test_packed_logprobs_equal_each_completion_run_alone(policy_dir):
+    tr = trainer(policy_dir)
+    rng = random.Random(0)
+    groups = several_groups(tr.model, rng)
+    got = packed_logprobs(tr, groups)
+    for g in groups:
+        for c in g.completions:
+            want = alone(tr.model, c.prompt_ids, c.token_ids)
+            have = got.pop(0)
+            assert torch.allclose(torch.tensor(have), torch.tensor(want), **LOGP_TOL), (c.prompt_ids, c.token_ids,
+                                                                                        have, want)
+
+
+CASES = {
+    "a group of four": dict(groups=lambda m, rng: [group_of_four(m, rng)], config={}),
+    "several groups": dict(groups=several_groups, config={}),
+    "micro-batches": dict(groups=several_groups, config={"micro_batch_size": 3}),
+    "entropy and kl": dict(groups=several_groups, config={"entropy_coef": 0.05, "kl_coef": 0.2}),
+    "sequence mean": dict(groups=several_groups, config={"loss_aggregation": "sequence_mean",
+                                                         "micro_batch_size": 2}),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_loss_and_every_gradient_under_packing_equal_the_unpacked_ones(policy_dir, case):
+    spec = CASES[case]
+    plain = trainer(policy_dir, **spec["config"])
+    packed = trainer(policy_dir, shared_prefix_packing=True, **spec["config"])
+    if plain.reference is not None:  # a reference away from the policy, or the KL term is 0 with 0 gradient
+        gen = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            for p, q in zip(plain.reference.parameters(), packed.reference.parameters()):
+                noise = 0.05 * torch.randn(p.shape, generator=gen)
+                p.add_(noise)
+                q.add_(noise)
+    groups = spec["groups"](plain.model, random.Random(7))
+    m_plain, m_packed = plain.train_step(groups), packed.train_step(groups)
+    assert m_plain["loss"] != 0.0
+    assert m_packed["loss"] == pytest.approx(m_plain["loss"], rel=1e-5, abs=1e-8)
+    for key in ("clip_fraction", "ratio_mean", "kl", "entropy", "policy_tokens", "sequences"):
+        assert m_packed[key] == pytest.approx(m_plain[key], rel=1e-5, abs=1e-8), key
+    if spec["config"].get("kl_coef"):
+        assert m_plain["kl"] > 1e-4
+    assert 0 < m_plain["clip_fraction"] < 1  # both sides of the clip are in the batch
+    g_plain, g_packed = grads(plain), grads(packed)
+    assert max(float(g.abs().max()) for g in g_plain.values()) > 1e-4
+    assert_close_dicts(g_packed, g_plain, **GRAD_TOL)
+
+
+def test_a_train_step_with_packing_on_or_off_leaves_the_same_weights(policy_dir):
+    plain = GRPOTrainer(policy_dir, GRPOConfig(lr=1e-2, entropy_coef=0.02))
+    packed = GRPOTrainer(policy_dir, GRPOConfig(lr=1e-2, entropy_coef=0.02, shared_prefix_packing=True))
+    before = {k: v.clone() for k, v in plain.model.state_dict().items()}
+    for step in range(2):  # the second step runs on Adam moments the first left
+        groups = several_groups(plain.model, random.Random(step))
+        plain.train_step(groups)
+        packed.train_step(groups)
+    after_plain, after_packed = plain.model.state_dict(), packed.model.state_dict()
+    assert any(not torch.equal(before[k], after_plain[k]) for k in before)
+    assert_close_dicts(dict(after_packed), dict(after_plain), **WEIGHT_TOL)
