@@ -21,7 +21,12 @@ W2-D item 5).
 
 from __future__ import annotations
 
+import hashlib
+import os
 import random
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -201,3 +206,55 @@ def test_a_train_step_with_packing_on_or_off_leaves_the_same_weights(policy_dir)
     after_plain, after_packed = plain.model.state_dict(), packed.model.state_dict()
     assert any(not torch.equal(before[k], after_plain[k]) for k in before)
     assert_close_dicts(dict(after_packed), dict(after_plain), **WEIGHT_TOL)
+
+
+# ------------------------------------------------------------------ real runs (CLI)
+
+REPO = Path(__file__).resolve().parents[1]
+QUICK = [
+    "algorithm.total_steps=4",
+    "checkpointing.interval_steps=1",
+    "rollout_recovery.target_level=prefix",
+    "logging.progress=false",
+    "logging.plot=false",
+]
+
+
+def _cli(run_dir: Path, *extra: str, resume: bool = False, config: Path | None = None) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "rolloutdb", "train", "--config", str(config or REPO / "examples" / "quickstart.yaml"),
+           "--run-dir", str(run_dir), *(["--resume"] if resume else [])]
+    env = {k: v for k, v in os.environ.items() if k != "ROLLOUTDB_FAULT"}
+    env["RAY_AUTH_MODE"] = "disabled"
+    return subprocess.run(cmd + QUICK + list(extra), env=env, capture_output=True, text=True, timeout=300)
+
+
+def _files(root: Path) -> dict[str, tuple]:
+    """Every file and directory under `root`: size, modification time and content hash.
+    The lock file's content is put back after a refusal (RunLock.undo), not its time."""
+    out: dict[str, tuple] = {}
+    for path in sorted(root.rglob("*")):
+        rel = path.relative_to(root).as_posix()
+        if path.is_dir():
+            out[rel] = ("dir",)
+        else:
+            st = path.stat()
+            mtime = None if rel == "run.lock" else st.st_mtime_ns
+            out[rel] = (st.st_size, mtime, hashlib.sha256(path.read_bytes()).hexdigest())
+    return out
+
+
+@pytest.mark.parametrize("then,now", [(True, False), (False, True)])
+def test_a_resume_with_the_other_packing_setting_is_refused_and_changes_nothing(tmp_path, then, now):
+    word = {True: "true", False: "false"}
+    run_dir = tmp_path / "run"
+    done = _cli(run_dir, f"algorithm.shared_prefix_packing={word[then]}")
+    assert done.returncode == 0, done.stderr[-2000:]
+    before = _files(run_dir)
+    refused = _cli(run_dir, f"algorithm.shared_prefix_packing={word[now]}", resume=True)
+    lines = refused.stderr.strip().splitlines()
+    assert refused.returncode == 2, refused.stderr[-2000:]
+    assert len(lines) == 1 and lines[0].startswith("error: "), refused.stderr[-2000:]
+    assert re.search(rf"algorithm.shared_prefix_packing is {word[then]} in step_\d+/snapshot_\d+ but {word[now]} now",
+                     lines[0]), lines[0]
+    assert f"resume with algorithm.shared_prefix_packing={word[then]}" in lines[0]
+    assert _files(run_dir) == before
