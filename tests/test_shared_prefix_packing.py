@@ -21,14 +21,18 @@ W2-D item 5).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import json
 import os
 import random
 import re
+import sqlite3
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -258,3 +262,92 @@ def test_a_resume_with_the_other_packing_setting_is_refused_and_changes_nothing(
                      lines[0]), lines[0]
     assert f"resume with algorithm.shared_prefix_packing={word[then]}" in lines[0]
     assert _files(run_dir) == before
+
+
+def _prefixes_of_running_calls(snapshot_db: Path) -> dict[tuple[int, int], tuple[int, list[int], np.ndarray]]:
+    """(group id, generation) -> (prompt id, tokens, float32 logprobs) of every running
+    call whose prefix a snapshot saved (its chunks in order), decoded here with SQL and
+    numpy."""
+    uri = f"file:{snapshot_db}?mode=ro&immutable=1"
+    with contextlib.closing(sqlite3.connect(uri, uri=True)) as conn:
+        rows = conn.execute(
+            "SELECT r.group_id, r.generation_index, g.prompt_id, c.token_ids, c.logprobs FROM token_chunks c "
+            "JOIN rollouts r ON r.attempt_id = c.attempt_id JOIN prompt_groups g ON g.group_id = r.group_id "
+            "WHERE r.state = 'running' ORDER BY c.attempt_id, c.chunk_index").fetchall()
+    out: dict[tuple[int, int], tuple[int, list[int], np.ndarray]] = {}
+    for group, gen, prompt, tokens, logprobs in rows:
+        _, t, lp = out.get((group, gen), (prompt, [], np.zeros(0, np.float32)))
+        if logprobs is None:
+            continue
+        out[(group, gen)] = (prompt, t + np.frombuffer(tokens, "<i4").tolist(),
+                             np.concatenate([lp, np.frombuffer(logprobs, "<f4")]))
+    return {k: v for k, v in out.items() if v[1]}
+
+
+def _policy_run_at(packed: list, tokens: list[int], logprobs: np.ndarray) -> int | None:
+    """If one generation's packed (targets, old logprobs, loss mask) hold `tokens` as
+    the start of a run of policy tokens (loss mask 1: one call's reply), with exactly
+    these float32 logprobs: that run's length (the whole call's output). Else None."""
+    targets, old, mask = packed
+    n = len(tokens)
+    for i in range(len(targets) - n + 1):
+        if (i == 0 or mask[i - 1] == 0.0) and targets[i:i + n] == tokens and all(m == 1.0 for m in mask[i:i + n]) \
+                and np.array_equal(np.asarray(old[i:i + n], dtype=np.float32), logprobs):
+            end = i + n
+            while end < len(mask) and mask[end] == 1.0:
+                end += 1
+            return end - i
+    return None
+
+
+def _resumed_calls(trace_db: Path) -> dict[tuple[int, int], tuple[int, int]]:
+    """(group id, generation) -> (prefix tokens, tokens decoded by its first call) of every
+    attempt the last run dispatched with a prefix, read from the trace with SQL."""
+    with contextlib.closing(sqlite3.connect(f"file:{trace_db}?mode=ro", uri=True)) as conn:
+        rows = conn.execute(
+            "SELECT d.group_id, d.generation_index, d.prefix_tokens, "
+            "(SELECT f.tokens FROM call_finished f WHERE f.run = d.run AND f.group_id = d.group_id "
+            " AND f.generation_index = d.generation_index AND f.attempt = d.attempt ORDER BY f.seq LIMIT 1) "
+            "FROM attempt_dispatched d WHERE d.run = (SELECT max(run) FROM runs) AND d.prefix_tokens > 0").fetchall()
+    return {(g, i): (p, n) for g, i, p, n in rows}
+
+
+def test_a_killed_prefix_level_run_with_packing_trains_every_restored_prefix(tmp_path):
+    """The multi-turn example at prefix level with packing on (the twin test's settings,
+    tests/test_prefix_recovery_real_run.py), SIGKILLed while its newest snapshot holds
+    prefixes of running calls, then resumed to the end. Every call the snapshot held a
+    prefix of was continued from it (the trace: it decoded only the rest of its output),
+    and its output, prefix first, reached the packed batch as policy tokens with the
+    logprobs the snapshot saved. The policy is fixed (lr 0) and sampling seeded, so a
+    call redone from scratch would produce the same tokens: the decoded count is what
+    tells a kept prefix from a dropped one."""
+    from test_prefix_recovery_real_run import EXAMPLE, _config, _kill_with_prefixes_saved, _metrics
+
+    run_dir, record, cut = tmp_path / "run", tmp_path / "run.jsonl", tmp_path / "cut.sqlite"
+    extra = ["algorithm.shared_prefix_packing=true", "algorithm.total_steps=8"]
+
+    def start(resume: bool) -> subprocess.Popen:
+        cmd = [sys.executable, "-m", "rolloutdb", "train", "--config", str(EXAMPLE), "--run-dir", str(run_dir)]
+        env = {k: v for k, v in os.environ.items() if k != "ROLLOUTDB_FAULT"}
+        env["RAY_AUTH_MODE"] = "disabled"
+        return subprocess.Popen(cmd + (["--resume"] if resume else []) + _config(record) + extra, env=env,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+    calls = _kill_with_prefixes_saved(run_dir, start(False), cut)
+    assert calls, "the run ended before any snapshot held a prefix of a running call"
+    resumed = start(True)
+    _, err = resumed.communicate(timeout=300)
+    assert resumed.returncode == 0, err[-2000:]
+    assert [r["calls"] for r in _metrics(run_dir, "prefix_restore")] == [calls]
+    saved = _prefixes_of_running_calls(cut)
+    continued = _resumed_calls(run_dir / "logs" / "rollout_trace.sqlite")
+    assert len(saved) == calls and continued.keys() == saved.keys()
+    trained = [json.loads(line) for line in record.read_text().splitlines()]
+    assert all("packed" in row for row in trained)
+    for key, (prompt, tokens, logprobs) in saved.items():
+        group, gen = key  # completions come in generation order (controller/train_pump.py)
+        lengths = {_policy_run_at(row["packed"][gen], tokens, logprobs) for row in trained if row["group_id"] == group}
+        assert len(lengths) == 1 and None not in lengths, f"{key}: its saved prefix is not in its packed batch: {lengths}"
+        prefix, decoded = continued[key]
+        assert prefix == len(tokens)
+        assert decoded == lengths.pop() - len(tokens), f"{key}: decoded {decoded} tokens after a prefix of {prefix}"
