@@ -164,11 +164,11 @@ def pack_shared_prefix(groups: Sequence[Sequence[Completion]], advantages: Seque
         branch_ids[r, : len(branch)] = torch.tensor(branch)
     position_ids[branch_ids == PAD] = 0  # padding: any position, never read
     causal = torch.ones((L, L), dtype=torch.bool).tril()
-    q, k = branch_ids.unsqueeze(2), branch_ids.unsqueeze(1)
+    query, key = branch_ids.unsqueeze(2), branch_ids.unsqueeze(1)
     # A token sees the earlier tokens of its own branch and the whole shared prompt before
     # it; padding sees the shared prompt and earlier padding (never a row of nothing,
     # which would be a softmax over nothing).
-    visible = causal & ((q == k) | (k == SHARED))
+    visible = causal & ((query == key) | (key == SHARED))
     return PackedBatch(input_ids, visible, targets, gather, old, mask, adv, seq_rows, position_ids)
 
 
