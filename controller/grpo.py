@@ -10,6 +10,9 @@ One `train_step` is one optimizer step on a batch of finished groups:
   asynchronous case) are corrected, and the ratio is clipped PPO-style to
   [1 - clip_eps, 1 + clip_eps_high];
 - tokens the environment wrote (`loss_mask` 0) are context, never trained;
+- `shared_prefix_packing` lays each group out as one row, its prompt once and a tree
+  attention mask over the completions (controller/packing.py): the same loss and
+  gradients as one row per completion, up to float rounding, in fewer tokens;
 - optional KL penalty to the initial policy (k3 estimator); off by default (KL-free);
 - optional entropy bonus at the policy's tokens; a tiny policy trained with Adam at the
   learning rates that make it learn in minutes tends to collapse onto one reply per
