@@ -124,7 +124,8 @@ def build_trainer(config: Config, policy_dir: Path) -> Trainer:
     algo = config.algorithm
     return GRPOTrainer(
         policy_dir,
-        GRPOConfig(lr=algo.learning_rate, clip_eps=algo.clip_eps, entropy_coef=algo.entropy_coef, seed=config.run.seed),
+        GRPOConfig(lr=algo.learning_rate, clip_eps=algo.clip_eps, entropy_coef=algo.entropy_coef, seed=config.run.seed,
+                   shared_prefix_packing=algo.shared_prefix_packing),
     )
 
 

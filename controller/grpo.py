@@ -10,6 +10,9 @@ One `train_step` is one optimizer step on a batch of finished groups:
   asynchronous case) are corrected, and the ratio is clipped PPO-style to
   [1 - clip_eps, 1 + clip_eps_high];
 - tokens the environment wrote (`loss_mask` 0) are context, never trained;
+- `shared_prefix_packing` lays each group out as one row, its prompt once and a tree
+  attention mask over the completions (controller/packing.py): the same loss and
+  gradients as one row per completion, up to float rounding, in fewer tokens;
 - optional KL penalty to the initial policy (k3 estimator); off by default (KL-free);
 - optional entropy bonus at the policy's tokens; a tiny policy trained with Adam at the
   learning rates that make it learn in minutes tends to collapse onto one reply per
@@ -38,6 +41,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
+from rolloutdb.controller.packing import PackedBatch, additive_mask, micro_batches, pack, pack_shared_prefix
 from rolloutdb.controller.protocols import CheckpointState, Completion, TrainGroup
 from rolloutdb.controller.trainer_checkpoints import write_checkpoint_state
 
@@ -69,7 +73,12 @@ class GRPOConfig:
     # "token_mean": every policy token in the batch weighs the same (long replies are not
     # diluted); "sequence_mean": mean per sequence, then over sequences (original GRPO).
     loss_aggregation: str = "token_mean"
-    micro_batch_size: int | None = None  # sequences per forward/backward; None: all
+    # sequences per forward/backward; None: all. Under shared_prefix_packing a micro-batch
+    # takes whole groups (controller/packing.py micro_batches).
+    micro_batch_size: int | None = None
+    # One row per group: the shared prompt once, a tree attention mask over the
+    # completions (controller/packing.py); same loss and gradients, fewer tokens.
+    shared_prefix_packing: bool = False
     seed: int = 0  # recorded with the checkpoint; a step itself draws no random numbers
 
     def __post_init__(self):
@@ -129,65 +138,22 @@ def aggregate(token_losses: torch.Tensor, mask: torch.Tensor, how: str,
     return (masked.sum(dim=1) / mask.sum(dim=1).clamp(min=1.0)).sum() / n_sequences
 
 
-@dataclass
-class PackedBatch:
-    """Completions right-padded into tensors. Row b holds prompt + output; column j of
-    the output tensors is output token j, predicted by logits at position
-    prompt_len[b] + j - 1."""
-
-    input_ids: torch.Tensor  # [B, L]
-    attention_mask: torch.Tensor  # [B, L]
-    target_ids: torch.Tensor  # [B, T]
-    gather_positions: torch.Tensor  # [B, T] index into the sequence dim of the logits
-    old_logprobs: torch.Tensor  # [B, T]
-    loss_mask: torch.Tensor  # [B, T] 1: policy token, 0: environment token or padding
-    advantages: torch.Tensor  # [B, 1]
-
-
-def pack(completions: Sequence[Completion], advantages: Sequence[float],
-         pad_id: int = 0) -> PackedBatch:
-    if not completions:
-        raise ValueError("empty batch")
-    lengths = [len(c.prompt_ids) + len(c.token_ids) for c in completions]
-    L = max(lengths)
-    T = max(1, max(len(c.token_ids) for c in completions))
-    B = len(completions)
-    input_ids = torch.full((B, L), pad_id, dtype=torch.long)
-    attention = torch.zeros((B, L), dtype=torch.long)
-    targets = torch.full((B, T), pad_id, dtype=torch.long)
-    positions = torch.zeros((B, T), dtype=torch.long)
-    old = torch.zeros((B, T), dtype=torch.float32)
-    mask = torch.zeros((B, T), dtype=torch.float32)
-    for b, c in enumerate(completions):
-        if not c.prompt_ids:
-            raise ValueError("a completion needs at least one prompt token")
-        if len(c.logprobs) != len(c.token_ids):
-            raise ValueError("logprobs and token_ids differ in length")
-        P, n = len(c.prompt_ids), len(c.token_ids)
-        input_ids[b, : P + n] = torch.tensor([*c.prompt_ids, *c.token_ids])
-        attention[b, : P + n] = 1
-        if n:
-            targets[b, :n] = torch.tensor(c.token_ids)
-            positions[b, :n] = torch.arange(P - 1, P - 1 + n)
-            old[b, :n] = torch.tensor(c.logprobs, dtype=torch.float32)
-            lm = c.loss_mask if c.loss_mask is not None else [1] * n
-            if len(lm) != n:
-                raise ValueError("loss_mask and token_ids differ in length")
-            mask[b, :n] = torch.tensor(lm, dtype=torch.float32)
-    adv = torch.tensor(list(advantages), dtype=torch.float32).unsqueeze(1)
-    return PackedBatch(input_ids, attention, targets, positions, old, mask, adv)
-
-
 def token_logprobs(model: torch.nn.Module, batch: PackedBatch, rows: slice = slice(None),
-                   with_entropy: bool = False):
-    """Log-probabilities of the output tokens under `model`, [rows, T]; with
-    `with_entropy`, also the entropy of the policy's distribution at each of them."""
-    logits = model(input_ids=batch.input_ids[rows],
-                   attention_mask=batch.attention_mask[rows]).logits.float()
-    picked = torch.gather(logits, 1, batch.gather_positions[rows].unsqueeze(-1)
-                          .expand(-1, -1, logits.shape[-1]))
+                   seqs: slice | None = None, with_entropy: bool = False):
+    """Log-probabilities of the output tokens of sequences `seqs` (default: `rows`, the
+    plain layout's one row per sequence) under `model`, [seqs, T], running the forward
+    pass on `rows`, which must hold those sequences; with `with_entropy`, also the
+    entropy of the policy's distribution at each of them."""
+    seqs = rows if seqs is None else seqs
+    mask = batch.attention_mask[rows]
+    if mask.dim() == 3:  # a tree mask (pack_shared_prefix): the model's dtype, additive
+        mask = additive_mask(mask, next(model.parameters()).dtype)
+    extra = {} if batch.position_ids is None else {"position_ids": batch.position_ids[rows]}
+    logits = model(input_ids=batch.input_ids[rows], attention_mask=mask, **extra).logits.float()
+    row_of = batch.seq_rows[seqs] - (rows.start or 0)
+    picked = logits[row_of.unsqueeze(1), batch.gather_positions[seqs]]  # [seqs, T, V]
     logp_all = torch.log_softmax(picked, dim=-1)
-    logp = logp_all.gather(-1, batch.target_ids[rows].unsqueeze(-1)).squeeze(-1)
+    logp = logp_all.gather(-1, batch.target_ids[seqs].unsqueeze(-1)).squeeze(-1)
     if not with_entropy:
         return logp
     return logp, -(logp_all.exp() * logp_all).sum(-1)
@@ -232,28 +198,29 @@ class GRPOTrainer:
             rewards = [c.reward for c in g.completions]
             completions.extend(g.completions)
             advantages.extend(group_advantages(rewards, cfg.adv_eps, cfg.scale_rewards))
-        batch = pack(completions, advantages, self.pad_id)
-        B = batch.input_ids.shape[0]
-        mb = cfg.micro_batch_size or B
+        if cfg.shared_prefix_packing:
+            batch = pack_shared_prefix([g.completions for g in groups], advantages, self.pad_id)
+        else:
+            batch = pack(completions, advantages, self.pad_id)
+        B = batch.target_ids.shape[0]  # sequences (completions), whichever the layout
         # Normalizers over the whole batch, so micro-batching changes no gradient.
         total_tokens = batch.loss_mask.sum().clamp(min=1.0)
         clip_high = cfg.clip_eps if cfg.clip_eps_high is None else cfg.clip_eps_high
 
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum = clipped_sum = kl_sum = ratio_sum = entropy_sum = 0.0
-        for start in range(0, B, mb):
-            rows = slice(start, min(B, start + mb))
-            mask = batch.loss_mask[rows]
-            new, entropy = token_logprobs(self.model, batch, rows, with_entropy=True)
-            old = batch.old_logprobs[rows]
+        for rows, seqs in micro_batches(batch, cfg.micro_batch_size):
+            mask = batch.loss_mask[seqs]
+            new, entropy = token_logprobs(self.model, batch, rows, seqs, with_entropy=True)
+            old = batch.old_logprobs[seqs]
             # Environment tokens and padding may carry any "old" logprob; keep them out
             # of exp() so a garbage value cannot turn into inf * 0 = nan.
             old = torch.where(mask > 0, old, new.detach())
-            losses, was_clipped = clipped_token_losses(new, old, batch.advantages[rows],
+            losses, was_clipped = clipped_token_losses(new, old, batch.advantages[seqs],
                                                        cfg.clip_eps, clip_high)
             if self.reference is not None:
                 with torch.no_grad():
-                    ref = token_logprobs(self.reference, batch, rows)
+                    ref = token_logprobs(self.reference, batch, rows, seqs)
                 d = ref - new
                 kl = torch.exp(d) - d - 1.0
                 losses = losses + cfg.kl_coef * kl

@@ -145,6 +145,7 @@ def restore_run(ctl) -> Restored:
         ctl.engine.load_weights(ctl.trainer.export_weights(), ctl.trainer.step)
 
     check_server_modes(ctl.config, plan.selection.snapshot.path if plan.selection else None)
+    check_packing(ctl.config, plan.selection.snapshot.path if plan.selection else None)
     try:
         restore_plan = _restore(ctl, plan, load_weights)
     except NoRestorableSnapshot as e:  # every pair failed at restore: still nothing written
@@ -187,6 +188,33 @@ def check_server_modes(config, snapshot_dir: Path | None) -> None:
         raise ResumeError(f"environment servers changed checkpoint mode since {snapshot_dir.name} ({'; '.join(differ)}), "
                           "so its agents cannot be restored as they were saved; nothing was changed: resume with the "
                           "modes the run had (environment.servers[].mode), or pass --start-over")
+
+
+def check_packing(config, snapshot_dir: Path | None) -> None:
+    """Refuse (before anything is written) a restore whose `algorithm.shared_prefix_packing`
+    differs from the snapshot's (its config.yaml; a snapshot from before the key has it
+    off). The two layouts train the same loss but not the same floating-point sums
+    (tests/test_shared_prefix_packing.py), so a resumed run that switched would no longer
+    take the steps the uninterrupted run takes; the setting is left out of the config
+    fingerprint so that this check can name it."""
+    if snapshot_dir is None:
+        return
+    import yaml
+
+    path = snapshot_dir / "config.yaml"
+    try:
+        old = yaml.safe_load(path.read_text()) if path.is_file() else {}
+    except (OSError, yaml.YAMLError):
+        return  # the snapshot's own checks report a damaged file
+    algorithm = (old.get("algorithm") or {}) if isinstance(old, dict) else {}
+    then = bool(algorithm.get("shared_prefix_packing", False)) if isinstance(algorithm, dict) else False
+    now = bool(config.algorithm.shared_prefix_packing)
+    if then != now:
+        word = lambda on: "true" if on else "false"  # noqa: E731
+        where = f"{snapshot_dir.parent.parent.name}/{snapshot_dir.name}"  # step_N/snapshot_M
+        raise ResumeError(f"algorithm.shared_prefix_packing is {word(then)} in {where} but {word(now)} now; "
+                          f"nothing was changed: resume with algorithm.shared_prefix_packing={word(then)}, or pass "
+                          "--start-over to train the run again from step 0 with the new setting")
 
 
 def _restore(ctl, plan: ResumePlan, load_weights):

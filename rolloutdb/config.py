@@ -85,6 +85,8 @@ class AlgorithmSection(Section):
         description="After this many zero-variance groups in a row, train on them instead of discarding.",
     )
     entropy_coef: float = Field(0.0, ge=0, le=10, description="Entropy bonus: keeps a tiny policy from collapsing.")
+    shared_prefix_packing: bool = Field(
+        False, description="Train each group as one row: its prompt once, a tree attention mask over the completions.")
 
     def replay_needed(self) -> int:
         """The fewest replay permits with which a run always progresses.
@@ -443,6 +445,9 @@ class Config(Section):
         """Hash of what a restore must match: the settings that shape rollout state."""
         keyed = {k: getattr(self, k).model_dump() for k in ("algorithm", "policy", "generation", "environment")}
         keyed["algorithm"].pop("total_steps")  # a resumed run may train for longer
+        # Same loss either way; a restore checks it on its own with a message naming both
+        # settings (controller/resume.py check_packing), and older runs keep their fingerprint.
+        keyed["algorithm"].pop("shared_prefix_packing")
         keyed["generation"].pop("max_inflight_calls")  # how much runs at once, not what it makes
         keyed["run"] = {"seed": self.run.seed}
         # Only what changes the prompts' tokens; the file's content is the dataset

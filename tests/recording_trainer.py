@@ -7,6 +7,10 @@ group it trains to a JSONL file: prompt id and, per generation, the tokens and l
 
 A group trained again after a kill (its optimizer commit never landed) is recorded twice,
 identically: readers compare sets.
+
+With `algorithm.shared_prefix_packing: true` each record also holds `packed`: per
+generation, what the packed batch's loss reads (targets, old logprobs as float32, loss
+mask), laid out by the same `pack_shared_prefix` call train_step makes.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import json
 import os
 
 from rolloutdb.controller.grpo import GRPOConfig, GRPOTrainer
+from rolloutdb.controller.packing import pack_shared_prefix
 
 
 class RecordingTrainer(GRPOTrainer):
@@ -25,13 +30,21 @@ class RecordingTrainer(GRPOTrainer):
     def train_step(self, groups):
         with open(self.record, "a") as f:
             for g in groups:
-                f.write(json.dumps({"prompt_id": g.prompt_id,
-                                    "tokens": [c.token_ids for c in g.completions],
-                                    "logprobs": [c.logprobs for c in g.completions]}) + "\n")
+                row = {"prompt_id": g.prompt_id, "group_id": g.group_id, "tokens": [c.token_ids for c in g.completions],
+                       "logprobs": [c.logprobs for c in g.completions]}
+                if self.config.shared_prefix_packing:
+                    batch = pack_shared_prefix([g.completions], [0.0] * len(g.completions), self.pad_id)
+                    row["packed"] = [[batch.target_ids[b, :len(c.token_ids)].tolist(),
+                                      batch.old_logprobs[b, :len(c.token_ids)].tolist(),
+                                      batch.loss_mask[b, :len(c.token_ids)].tolist()]
+                                     for b, c in enumerate(g.completions)]
+                f.write(json.dumps(row) + "\n")
             f.flush()
             os.fsync(f.fileno())
         return super().train_step(groups)
 
 
 def make_trainer(context, record: str):
-    return RecordingTrainer(context.policy_dir, GRPOConfig(lr=0.0, seed=context.config.run.seed), record)
+    config = GRPOConfig(lr=0.0, seed=context.config.run.seed,
+                        shared_prefix_packing=context.config.algorithm.shared_prefix_packing)
+    return RecordingTrainer(context.policy_dir, config, record)

@@ -74,9 +74,10 @@ def run(args: argparse.Namespace) -> int:
         dirs.check_for(resume=bool(resume))
         plan = None
         if resume:
-            from rolloutdb.controller.resume import plan_resume
+            from rolloutdb.controller.resume import check_packing, plan_resume
 
             plan = plan_resume(dirs, resume, start_over=args.start_over)
+            check_packing(config, plan.selection.snapshot.path if plan.selection else None)
     except BaseException:
         lock.undo()
         raise
