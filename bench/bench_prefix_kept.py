@@ -101,6 +101,7 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=600.0)
     ap.add_argument("--quick", action="store_true", help="8 steps, 1 kill per level")
     ap.add_argument("--keep", action="store_true")
+    ap.add_argument("--levels", default="turn,prefix", help="comma-separated: turn, prefix")
     ap.add_argument("--dir", default=None)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -109,10 +110,12 @@ def main() -> int:
     say(machine_line())
     root = Path(tempfile.mkdtemp(prefix="prefix_kept_", dir=args.dir))
     try:
-        figures = {level: level_figures(root, level, args, random.Random(args.seed)) for level in ("turn", "prefix")}
+        figures = {level: level_figures(root, level, args, random.Random(args.seed)) for level in args.levels.split(",")}
     finally:
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)
+        else:
+            say(f"runs kept in {root}")
     for level, f in figures.items():
         share = "-" if f["kept_share"] is None else f"{100 * f['kept_share']:.1f}%"
         of_cut = "-" if f["kept_of_by_cut"] is None else f"{100 * f['kept_of_by_cut']:.1f}%"

@@ -232,3 +232,51 @@ def test_rolloutdb_trace_on_a_run_never_stopped_shows_no_stop(tmp_path, capsys):
     assert printed.split("What each stop kept\n", 1)[1].startswith("  (none)")
     assert (run_dir / "plots" / "kept.png").is_file()
     assert (run_dir / "plots" / "kept_per_stop.csv").read_text().count("\n") == 1  # the header only
+
+
+def write_prefix_level_job(path) -> None:
+    """Prefix level, one stop. Run A, cut at 106, killed at 110:
+      gen 0 attempt 0: turn 0 (10 tokens) finishes at 102, commits at 102.5; turn 1 (6
+        tokens, its last) finishes at 105 but its batch commits at 106.5, after the cut,
+        so the cut saved that call whole (call_cut 6 at 106);
+      gen 1 attempt 0: its call is running at the cut with 4 tokens (call_cut 4) and
+        finishes at 107 with 9.
+    Run B restores cut 106: gen 0 continues from turn 1 (10 tokens) with the 6-token call
+    as its prefix; gen 1 from its 4-token prefix."""
+    tr = Tracer(path, clock=lambda: 100.0)
+    e = tr.emit
+    e("group_reserved", t=100, group_id=1, prompt_id=10, step=1, policy_version=0, group_size=2)
+    e("attempt_dispatched", t=101, **_attempt(10, 0, 0))
+    e("attempt_dispatched", t=101, **_attempt(10, 1, 0))
+    e("call_finished", t=102, turn=0, tokens=10, finish_reason="stop", **_attempt(10, 0, 0))
+    e("turn_committed", t=102.5, turn=0, tokens=10, total_tokens=14, **_attempt(10, 0, 0))
+    e("call_finished", t=105, turn=1, tokens=6, finish_reason="stop", **_attempt(10, 0, 0))
+    e("snapshot_cut", t=106.2, cut_time=106, snapshot_seq=1, anchor="bootstrap")
+    e("call_cut", t=106, step=1, tokens=6, **_attempt(10, 0, 0))
+    e("call_cut", t=106, step=1, tokens=4, **_attempt(10, 1, 0))
+    e("call_finished", t=107, turn=0, tokens=9, finish_reason="length", **_attempt(10, 1, 0))
+    e("group_reserved", t=110, group_id=2, prompt_id=20, step=2, policy_version=0, group_size=2)
+    tr.close()
+    tr = Tracer(path, clock=lambda: 200.0)
+    e = tr.emit
+    e("attempt_abandoned", t=201, reason="restart", **_attempt(10, 0, 0))
+    e("attempt_abandoned", t=201, reason="restart", **_attempt(10, 1, 0))
+    e("restore_done", t=202, snapshot_seq=1, cut_time=106, anchor="bootstrap", groups_restored=1)
+    e("attempt_dispatched", t=203, prefix_tokens=6, **_attempt(10, 0, 1))
+    e("episode_restored", t=203, from_attempt=0, turn=1, tokens=10, total_tokens=14, **_attempt(10, 0, 1))
+    e("attempt_dispatched", t=203, prefix_tokens=4, **_attempt(10, 1, 1))
+    e("group_sealed", t=205, group_id=1, prompt_id=10)
+    tr.close()
+
+
+def test_a_call_the_cut_saved_whole_before_its_commit_counts_once_as_decoded_and_once_as_kept(tmp_path):
+    path = tmp_path / TRACE_FILENAME
+    write_prefix_level_job(path)
+    with TraceAnalysis([path]) as a:
+        rows = a.query("kept_by_attempt").as_dicts()
+    # gen 0: decoded 10 + 6 = 16, all by the cut (the call_cut of its finished turn-1 call
+    #   is that same call, not a 6 more); kept 10 (turn 0) + 6 (prefix) = 16, redone 0.
+    # gen 1: decoded 9 (finished before the stop), 4 of them by the cut; kept the 4-token
+    #   prefix, redone 9 - 4 = 5.
+    assert [(r["generation_index"], r["decoded_tokens"], r["decoded_by_cut"], r["kept_tokens"], r["redone_tokens"])
+            for r in rows] == [(0, 16, 16, 16, 0), (1, 9, 4, 4, 5)]

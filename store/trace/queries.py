@@ -209,6 +209,19 @@ WITH decoded AS (
       ON c.job = x.job AND c.prompt_id = x.prompt_id AND c.generation_index = x.generation_index
      AND c.attempt = x.attempt AND c.t <= x.cut_time AND (x.dispatched_at IS NULL OR c.t >= x.dispatched_at)
     GROUP BY x.job, x.stop_no, x.prompt_id, x.generation_index, x.attempt
+), saved_whole AS (
+    -- Prefix level: a call that finished by the cut but whose turn was committed only
+    -- after it is in the cut's call_cut as a whole prefix (the pump had absorbed it):
+    -- its tokens are in by_cut / decoded already, so its call_cut is not counted again.
+    SELECT DISTINCT x.job, x.stop_no, x.prompt_id, x.generation_index, x.attempt
+    FROM thrown_away_attempts x
+    JOIN call_finished f
+      ON f.job = x.job AND f.prompt_id = x.prompt_id AND f.generation_index = x.generation_index
+     AND f.attempt = x.attempt AND f.t <= x.cut_time AND (x.dispatched_at IS NULL OR f.t >= x.dispatched_at)
+    WHERE NOT EXISTS (
+        SELECT 1 FROM turn_committed tc
+        WHERE tc.job = x.job AND tc.prompt_id = x.prompt_id AND tc.generation_index = x.generation_index
+          AND tc.attempt = x.attempt AND tc.turn = f.turn AND tc.t <= x.cut_time)
 ), frozen AS (
     -- Its call running at the restored cut, frozen there (prefix level), finished later or not.
     SELECT x.job, x.stop_no, x.prompt_id, x.generation_index, x.attempt, max(c.tokens) AS tokens
@@ -216,6 +229,10 @@ WITH decoded AS (
     JOIN call_cut c
       ON c.job = x.job AND c.prompt_id = x.prompt_id AND c.generation_index = x.generation_index
      AND c.attempt = x.attempt AND abs(c.t - x.cut_time) < 1e-6
+    WHERE NOT EXISTS (
+        SELECT 1 FROM saved_whole w
+        WHERE w.job = x.job AND w.stop_no = x.stop_no AND w.prompt_id = x.prompt_id
+          AND w.generation_index = x.generation_index AND w.attempt = x.attempt)
     GROUP BY x.job, x.stop_no, x.prompt_id, x.generation_index, x.attempt
 ), cut AS (
     -- The call running at the restored cut, frozen there, unless it finished before the
@@ -230,6 +247,10 @@ WITH decoded AS (
         SELECT 1 FROM call_finished f
         WHERE f.job = x.job AND f.prompt_id = x.prompt_id AND f.generation_index = x.generation_index
           AND f.attempt = x.attempt AND f.t > x.cut_time AND f.t <= st.stopped_at)
+      AND NOT EXISTS (
+        SELECT 1 FROM saved_whole w
+        WHERE w.job = x.job AND w.stop_no = x.stop_no AND w.prompt_id = x.prompt_id
+          AND w.generation_index = x.generation_index AND w.attempt = x.attempt)
     GROUP BY x.job, x.stop_no, x.prompt_id, x.generation_index, x.attempt
 ), restored AS (
     -- The first episode_restored after the stop that continues this attempt.
