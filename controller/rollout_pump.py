@@ -61,6 +61,16 @@ IDLE_WAIT_S = 0.5
 MAX_LOST_IN_A_ROW = 1000
 
 
+def request_params(cfg) -> SamplingParams:
+    """The sampling settings of every model call the pump makes (in-process or on an
+    agent server); each episode sets the call's seed and may lower its limits
+    (`Episode.request`)."""
+    g = cfg.generation
+    return SamplingParams(max_tokens=g.max_tokens, min_tokens=g.min_tokens, temperature=g.temperature,
+                          top_p=g.top_p, stop=tuple(g.stop), presence_penalty=g.presence_penalty,
+                          frequency_penalty=g.frequency_penalty)
+
+
 @dataclass(eq=False)
 class LiveEpisode:
     """An episode the pump runs, with the group and generation it belongs to."""
@@ -104,13 +114,7 @@ class RolloutPump:
         self.turn_level = cfg.rollout_recovery.keeps_turns
         # Prefix level: a call a restore hands back continues from its saved prefix
         self.prefix_level = cfg.rollout_recovery.target_level == "prefix"
-        self.params = SamplingParams(
-            max_tokens=cfg.generation.max_tokens,
-            min_tokens=cfg.generation.min_tokens,
-            temperature=cfg.generation.temperature,
-            top_p=cfg.generation.top_p,
-            stop=tuple(cfg.generation.stop),
-        )
+        self.params = request_params(cfg)
         rec = cfg.rollout_recovery
         self.batch = CommitBatch(rec.commit_window_ms / 1000.0, rec.commit_max_events)
         self.meter = RolloutMeter(parts.log_event)
