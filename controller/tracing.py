@@ -70,6 +70,15 @@ class RolloutTrace:
         for c in calls:
             self.tracer.emit("call_cut", t=cut_time, **c)
 
+    def fallback(self, calls: Sequence[dict], cut_time: float) -> None:
+        """A published snapshot could not save these running calls (prefix level): each
+        dict is exactly {attempt_id, turn, reason}; the call restarts its turn after a stop."""
+        if not self.tracer.enabled:
+            return
+        for c in calls:
+            self.tracer.emit("call_fallback", t=cut_time, attempt_id=c["attempt_id"], turn=c["turn"],
+                             reason=c["reason"])
+
     def dispatched_generations(self, owners: Sequence[tuple[GroupHandle, int]]) -> None:
         """New attempts of single generations (an agent server's lost episodes, retried)."""
         if not self.tracer.enabled:

@@ -394,7 +394,7 @@ def test_rolloutdb_trace_on_a_killed_and_resumed_run_prints_the_figures_and_writ
     assert sorted(p.name for p in plots.iterdir()) == sorted([
         "thrown_away_per_stop.csv", "thrown_away_by_attempt.csv", "lost_progress_per_stop.csv",
         "lost_progress_by_group.csv", "batch_age_per_step.csv", "kept_per_stop.csv", "kept_by_attempt.csv",
-        "trace_report.json", "kept.png", "thrown_away.png", "lost_progress.png", "batch_age.png"])
+        "fallbacks_per_stop.csv", "trace_report.json", "kept.png", "thrown_away.png", "lost_progress.png", "batch_age.png"])
     for png in plots.glob("*.png"):
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     report = json.loads((plots / "trace_report.json").read_text())

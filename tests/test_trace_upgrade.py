@@ -1,7 +1,8 @@
 """A trace written at revision trace_v1_0_a (one `events` table) is still read: the
 analysis upgrades a copy and gives the same figures, and a new run appending to it
 upgrades the file in place. A trace at trace_v1_1_a (before the turn events) upgrades to
-trace_v1_2_a with every row kept.
+trace_v1_2_a with every row kept, and one at trace_v1_2_a (before `call_fallback`) to
+trace_v1_3_a.
 
 The trace_v1_0_a file is the hand-built job of test_trace_analysis, written at head and
 taken down to trace_v1_0_a by the real migrations (Alembic downgrade), then checked to
@@ -34,7 +35,10 @@ from test_trace_analysis import write_baseline, write_run_a, write_run_b
 
 V1_0_A = importlib.import_module("rolloutdb.migrations.trace.versions.trace_v1_0_a_events")
 V1_1_A = importlib.import_module("rolloutdb.migrations.trace.versions.trace_v1_1_a_event_tables")
+V1_2_A = importlib.import_module("rolloutdb.migrations.trace.versions.trace_v1_2_a_turn_events")
 NEW_AT_V1_2_A = ("call_finished", "turn_committed", "episode_restored")
+NEW_AT_V1_3_A = ("call_fallback",)
+HEAD = "trace_v1_3_a"
 
 
 def rows(path, sql):
@@ -61,6 +65,15 @@ def downgrade_to(path, revision: str, tables) -> None:
             assert diff == [], diff
     finally:
         engine.dispose()
+
+
+def v1_2_a_tables():
+    """Every table at trace_v1_2_a: trace_v1_1_a's and the three that revision added."""
+    m = V1_1_A._tables()
+    for table in V1_2_A._tables().sorted_tables:
+        if table.name != "runs":
+            table.to_metadata(m)
+    return m
 
 
 def downgrade_to_v1_0_a(path) -> None:
@@ -101,7 +114,7 @@ def test_a_run_appending_to_a_trace_v1_0_a_file_upgrades_it_in_place_and_keeps_e
                     "policy_version, reason FROM events ORDER BY seq")
     with Tracer(run) as again:
         again.emit("group_sealed", group_id=99, prompt_id=99)
-    assert rows(run, "SELECT version_num FROM alembic_version") == [("trace_v1_2_a",)]
+    assert rows(run, "SELECT version_num FROM alembic_version") == [(HEAD,)]
     # Every old event, now read through the `events` view, then the new run's two.
     new = rows(run, "SELECT seq, t, run_id, event, prompt_id, generation_index, group_id, attempt, step, "
                     "policy_version, reason FROM events ORDER BY seq")
@@ -129,11 +142,12 @@ def test_a_trace_v1_1_a_file_upgrades_to_trace_v1_2_a_with_every_row_kept(tmp_pa
 
     run_trace_migrations(run)
 
-    assert rows(run, "SELECT version_num FROM alembic_version") == [("trace_v1_2_a",)]
+    assert rows(run, "SELECT version_num FROM alembic_version") == [(HEAD,)]
     after = _every_row(run)
     # Every old table and the `events` view hold exactly what they held; the new tables are empty.
-    assert {k: v for k, v in after.items() if k not in NEW_AT_V1_2_A} == before
-    assert {k: after[k] for k in NEW_AT_V1_2_A} == dict.fromkeys(NEW_AT_V1_2_A, [])
+    new = NEW_AT_V1_2_A + NEW_AT_V1_3_A
+    assert {k: v for k, v in after.items() if k not in new} == before
+    assert {k: after[k] for k in new} == dict.fromkeys(new, [])
     assert rows(run, "PRAGMA integrity_check") == [("ok",)]
     assert rows(run, "PRAGMA foreign_key_check") == []
     # A new run appends the new events, which the `events` view shows too.
@@ -161,5 +175,37 @@ def test_a_trace_holding_turn_events_refuses_the_downgrade_to_trace_v1_1_a_and_k
         tr.emit("call_finished", group_id=1, prompt_id=1, generation_index=0, attempt=0, turn=0, tokens=4)
     with pytest.raises(RuntimeError, match=r"trace_v1_1_a has no table for \(\{'call_finished': 1\}\)"):
         downgrade_to(path, "trace_v1_1_a", V1_1_A._tables())
-    assert rows(path, "SELECT version_num FROM alembic_version") == [("trace_v1_2_a",)]
+    # One transaction: the step down from head is rolled back with the refused one.
+    assert rows(path, "SELECT version_num FROM alembic_version") == [(HEAD,)]
     assert rows(path, "SELECT prompt_id, tokens FROM call_finished") == [(1, 4)]
+
+
+def test_a_trace_v1_2_a_file_upgrades_to_trace_v1_3_a_with_every_row_kept_and_shows_call_fallback(tmp_path):
+    run, _ = _job(tmp_path, "v1_2_a")
+    downgrade_to(run, "trace_v1_2_a", v1_2_a_tables())
+    assert rows(run, "SELECT version_num FROM alembic_version") == [("trace_v1_2_a",)]
+    before = _every_row(run)
+    assert "call_fallback" not in before and len(before["events"]) == 53
+
+    run_trace_migrations(run)
+
+    assert rows(run, "SELECT version_num FROM alembic_version") == [(HEAD,)]
+    after = _every_row(run)
+    assert {k: v for k, v in after.items() if k != "call_fallback"} == before
+    assert after["call_fallback"] == []
+    assert rows(run, "PRAGMA foreign_key_check") == []
+    with Tracer(run) as again:
+        again.emit("call_fallback", t=600.0, attempt_id=17, turn=2, reason="restart_only_server:restarts")
+    (view,) = rows(run, "SELECT run_id, event, reason, fields FROM events WHERE event = 'call_fallback'")
+    assert view[:3] == (again.run_id, "call_fallback", "restart_only_server:restarts")
+    assert json.loads(view[3]) == {"attempt_id": 17, "turn": 2}
+
+
+def test_a_trace_holding_a_call_fallback_refuses_the_downgrade_to_trace_v1_2_a_and_keeps_it(tmp_path):
+    path = tmp_path / TRACE_FILENAME
+    with Tracer(path) as tr:
+        tr.emit("call_fallback", attempt_id=3, turn=0, reason="restart_only_server:restarts")
+    with pytest.raises(RuntimeError, match=r"trace_v1_2_a has no table for \(\{'call_fallback': 1\}\)"):
+        downgrade_to(path, "trace_v1_2_a", v1_2_a_tables())
+    assert rows(path, "SELECT version_num FROM alembic_version") == [(HEAD,)]
+    assert rows(path, "SELECT attempt_id, turn, reason FROM call_fallback") == [(3, 0, "restart_only_server:restarts")]

@@ -38,6 +38,8 @@ stopped; lost progress is measured against it. Printed, and written into --out
                     than the same prompts in the baseline (downtime removed)
   batch age         per train step: token-weighted policy updates between generating a
                     token and training on it, beside the value the trainer logged
+  fallbacks         per stop and reason (prefix level): the calls running at the
+                    restored cut that it could not save, which restart their turn
 
 docs/trace.md describes the events and the figures.
 """
@@ -50,8 +52,10 @@ TABLES = (
     ("lost_progress_per_stop", "Lost progress per stop"),
     ("lost_progress_by_group", "Lost progress by group"),
     ("batch_age_per_step", "Batch age per train step"),
+    ("fallbacks_per_stop", "Calls the restored cut could not save, per stop and reason"),
 )
-PRINTED = {"kept_per_stop", "thrown_away_per_stop", "lost_progress_per_stop", "batch_age_per_step"}
+PRINTED = {"kept_per_stop", "thrown_away_per_stop", "lost_progress_per_stop", "batch_age_per_step",
+           "fallbacks_per_stop"}
 AGREE_TOLERANCE = 1e-9
 # Columns holding a point in time (epoch seconds in the trace): ISO-8601 UTC in the text,
 # the CSVs and the JSON alike (milliseconds; the trace file keeps full precision for a

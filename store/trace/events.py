@@ -1,7 +1,7 @@
 """The trace's events: each event's fields and their types, and the tables they are
 stored in (revision trace_v1_1_a's scheme: one table per event, one typed column per
 field; list-valued fields as rows of their own tables; trace_v1_2_a adds the per-call and
-per-turn events of streaming rollouts). `trace_metadata` is the schema at head;
+per-turn events of streaming rollouts, trace_v1_3_a `call_fallback`). `trace_metadata` is the schema at head;
 the trace's migrations (``rolloutdb/migrations/trace``) build the files, and a test
 compares the two. docs/trace.md describes every event and field; a test checks the two
 agree.
@@ -47,6 +47,8 @@ EVENT_FIELDS: dict[str, tuple[str, ...]] = {
     "call_finished": _ATTEMPT + ("turn", "tokens", "finish_reason"),
     "turn_committed": _ATTEMPT + ("turn", "tokens", "total_tokens"),
     "episode_restored": _ATTEMPT + ("from_attempt", "turn", "tokens", "total_tokens"),
+    # trace_v1_3_a: a running call a prefix-level cut could not save (it restarts its turn).
+    "call_fallback": ("attempt_id", "turn", "reason"),
 }
 EVENTS: dict[str, frozenset[str]] = {name: frozenset(fields) for name, fields in EVENT_FIELDS.items()}
 
@@ -55,7 +57,7 @@ FIELD_TYPES = {
     **dict.fromkeys(
         ("prompt_id", "generation_index", "group_id", "attempt", "step", "policy_version", "pid", "epoch", "group_size",
          "prefix_tokens", "tokens", "generations", "old_version", "new_version", "snapshot_seq", "groups_in_flight",
-         "groups_restored", "replay_restored", "turn", "total_tokens", "from_attempt"),
+         "groups_restored", "replay_restored", "turn", "total_tokens", "from_attempt", "attempt_id"),
         "int"),
     **dict.fromkeys(("reward", "batch_age", "cut_time"), "float"),
     **dict.fromkeys(("reason", "host", "finish_reason", "anchor", "snapshot"), "text"),

@@ -37,6 +37,7 @@ BASE_COLUMNS: dict[str, str] = {
     "call_finished": "seq, t, run, prompt_id, generation_index, attempt, turn, tokens",
     "turn_committed": "seq, t, run, prompt_id, generation_index, attempt, turn, tokens",
     "episode_restored": "seq, t, run, prompt_id, generation_index, attempt, from_attempt, turn, tokens",
+    "call_fallback": "seq, t, run, attempt_id, turn, reason",
 }
 
 # --------------------------------------------------------------------------- views
@@ -514,6 +515,19 @@ WHERE job = 'run'
 ORDER BY stop_no, prompt_id, generation_index, attempt
 """
 
+FALLBACKS_PER_STOP = """
+-- Figure 5, per stop and reason: the calls running at the restored cut that it could not
+-- save (call_fallback, recorded at the cut's own time, prefix level): each restarts its
+-- turn. A restart_only agent server's calls, say, or an engine that cannot continue a
+-- setting exactly.
+SELECT st.stop_no, st.stopped_run, st.resumed_run, st.cut_time, f.reason, count(*) AS calls
+FROM stops st
+JOIN call_fallback f ON f.job = st.job AND abs(f.t - st.cut_time) < 1e-6
+WHERE st.job = 'run'
+GROUP BY st.stop_no, st.stopped_run, st.resumed_run, st.cut_time, f.reason
+ORDER BY st.stop_no, f.reason
+"""
+
 QUERIES: dict[str, str] = {
     "thrown_away_per_stop": THROWN_AWAY_PER_STOP,
     "thrown_away_by_attempt": THROWN_AWAY_BY_ATTEMPT,
@@ -522,4 +536,5 @@ QUERIES: dict[str, str] = {
     "batch_age_per_step": BATCH_AGE_PER_STEP,
     "kept_per_stop": KEPT_PER_STOP,
     "kept_by_attempt": KEPT_BY_ATTEMPT,
+    "fallbacks_per_stop": FALLBACKS_PER_STOP,
 }
