@@ -93,6 +93,7 @@ class _AtCut:
     decoded: int | None = None
     hold_s: float | None = None  # how long the prefix read held the engine's output step
     cut_calls: list[dict] = field(default_factory=list)  # the trace's call_cut events, once published
+    fallbacks: list[dict] = field(default_factory=list)  # the trace's call_fallback events, once published
 
 
 def _into_copy(out, at: _AtCut) -> dict[str, int]:
@@ -304,6 +305,7 @@ class SnapshotPump:
         self.p.tracer.emit("snapshot_cut", cut_time=held.capture.cut_time, snapshot_seq=published.sequence,
                            anchor=r.anchor, step=trainer.step)
         self.trace.cut(held.capture.check_result.cut_calls, held.capture.cut_time)
+        self.trace.fallback(held.capture.check_result.fallbacks, held.capture.cut_time)
         return AttemptResult("published", r.anchor, published.sequence, timings, None, r.mutation_counter)
 
     def _record(self, result: AttemptResult) -> None:
@@ -403,6 +405,7 @@ class SnapshotPump:
         self._last_decoded = capture.check_result.decoded
         self.p.tracer.emit("snapshot_cut", cut_time=capture.cut_time, snapshot_seq=published.sequence, anchor=anchor, step=step)
         self.trace.cut(capture.check_result.cut_calls, capture.cut_time)
+        self.trace.fallback(capture.check_result.fallbacks, capture.cut_time)
         return AttemptResult("published", anchor, published.sequence, timings, None, capture.mutation_counter)
 
     def _cut(self, db_path, step: int):
@@ -493,6 +496,9 @@ class SnapshotPump:
         prompts = queries.group_prompts(conn, (int(k.split(".", 1)[0]) for k in running))
         for key, attempt_id in sorted(running.items()):
             turn, call = wanted[key]
+            if call.cut_refused:  # the engine could not continue it exactly (cut_support): its turn restarts
+                at.fallbacks.append({"attempt_id": attempt_id, "turn": turn, "reason": call.cut_refused})
+                continue
             if turns.get(attempt_id, 0) != turn:
                 continue
             complete = len(call.logprobs) == len(call.token_ids)
