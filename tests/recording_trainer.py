@@ -1,6 +1,7 @@
 """A trainer for twin tests: the built-in GRPO trainer with learning rate 0 (the policy
 never changes, so two runs sample the same tokens for the same calls) that appends every
-group it trains to a JSONL file: prompt id and, per generation, the tokens and logprobs.
+group it trains to a JSONL file: prompt id, prompt tokens and, per generation, the tokens
+and logprobs.
 
     trainer.factory: /abs/path/tests/recording_trainer.py:make_trainer
     trainer.options: {record: /abs/path/samples.jsonl}
@@ -26,6 +27,7 @@ class RecordingTrainer(GRPOTrainer):
         with open(self.record, "a") as f:
             for g in groups:
                 f.write(json.dumps({"prompt_id": g.prompt_id,
+                                    "prompt_ids": g.completions[0].prompt_ids if g.completions else [],
                                     "tokens": [c.token_ids for c in g.completions],
                                     "logprobs": [c.logprobs for c in g.completions]}) + "\n")
             f.flush()
