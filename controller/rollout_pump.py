@@ -61,16 +61,6 @@ IDLE_WAIT_S = 0.5
 MAX_LOST_IN_A_ROW = 1000
 
 
-def request_params(cfg) -> SamplingParams:
-    """The sampling settings of every model call the pump makes (in-process or on an
-    agent server); each episode sets the call's seed and may lower its limits
-    (`Episode.request`)."""
-    g = cfg.generation
-    return SamplingParams(max_tokens=g.max_tokens, min_tokens=g.min_tokens, temperature=g.temperature,
-                          top_p=g.top_p, stop=tuple(g.stop), presence_penalty=g.presence_penalty,
-                          frequency_penalty=g.frequency_penalty)
-
-
 @dataclass(eq=False)
 class LiveEpisode:
     """An episode the pump runs, with the group and generation it belongs to."""
@@ -85,7 +75,7 @@ class LiveEpisode:
     prefix: CallPrefix | None = None  # prefix level: the restored call's output so far
     prefix_len: int = 0  # tokens the current call was resumed with (not decoded by it)
     limits: tuple[int, int] = (0, 0)  # the current call's (max_tokens, min_tokens)
-    cut_refused: str | None = None  # the engine's cut_support verdict on the current call
+    cut_refused: str | None = None  # the engine's cut_support verdict on the current call (kept till it commits)
 
     def progress(self) -> EpisodeProgress:
         e = self.episode
@@ -115,10 +105,9 @@ class RolloutPump:
         self.turn_level = cfg.rollout_recovery.keeps_turns
         # Prefix level: a call a restore hands back continues from its saved prefix
         self.prefix_level = cfg.rollout_recovery.target_level == "prefix"
-        # The engine's verdict on each call (PrefixCapture.cut_support), kept with a finished
-        # call until it commits: a cut must not save it whole if it could not save it running.
-        self._cut_support = getattr(parts.engine, "cut_support", None) if self.prefix_level else None
-        self.params = request_params(cfg)
+        g = cfg.generation  # every call's settings, in process or on an agent server (each episode seeds its calls)
+        self.params = SamplingParams(g.max_tokens, g.min_tokens, g.temperature, g.top_p, stop=tuple(g.stop),
+                                     presence_penalty=g.presence_penalty, frequency_penalty=g.frequency_penalty)
         rec = cfg.rollout_recovery
         self.batch = CommitBatch(rec.commit_window_ms / 1000.0, rec.commit_max_events)
         self.meter = RolloutMeter(parts.log_event)
@@ -271,7 +260,8 @@ class RolloutPump:
             if live.prefix is not None:
                 request = self._spliced(live, request)
             live.limits = (request.params.max_tokens, request.params.min_tokens)
-            live.cut_refused = self._cut_support(request) if self._cut_support is not None else None
+            cut_support = getattr(self.p.engine, "cut_support", None) if self.prefix_level else None
+            live.cut_refused = cut_support(request) if cut_support is not None else None
             future = self.p.engine.submit(request)
         self._running[future] = live
         future.add_done_callback(self._done.put)
@@ -344,9 +334,9 @@ class RolloutPump:
         turn = e.turn
         if self.prefix_level:
             # Until its batch commits, a cut saves this call whole (see `uncommitted_calls`)
-            self._uncommitted[result.request_id] = RunningCall(
-                list(result.token_ids), list(result.logprobs), list(result.token_versions), *live.limits,
-                cut_refused=live.cut_refused)
+            self._uncommitted[result.request_id] = RunningCall(list(result.token_ids), list(result.logprobs),
+                                                               list(result.token_versions), *live.limits,
+                                                               live.cut_refused)
             self._uncommitted_ids.append(result.request_id)
         e.absorb(self.p.env, result)
         self.meter.call()

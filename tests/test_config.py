@@ -93,16 +93,14 @@ def test_penalties_shape_rollouts_so_set_ones_change_the_fingerprint_and_unset_o
     assert a.fingerprint() != b.fingerprint()
 
 
-def test_the_rollout_pump_sends_the_configured_sampling_settings_with_every_engine_request():
+def test_an_agent_servers_calls_carry_every_sampling_setting_to_the_policy_endpoint():
+    # (That the rollout pump's own calls carry the penalties: the twin test decodes its
+    # replies again with and without them, tests/test_prefix_recovery_real_run.py.)
     from rolloutdb.controller.agent_server import wire
-    from rolloutdb.controller.rollout_pump import request_params
+    from rolloutdb.gpu_capture.protocol import SamplingParams
 
-    config = Config()
-    config.generation.presence_penalty, config.generation.frequency_penalty = 0.25, -0.75
-    config.generation.stop, config.generation.temperature = ["##"], 0.0
-    params = request_params(config)
-    assert (params.presence_penalty, params.frequency_penalty, params.stop, params.temperature) == (0.25, -0.75, ("##",), 0.0)
-    # An agent server's calls carry them to the policy endpoint, which rebuilds the same settings.
+    params = SamplingParams(max_tokens=9, min_tokens=2, temperature=0.0, top_p=0.5, seed=7, stop=("##",),
+                            presence_penalty=0.25, frequency_penalty=-0.75)
     assert wire.sampling_params(wire.completion_body([5], params)) == params
 
 

@@ -27,7 +27,7 @@ import pytest
 from rolloutdb.controller.train_pump import batch_age
 from rolloutdb.gpu_capture import GenerationRequest, ReferenceEngine, SamplingParams, build_tiny_policy, encode_strict
 from rolloutdb.gpu_capture.protocol import PrefixCapture
-from rolloutdb.store import codec
+from rolloutdb.store import codec, open_tracer
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -224,19 +224,20 @@ def test_a_prefix_decoded_under_version_v_and_continued_after_a_refit_keeps_v_on
 
 # ---- a call the engine cannot cut falls back on its own --------------------------------------
 
-REFUSED = "min_tokens >= 3 (test engine: no min_tokens on a continued call)"
+LONG = 12
+REFUSED = f"min_tokens >= {LONG} (test engine: no long min_tokens on a continued call)"
 
 
 class EngineWithoutLongMinTokensCuts(ReferenceEngine):
     """The reference engine with one capability turned off: it cannot continue a call
-    whose min_tokens is 3 or more from a prefix, says so through `cut_support`, and
+    whose min_tokens is LONG or more from a prefix, says so through `cut_support`, and
     refuses such a continuation if one is submitted anyway."""
 
     def cut_support(self, request):
-        return REFUSED if request.params.min_tokens >= 3 else None
+        return REFUSED if request.params.min_tokens >= LONG else None
 
     def submit(self, request):
-        if request.prefix_ids and request.params.min_tokens >= 3:
+        if request.prefix_ids and request.params.min_tokens >= LONG:
             raise ValueError(f"{request.request_id}: {REFUSED}")
         return super().submit(request)
 
@@ -260,15 +261,25 @@ def refused_run(tmp_path_factory, monkeypatch_module):
         return made[-1]
 
     monkeypatch_module.setattr(build, "build_engine", build_engine)
+    # The controller leaves its trace writer to close at interpreter exit; in process, the
+    # test closes it (writing what is still queued) before reading the file.
+    from rolloutdb.controller import controller
+
+    tracers = []
+    monkeypatch_module.setattr(controller, "open_tracer",
+                               lambda *a, **k: tracers.append(open_tracer(*a, **k)) or tracers[-1])
     run_dir = tmp_path_factory.mktemp("refused") / "run"
-    # The long-tail task sets each reply's (min_tokens, max_tokens) to (L, L + 1): most
-    # targets are 1-2 digits (cuttable here), some 3 or more (refused).
+    # The long-tail task sets each reply's (min_tokens, max_tokens) to (L, L + 1); with a
+    # light tail (alpha 0.3) about half the targets are LONG digits or more (refused here),
+    # and both kinds run long enough to be caught by cuts.
     code = cli.main(["train", "--config", str(REPO / "examples" / "multiturn.yaml"), "--run-dir", str(run_dir),
-                     "run.seed=5", "algorithm.total_steps=6", "algorithm.discard_zero_variance=false",
+                     "run.seed=5", "algorithm.total_steps=8", "environment.tail_alpha=0.3", "algorithm.discard_zero_variance=false",
                      "rollout_recovery.target_level=prefix", "rollout_checkpointing.interval_s=0.05",
                      "rollout_checkpointing.keep_last=1000", "checkpointing.keep_last=1000", "checkpointing.interval_steps=1", "trace.enabled=true", "logging.progress=false",
                      "logging.plot=false"])
     assert code == 0
+    for tracer in tracers:
+        tracer.close()
     assert made and isinstance(made[0], PrefixCapture)
     return run_dir
 
@@ -289,7 +300,7 @@ def test_the_reference_engine_can_cut_every_call(engine):
 def test_a_call_the_engine_cannot_cut_is_left_out_of_the_cut_alone_and_the_trace_says_why(refused_run):
     trace = refused_run / "logs" / "rollout_trace.sqlite"
     fallbacks = _rows(trace, "SELECT t, attempt_id, turn, reason FROM call_fallback")
-    assert fallbacks and {r for *_, r in fallbacks} == {REFUSED}
+    assert fallbacks and {r for *_, r in fallbacks} == {REFUSED}, fallbacks
     cut = _rows(trace, "SELECT t, group_id, generation_index, attempt FROM call_cut")
     assert cut, "the cuttable calls were still cut"
     # Attempt by attempt, cut by cut (the live store maps (group, generation, attempt) to
@@ -297,8 +308,8 @@ def test_a_call_the_engine_cannot_cut_is_left_out_of_the_cut_alone_and_the_trace
     ids = {(g, i, a): aid for aid, g, i, a in _rows(
         refused_run / "rollout_state.sqlite", "SELECT attempt_id, group_id, generation_index, attempt FROM rollouts")}
     cut_at = {(t, ids[(g, i, a)]) for t, g, i, a in cut}
-    assert not cut_at & {(t, a) for t, a, _, _ in fallbacks}
-    # Every snapshot left on disk saved prefixes of cuttable calls only (min_tokens < 3).
+    assert not cut_at & {(t, a) for t, a, _, _ in fallbacks}, (cut_at, fallbacks)
+    # Every snapshot left on disk saved prefixes of cuttable calls only (min_tokens < LONG).
     chunks = [row for db in sorted(refused_run.glob("checkpoints/*/rollout_snapshots/*/rollout_state.sqlite"))
               for row in _rows(db, "SELECT attempt_id, min_tokens FROM token_chunks")]
-    assert chunks and all(mn < 3 for _, mn in chunks), chunks
+    assert chunks and all(mn < LONG for _, mn in chunks), chunks
