@@ -29,20 +29,20 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import numpy as np
 
 from rolloutdb.controller.dispatch import GroupHandle
 from rolloutdb.controller.episodes import Episode, call_seed
 from rolloutdb.controller.group_commit import CommitBatch, Pending, RolloutMeter
+from rolloutdb.controller.live_episode import GroupRun, LiveEpisode, whole_call
 from rolloutdb.controller.runtime import RolloutParts
 from rolloutdb.controller.tracing import RolloutTrace
 from rolloutdb.gpu_capture.protocol import GenerationRequest, RunningCall, SamplingParams
 from rolloutdb.store import (
     CallPrefix,
     Chunk,
-    EpisodeProgress,
     FinishedGeneration,
     Reservation,
     SavedEpisode,
@@ -61,36 +61,6 @@ IDLE_WAIT_S = 0.5
 MAX_LOST_IN_A_ROW = 1000
 
 
-@dataclass(eq=False)
-class LiveEpisode:
-    """An episode the pump runs, with the group and generation it belongs to."""
-
-    group: GroupHandle
-    index: int
-    attempt_id: int | None
-    attempt: int
-    episode: Episode
-    from_attempt: int | None = None  # the abandoned attempt whose saved turns it continues
-    continue_from: str | None = None  # on an agent server: the installed agent it continues
-    prefix: CallPrefix | None = None  # prefix level: the restored call's output so far
-    prefix_len: int = 0  # tokens the current call was resumed with (not decoded by it)
-    limits: tuple[int, int] = (0, 0)  # the current call's (max_tokens, min_tokens)
-
-    def progress(self) -> EpisodeProgress:
-        e = self.episode
-        assert self.attempt_id is not None, "turn-level recovery needs ledger dispatch"
-        return EpisodeProgress(attempt_id=self.attempt_id, group_id=self.group.group_id,
-                               generation_index=self.index, attempt=self.attempt, turn=e.turn,
-                               state=e.state, token_ids=e.token_ids, logprobs=e.logprobs,
-                               token_versions=e.token_versions)
-
-
-@dataclass
-class _GroupRun:
-    handle: GroupHandle
-    outstanding: set[int] = field(default_factory=set)  # generation indices still running
-
-
 class RolloutPump:
     def __init__(self, parts: RolloutParts, restored: Sequence[tuple[GroupHandle, list[int]]] = (),
                  saved_episodes: Mapping[tuple[int, int], SavedEpisode] | None = None,
@@ -104,13 +74,9 @@ class RolloutPump:
         self.turn_level = cfg.rollout_recovery.keeps_turns
         # Prefix level: a call a restore hands back continues from its saved prefix
         self.prefix_level = cfg.rollout_recovery.target_level == "prefix"
-        self.params = SamplingParams(
-            max_tokens=cfg.generation.max_tokens,
-            min_tokens=cfg.generation.min_tokens,
-            temperature=cfg.generation.temperature,
-            top_p=cfg.generation.top_p,
-            stop=tuple(cfg.generation.stop),
-        )
+        g = cfg.generation  # every call's settings, in process or on an agent server (each episode seeds its calls)
+        self.params = SamplingParams(g.max_tokens, g.min_tokens, g.temperature, g.top_p, stop=tuple(g.stop),
+                                     presence_penalty=g.presence_penalty, frequency_penalty=g.frequency_penalty)
         rec = cfg.rollout_recovery
         self.batch = CommitBatch(rec.commit_window_ms / 1000.0, rec.commit_max_events)
         self.meter = RolloutMeter(parts.log_event)
@@ -129,7 +95,7 @@ class RolloutPump:
         self._flushes: queue.SimpleQueue[threading.Event] = queue.SimpleQueue()  # `flush` requests
         self._uncommitted: dict[str, RunningCall] = {}  # prefix level: finished calls not yet committed
         self._uncommitted_ids: list[str] = []  # their request ids, in the batch being filled
-        self._groups: dict[int, _GroupRun] = {}
+        self._groups: dict[int, GroupRun] = {}
         self._waiting_replay: list[GroupHandle] = []  # completed, kept, no permit yet
         self._flat_streak = 0  # zero-variance groups discarded in a row
         self._restored_cut = restored_cut
@@ -264,6 +230,8 @@ class RolloutPump:
             if live.prefix is not None:
                 request = self._spliced(live, request)
             live.limits = (request.params.max_tokens, request.params.min_tokens)
+            cut_support = getattr(self.p.engine, "cut_support", None) if self.prefix_level else None
+            live.cut_refused = cut_support(request) if cut_support is not None else None
             future = self.p.engine.submit(request)
         self._running[future] = live
         future.add_done_callback(self._done.put)
@@ -336,7 +304,7 @@ class RolloutPump:
         if self.prefix_level:
             # Until its batch commits, a cut saves this call whole (see `uncommitted_calls`).
             # Written before the call leaves `_running`: a cut finds it in one or the other.
-            self._uncommitted[result.request_id] = _whole(result, live.limits)
+            self._uncommitted[result.request_id] = whole_call(result, live)
             self._uncommitted_ids.append(result.request_id)
         del self._running[future]
         e = live.episode
@@ -376,7 +344,7 @@ class RolloutPump:
             if future.done() and future.exception() is None:
                 result = future.result()
                 if result.finish_reason != "abort":
-                    in_transit[result.request_id] = _whole(result, live.limits)
+                    in_transit[result.request_id] = whole_call(result, live)
         return {**in_transit, **self._uncommitted}
 
     def _commit(self) -> None:
@@ -515,7 +483,7 @@ class RolloutPump:
                 finalize.append(group)
                 continue
             self.p.dispatcher.redispatch(tx, group, generations, policy_version=policy_version)
-            run = self._groups.setdefault(group.group_id, _GroupRun(group))
+            run = self._groups.setdefault(group.group_id, GroupRun(group))
             run.outstanding.update(generations)
             started += [self._live(group, i) for i in generations]
         return started, finalize
@@ -541,7 +509,7 @@ class RolloutPump:
         if handles:
             self.p.dispatcher.dispatch(tx, handles, policy_version=policy_version)
             for g in handles:
-                self._groups[g.group_id] = _GroupRun(g, set(range(g.num_generations)))
+                self._groups[g.group_id] = GroupRun(g, set(range(g.num_generations)))
         self._open_shortfall = any(n > 0 for n in shortfall.values())
         return handles
 
@@ -616,7 +584,3 @@ class RolloutPump:
         self._flat_streak = 0 if keep else self._flat_streak + len(drop)
         return keep, drop
 
-
-def _whole(result, limits: tuple[int, int]) -> RunningCall:
-    """A finished call as a complete prefix: resumed, it ends at once with this output."""
-    return RunningCall(list(result.token_ids), list(result.logprobs), list(result.token_versions), *limits)

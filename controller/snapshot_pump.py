@@ -513,7 +513,9 @@ class SnapshotPump:
             rollout, attempt = key.rsplit("-a", 1)
             group, generation = (int(x) for x in rollout.split(".", 1))
             prompt_id, step = prompts.get(group, (None, None))
-            if key in remote:
+            if call.cut_refused:  # the engine could not continue it exactly (cut_support): its turn restarts
+                reason = call.cut_refused
+            elif key in remote:
                 reason = self._agent_call(servers, prompt_id, attempt_id, turn, exported)
             else:
                 reason = None if turns.get(attempt_id, 0) == turn else "turn_not_committed"

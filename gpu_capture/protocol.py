@@ -121,6 +121,9 @@ class RunningCall:
     token_versions: list[int]
     max_tokens: int  # the limits the call was submitted with
     min_tokens: int
+    # The engine's `cut_support` verdict on the call: None, or why a cut of it could not
+    # be continued exactly (the snapshot then saves no prefix of it and traces why).
+    cut_refused: str | None = None
 
 
 @runtime_checkable
@@ -144,6 +147,15 @@ class PrefixCapture(Protocol):
     def running_calls(self) -> dict[str, RunningCall]:
         """request id -> the call's output so far, for every call in progress, read
         atomically with respect to the engine's output step (the step waits meanwhile)."""
+        ...
+
+    def cut_support(self, request: GenerationRequest) -> str | None:
+        """Whether this call, cut at any point, can be continued exactly: None if so,
+        else why not, in a few words for the trace (e.g. "seeded sampling on vLLM 0.32").
+        Asked once per call, when it is submitted, and answered from the request alone.
+        `running_calls` reports the verdict as `RunningCall.cut_refused`; the controller
+        saves no prefix of a refused call: after a stop it restarts its turn (the turn
+        path), and the trace's `call_fallback` says why."""
         ...
 
 

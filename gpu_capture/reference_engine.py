@@ -67,6 +67,7 @@ class _Call:
     counts: torch.Tensor | None = None  # token occurrences in the output (penalties only)
     text: str = ""  # decoded output so far (kept only when the call has stop strings)
     slot: int = -1
+    cut_refused: str | None = None  # cut_support's verdict, asked once at submit
     cached: int = 0  # how many tokens of prompt + output have K/V in the cache
 
     @property
@@ -221,10 +222,17 @@ class ReferenceEngine:
         with self._exclusive():
             t0 = time.perf_counter()
             calls = {c.request.request_id: RunningCall(list(c.tokens), list(c.logprobs), list(c.versions),
-                                                       c.request.params.max_tokens, c.request.params.min_tokens)
+                                                       c.request.params.max_tokens, c.request.params.min_tokens,
+                                                       c.cut_refused)
                      for c in (*self._active, *self._waiting)}
             self.cut_hold_s = time.perf_counter() - t0
             return calls
+
+    def cut_support(self, request: GenerationRequest) -> str | None:
+        """Every call can be cut and continued exactly here (`PrefixCapture`): greedy and
+        seeded sampling, stop strings, penalties, min_tokens (see the module docstring)."""
+        del request
+        return None
 
     def abort(self, request_ids: Sequence[str]) -> None:
         """Finish these calls (running or queued) at the start of the next step with
@@ -272,7 +280,8 @@ class ReferenceEngine:
         if problems:
             raise ValueError(f"request {request.request_id!r}: " + "; ".join(problems))
         seed = p.seed if p.seed is not None else request_seed(self.seed, request.request_id)
-        call = _Call(request=request, seed=seed, tokens=prefix, logprobs=prefix_logprobs)
+        call = _Call(request=request, seed=seed, tokens=prefix, logprobs=prefix_logprobs,
+                     cut_refused=self.cut_support(request))
         call.versions = list(request.prefix_versions)
         if p.presence_penalty or p.frequency_penalty:
             call.counts = torch.bincount(torch.tensor(prefix, dtype=torch.long), minlength=self.vocab_size).float()
@@ -373,10 +382,7 @@ class ReferenceEngine:
         rows = 0
         while self._waiting and self._free_slots:
             call = self._waiting[0]
-            reason = self._finish_reason_before_decoding(call)
-            if reason:
-                self._waiting.popleft()
-                self._finish(call, reason)
+            if self._finish_reason_before_decoding(call):  # finished it, without decoding
                 continue
             need = call.sequence_length
             if admitted and rows + need > self.max_prefill_rows:
@@ -390,13 +396,38 @@ class ReferenceEngine:
         return admitted
 
     def _finish_reason_before_decoding(self, call: _Call) -> str | None:
-        """A resumed call may already be complete (its prefix used every token, or ended
-        with EOS past min_tokens); it then returns without decoding."""
-        p = call.request.params
-        if call.tokens and call.tokens[-1] == self.eos_token_id and len(call.tokens) > p.min_tokens:
-            return "stop"
-        if len(call.tokens) >= p.max_tokens or call.sequence_length >= self.max_model_len:
-            return "length"
+        """A resumed call may already be complete: its prefix ends where the uninterrupted
+        call ended (EOS or a stop string past min_tokens, max_tokens, the model length).
+        It then finishes without decoding, with that call's output, text and reasons."""
+        end = self._end_inside_prefix(call)
+        if end is None:
+            return None
+        reason, n, stop_reason, text = end
+        del call.tokens[n:], call.logprobs[n:], call.versions[n:]  # nothing past the end was the call's
+        self._finish(call, reason, stop_reason=stop_reason, text=text)
+        return reason
+
+    def _end_inside_prefix(self, call: _Call) -> tuple[str, int, str | None, str | None] | None:
+        """(finish reason, output length, stop reason, text) of the uninterrupted call if
+        it ended within the prefix: `_append`'s checks replayed token by token. The
+        replay decodes once per token only when a stop string occurs in the prefix's
+        text at all; otherwise it is one pass over the ids."""
+        p, tokens = call.request.params, call.tokens
+        search = bool(p.stop) and any(s in call.text for s in p.stop)
+        text = ""
+        for n in range(1, len(tokens) + 1):
+            may_end = n > p.min_tokens
+            if may_end and tokens[n - 1] == self.eos_token_id:
+                return "stop", n, "eos", None
+            if search:
+                previous, text = text, self.tokenizer.decode(tokens[:n], skip_special_tokens=True)
+                hit = find_stop(previous, text, p.stop) if may_end else None
+                if hit:
+                    return "stop", n, hit[1], text[: hit[0]]
+            if n >= p.max_tokens or len(call.request.prompt_ids) + n >= self.max_model_len:
+                return "length", n, None, None
+        if call.sequence_length >= self.max_model_len:
+            return "length", len(tokens), None, None
         return None
 
     def _choice(self, call: _Call) -> RowChoice:

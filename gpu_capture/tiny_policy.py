@@ -10,9 +10,10 @@ The tokenizer is byte-level BPE (GPT-2 style pre-tokenizer and decoder, the form
 incremental detokenizer handles) but its base alphabet is restricted to the task alphabet
 instead of all 256 bytes: a policy trained from scratch on 2 CPU cores learns much faster
 choosing among ~90 symbols than among 259. With the default `num_merges=0` every
-character of the alphabet is one token, so digits are tokenized one by one (arithmetic
-stays learnable) and a decoded prefix of an output is always a prefix of the decoded
-output (stop strings are found at exact character positions). Characters outside the
+character of the (ASCII) default alphabet is one token, so digits are tokenized one by
+one (arithmetic stays learnable) and a decoded prefix of an output is always a prefix of
+the decoded output (stop strings are found at exact character positions). An alphabet
+may hold multi-byte characters: each of their UTF-8 bytes is then a token of its own. Characters outside the
 alphabet cannot be represented: `encode` drops them (see `encode_strict`).
 
 Determinism: the same arguments give the same bytes of model.safetensors and
@@ -52,15 +53,15 @@ DEFAULT_MAX_POSITIONS = 256
 
 
 def _byte_level_symbols(alphabet: str) -> list[str]:
-    """The byte-level pre-tokenizer's symbol for each character (' ' -> 'Ġ', ...)."""
+    """The byte-level pre-tokenizer's symbol for each byte of the alphabet's characters
+    (' ' -> 'Ġ', ...). A multi-byte character gives one symbol per UTF-8 byte, so
+    without a merge it spans several tokens (tests cut a call between its bytes)."""
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     symbols: list[str] = []
     for ch in dict.fromkeys(alphabet):  # de-duplicated, order kept
-        if len(ch.encode("utf-8")) != 1:
-            raise ValueError(f"alphabet character {ch!r} is not a single byte; use ASCII only")
         (piece, _), = byte_level.pre_tokenize_str(ch)
-        symbols.append(piece)
-    return symbols
+        symbols.extend(piece)
+    return list(dict.fromkeys(symbols))  # characters may share a lead byte
 
 
 def _training_corpus(alphabet: str, seed: int, lines: int = 2000) -> list[str]:

@@ -150,6 +150,12 @@ class GenerationSection(Section):
     temperature: float = Field(1.0, ge=0, le=100)
     top_p: float = Field(1.0, gt=0, le=1)
     stop: list[str] = Field(default_factory=list)
+    # OpenAI / vLLM semantics and range: logits -= frequency * count + presence * [count > 0],
+    # counted over the call's output so far (a continued call's prefix included).
+    presence_penalty: float = Field(0.0, ge=-2, le=2, description="Subtracted once from the logit of every token "
+                                    "already in the call's output.")
+    frequency_penalty: float = Field(0.0, ge=-2, le=2, description="Subtracted from a token's logit once per time "
+                                     "it is already in the call's output.")
     max_batch_size: int = Field(64, ge=1, le=4096, description="Calls the engine decodes at once (KV-cache slots).")
     # More than max_batch_size: calls waiting in the engine's queue take a freed slot at the
     # next decode step; with exactly max_batch_size a slot stayed empty until the next
@@ -449,6 +455,9 @@ class Config(Section):
         # settings (controller/resume.py check_packing), and older runs keep their fingerprint.
         keyed["algorithm"].pop("shared_prefix_packing")
         keyed["generation"].pop("max_inflight_calls")  # how much runs at once, not what it makes
+        for penalty in ("presence_penalty", "frequency_penalty"):  # unset: older runs keep theirs
+            if not keyed["generation"][penalty]:
+                keyed["generation"].pop(penalty)
         keyed["run"] = {"seed": self.run.seed}
         # Only what changes the prompts' tokens; the file's content is the dataset
         # fingerprint. Absent for the digit task, so older runs keep their fingerprint.

@@ -1,6 +1,7 @@
 """A trainer for twin tests: the built-in GRPO trainer with learning rate 0 (the policy
 never changes, so two runs sample the same tokens for the same calls) that appends every
-group it trains to a JSONL file: prompt id and, per generation, the tokens and logprobs.
+group it trains to a JSONL file: prompt id, prompt tokens and, per generation, the tokens
+and logprobs.
 
     trainer.factory: /abs/path/tests/recording_trainer.py:make_trainer
     trainer.options: {record: /abs/path/samples.jsonl}
@@ -30,8 +31,9 @@ class RecordingTrainer(GRPOTrainer):
     def train_step(self, groups):
         with open(self.record, "a") as f:
             for g in groups:
-                row = {"prompt_id": g.prompt_id, "group_id": g.group_id, "tokens": [c.token_ids for c in g.completions],
-                       "logprobs": [c.logprobs for c in g.completions]}
+                row = {"prompt_id": g.prompt_id, "group_id": g.group_id,
+                       "prompt_ids": g.completions[0].prompt_ids if g.completions else [],
+                       "tokens": [c.token_ids for c in g.completions], "logprobs": [c.logprobs for c in g.completions]}
                 if self.config.shared_prefix_packing:
                     batch = pack_shared_prefix([g.completions], [0.0] * len(g.completions), self.pad_id)
                     row["packed"] = [[batch.target_ids[b, :len(c.token_ids)].tolist(),

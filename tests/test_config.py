@@ -82,6 +82,28 @@ def test_the_fingerprint_changes_with_what_shapes_rollout_state_only():
     assert a.fingerprint() != b.fingerprint()
 
 
+def test_penalties_shape_rollouts_so_set_ones_change_the_fingerprint_and_unset_ones_keep_the_old_one():
+    a, b = Config(), Config()
+    assert a.fingerprint() == "7931358db6547444"  # the default config's before penalties existed (419f60a)
+    b.generation.presence_penalty = 0.5
+    assert a.fingerprint() != b.fingerprint()
+    b.generation.presence_penalty = 0.0
+    assert a.fingerprint() == b.fingerprint()
+    b.generation.frequency_penalty = -0.5
+    assert a.fingerprint() != b.fingerprint()
+
+
+def test_an_agent_servers_calls_carry_every_sampling_setting_to_the_policy_endpoint():
+    # (That the rollout pump's own calls carry the penalties: the twin test decodes its
+    # replies again with and without them, tests/test_prefix_recovery_real_run.py.)
+    from rolloutdb.controller.agent_server import wire
+    from rolloutdb.gpu_capture.protocol import SamplingParams
+
+    params = SamplingParams(max_tokens=9, min_tokens=2, temperature=0.0, top_p=0.5, seed=7, stop=("##",),
+                            presence_penalty=0.25, frequency_penalty=-0.75)
+    assert wire.sampling_params(wire.completion_body([5], params)) == params
+
+
 def test_the_train_command_prints_one_error_line_for_a_bad_config(tmp_path):
     p = _write(tmp_path, "algorithm:\n  total_step: 3\n")
     proc = subprocess.run(
@@ -166,6 +188,8 @@ BAD_CONFIGS = {
     "replay below one step": (["algorithm.replay_capacity=7"], "algorithm.replay_capacity"),
     "replay below the staleness window": (["algorithm.replay_capacity=15"], "algorithm.replay_capacity"),
     "an empty stop string": (['generation.stop=[""]'], "generation.stop"),
+    "a presence penalty beyond 2": (["generation.presence_penalty=2.5"], "generation.presence_penalty"),
+    "a string for a frequency penalty": (["generation.frequency_penalty='0.5'"], "generation.frequency_penalty"),
     "a run name that leaves runs/": (["run.name=../../elsewhere"], "run.name"),
     "multi-turn context beyond the tiny policy": (["environment.turns=8", "generation.max_tokens=40"], "generation.max_tokens"),
     "a huge count": (["algorithm.total_steps=1000000000000000000000000000000"], "algorithm.total_steps"),

@@ -32,6 +32,9 @@ LIMITS = {"zero": 0, "minus one": -1, "huge": 10**30, "huge float": 1e300, "nan"
 ACCEPTED = {
     ("run", "seed", "zero"), ("algorithm", "max_staleness", "zero"), ("algorithm", "entropy_coef", "zero"),
     ("generation", "min_tokens", "zero"), ("generation", "temperature", "zero"),
+    # Penalties: -2 to 2, as in OpenAI / vLLM (a negative one favours repeats).
+    ("generation", "presence_penalty", "zero"), ("generation", "presence_penalty", "minus one"),
+    ("generation", "frequency_penalty", "zero"), ("generation", "frequency_penalty", "minus one"),
 }
 
 

@@ -1,16 +1,23 @@
 """Prefix-level recovery on real runs of the main job, and its twin test.
 
-The multi-turn long-tail example at `target_level: prefix`, with the policy held fixed
-(a recording GRPO trainer with learning rate 0, tests/recording_trainer.py) and no
-zero-variance discards (so every run trains the same groups), is SIGKILLed twice while
-the snapshot a resume would restore holds prefixes of running calls, and resumed each
-time. Its never-stopped twin runs the same config. Then:
+The multi-turn example at `target_level: prefix`, with the policy held fixed (a recording
+GRPO trainer with learning rate 0, tests/recording_trainer.py) and no zero-variance
+discards (so every run trains the same groups, greedy's flat ones too), is SIGKILLed
+twice while the snapshot a resume would restore holds prefixes of running calls, and
+resumed each time. Its never-stopped twin runs the same config. Two configurations, each
+with stop strings, presence and frequency penalties and min_tokens set: greedy
+(temperature 0) and seeded sampling (temperature 1). The digit task without the long
+tail, so the config's min_tokens and max_tokens hold (the long-tail task sets each
+reply's limits itself). Then:
 
 - every group trained by the killed run was trained by the twin with exactly the same
   tokens and logprobs, generation by generation: "as if never stopped";
 - each resume continued every call whose prefix the restored snapshot held, counted from
   a copy of that snapshot taken before the kill (decoded here with SQL, not by the code
-  under test), and `rolloutdb verify` finds nothing lost or doubled.
+  under test), and `rolloutdb verify` finds nothing lost or doubled;
+- the settings acted: some replies ended on a stop string, min_tokens held a stop string
+  back, and the penalties changed what was decoded (first replies decoded again here with
+  and without them).
 """
 
 from __future__ import annotations
@@ -37,10 +44,25 @@ TIMEOUT_S = 300
 KILLS = 2
 
 
-def _config(record: Path) -> list[str]:
+STOPS = ["7", "x"]
+MIN_TOKENS, MAX_TOKENS = 4, 24
+PENALTIES = {"presence_penalty": 0.5, "frequency_penalty": 0.5}
+# Measured on this tiny policy (run.seed 5): greedy replies end on EOS (~60%) or a stop
+# string (~40%), 5 to 19 tokens; seeded ones on EOS (~50%), a stop string (~45%) or
+# max_tokens. Every configuration costs two runs side by side (~30 s on 2 cores).
+SAMPLING = {"greedy": ["generation.temperature=0"], "seeded": ["generation.temperature=1"]}
+
+
+def _config(record: Path, mode: str) -> list[str]:
     return [
         "run.seed=5",
-        "algorithm.total_steps=12",
+        "environment.task=digits",
+        f"generation.max_tokens={MAX_TOKENS}",
+        f"generation.min_tokens={MIN_TOKENS}",
+        f"generation.stop={json.dumps(STOPS)}",
+        *(f"generation.{k}={v}" for k, v in PENALTIES.items()),
+        *SAMPLING[mode],
+        "algorithm.total_steps=8",
         "algorithm.max_staleness=2",
         "algorithm.discard_zero_variance=false",
         "checkpointing.interval_steps=1",
@@ -54,11 +76,11 @@ def _config(record: Path) -> list[str]:
     ]
 
 
-def _train(run_dir: Path, record: Path, resume: bool = False) -> subprocess.Popen:
+def _train(run_dir: Path, record: Path, mode: str, resume: bool = False) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "rolloutdb", "train", "--config", str(EXAMPLE), "--run-dir", str(run_dir)]
     env = {k: v for k, v in os.environ.items() if k != "ROLLOUTDB_FAULT"}
     env["RAY_AUTH_MODE"] = "disabled"
-    return subprocess.Popen(cmd + (["--resume"] if resume else []) + _config(record), env=env,
+    return subprocess.Popen(cmd + (["--resume"] if resume else []) + _config(record, mode), env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
@@ -128,19 +150,20 @@ def _metrics(run_dir: Path, kind: str) -> list[dict]:
     return [r for r in map(json.loads, lines) if r.get("kind") == kind]
 
 
-@pytest.fixture(scope="module")
-def job(tmp_path_factory):
-    root = tmp_path_factory.mktemp("prefix_run")
+@pytest.fixture(scope="module", params=list(SAMPLING))
+def job(request, tmp_path_factory):
+    mode = request.param
+    root = tmp_path_factory.mktemp(f"prefix_run_{mode}")
     twin_dir, run_dir = root / "twin", root / "run"
-    twin = _train(twin_dir, root / "twin.jsonl")
-    proc = _train(run_dir, root / "run.jsonl")
+    twin = _train(twin_dir, root / "twin.jsonl", mode)
+    proc = _train(run_dir, root / "run.jsonl", mode)
     kills = []
     for k in range(KILLS):
         n = _kill_with_prefixes_saved(run_dir, proc, root / f"cut{k}.sqlite")
         if n is None:
             break
         kills.append(n)
-        proc = _train(run_dir, root / "run.jsonl", resume=True)
+        proc = _train(run_dir, root / "run.jsonl", mode, resume=True)
     _, err = proc.communicate(timeout=TIMEOUT_S)
     assert proc.returncode == 0, err[-2000:]
     _, err = twin.communicate(timeout=TIMEOUT_S)
@@ -151,11 +174,31 @@ def job(tmp_path_factory):
     report = subprocess.run([sys.executable, "-m", "rolloutdb", "trace", str(run_dir), "--baseline", str(twin_dir),
                              "--out", str(root / "report")], capture_output=True, text=True, timeout=TIMEOUT_S)
     assert report.returncode == 0, report.stderr
-    return {"root": root, "run_dir": run_dir, "kills": kills, "verify": verify,
+    return {"mode": mode, "root": root, "run_dir": run_dir, "twin_dir": twin_dir, "kills": kills, "verify": verify,
             "report": json.loads((root / "report" / "trace_report.json").read_text()),
             "kept_by_hand": _kept_by_hand(root / "cut0.sqlite"),
             "prefix_tokens_by_hand": _prefix_tokens_by_hand(root / "cut0.sqlite"),
-            "run": _trained(root / "run.jsonl"), "twin": _trained(root / "twin.jsonl")}
+            "run": _trained(root / "run.jsonl"), "twin": _trained(root / "twin.jsonl"),
+            "replies": _replies(root / "twin.jsonl")}
+
+
+def _replies(record: Path) -> list[dict]:
+    """Every policy reply the twin trained: its group's prompt, generation index, turn and
+    tokens. A reply is a run of tokens with a logprob (the environment's tokens carry 0.0
+    exactly, episodes.Episode.absorb)."""
+    out = []
+    for line in record.read_text().splitlines():
+        row = json.loads(line)
+        for index, (tokens, logprobs) in enumerate(zip(row["tokens"], row["logprobs"])):
+            turn, current = 0, []
+            for t, lp in [*zip(tokens, logprobs), (None, 0.0)]:
+                if lp != 0.0:
+                    current.append(t)
+                elif current:
+                    out.append({"prompt_id": row["prompt_id"], "prompt_ids": row["prompt_ids"], "index": index,
+                                "turn": turn, "tokens": current})
+                    turn, current = turn + 1, []
+    return out
 
 
 def test_every_group_the_killed_run_trained_has_exactly_its_twins_tokens_and_logprobs(job):
@@ -192,3 +235,45 @@ def test_an_attempt_whose_call_the_cut_froze_threw_no_time_away(job):
     frozen = [r for r in rows if r["stop_no"] == 1 and r["decoded_tokens"] > 0 and r["kept_tokens"] > 0]
     assert frozen
     assert any(r["thrown_away_s"] == 0 for r in frozen)
+
+
+def _tokenizer(job):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(job["twin_dir"] / "policy")
+
+
+def test_the_twins_settings_acted_some_replies_ended_on_a_stop_string_and_min_tokens_held_stops_back(job):
+    tok = _tokenizer(job)
+    replies = [r["tokens"] for r in job["replies"]]
+    assert replies
+    ends = [tok.decode(r, skip_special_tokens=True) for r in replies]
+    on_stop = [r for r, text in zip(replies, ends) if r[-1] != tok.eos_token_id and text.endswith(tuple(STOPS))]
+    assert len(on_stop) >= 10, f"{len(on_stop)} of {len(replies)} replies ended on a stop string"
+    assert all(len(r) > MIN_TOKENS for r in replies if len(r) < MAX_TOKENS)  # nothing ended inside min_tokens
+    held = [r for r in replies
+            if any(tok.decode(r[:n], skip_special_tokens=True).endswith(tuple(STOPS)) for n in range(1, MIN_TOKENS + 1))]
+    assert held, "no stop string came within min_tokens, where it must not end a reply"
+
+
+def test_the_twins_penalties_changed_what_was_decoded(job):
+    """First replies decoded again on the run's own policy: with the penalties they are the
+    twin's, without them some differ. Seeds as controller/episodes.py derives them
+    (epoch 0: these runs use fewer prompts than the dataset holds)."""
+    from rolloutdb.controller.episodes import call_seed
+    from rolloutdb.gpu_capture import GenerationRequest, ReferenceEngine, SamplingParams
+
+    firsts = [r for r in job["replies"] if r["turn"] == 0][:64]
+    params = dict(max_tokens=MAX_TOKENS, min_tokens=MIN_TOKENS, stop=tuple(STOPS),
+                  temperature=0.0 if job["mode"] == "greedy" else 1.0)
+
+    def decode(**penalties):
+        requests = [GenerationRequest(f"r{i}", r["prompt_ids"], SamplingParams(
+            seed=call_seed(call_seed(5, 0, r["prompt_id"], r["index"]), 0), **params, **penalties))
+            for i, r in enumerate(firsts)]
+        return [out.token_ids for out in engine.generate(requests)]
+
+    with ReferenceEngine(job["twin_dir"] / "policy", max_batch_size=64, num_threads=1) as engine:
+        assert decode(**PENALTIES) == [r["tokens"] for r in firsts]
+        plain = decode()
+    assert sum(a != r["tokens"] for a, r in zip(plain, firsts)) >= 5

@@ -299,7 +299,7 @@ def test_calls_joining_a_running_batch_decode_what_they_decode_alone(engine, pol
         assert_same_output(got, expected)
 
 
-def test_prefix_logprobs_left_out_are_recomputed_bit_exactly_under_the_same_weights(engine):
+def test_a_call_continued_without_its_prefix_logprobs_recomputes_them_bit_exactly_under_the_same_weights(engine):
     request = call("r", prompt(engine, 3), max_tokens=30, min_tokens=30, temperature=0.7, seed=3)
     full = engine.generate([request])[0]
     again = engine.generate([resumed(request, full, 12, with_logprobs=False)])[0]
@@ -345,7 +345,7 @@ def _eos_eager_state(eng):
     return state
 
 
-def test_min_tokens_counts_the_prefix_and_masks_eos_until_reached(policy_dir):
+def test_min_tokens_counts_the_prefix_so_a_call_continued_after_a_cut_masks_eos_exactly_as_long(policy_dir):
     with ReferenceEngine(policy_dir, max_batch_size=4, num_threads=1) as eng:
         eng.load_weights(_eos_eager_state(eng), version=3)
         request = call("m", prompt(eng, 0), max_tokens=20, min_tokens=5, temperature=0.0)
@@ -360,7 +360,7 @@ def test_min_tokens_counts_the_prefix_and_masks_eos_until_reached(policy_dir):
             assert_same_output(eng.generate([resumed(request, full, k)])[0], full)
 
 
-def test_stop_strings_are_not_searched_among_the_first_min_tokens_prefix_included(engine):
+def test_a_call_continued_after_a_cut_searches_no_stop_string_among_its_first_min_tokens_prefix_included(engine):
     tok = engine.tokenizer
     candidates = [call(f"t{seed}", prompt(engine, 5), max_tokens=7, min_tokens=6, temperature=1.0, seed=seed) for seed in range(96)]
     for request, full in zip(candidates, engine.generate(candidates)):
@@ -381,7 +381,7 @@ def test_stop_strings_are_not_searched_among_the_first_min_tokens_prefix_include
 
 
 @pytest.mark.parametrize("mode", ["greedy", "seeded_top_p"])
-def test_penalties_count_the_prefix_so_a_continuation_matches_the_uninterrupted_call(engine, mode):
+def test_penalties_count_the_prefix_so_a_call_continued_after_a_cut_matches_the_uninterrupted_call(engine, mode):
     settings = dict(MODES[mode])
     penalized = call("q", prompt(engine, 4), max_tokens=40, min_tokens=40, presence_penalty=0.3, frequency_penalty=0.4, **settings)
     plain = call("q", prompt(engine, 4), max_tokens=40, min_tokens=40, **settings)
@@ -396,7 +396,7 @@ def test_penalties_count_the_prefix_so_a_continuation_matches_the_uninterrupted_
         assert engine.generate([naive])[0].token_ids != full.token_ids[20:]
 
 
-def test_max_tokens_is_respected_and_a_prefix_at_the_limit_returns_at_once(engine):
+def test_max_tokens_is_respected_and_a_call_cut_at_the_limit_returns_at_once_when_continued(engine):
     out = engine.generate([call("l", prompt(engine, 6), max_tokens=9, min_tokens=9, seed=1)])[0]
     assert len(out.token_ids) == 9 and out.finish_reason == "length" and out.extra["stop_reason"] is None
     steps = engine.steps

@@ -146,6 +146,11 @@ def completion_body(prompt_ids: list[int], params: SamplingParams, model: str = 
     }
     if params.seed is not None:
         body["seed"] = params.seed
+    # Sent only when set: a policy endpoint that does not know them sees the old body.
+    if params.presence_penalty:
+        body["presence_penalty"] = params.presence_penalty
+    if params.frequency_penalty:
+        body["frequency_penalty"] = params.frequency_penalty
     return body
 
 

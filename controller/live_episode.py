@@ -1,0 +1,53 @@
+"""What the rollout pump tracks for each episode it runs, between the engine and the store.
+
+An episode in flight has one model call at a time; the pump keeps the call's limits and
+the engine's cut verdict beside it, because a prefix-level cut may have to save that call
+(running, in transit, or finished but not yet committed) and a resumed call must be
+started with the same limits to be the same call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from rolloutdb.controller.dispatch import GroupHandle
+from rolloutdb.controller.episodes import Episode
+from rolloutdb.gpu_capture.protocol import RunningCall
+from rolloutdb.store import CallPrefix, EpisodeProgress
+
+
+@dataclass(eq=False)
+class LiveEpisode:
+    """An episode the pump runs, with the group and generation it belongs to."""
+
+    group: GroupHandle
+    index: int
+    attempt_id: int | None
+    attempt: int
+    episode: Episode
+    from_attempt: int | None = None  # the abandoned attempt whose saved turns it continues
+    continue_from: str | None = None  # on an agent server: the installed agent it continues
+    prefix: CallPrefix | None = None  # prefix level: the restored call's output so far
+    prefix_len: int = 0  # tokens the current call was resumed with (not decoded by it)
+    limits: tuple[int, int] = (0, 0)  # the current call's (max_tokens, min_tokens)
+    cut_refused: str | None = None  # the engine's cut_support verdict on the current call (kept till it commits)
+
+    def progress(self) -> EpisodeProgress:
+        e = self.episode
+        assert self.attempt_id is not None, "turn-level recovery needs ledger dispatch"
+        return EpisodeProgress(attempt_id=self.attempt_id, group_id=self.group.group_id,
+                               generation_index=self.index, attempt=self.attempt, turn=e.turn,
+                               state=e.state, token_ids=e.token_ids, logprobs=e.logprobs,
+                               token_versions=e.token_versions)
+
+
+@dataclass
+class GroupRun:
+    handle: GroupHandle
+    outstanding: set[int] = field(default_factory=set)  # generation indices still running
+
+
+def whole_call(result, live: LiveEpisode) -> RunningCall:
+    """A finished call as a complete prefix: resumed, it ends at once with this output."""
+    return RunningCall(list(result.token_ids), list(result.logprobs), list(result.token_versions), *live.limits,
+                       live.cut_refused)
