@@ -336,7 +336,7 @@ def test_a_killed_prefix_level_run_with_packing_trains_every_restored_prefix(tmp
         cmd = [sys.executable, "-m", "rolloutdb", "train", "--config", str(EXAMPLE), "--run-dir", str(run_dir)]
         env = {k: v for k, v in os.environ.items() if k != "ROLLOUTDB_FAULT"}
         env["RAY_AUTH_MODE"] = "disabled"
-        return subprocess.Popen(cmd + (["--resume"] if resume else []) + _config(record) + extra, env=env,
+        return subprocess.Popen(cmd + (["--resume"] if resume else []) + _config(record, "seeded") + extra, env=env,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
     calls = _kill_with_prefixes_saved(run_dir, start(False), cut)
