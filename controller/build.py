@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from rolloutdb.config import Config
+from rolloutdb.config import Config, tiny_policy_heads
 from rolloutdb.controller.env_checkpoint import EnvironmentCheckpoint, NoEnvironmentCheckpoint
 from rolloutdb.controller.protocols import Environment, PromptDataset, Trainer
 from rolloutdb.store import Publisher
@@ -54,7 +54,7 @@ def build_policy(config: Config, dest: Path, dataset=None) -> Path:
         seed=config.run.seed,
         hidden_size=config.policy.hidden_size,
         num_layers=config.policy.num_layers,
-        num_heads=config.policy.num_heads,
+        num_heads=tiny_policy_heads(config.policy, config.generation.backend),  # vLLM: head dimension >= 32
         intermediate_size=2 * config.policy.hidden_size,
         alphabet=TASK_ALPHABET if dataset is None else tiny_policy_alphabet(dataset, DEFAULT_ALPHABET),
     )
@@ -129,8 +129,12 @@ def build_trainer(config: Config, policy_dir: Path) -> Trainer:
     )
 
 
-def build_engine(config: Config, policy_dir: Path):
+def build_engine(config: Config, policy_dir: Path, work_dir: Path | None = None):
     gen = config.generation  # the config refuses backends that have not landed
+    if gen.backend == "vllm":
+        from rolloutdb.gpu_capture.vllm_engine import VLLMEngine
+
+        return VLLMEngine(policy_dir, max_batch_size=gen.max_batch_size, seed=config.run.seed, work_dir=work_dir)
     from rolloutdb.gpu_capture.reference_engine import ReferenceEngine
 
     return ReferenceEngine(policy_dir, max_batch_size=gen.max_batch_size, num_threads=config.cluster.torch_threads)

@@ -287,7 +287,7 @@ class Controller:
         return RunSummary(self.dirs.root, len(steps), summary_line(steps), plot, wall_s)
 
     def close(self) -> None:
-        for name in ("agents", "bar", "publisher", "tracer", "metrics", "store"):
+        for name in ("engine", "agents", "bar", "publisher", "tracer", "metrics", "store"):
             part = getattr(self, name, None)
             if part is not None:
                 part.close()

