@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .orphan_guard import OrphanGuard, children_of
 from .protocol import GenerationRequest, GenerationResult, RunningCall
 from .sampling import find_stop, request_seed
 
@@ -186,12 +187,15 @@ class VLLMEngine:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="vllm-engine", daemon=True)
         self._thread.start()
+        before = children_of(os.getpid())
         try:
             self._llm = self._run(self._start(max_batch_size, dtype))
         except BaseException:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join()
             raise
+        # vLLM's engine core is a child process: it must die with us, SIGKILL included.
+        self._guard = OrphanGuard(children_of(os.getpid()) - before)
 
     async def _start(self, max_batch_size: int, dtype: str):
         from vllm import AsyncEngineArgs
@@ -363,6 +367,7 @@ class VLLMEngine:
             # Dropped now, while the interpreter is whole: AsyncLLM.__del__ shuts down
             # again and fails noisily when it runs during interpreter teardown.
             self._llm = None
+            self._guard.close()
         finally:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(30)

@@ -404,3 +404,49 @@ def test_rolloutdb_train_runs_to_the_end_on_the_vllm_backend(vllm_env, tmp_path)
     steps = [json.loads(x) for p in sorted((tmp_path / "run").rglob("*.jsonl")) for x in p.read_text().splitlines()
              if '"train_step"' in x]
     assert [s["step"] for s in steps if s.get("kind") == "train_step"][-1] == 3, done.stderr[-2000:]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"  # a zombie is dead, waiting for a reaper that may be slow
+
+
+@vllm
+def test_a_sigkilled_run_on_vllm_leaves_no_engine_process_behind_and_releases_its_pipes(vllm_env, tmp_path):
+    """vLLM's engine core is a child process; a SIGKILLed controller runs no cleanup, so
+    without the orphan guard the engine core lived on (16 min seen) holding the run's
+    pipes, and whatever waited on them hung."""
+    import signal
+    import time
+
+    from rolloutdb.gpu_capture.orphan_guard import children_of
+
+    cli = Path(sys.executable).with_name("rolloutdb")
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(
+        [str(cli), "train", "--config", str(REPO / "examples/quickstart.yaml"), "generation.backend=vllm",
+         "algorithm.total_steps=200", "--run-dir", str(run_dir)], cwd=tmp_path, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, env={**os.environ, "RAY_AUTH_MODE": "disabled"})
+    try:
+        deadline = time.monotonic() + 300
+        trained = False
+        while not trained and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.5)
+            trained = any('"train_step"' in line for p in run_dir.rglob("metrics.jsonl")
+                          for line in p.read_text().splitlines())
+        assert trained, "the run trained no step in time"
+        engine = {c for c in children_of(proc.pid) if _alive(c)}  # the engine core (and the guard's watcher)
+        assert engine, "no child process of the run (vLLM's engine core) was found"
+        proc.send_signal(signal.SIGKILL)
+        proc.communicate(timeout=60)  # returns only once no process holds the run's pipes
+        deadline = time.monotonic() + 30
+        while any(_alive(c) for c in engine) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not [c for c in engine if _alive(c)], "vLLM processes outlived the SIGKILLed run"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
