@@ -50,6 +50,9 @@ no code starts:
   `controller/agent_server/http_loop.py`: serves the policy endpoint (each call handed
   to the engine's `submit`, holding no lock) and runs every HTTP client call to the
   servers. The pumps reach it only through futures.
+- `vllm-engine`: with `generation.backend: vllm`, the asyncio loop that drives vLLM's
+  `AsyncLLM` (`gpu_capture/vllm_engine.py`): `submit` hands each call to it and returns a
+  future; `running_calls` runs its read there, so it sees no output step half applied.
 - `rolloutdb-agent-start_<n>`: at setup, starts the agent server processes the
   controller owns, in parallel (a pool that ends with setup).
 - `rolloutdb-restore-hash`: during a restore, a one-thread pool that hashes each copied
