@@ -167,3 +167,29 @@ def generate_all(engine: GenerationEngine, requests: Sequence[GenerationRequest]
         raise ValueError("request ids in one batch must be distinct")
     futures = [engine.submit(r) for r in requests]
     return [f.result() for f in futures]
+
+
+def check_request(request: GenerationRequest, vocab_size: int, max_model_len: int) -> None:
+    """Refuse a request no engine can run, before anything is queued: one ValueError
+    naming every problem (shared by every engine, so they refuse the same requests)."""
+    p = request.params
+    prefix, prompt = list(request.prefix_ids), list(request.prompt_ids)
+    problems = []
+    if not prompt:
+        problems.append("prompt_ids is empty")
+    if any(not 0 <= t < vocab_size for t in prompt + prefix):
+        problems.append(f"token ids must be in [0, {vocab_size})")
+    if p.max_tokens < 1 or not 0 <= p.min_tokens <= p.max_tokens:
+        problems.append("need max_tokens >= 1 and 0 <= min_tokens <= max_tokens")
+    if p.temperature < 0 or not 0 < p.top_p <= 1:
+        problems.append("need temperature >= 0 and 0 < top_p <= 1")
+    if any(not s for s in p.stop):
+        problems.append("stop strings must be non-empty")
+    if len(prompt) + len(prefix) > max_model_len:
+        problems.append(f"prompt + prefix is longer than max_model_len {max_model_len}")
+    if len(request.prefix_versions) != len(prefix):
+        problems.append("prefix_versions must give one version per prefix token")
+    if request.prefix_logprobs and len(request.prefix_logprobs) != len(prefix):
+        problems.append("prefix_logprobs must be empty or give one logprob per prefix token")
+    if problems:
+        raise ValueError(f"request {request.request_id!r}: " + "; ".join(problems))

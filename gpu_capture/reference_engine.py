@@ -51,7 +51,7 @@ from pathlib import Path
 import torch
 
 from .invariant_forward import InvariantLlama
-from .protocol import GenerationRequest, GenerationResult, RunningCall
+from .protocol import GenerationRequest, GenerationResult, RunningCall, check_request
 from .sampling import RowChoice, choose_tokens, find_stop, position_uniform, request_seed, token_logprobs
 from .tiny_policy import load_policy
 
@@ -258,27 +258,9 @@ class ReferenceEngine:
 
     def _new_call(self, request: GenerationRequest) -> _Call:
         p = request.params
-        prefix, prompt = list(request.prefix_ids), list(request.prompt_ids)
-        problems = []
-        if not prompt:
-            problems.append("prompt_ids is empty")
-        if any(not 0 <= t < self.vocab_size for t in prompt + prefix):
-            problems.append(f"token ids must be in [0, {self.vocab_size})")
-        if p.max_tokens < 1 or not 0 <= p.min_tokens <= p.max_tokens:
-            problems.append("need max_tokens >= 1 and 0 <= min_tokens <= max_tokens")
-        if p.temperature < 0 or not 0 < p.top_p <= 1:
-            problems.append("need temperature >= 0 and 0 < top_p <= 1")
-        if any(not s for s in p.stop):
-            problems.append("stop strings must be non-empty")
-        if len(prompt) + len(prefix) > self.max_model_len:
-            problems.append(f"prompt + prefix is longer than max_model_len {self.max_model_len}")
-        if len(request.prefix_versions) != len(prefix):
-            problems.append("prefix_versions must give one version per prefix token")
+        check_request(request, self.vocab_size, self.max_model_len)
+        prefix = list(request.prefix_ids)
         prefix_logprobs = list(getattr(request, "prefix_logprobs", ()))
-        if prefix_logprobs and len(prefix_logprobs) != len(prefix):
-            problems.append("prefix_logprobs must be empty or give one logprob per prefix token")
-        if problems:
-            raise ValueError(f"request {request.request_id!r}: " + "; ".join(problems))
         seed = p.seed if p.seed is not None else request_seed(self.seed, request.request_id)
         call = _Call(request=request, seed=seed, tokens=prefix, logprobs=prefix_logprobs,
                      cut_refused=self.cut_support(request))
