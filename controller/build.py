@@ -130,6 +130,21 @@ def build_trainer(config: Config, policy_dir: Path) -> Trainer:
 
 
 def build_engine(config: Config, policy_dir: Path, work_dir: Path | None = None):
+    """The run's one engine: in this process, or (cluster.backend: ray) a pool of Ray
+    actors each running `build_local_engine` with the same arguments."""
+    cluster = config.cluster
+    if cluster.backend == "ray":
+        from functools import partial
+
+        from rolloutdb.gpu_capture.ray_workers import RayEnginePool
+
+        return RayEnginePool(partial(build_local_engine, config, policy_dir, work_dir), workers=cluster.engine_workers,
+                             address=cluster.address, num_cpus=cluster.ray_num_cpus, worker_gpus=cluster.worker_gpus)
+    return build_local_engine(config, policy_dir, work_dir)
+
+
+def build_local_engine(config: Config, policy_dir: Path, work_dir: Path | None = None):
+    """One engine in this process (in a Ray worker: in that actor's process)."""
     gen = config.generation  # the config refuses backends that have not landed
     if gen.backend == "vllm":
         from rolloutdb.gpu_capture.vllm_engine import VLLMEngine

@@ -39,7 +39,7 @@ from rolloutdb.controller.group_commit import CommitBatch, Pending, RolloutMeter
 from rolloutdb.controller.live_episode import GroupRun, LiveEpisode, whole_call
 from rolloutdb.controller.runtime import RolloutParts
 from rolloutdb.controller.tracing import RolloutTrace
-from rolloutdb.gpu_capture.protocol import GenerationRequest, RunningCall, SamplingParams
+from rolloutdb.gpu_capture.protocol import EngineWorkerLost, GenerationRequest, RunningCall, SamplingParams
 from rolloutdb.store import (
     CallPrefix,
     Chunk,
@@ -294,7 +294,16 @@ class RolloutPump:
         if self.agents is not None:
             return self._on_episode(future)
         live = self._running[future]
-        result = future.result()  # an engine error fails the pump, and the run
+        try:
+            result = future.result()  # an engine error fails the pump, and the run
+        except EngineWorkerLost:
+            # The worker running the call died (Ray): the engine replaced it; the attempt
+            # is abandoned with reason `error` and starts again in this batch.
+            del self._running[future]
+            if not self.p.runtime.stop.is_set():
+                self.batch.drop_progress((live.group.group_id, live.index))
+                self.batch.add_retry(live, "error")
+            return
         if result.finish_reason == "abort":
             del self._running[future]
             if self.p.runtime.stop.is_set():

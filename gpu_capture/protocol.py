@@ -35,6 +35,14 @@ from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 
+class EngineWorkerLost(RuntimeError):
+    """A call's future fails with this when the worker process that ran it is gone (a
+    Ray engine worker killed or crashed): the call did not finish and never will, but the
+    engine lives on (the pool replaces the worker), so the controller abandons the call's
+    attempt with reason `error` and starts it again. Any other exception from a future is
+    the engine's own error and fails the run."""
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-call sampling settings. `seed` makes a call reproducible on its own, whatever

@@ -35,9 +35,7 @@ class ConfigError(ValueError):
 # pydantic refuses these like any typo; this table only lets the one error line say that
 # the value is planned, not misspelt. When one lands, widening its Literal is the whole
 # change to the schema (delete its entry here too: a test names an entry left behind).
-NOT_BUILT_YET: dict[str, dict[str, str]] = {
-    "cluster.backend": {"ray": "Ray rollout workers"},
-}
+NOT_BUILT_YET: dict[str, dict[str, str]] = {}
 
 
 class Section(BaseModel):
@@ -369,9 +367,15 @@ class LoggingSection(Section):
 
 
 class ClusterSection(Section):
-    # Built backends only ('ray': NOT_BUILT_YET); widening this Literal is the whole change.
-    backend: Literal["local"] = "local"
+    # 'ray': the engine runs as `engine_workers` Ray actors (gpu_capture/ray_workers.py).
+    backend: Literal["local", "ray"] = "local"
     torch_threads: int = Field(1, ge=1, le=1024, description="Torch threads per pump (trainer and engine each).")
+    engine_workers: int = Field(1, ge=1, le=4096, description="backend ray: engine actors the calls are spread over.")
+    address: str | None = Field(None, min_length=1, description="backend ray: a running cluster to join; None starts "
+                                "a local one.")
+    ray_num_cpus: int | None = Field(None, ge=1, le=1_000_000, description="backend ray, local cluster: its CPUs "
+                                     "(None: one per engine worker).")
+    worker_gpus: float = Field(0.0, ge=0, le=1024, description="backend ray: GPUs each engine worker reserves.")
 
 
 class Config(Section):
@@ -427,6 +431,9 @@ class Config(Section):
         if env.servers and self.dataset.path is not None:
             raise ValueError("environment.servers: agent servers run the built-in digit tasks; a dataset file needs "
                              "episodes in the controller: remove dataset.path or the servers")
+        if self.cluster.backend == "ray" and self.rollout_recovery.target_level == "none":
+            raise ValueError("cluster.backend: ray needs ledger dispatch (a lost engine worker's attempts are abandoned "
+                             "and started again); set rollout_recovery.target_level to group, turn or prefix")
         if env.servers and self.rollout_recovery.target_level == "none":
             raise ValueError("environment.servers: agent servers need ledger dispatch (their episodes are keyed "
                              "by attempt); set rollout_recovery.target_level to group or turn")
