@@ -1,0 +1,127 @@
+"""`rolloutdb train` with `cluster.backend: ray` as a user runs it, in real subprocesses:
+the quickstart on two engine workers to the end, engine workers killed mid-rollout
+(`ray.kill`, and SIGKILL of the worker's process), and the driver SIGKILLed then resumed
+on a fresh cluster. What the runs left is read with plain sqlite3 (a second connection)
+and `rolloutdb verify`; no Ray process may outlive a test."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sqlite3
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+import train_cli  # noqa: E402
+from crash_harness import GROUP_LEVEL, run_chain  # noqa: E402
+from test_ray_workers import ray_processes, short_temp_dir, wait_until  # noqa: E402
+
+from rolloutdb.gpu_capture.ray_workers import NAMESPACE  # noqa: E402
+
+RAY = ["cluster.backend=ray", "cluster.engine_workers=2"]
+
+
+def no_ray_processes_left(temp: str, within: float = 20.0) -> list[str]:
+    deadline = time.monotonic() + within
+    while ray_processes(temp) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return ray_processes(temp)
+
+
+def abandoned(run_dir: Path, reason: str) -> list[tuple]:
+    """(group, generation, attempt) abandoned for `reason`, each with whether a later
+    attempt of the same generation finished; from the store, read by plain sqlite3."""
+    with contextlib.closing(sqlite3.connect(f"file:{run_dir / 'rollout_state.sqlite'}?mode=ro", uri=True)) as conn:
+        return conn.execute(
+            "SELECT r.group_id, r.generation_index, r.attempt, EXISTS (SELECT 1 FROM rollouts n WHERE "
+            "n.group_id = r.group_id AND n.generation_index = r.generation_index AND n.attempt > r.attempt "
+            "AND n.state = 'finished') FROM rollouts r WHERE r.state = 'abandoned' AND r.abandon_reason = ?",
+            (reason,)).fetchall()
+
+
+def traced_abandons(run_dir: Path, reason: str) -> set[tuple]:
+    trace = run_dir / "logs" / "rollout_trace.sqlite"
+    with contextlib.closing(sqlite3.connect(f"file:{trace}?mode=ro", uri=True)) as conn:
+        return set(conn.execute("SELECT group_id, generation_index, attempt FROM attempt_abandoned WHERE reason = ?",
+                                (reason,)))
+
+
+def test_the_quickstart_runs_to_the_end_on_two_ray_workers_and_leaves_no_ray_process(tmp_path):
+    temp = short_temp_dir()
+    run_dir = tmp_path / "run"
+    proc = train_cli.train(run_dir, overrides=RAY, extra_env={"RAY_TMPDIR": temp})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    verified = train_cli.verify(run_dir)
+    assert verified.returncode == 0 and "lost=0" in verified.stdout, verified.stdout + verified.stderr
+    assert not no_ray_processes_left(temp)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """A cluster this test process starts; the runs join it (`cluster.address`), so the
+    test can find their workers and kill them."""
+    temp = short_temp_dir()
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _temp_dir=temp)
+    yield ray.get_runtime_context().gcs_address
+    ray.shutdown()
+    assert not no_ray_processes_left(temp)
+
+
+def worker(slot: int, generation: int):
+    """The run's engine worker actor of `slot` (its `generation`-th), once it exists."""
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+             if a["namespace"] == NAMESPACE and a["name"].endswith(f"-w{slot}.{generation}")]
+    return ray.get_actor(names[0], namespace=NAMESPACE) if names else None
+
+
+def busy(slot: int, generation: int = 0):
+    """The worker once it runs a call that has decoded a token (mid-rollout), else None."""
+    actor = worker(slot, generation)
+    try:
+        return actor if actor is not None and any(ray.get(actor.running_tokens.remote(), timeout=5).values()) else None
+    except (ray.exceptions.RayError, TimeoutError):
+        return None
+
+
+@pytest.mark.timeout(600)
+def test_engine_workers_killed_mid_rollout_have_their_attempts_abandoned_as_error_and_redone(tmp_path, cluster):
+    run_dir = tmp_path / "run"
+    proc = train_cli.start(run_dir, overrides=[*RAY, f"cluster.address={cluster}", "algorithm.total_steps=12"])
+    try:
+        # Worker 0 by ray.kill while it decodes.
+        ray.kill(wait_until(lambda: busy(0) if proc.poll() is None else True, timeout=240))
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        # Its replacement comes up and serves; then worker 1's process is SIGKILLed while it decodes.
+        wait_until(lambda: busy(0, 1) or proc.poll() is not None, timeout=240)
+        victim = wait_until(lambda: busy(1) or proc.poll() is not None, timeout=240)
+        assert proc.poll() is None, "the run ended before the second kill: the test proves nothing"
+        os.kill(ray.get(victim.describe.remote())["pid"], signal.SIGKILL)
+        wait_until(lambda: worker(1, 1) or proc.poll() is not None, timeout=60)
+        _, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, err[-3000:]
+    lost = abandoned(run_dir, "error")
+    assert len(lost) >= 2, lost  # one kill at least each, mid-call
+    assert all(redone for *_, redone in lost), lost  # every one started again and finished
+    assert {(g, i, a) for g, i, a, _ in lost} == traced_abandons(run_dir, "error")
+    verified = train_cli.verify(run_dir)
+    assert verified.returncode == 0 and "duplicated=0 lost=0" in verified.stdout, verified.stdout + verified.stderr
+
+
+@pytest.mark.timeout(900)
+def test_a_sigkilled_driver_takes_its_local_cluster_with_it_and_resumes_on_a_fresh_one(tmp_path, monkeypatch):
+    temp = short_temp_dir()
+    monkeypatch.setenv("RAY_TMPDIR", temp)
+    result = run_chain(tmp_path / "run", [(None, 2.0)], config=GROUP_LEVEL, twin=False, overrides=RAY)
+    assert result.kills == 1 and result.finished, result.problems
+    assert not result.problems, result.problems
+    assert not no_ray_processes_left(temp)
