@@ -53,6 +53,9 @@ no code starts:
 - `vllm-engine`: with `generation.backend: vllm`, the asyncio loop that drives vLLM's
   `AsyncLLM` (`gpu_capture/vllm_engine.py`): `submit` hands each call to it and returns a
   future; `running_calls` runs its read there, so it sees no output step half applied.
+- `ray-engine-pool`: with `cluster.backend: ray`, completes the callers' futures from the
+  engine workers' answers and replaces a lost worker (`gpu_capture/ray_workers.py`);
+  Ray's own threads only queue the answers for it. Takes only the pool's lock (a leaf).
 - `rolloutdb-agent-start_<n>`: at setup, starts the agent server processes the
   controller owns, in parallel (a pool that ends with setup).
 - `rolloutdb-restore-hash`: during a restore, a one-thread pool that hashes each copied
