@@ -19,7 +19,7 @@ import pytest
 ray = pytest.importorskip("ray")
 
 import train_cli  # noqa: E402
-from crash_harness import GROUP_LEVEL, run_chain  # noqa: E402
+from crash_harness import GROUP_LEVEL, ChainResult, check_chain, finish, run_once  # noqa: E402
 from test_ray_workers import ray_processes, short_temp_dir, wait_until  # noqa: E402
 
 from rolloutdb.gpu_capture.ray_workers import NAMESPACE  # noqa: E402
@@ -100,7 +100,8 @@ def test_engine_workers_killed_mid_rollout_have_their_attempts_abandoned_as_erro
         # Its replacement comes up and serves; then worker 1's process is SIGKILLed while it decodes.
         wait_until(lambda: busy(0, 1) or proc.poll() is not None, timeout=240)
         victim = wait_until(lambda: busy(1) or proc.poll() is not None, timeout=240)
-        assert proc.poll() is None, "the run ended before the second kill: the test proves nothing"
+        assert proc.poll() is None, f"the run ended (exit {proc.returncode}) before the second kill: " \
+                                    f"{proc.communicate()[1][-2000:]}"
         os.kill(ray.get(victim.describe.remote())["pid"], signal.SIGKILL)
         wait_until(lambda: worker(1, 1) or proc.poll() is not None, timeout=60)
         _, err = proc.communicate(timeout=300)
@@ -120,8 +121,14 @@ def test_engine_workers_killed_mid_rollout_have_their_attempts_abandoned_as_erro
 @pytest.mark.timeout(900)
 def test_a_sigkilled_driver_takes_its_local_cluster_with_it_and_resumes_on_a_fresh_one(tmp_path, monkeypatch):
     temp = short_temp_dir()
-    monkeypatch.setenv("RAY_TMPDIR", temp)
-    result = run_chain(tmp_path / "run", [(None, 2.0)], config=GROUP_LEVEL, twin=False, overrides=RAY)
-    assert result.kills == 1 and result.finished, result.problems
+    monkeypatch.setenv("RAY_TMPDIR", temp)  # the harness's runs inherit it
+    run_dir = tmp_path / "run"
+    result = ChainResult(config=GROUP_LEVEL, overrides=RAY)
+    assert run_once(run_dir, result, kill_after=0.3) == -signal.SIGKILL, result.problems
+    # Ray's agents outlived a SIGKILLed driver by about a minute without the guard.
+    assert not no_ray_processes_left(temp, within=10.0)
+    finish(run_dir, result)  # --resume, on a fresh local cluster, to the end
+    assert result.finished, result.problems
+    check_chain(run_dir, result)  # verify_run, the restore used, exactly-once over the chain
     assert not result.problems, result.problems
     assert not no_ray_processes_left(temp)

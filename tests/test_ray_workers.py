@@ -234,17 +234,11 @@ def _killed_worker_is_replaced(pool, policy_dir, kill) -> None:
 
 
 def test_a_worker_killed_with_ray_kill_fails_its_calls_with_engine_worker_lost_and_is_replaced(pool, policy_dir):
+    # (A worker process SIGKILLed is the other kill: tests/test_ray_real_run.py, through a real run.)
     def ray_kill(actor, pid):
         ray.kill(actor)
 
     _killed_worker_is_replaced(pool, policy_dir, ray_kill)
-
-
-def test_a_worker_process_sigkilled_fails_its_calls_with_engine_worker_lost_and_is_replaced(pool, policy_dir):
-    def sigkill(actor, pid):
-        os.kill(pid, signal.SIGKILL)
-
-    _killed_worker_is_replaced(pool, policy_dir, sigkill)
 
 
 def test_without_ray_installed_the_pool_says_how_to_install_it(monkeypatch):
