@@ -127,19 +127,24 @@ class EngineWorker:
         return result
 
     async def running_calls(self, acked: Sequence[str]) -> tuple[dict[str, RunningCall], int, float]:
-        """(calls in progress and finished-unacknowledged, decoded rows, own hold)."""
+        """(calls in progress and finished-unacknowledged, decoded rows, own hold). On a
+        thread: the read waits for the engine's step in progress, and the loop keeps
+        taking calls meanwhile."""
+        return await asyncio.to_thread(self._cut, acked)
+
+    def _cut(self, acked: Sequence[str]) -> tuple[dict[str, RunningCall], int, float]:
         self._forget(acked)
-        calls = self.engine.running_calls()
+        calls = self.engine.running_calls()  # then the finished ones: a call is in one or the other
         return {**self._finished, **calls}, self.engine.decoded_rows, self.engine.cut_hold_s
 
     async def running_tokens(self) -> dict[str, list[int]]:
-        return self.engine.running_tokens()
+        return await asyncio.to_thread(self.engine.running_tokens)
 
     async def decoded_rows(self) -> int:
         return self.engine.decoded_rows
 
     async def load_weights(self, state: Mapping[str, Any], version: int) -> None:
-        self.engine.load_weights(state, version)
+        await asyncio.to_thread(self.engine.load_weights, state, version)
 
     async def cut_support(self, request: GenerationRequest) -> str | None:
         cut_support = getattr(self.engine, "cut_support", None)
