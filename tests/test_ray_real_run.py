@@ -19,7 +19,7 @@ import pytest
 ray = pytest.importorskip("ray")
 
 import train_cli  # noqa: E402
-from crash_harness import GROUP_LEVEL, ChainResult, check_chain, finish, run_once  # noqa: E402
+from crash_harness import GROUP_LEVEL, PREFIX_LEVEL, ChainResult, check_chain, finish, run_once  # noqa: E402
 from test_ray_workers import ray_processes, short_temp_dir, wait_until  # noqa: E402
 
 from rolloutdb.gpu_capture.ray_workers import NAMESPACE  # noqa: E402
@@ -132,3 +132,23 @@ def test_a_sigkilled_driver_takes_its_local_cluster_with_it_and_resumes_on_a_fre
     check_chain(run_dir, result)  # verify_run, the restore used, exactly-once over the chain
     assert not result.problems, result.problems
     assert not no_ray_processes_left(temp)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_prefix_level_run_stopped_on_two_workers_continues_its_cut_calls_on_one(tmp_path, monkeypatch):
+    """Restore hands the saved calls to whichever workers exist now (measured: 20 calls
+    continued from 96 saved tokens; about 95 s, hence `slow`)."""
+    monkeypatch.setenv("RAY_TMPDIR", short_temp_dir())
+    run_dir = tmp_path / "run"
+    result = ChainResult(config=PREFIX_LEVEL, overrides=RAY)
+    assert run_once(run_dir, result, kill_after=1.0) == -signal.SIGKILL, result.problems
+    result.overrides = ["cluster.backend=ray", "cluster.engine_workers=1"]
+    finish(run_dir, result)
+    assert result.finished, result.problems
+    check_chain(run_dir, result)
+    assert not result.problems, result.problems
+    trace = run_dir / "logs" / "rollout_trace.sqlite"
+    with contextlib.closing(sqlite3.connect(f"file:{trace}?mode=ro", uri=True)) as conn:
+        continued = conn.execute("SELECT count(*) FROM attempt_dispatched WHERE prefix_tokens > 0").fetchone()[0]
+    assert continued > 0  # the kill landed while calls ran: some continued from their prefixes
