@@ -35,6 +35,7 @@ ACCEPTED = {
     # Penalties: -2 to 2, as in OpenAI / vLLM (a negative one favours repeats).
     ("generation", "presence_penalty", "zero"), ("generation", "presence_penalty", "minus one"),
     ("generation", "frequency_penalty", "zero"), ("generation", "frequency_penalty", "minus one"),
+    ("cluster", "worker_gpus", "zero"),  # the default: Ray engine workers on CPUs
 }
 
 
