@@ -6,9 +6,10 @@
    call forced to its length with min_tokens), `--inflight` calls in flight, a new one
    submitted as each finishes (the rollout pump's pattern). On a machine with 2 cores
    the 2-worker ratio is bounded by the cores: the driver, Ray and both workers share them.
-2. the cut hold at prefix level: `running_calls()` every `--cut-every` s during (1); the
-   in-process engine's hold (its engine lock) beside the pool's (the wall time of the
-   gather across workers, round trip included) and each worker's own lock hold.
+2. the cut at prefix level: `running_calls()` every `--cut-every` s during (1). The hold
+   (`cut_hold_s`: how long an output step waited; for the pool the longest worker's own)
+   and the cut's wall time (in process: the wait for the step in progress and the copy;
+   the pool: the gather across workers, round trip included), each side by side.
 3. Ray's per-call overhead on the pump: one 1-token call at a time, in process vs pool.
 
     python bench/bench_ray_workers.py [--quick] [--json FILE]
@@ -50,13 +51,14 @@ def requests(n: int, max_digits: int, seed: int) -> list[GenerationRequest]:
 
 def throughput(engine, calls: list[GenerationRequest], inflight: int, cut_every: float) -> dict:
     """Run every call with `inflight` in flight; cut every `cut_every` s meanwhile."""
-    holds, worker_holds, stop = [], [], threading.Event()
+    holds, gathers, stop = [], [], threading.Event()
 
     def cutter():
         while not stop.wait(cut_every):
+            t = time.perf_counter()
             engine.running_calls()
-            holds.append(engine.cut_hold_s)
-            worker_holds.append(getattr(engine, "worker_hold_s", engine.cut_hold_s))
+            gathers.append(time.perf_counter() - t)  # what the cut waits, step in progress included
+            holds.append(engine.cut_hold_s)  # what an output step waits
 
     thread = threading.Thread(target=cutter, name="bench-cutter", daemon=True)
     pending, queue, tokens = set(), list(calls), 0
@@ -71,7 +73,7 @@ def throughput(engine, calls: list[GenerationRequest], inflight: int, cut_every:
     stop.set()
     thread.join()
     return {"tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall, "cut_hold": latency_summary(holds),
-            "worker_hold": latency_summary(worker_holds)}
+            "gather": latency_summary(gathers)}
 
 
 def per_call(engine, n: int) -> dict:
@@ -129,13 +131,14 @@ def main() -> int:
         "tokens_per_s_ray2_vs_ray1": figures["ray_2"]["tokens_per_s"] / figures["ray_1"]["tokens_per_s"],
         "tokens_per_s_ray2_vs_in_process": figures["ray_2"]["tokens_per_s"] / base["tokens_per_s"],
         "cut_hold_p50_ray2_vs_in_process": figures["ray_2"]["cut_hold"]["p50_ms"] / base["cut_hold"]["p50_ms"],
+        "cut_wall_p50_ray2_vs_in_process": figures["ray_2"]["gather"]["p50_ms"] / base["gather"]["p50_ms"],
         "per_call_overhead_p50_ms": figures["ray_1"]["per_call"]["p50_ms"] - base["per_call"]["p50_ms"],
     }
     print(figures["machine"])
     for key in ("in_process", "ray_1", "ray_2"):
         f = figures[key]
         print(f"{key:10s} {f['tokens_per_s']:9.0f} tokens/s  cut hold p50 {f['cut_hold']['p50_ms']:.3f} ms "
-              f"p99 {f['cut_hold']['p99_ms']:.3f} ms  worker hold p50 {f['worker_hold']['p50_ms']:.3f} ms"
+              f"p99 {f['cut_hold']['p99_ms']:.3f} ms  cut wall p50 {f['gather']['p50_ms']:.3f} ms"
               + (f"  1-token call p50 {f['per_call']['p50_ms']:.2f} ms" if "per_call" in f else ""))
     print(json.dumps(figures["ratios"], indent=1))
     if a.json:

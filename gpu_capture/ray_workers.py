@@ -32,8 +32,11 @@ the worker keeps each finished call (recorded by the engine's future callback, u
 engine lock) until the pool acknowledges it, and the pool acknowledges only results whose
 futures it already completed, so a cut finds every call in a worker's answer or in the
 rollout pump (`RolloutPump.uncommitted_calls`), as with an in-process engine.
-`cut_hold_s` is the wall time of that gather: the cut's wait for the slowest worker,
-round trip included (an upper bound of each worker's own hold, `worker_hold_s`).
+`cut_hold_s` keeps the protocol's meaning, so the trace's figure compares with an
+in-process engine's: how long an output step waited for the cut, the longest of the
+workers' own holds (each copies its calls under its engine lock). `gather_s` is the wall
+time of the whole gather, the cut's wait for the slowest worker: round trip and each
+worker's step in progress included (bench/bench_ray_workers.py measures both).
 
 Faults: a worker that dies (killed, SIGKILLed, crashed) fails every call it held with
 `EngineWorkerLost`; the rollout pump abandons those attempts with reason `error` and
@@ -223,8 +226,8 @@ class RayEnginePool:
         self._answers: queue.SimpleQueue = queue.SimpleQueue()
         self._completer = threading.Thread(target=self._complete, name="ray-engine-pool", daemon=True)
         self._completer.start()
-        self.cut_hold_s = 0.0
-        self.worker_hold_s = 0.0
+        self.cut_hold_s = 0.0  # the longest worker's own hold at the last cut
+        self.gather_s = 0.0  # the last cut's wall time across workers
         self.replacements = 0
         try:
             for slot in self._slots:
@@ -400,9 +403,9 @@ class RayEnginePool:
     def running_calls(self) -> dict[str, RunningCall]:
         t0 = time.perf_counter()
         answers = self._gather("running_calls", lambda s: s.take_acks())
-        self.cut_hold_s = time.perf_counter() - t0
+        self.gather_s = time.perf_counter() - t0
         calls: dict[str, RunningCall] = {}
-        self.worker_hold_s = max((a[2] for _, a in answers), default=0.0)
+        self.cut_hold_s = max((a[2] for _, a in answers), default=0.0)
         for _, (worker_calls, _, _) in answers:
             calls.update(worker_calls)
         return calls

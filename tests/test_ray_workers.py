@@ -172,7 +172,7 @@ def test_running_calls_gathers_the_calls_of_every_worker_in_one_cut(pool, local)
         assert n >= 2 and call.token_ids == final.token_ids[:n] and call.logprobs == final.logprobs[:n]
         assert (call.max_tokens, call.min_tokens, call.cut_refused) == (240, 240, None)
     assert rows >= sum(len(c.token_ids) for c in calls.values())
-    assert pool.cut_hold_s > 0 and pool.worker_hold_s <= pool.cut_hold_s
+    assert 0 < pool.cut_hold_s < pool.gather_s  # a worker's own hold, inside the gather's wall time
 
 
 def test_a_call_finished_in_its_worker_stays_in_the_cut_until_the_driver_acknowledges_it(policy_dir, config):
