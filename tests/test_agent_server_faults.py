@@ -7,7 +7,8 @@ agent server processes (`rolloutdb.controller.agent_server.env_server`), SIGKILL
    against a server the test started at a URL: the server reopens dispatch by itself when
    its lease expires, the snapshot that died is never published, the next run resumes.
 3. The controller and its servers SIGKILLed together: the resumed run continues the
-   `agents` server's episodes from the turn the snapshot exported.
+   `agents` server's episodes from the turn the snapshot exported (the prefix-level run of
+   tests/test_agent_server_prefix.py, made once per session and read by both).
 4. An export that disagrees with the ledger at the cut refuses the snapshot, recorded.
 5. A resume into another checkpoint mode is refused before anything changes on disk.
 
@@ -30,7 +31,6 @@ import hashlib
 import json
 import os
 import re
-import shutil
 import signal
 import sqlite3
 import subprocess
@@ -39,12 +39,10 @@ import time
 import urllib.request
 from pathlib import Path
 
-import numpy as np
 import pytest
 import yaml
 
-from crash_harness import (SERVER_MODULE, kill_when, metrics, newest_usable_snapshot, read_sql, server_pids,
-                           train_env)
+from crash_harness import SERVER_MODULE, metrics, newest_usable_snapshot, read_sql, server_pids, train_env
 from rolloutdb.controller.fault_points import ENV_POINTS
 
 REPO = Path(__file__).resolve().parents[1]
@@ -264,75 +262,22 @@ def test_a_controller_killed_in_the_environment_phase_leaves_a_server_that_reope
 # ---------------------------------------------------------------------- 3. controller and servers killed together
 
 
-def _saved_agents(snapshot_db: Path) -> dict[tuple[int, int, int], tuple[int, int, int]]:
-    """(group, generation, attempt) -> (turns committed, policy tokens, prompt id) of every
-    running attempt's exported agent in a snapshot's env_episodes, decoded here."""
-    rows = read_sql(snapshot_db, "SELECT r.group_id, r.generation_index, r.attempt, e.turn, e.token_ids, "
-                                 "e.version_token_counts, g.prompt_id FROM env_episodes e "
-                                 "JOIN rollouts r ON r.attempt_id = e.attempt_id JOIN prompt_groups g USING (group_id) "
-                                 "WHERE r.state = 'running'")
-    out = {}
-    for g, i, a, turn, blob, runs, prompt in rows:
-        tokens = np.frombuffer(blob, "<i4")
-        pairs = json.loads(runs)
-        assert sum(n for _, n in pairs) == len(tokens)
-        out[(g, i, a)] = (turn, sum(n for v, n in pairs if v != -1), prompt)
-    return out
-
-
-def _gone(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"  # a zombie is dead
-    except OSError:
-        return True
-
-
-def _kill_all_with_agents_saved(run_dir: Path, proc: subprocess.Popen, keep: Path) -> dict | None:
-    """Freeze the controller until the snapshot a resume would restore holds an exported
-    agent past its first turn; copy that snapshot's store; SIGKILL the servers and the
-    controller together."""
-    def look() -> dict | None:
-        newest = newest_usable_snapshot(run_dir / "checkpoints")
-        if newest is None:
-            return None
-        db = Path(newest[1]) / "rollout_state.sqlite"
-        saved = _saved_agents(db)
-        if not any(turn >= 1 for turn, _, _ in saved.values()):
-            return None
-        shutil.copyfile(db, keep)
-        # Named before the kill: their command lines name this controller while it lives.
-        return {"snapshot": newest[1], "saved": saved, "servers": server_pids(proc.pid)}
-
-    return kill_when(proc, look, timeout=TIMEOUT_S, with_servers=True)
-
-
-# Four groups of four in flight and a snapshot every 0.1 s: most snapshots hold agents
-# past their first turn.
-STEPS_3, BUSY = 8, ("algorithm.groups_per_step=4", "rollout_checkpointing.interval_s=0.1")
+# The run is tests/test_agent_server_prefix.py's real run, made once per session (conftest.py
+# `agent_servers_killed`): examples/agent_server.yaml (these two servers) at prefix level, 8
+# steps of four groups, a snapshot every 0.1 s, SIGKILLed with its servers while the snapshot
+# a resume restores holds an exported agent past its first turn (and agents prefixes and
+# restarts fallbacks, which that module checks), then resumed. Prefix level saves the
+# exported agents exactly as turn level does, and a call's prefix besides; turn level with
+# agent servers is killed and resumed in section 2.
+STEPS_3, BUSY = 8, ("algorithm.groups_per_step=4", "rollout_checkpointing.interval_s=0.1",
+                    "rollout_recovery.target_level=prefix")
 
 
 @pytest.fixture(scope="module")
-def all_killed(tmp_path_factory):
-    root = tmp_path_factory.mktemp("all_killed")
-    config = _config(root / "run.yaml", [{"name": "agents", "mode": "export_restore"},
-                                         {"name": "restarts", "mode": "restart_only"}])
-    for attempt in range(2):
-        run_dir = root / f"run{attempt}"
-        killed = _kill_all_with_agents_saved(run_dir, _train(config, run_dir, steps=STEPS_3, extra=BUSY),
-                                             root / f"cut{attempt}.sqlite")
-        if killed is not None:
-            break
-    else:
-        pytest.fail("2 runs ended before a snapshot held an exported agent past its first turn")
+def all_killed(agent_servers_killed):
+    killed = agent_servers_killed
     assert set(killed["servers"]) == {"agents", "restarts"}
-    _wait_for("the killed servers to be gone", lambda: all(_gone(pid) for pid in killed["servers"].values()),
-              timeout=30)
-    rc, err = _ended(_train(config, run_dir, steps=STEPS_3, resume=True, extra=BUSY))
-    assert rc == 0, err[-2000:]
-    report = subprocess.run([sys.executable, "-m", "rolloutdb", "trace", str(run_dir), "--json",
-                             "--out", str(root / "report")], env=train_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
-    assert report.returncode == 0, report.stderr
-    return {"run_dir": run_dir, "config": config, "report": json.loads(report.stdout), **killed}
+    return killed
 
 
 def test_only_the_export_restore_server_s_agents_are_in_the_snapshot(all_killed):
@@ -362,7 +307,10 @@ def test_the_trace_report_shows_the_turns_the_stop_kept(all_killed):
     (stop,) = all_killed["report"]["kept_per_stop"]
     saved = all_killed["saved"].values()
     assert stop["turns_kept"] == sum(turn for turn, _, _ in saved) > 0
-    assert stop["kept_tokens"] == sum(tokens for _, tokens, _ in saved)
+    # Kept: the exported agents' committed policy tokens and, at prefix level, the saved
+    # prefixes of their running calls (both decoded here from the snapshot's copy).
+    prefix_tokens = sum(len(p["tokens"]) for p in all_killed["prefixes"].values())
+    assert stop["kept_tokens"] == sum(tokens for _, tokens, _ in saved) + prefix_tokens
 
 
 def test_no_snapshot_of_a_run_whose_servers_follow_the_protocol_is_refused(all_killed):

@@ -32,7 +32,7 @@ from rolloutdb.controller.agent_server.http_loop import HttpLoop
 from rolloutdb.controller.agent_server.policy_endpoint import PolicyEndpoint
 from rolloutdb.controller.episodes import call_seed
 from rolloutdb.gpu_capture.reference_engine import ReferenceEngine
-from crash_harness import kill_when, metrics, newest_usable_snapshot, read_sql, train_env
+from crash_harness import kill_when, metrics, newest_usable_snapshot, read_sql, server_pids, train_env
 from rolloutdb.store import CallPrefix
 
 PROMPT = [1, 5, 6, 7, 8]
@@ -213,9 +213,11 @@ def test_the_cut_keeps_an_agent_call_by_its_servers_mode_and_names_why_it_cannot
 # on examples/agent_server.yaml at prefix level (its two servers started by the controller:
 # even prompts on `agents`, export_restore; odd ones on `restarts`, restart_only: the
 # protocol's rule, prompt id modulo the number of servers), SIGKILLed with its servers
-# while the snapshot a resume restores holds prefixes of `agents` calls and fallbacks of
-# `restarts` calls, then resumed. What happened is read from the files through connections
-# of the test's own (sqlite3), the snapshot copied at the kill, and the metrics log.
+# while the snapshot a resume restores holds prefixes of `agents` calls, fallbacks of
+# `restarts` calls and an exported agent past its first turn, then resumed. What happened
+# is read from the files through connections of the test's own (sqlite3), the snapshot
+# copied at the kill, and the metrics log. The run is made once per session (conftest.py
+# `agent_servers_killed`): tests/test_agent_server_faults.py reads it too (section 3).
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "agent_server.yaml"
@@ -256,10 +258,27 @@ def _saved_prefixes(db: Path) -> dict[int, dict]:
     return out
 
 
-def _kill_when_the_cut_holds_both(run_dir: Path, proc: subprocess.Popen, keep: Path) -> dict | None:
+def saved_agents(snapshot_db: Path) -> dict[tuple[int, int, int], tuple[int, int, int]]:
+    """(group, generation, attempt) -> (turns committed, policy tokens, prompt id) of every
+    running attempt's exported agent in a snapshot's env_episodes, decoded here."""
+    rows = read_sql(snapshot_db, "SELECT r.group_id, r.generation_index, r.attempt, e.turn, e.token_ids, "
+                                 "e.version_token_counts, g.prompt_id FROM env_episodes e "
+                                 "JOIN rollouts r ON r.attempt_id = e.attempt_id JOIN prompt_groups g USING (group_id) "
+                                 "WHERE r.state = 'running'")
+    out = {}
+    for g, i, a, turn, blob, runs, prompt in rows:
+        tokens = np.frombuffer(blob, "<i4")
+        pairs = json.loads(runs)
+        assert sum(n for _, n in pairs) == len(tokens)
+        out[(g, i, a)] = (turn, sum(n for v, n in pairs if v != -1), prompt)
+    return out
+
+
+def _kill_when_the_cut_holds_all_three(run_dir: Path, proc: subprocess.Popen, keep: Path) -> dict | None:
     """Freeze the controller until the snapshot a resume would restore holds a prefix of an
-    `agents` call and its trace holds a fallback of a `restarts` call at that cut; copy that
-    snapshot's file; SIGKILL the servers and the controller together."""
+    `agents` call and an exported agent past its first turn, and its trace holds a fallback
+    of a `restarts` call at that cut; copy that snapshot's file; SIGKILL the servers and the
+    controller together."""
     def look() -> dict | None:
         newest = newest_usable_snapshot(run_dir / "checkpoints")
         if newest is None:
@@ -268,28 +287,43 @@ def _kill_when_the_cut_holds_both(run_dir: Path, proc: subprocess.Popen, keep: P
         prefixes = _saved_prefixes(snap / "rollout_state.sqlite")
         if not any(p["prompt"] % 2 == 0 for p in prefixes.values()):
             return None
+        saved = saved_agents(snap / "rollout_state.sqlite")
+        if not any(turn >= 1 for turn, _, _ in saved.values()):
+            return None
         cut_time = json.loads((snap / "manifest.json").read_text())["cut_time"]
         fallbacks = read_sql(run_dir / TRACE, "SELECT attempt_id, turn, reason FROM call_fallback WHERE abs(t - ?) < 1e-6",
-                              (cut_time,))
+                             (cut_time,))
         if not any(reason == RESTART_ONLY for _, _, reason in fallbacks):
             return None
         shutil.copyfile(snap / "rollout_state.sqlite", keep)
-        return {"snapshot": str(snap), "cut_time": cut_time, "prefixes": prefixes, "fallbacks": fallbacks}
+        # Named before the kill: their command lines name this controller while it lives.
+        return {"snapshot": str(snap), "cut_time": cut_time, "prefixes": prefixes, "fallbacks": fallbacks,
+                "saved": saved, "servers": server_pids(proc.pid)}
 
     return kill_when(proc, look, timeout=TIMEOUT_S, with_servers=True)
 
 
-@pytest.fixture(scope="module")
-def killed(tmp_path_factory):
-    root = tmp_path_factory.mktemp("agent_prefix")
+def _gone(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"  # a zombie is dead
+    except OSError:
+        return True
+
+
+def killed_beside_agent_servers(root: Path) -> dict:
+    """The real run above, killed with its servers once and resumed to the end, and its
+    `rolloutdb trace --json` report."""
     for n in range(2):
         run_dir = root / f"run{n}"
-        got = _kill_when_the_cut_holds_both(run_dir, _train(run_dir), root / f"cut{n}.sqlite")
+        got = _kill_when_the_cut_holds_all_three(run_dir, _train(run_dir), root / f"cut{n}.sqlite")
         if got is not None:
             break
     else:
-        pytest.fail("2 runs ended before a snapshot held both an agents prefix and a restarts fallback")
-    time.sleep(1.0)  # the killed servers go (their ports are free either way: the resume picks new ones)
+        pytest.fail("2 runs ended before a snapshot held an agents prefix, an agent past its first turn and a "
+                    "restarts fallback")
+    deadline = time.monotonic() + 30
+    while not all(_gone(pid) for pid in got["servers"].values()) and time.monotonic() < deadline:
+        time.sleep(0.05)  # the killed servers go (their ports are free either way: the resume picks new ones)
     proc = _train(run_dir, resume=True)
     try:
         _, err = proc.communicate(timeout=TIMEOUT_S)
@@ -302,6 +336,11 @@ def killed(tmp_path_factory):
                              str(root / "report")], env=train_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
     assert report.returncode == 0, report.stderr
     return {"run_dir": run_dir, "cut": root / f"cut{n}.sqlite", "report": json.loads(report.stdout), **got}
+
+
+@pytest.fixture(scope="module")
+def killed(agent_servers_killed):
+    return agent_servers_killed
 
 
 def test_the_cut_saved_prefixes_only_of_export_restore_calls_each_at_its_agents_exported_turn(killed):
