@@ -21,7 +21,8 @@ to `agents` (export_restore), odd ones to `restarts` (restart_only).
 
 Runtime: ~3 min on 2 cores, most of it process start-up (a controller process starts in
 ~5 s, an agent server in ~6 s: both import torch and build the task); the runs themselves
-train 4-8 small steps in 1-2 s.
+train 4-8 small steps in 1-2 s. Section 3's run is shared with
+tests/test_agent_server_prefix.py (one run instead of two, since 2026-12-01).
 """
 
 from __future__ import annotations
