@@ -125,8 +125,7 @@ def _command(run_dir: Path, resume: bool, config: HarnessConfig = GROUP_LEVEL, o
 
 
 def train_env(fault: str | None = None) -> dict:
-    """The environment of a `rolloutdb train` subprocess: this one's, with a fault point
-    only where asked."""
+    """A `rolloutdb train` subprocess's environment: this one's, a fault point only if asked."""
     env = {k: v for k, v in os.environ.items() if k != "ROLLOUTDB_FAULT"}
     env["RAY_AUTH_MODE"] = "disabled"
     if fault:
@@ -541,8 +540,7 @@ SERVER_MODULE = "rolloutdb.controller.agent_server.env_server"
 
 
 def server_pids(controller_pid: int) -> dict[str, int]:
-    """Server name -> pid of the agent servers a controller started, from the command line
-    it gives them (`--server NAME ... --parent-pid PID`), read from /proc."""
+    """Name -> pid of a controller's agent servers, from their command lines in /proc."""
     found = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
