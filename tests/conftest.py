@@ -42,3 +42,24 @@ def second_connection():
 import sys as _sys
 
 _sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+@pytest.fixture(scope="session")
+def seeded_prefix_run(tmp_path_factory):
+    """The seeded, packed prefix-level run killed twice and its never-stopped twin
+    (tests/test_prefix_recovery_real_run.py `killed_twin_runs`): run once, read by that
+    module's twin tests and by tests/test_shared_prefix_packing.py (~30 s on 2 cores)."""
+    from test_prefix_recovery_real_run import killed_twin_runs
+
+    return killed_twin_runs(tmp_path_factory.mktemp("prefix_run_seeded"), "seeded")
+
+
+@pytest.fixture(scope="session")
+def agent_servers_killed(tmp_path_factory):
+    """examples/agent_server.yaml at prefix level, SIGKILLed with its servers while its
+    snapshot holds agents prefixes, an exported agent past its first turn and restarts
+    fallbacks, then resumed (tests/test_agent_server_prefix.py `killed_beside_agent_servers`):
+    run once, read by that module and by tests/test_agent_server_faults.py."""
+    from test_agent_server_prefix import killed_beside_agent_servers
+
+    return killed_beside_agent_servers(tmp_path_factory.mktemp("agent_servers_killed"))

@@ -124,12 +124,14 @@ def _command(run_dir: Path, resume: bool, config: HarnessConfig = GROUP_LEVEL, o
     return cmd + (["--resume"] if resume else []) + config.overrides + list(overrides)
 
 
-def _env(fault: str | None) -> dict:
+def train_env(fault: str | None = None) -> dict:
+    """A `rolloutdb train` subprocess's environment: this one's, a fault point only if asked."""
     env = {k: v for k, v in os.environ.items() if k != "ROLLOUTDB_FAULT"}
     env["RAY_AUTH_MODE"] = "disabled"
     if fault:
         env["ROLLOUTDB_FAULT"] = fault
     return env
+
 
 
 _ANCHOR = re.compile(r"^(bootstrap|step_\d+)$")
@@ -194,7 +196,7 @@ def newest_usable_snapshot(checkpoint_dir: Path) -> tuple[int, str] | None:
 
 def _logged_published(run_dir: Path) -> list[int]:
     """The kill log: sequences every process so far logged as published."""
-    return [e["sequence"] for e in _metrics(run_dir) if e.get("kind") == "snapshot"
+    return [e["sequence"] for e in metrics(run_dir) if e.get("kind") == "snapshot"
             and e.get("outcome") == "published" and isinstance(e.get("sequence"), int)]
 
 
@@ -209,17 +211,15 @@ def _expected_snapshot(run_dir: Path, result: ChainResult) -> str | None:
     return None if expected is None else expected[1]
 
 
-def _metrics(run_dir: Path) -> list[dict]:
+def metrics(run_dir: Path, kind: str | None = None) -> list[dict]:
+    """The run's metrics log (of one `kind`, or all), skipping a line cut by a kill."""
     path = run_dir / "logs" / "metrics.jsonl"
-    if not path.exists():
-        return []
     out = []
-    for line in path.read_text().splitlines():
-        try:
+    for line in path.read_text().splitlines() if path.exists() else []:
+        with contextlib.suppress(json.JSONDecodeError):
             out.append(json.loads(line))
-        except json.JSONDecodeError:
-            pass  # a line cut by a kill
-    return out
+    return out if kind is None else [e for e in out if e.get("kind") == kind]
+
 
 
 def check_after_kill(run_dir: Path, result: ChainResult) -> None:
@@ -255,20 +255,20 @@ def run_once(run_dir: Path, result: ChainResult, *, fault: str | None = None, ki
     """One process of the chain; returns its exit code (-9 when killed)."""
     resume = (run_dir / "rollout_state.sqlite").exists()
     expected = _expected_snapshot(run_dir, result) if resume else None
-    seen = len(_metrics(run_dir))
+    seen = len(metrics(run_dir))
     # The restored snapshot is checked against the resumed run's trace afterwards, from a
     # copy: retention (or a restore dropping newer anchors) may delete it meanwhile.
     aside = run_dir.with_name(run_dir.name + ".aside")
     after_run = last_trace_run(run_dir) if resume else 0
     if resume:
         set_aside(run_dir, aside)
-    proc = subprocess.Popen(_command(run_dir, resume, result.config, result.overrides), env=_env(fault),
+    proc = subprocess.Popen(_command(run_dir, resume, result.config, result.overrides), env=train_env(fault),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     if kill_after is not None:
         deadline = time.monotonic() + timeout
         # A random moment of *this* process's work: count from when it touches the run (a
         # fresh run creates its store; a resume writes its `restore` record).
-        while proc.poll() is None and len(_metrics(run_dir)) <= seen and not _touched(run_dir, resume):
+        while proc.poll() is None and len(metrics(run_dir)) <= seen and not _touched(run_dir, resume):
             if time.monotonic() > deadline:
                 result.problems.append(f"a run did not touch its run directory within {timeout} s")
                 break
@@ -289,7 +289,7 @@ def run_once(run_dir: Path, result: ChainResult, *, fault: str | None = None, ki
     elif proc.returncode != 0:
         result.problems.append(f"run exited {proc.returncode}: {err.strip().splitlines()[-1:] if err else ''}")
     if resume:
-        restores = [e for e in _metrics(run_dir)[seen:] if e.get("kind") == "restore"]
+        restores = [e for e in metrics(run_dir)[seen:] if e.get("kind") == "restore"]
         if restores:
             result.restores.append((expected, restores[0].get("snapshot")))
             # What it said on stderr too (a kill may land between the record and the line).
@@ -481,7 +481,7 @@ def restored_work_redone(run_dir: Path) -> list[str]:
 
 def start_twin(twin_dir: Path, config: HarnessConfig = GROUP_LEVEL, overrides: list[str] = ()) -> subprocess.Popen:
     """The never-killed run, started beside the chain (one extra run per chain)."""
-    return subprocess.Popen(_command(twin_dir, False, config, overrides), env=_env(None), stdout=subprocess.DEVNULL,
+    return subprocess.Popen(_command(twin_dir, False, config, overrides), env=train_env(None), stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
 
 
@@ -520,6 +520,68 @@ def run_chain(run_dir: Path, plan: list[tuple[str | None, float | None]], *, con
             twin_proc.kill()
             twin_proc.wait()
     return result
+
+
+# ------------------------------------------------------------------ freeze, look, kill (the real-run tests)
+
+
+def read_sql(path: Path, sql: str, args: tuple = ()) -> list[tuple]:
+    """One query through a read-only connection of its own: what another process sees."""
+    with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=30)) as conn:
+        return conn.execute(sql, args).fetchall()
+
+
+def resumed_events(run_dir: Path, table: str, columns: str) -> list[tuple]:
+    """`columns` of the trace's `table` rows written by the run's last process."""
+    return read_sql(run_dir / "logs" / TRACE_FILE, f"SELECT {columns} FROM {table} WHERE run = (SELECT max(run) FROM runs)")
+
+
+SERVER_MODULE = "rolloutdb.controller.agent_server.env_server"
+
+
+def server_pids(controller_pid: int) -> dict[str, int]:
+    """Name -> pid of a controller's agent servers, from their command lines in /proc."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
+        except OSError:
+            continue  # gone meanwhile
+        if SERVER_MODULE in argv and "--parent-pid" in argv and argv[argv.index("--parent-pid") + 1] == str(controller_pid):
+            found[argv[argv.index("--server") + 1]] = int(entry.name)
+    return found
+
+
+def kill_when(proc: subprocess.Popen, look, *, timeout: float = 300, with_servers: bool = False,
+              poll_s: float = 0.05):
+    """Every `poll_s`, freeze `proc` (SIGSTOP: nothing is published while we look) and call
+    `look()`; the first time it returns something other than None, SIGKILL the process
+    (and first, `with_servers`, the agent servers it started) and return that. A
+    `look` that meets a file being written (sqlite3.Error) looks again next time. None
+    when the run ended (or `timeout` passed, then it is killed) before `look` found it."""
+    deadline = time.monotonic() + timeout
+    while proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(poll_s)
+        proc.send_signal(signal.SIGSTOP)
+        try:
+            got = look()
+            if got is not None:
+                for pid in server_pids(proc.pid).values() if with_servers else ():
+                    os.kill(pid, signal.SIGKILL)
+                proc.send_signal(signal.SIGKILL)
+                proc.wait(timeout=30)
+                return got
+        except sqlite3.Error:
+            continue
+        finally:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGCONT)
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait()
+    return None
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@ agent server processes (`rolloutdb.controller.agent_server.env_server`), SIGKILL
    against a server the test started at a URL: the server reopens dispatch by itself when
    its lease expires, the snapshot that died is never published, the next run resumes.
 3. The controller and its servers SIGKILLed together: the resumed run continues the
-   `agents` server's episodes from the turn the snapshot exported.
+   `agents` server's episodes from the turn the snapshot exported (the prefix-level run of
+   tests/test_agent_server_prefix.py, made once per session and read by both).
 4. An export that disagrees with the ledger at the cut refuses the snapshot, recorded.
 5. A resume into another checkpoint mode is refused before anything changes on disk.
 
@@ -20,7 +21,8 @@ to `agents` (export_restore), odd ones to `restarts` (restart_only).
 
 Runtime: ~3 min on 2 cores, most of it process start-up (a controller process starts in
 ~5 s, an agent server in ~6 s: both import torch and build the task); the runs themselves
-train 4-8 small steps in 1-2 s.
+train 4-8 small steps in 1-2 s. Section 3's run is shared with
+tests/test_agent_server_prefix.py (one run instead of two, since 2026-12-01).
 """
 
 from __future__ import annotations
@@ -30,7 +32,6 @@ import hashlib
 import json
 import os
 import re
-import shutil
 import signal
 import sqlite3
 import subprocess
@@ -39,11 +40,10 @@ import time
 import urllib.request
 from pathlib import Path
 
-import numpy as np
 import pytest
 import yaml
 
-from crash_harness import newest_usable_snapshot
+from crash_harness import SERVER_MODULE, metrics, newest_usable_snapshot, read_sql, server_pids, train_env
 from rolloutdb.controller.fault_points import ENV_POINTS
 
 REPO = Path(__file__).resolve().parents[1]
@@ -58,7 +58,6 @@ OVERRIDES = [
     "logging.progress=false",
     "logging.plot=false",
 ]
-SERVER_MODULE = "rolloutdb.controller.agent_server.env_server"
 TRACE = Path("logs") / "rollout_trace.sqlite"
 
 
@@ -72,19 +71,11 @@ def _config(path: Path, servers: list[dict]) -> Path:
     return path
 
 
-def _env(fault: str | None = None) -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "ROLLOUTDB_FAULT"}
-    env["RAY_AUTH_MODE"] = "disabled"
-    if fault:
-        env["ROLLOUTDB_FAULT"] = fault
-    return env
-
-
 def _train(config: Path, run_dir: Path, steps: int, *, resume: bool = False, fault: str | None = None,
            extra: tuple[str, ...] = ()) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "rolloutdb", "train", "--config", str(config), "--run-dir", str(run_dir)]
     cmd += (["--resume", "latest"] if resume else []) + OVERRIDES + [f"algorithm.total_steps={steps}", *extra]
-    return subprocess.Popen(cmd, env=_env(fault), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(cmd, env=train_env(fault), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
 def _ended(proc: subprocess.Popen) -> tuple[int, str]:
@@ -98,46 +89,15 @@ def _ended(proc: subprocess.Popen) -> tuple[int, str]:
 
 
 def _verify(run_dir: Path) -> dict:
-    out = subprocess.run([sys.executable, "-m", "rolloutdb", "verify", str(run_dir), "--json"], env=_env(),
+    out = subprocess.run([sys.executable, "-m", "rolloutdb", "verify", str(run_dir), "--json"], env=train_env(),
                          capture_output=True, text=True, timeout=TIMEOUT_S)
     assert out.returncode == 0, out.stdout + out.stderr
     return json.loads(out.stdout)
 
 
-def _metrics(run_dir: Path) -> list[dict]:
-    path = run_dir / "logs" / "metrics.jsonl"
-    out = []
-    for line in path.read_text().splitlines() if path.exists() else []:
-        with contextlib.suppress(json.JSONDecodeError):  # a line cut by a kill
-            out.append(json.loads(line))
-    return out
-
-
-def _read(path: Path, sql: str, args: tuple = ()) -> list[tuple]:
-    """One query through a connection of its own (read-only): what another process sees."""
-    with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=30)) as conn:
-        return conn.execute(sql, args).fetchall()
-
-
 def _health(url: str) -> dict:
     with urllib.request.urlopen(url + "/health", timeout=10) as resp:
         return json.load(resp)
-
-
-def _server_pids(controller_pid: int) -> dict[str, int]:
-    """The agent server processes a controller started: the command line the controller
-    gives them (`--server NAME ... --parent-pid PID`), read from /proc."""
-    found = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            argv = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
-        except OSError:
-            continue  # gone meanwhile
-        if SERVER_MODULE in argv and "--parent-pid" in argv and argv[argv.index("--parent-pid") + 1] == str(controller_pid):
-            found[argv[argv.index("--server") + 1]] = int(entry.name)
-    return found
 
 
 def _wait_for(what: str, check, timeout: float = TIMEOUT_S, proc: subprocess.Popen | None = None):
@@ -164,11 +124,11 @@ def _snapshot_dirs(run_dir: Path) -> dict[int, Path]:
 
 
 def _restore_lines(run_dir: Path) -> list[dict]:
-    return [e for e in _metrics(run_dir) if e.get("kind") == "restore"]
+    return [e for e in metrics(run_dir) if e.get("kind") == "restore"]
 
 
 def _last_trace_run(run_dir: Path) -> int:
-    return _read(run_dir / TRACE, "SELECT max(run) FROM runs")[0][0]
+    return read_sql(run_dir / TRACE, "SELECT max(run) FROM runs")[0][0]
 
 
 # ---------------------------------------------------------------------- 1. the server killed alone
@@ -187,12 +147,12 @@ def server_killed(tmp_path_factory):
         if not store.exists():
             return False
         with contextlib.suppress(sqlite3.Error):
-            return _read(store, "SELECT count(*) FROM rollouts r JOIN prompt_groups g USING (group_id) "
-                                "WHERE r.state = 'running' AND g.prompt_id % 2 = 0")[0][0] >= 4
+            return read_sql(store, "SELECT count(*) FROM rollouts r JOIN prompt_groups g USING (group_id) "
+                                   "WHERE r.state = 'running' AND g.prompt_id % 2 = 0")[0][0] >= 4
         return False
 
     _wait_for("attempts running on the agents server", agents_running, proc=proc)
-    pids = _server_pids(proc.pid)
+    pids = server_pids(proc.pid)
     assert set(pids) == {"agents", "restarts"}, pids
     os.kill(pids["agents"], signal.SIGKILL)
     rc, err = _ended(proc)
@@ -203,8 +163,8 @@ def server_killed(tmp_path_factory):
 def test_a_killed_server_s_attempts_are_abandoned_with_reason_error_and_retried(server_killed):
     run_dir = server_killed["run_dir"]
     store = run_dir / "rollout_state.sqlite"
-    rows = _read(store, "SELECT r.group_id, r.generation_index, r.attempt, r.state, r.abandon_reason, g.prompt_id "
-                        "FROM rollouts r JOIN prompt_groups g USING (group_id)")
+    rows = read_sql(store, "SELECT r.group_id, r.generation_index, r.attempt, r.state, r.abandon_reason, g.prompt_id "
+                           "FROM rollouts r JOIN prompt_groups g USING (group_id)")
     lost = {(g, i, a) for g, i, a, state, reason, _p in rows if state == "abandoned"}
     assert lost, "no attempt was abandoned: the kill hit no running episode"
     assert {reason for *_, state, reason, _p in rows if state == "abandoned"} == {"error"}
@@ -212,17 +172,17 @@ def test_a_killed_server_s_attempts_are_abandoned_with_reason_error_and_retried(
     finished = {(g, i): a for g, i, a, state, _r, _p in rows if state == "finished"}
     # Every lost generation was generated again by a later attempt, which finished.
     assert all(finished.get((g, i), -1) > a for g, i, a in lost), sorted(lost)
-    traced = set(_read(run_dir / TRACE, "SELECT group_id, generation_index, attempt FROM attempt_abandoned "
-                                        "WHERE reason = 'error'"))
+    traced = set(read_sql(run_dir / TRACE, "SELECT group_id, generation_index, attempt FROM attempt_abandoned "
+                                           "WHERE reason = 'error'"))
     assert traced == lost
     # The trace names every attempt the ledger started, retried ones included, by the
     # number the ledger gave it (the key the server ran it under).
-    dispatched = set(_read(run_dir / TRACE, "SELECT group_id, generation_index, attempt FROM attempt_dispatched"))
+    dispatched = set(read_sql(run_dir / TRACE, "SELECT group_id, generation_index, attempt FROM attempt_dispatched"))
     assert dispatched == {(g, i, a) for g, i, a, *_ in rows}
 
 
 def test_the_controller_restarted_the_killed_server_once_and_left_the_other_alone(server_killed):
-    restarts = [e for e in _metrics(server_killed["run_dir"]) if e.get("kind") == "agent_server_restart"]
+    restarts = [e for e in metrics(server_killed["run_dir"]) if e.get("kind") == "agent_server_restart"]
     assert [(e["server"], e["restarts"]) for e in restarts] == [("agents", 1)]
     log = (server_killed["run_dir"] / "logs" / "agent_server_restarts.log").read_text()
     assert "Traceback" not in log
@@ -251,7 +211,7 @@ def url_server(tmp_path_factory):
     policy = build.build_policy(config_from_dict(cfg), root / "policy")  # the tokenizer the task needs
     server_cfg = _config(root / "server.yaml", [spec])
     proc = subprocess.Popen([sys.executable, "-m", SERVER_MODULE, "--config", str(server_cfg), "--server", "agents",
-                             "--policy-dir", str(policy), "--port", "0"], env=_env(), stdout=subprocess.PIPE, text=True)
+                             "--policy-dir", str(policy), "--port", "0"], env=train_env(), stdout=subprocess.PIPE, text=True)
     try:
         line = proc.stdout.readline()
         assert line.startswith("rolloutdb-agent-server listening on "), line
@@ -283,8 +243,8 @@ def test_a_controller_killed_in_the_environment_phase_leaves_a_server_that_reope
 
     # The attempt that died was never published: on disk, no snapshot newer than the last
     # one the ledger recorded as published, and that one is what a resume must restore.
-    published = [s for (s,) in _read(run_dir / "rollout_state.sqlite",
-                                     "SELECT snapshot_seq FROM snapshot_attempts WHERE outcome = 'published'")]
+    published = [s for (s,) in read_sql(run_dir / "rollout_state.sqlite",
+                                        "SELECT snapshot_seq FROM snapshot_attempts WHERE outcome = 'published'")]
     assert published and max(_snapshot_dirs(run_dir)) == max(published)
     newest = newest_usable_snapshot(run_dir / "checkpoints")
     assert newest is not None and newest[0] == max(published)
@@ -296,94 +256,29 @@ def test_a_controller_killed_in_the_environment_phase_leaves_a_server_that_reope
     figures = _verify(run_dir)
     assert figures["ok"] and figures["duplicated"] == 0 and figures["lost"] == 0, figures
     assert _health(url)["dispatch"] == "open"
-    refused = _read(run_dir / "rollout_state.sqlite", "SELECT error FROM snapshot_attempts WHERE outcome = 'failed'")
+    refused = read_sql(run_dir / "rollout_state.sqlite", "SELECT error FROM snapshot_attempts WHERE outcome = 'failed'")
     assert refused == [], refused  # the server follows the protocol: no export disagreed
 
 
 # ---------------------------------------------------------------------- 3. controller and servers killed together
 
 
-def _saved_agents(snapshot_db: Path) -> dict[tuple[int, int, int], tuple[int, int, int]]:
-    """(group, generation, attempt) -> (turns committed, policy tokens, prompt id) of every
-    running attempt's exported agent in a snapshot's env_episodes, decoded here."""
-    rows = _read(snapshot_db, "SELECT r.group_id, r.generation_index, r.attempt, e.turn, e.token_ids, "
-                              "e.version_token_counts, g.prompt_id FROM env_episodes e "
-                              "JOIN rollouts r ON r.attempt_id = e.attempt_id JOIN prompt_groups g USING (group_id) "
-                              "WHERE r.state = 'running'")
-    out = {}
-    for g, i, a, turn, blob, runs, prompt in rows:
-        tokens = np.frombuffer(blob, "<i4")
-        pairs = json.loads(runs)
-        assert sum(n for _, n in pairs) == len(tokens)
-        out[(g, i, a)] = (turn, sum(n for v, n in pairs if v != -1), prompt)
-    return out
-
-
-def _gone(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"  # a zombie is dead
-    except OSError:
-        return True
-
-
-def _kill_all_with_agents_saved(run_dir: Path, proc: subprocess.Popen, keep: Path) -> dict | None:
-    """Freeze the controller until the snapshot a resume would restore holds an exported
-    agent past its first turn; copy that snapshot's store; SIGKILL the servers and the
-    controller together."""
-    deadline = time.monotonic() + TIMEOUT_S
-    while proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-        proc.send_signal(signal.SIGSTOP)  # nothing is published while we look
-        try:
-            newest = newest_usable_snapshot(run_dir / "checkpoints")
-            if newest is None:
-                continue
-            db = Path(newest[1]) / "rollout_state.sqlite"
-            saved = _saved_agents(db)
-            if any(turn >= 1 for turn, _, _ in saved.values()):
-                shutil.copyfile(db, keep)
-                servers = _server_pids(proc.pid)
-                for pid in servers.values():
-                    os.kill(pid, signal.SIGKILL)
-                proc.send_signal(signal.SIGKILL)
-                proc.wait(timeout=30)
-                return {"snapshot": newest[1], "saved": saved, "servers": servers}
-        finally:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGCONT)
-    if proc.poll() is None:
-        proc.kill()
-    proc.wait()
-    return None
-
-
-# Four groups of four in flight and a snapshot every 0.1 s: most snapshots hold agents
-# past their first turn.
-STEPS_3, BUSY = 8, ("algorithm.groups_per_step=4", "rollout_checkpointing.interval_s=0.1")
+# The run is tests/test_agent_server_prefix.py's real run, made once per session (conftest.py
+# `agent_servers_killed`): examples/agent_server.yaml (these two servers) at prefix level, 8
+# steps of four groups, a snapshot every 0.1 s, SIGKILLed with its servers while the snapshot
+# a resume restores holds an exported agent past its first turn (and agents prefixes and
+# restarts fallbacks, which that module checks), then resumed. Prefix level saves the
+# exported agents exactly as turn level does, and a call's prefix besides; turn level with
+# agent servers is killed and resumed in section 2.
+STEPS_3, BUSY = 8, ("algorithm.groups_per_step=4", "rollout_checkpointing.interval_s=0.1",
+                    "rollout_recovery.target_level=prefix")
 
 
 @pytest.fixture(scope="module")
-def all_killed(tmp_path_factory):
-    root = tmp_path_factory.mktemp("all_killed")
-    config = _config(root / "run.yaml", [{"name": "agents", "mode": "export_restore"},
-                                         {"name": "restarts", "mode": "restart_only"}])
-    for attempt in range(2):
-        run_dir = root / f"run{attempt}"
-        killed = _kill_all_with_agents_saved(run_dir, _train(config, run_dir, steps=STEPS_3, extra=BUSY),
-                                             root / f"cut{attempt}.sqlite")
-        if killed is not None:
-            break
-    else:
-        pytest.fail("2 runs ended before a snapshot held an exported agent past its first turn")
+def all_killed(agent_servers_killed):
+    killed = agent_servers_killed
     assert set(killed["servers"]) == {"agents", "restarts"}
-    _wait_for("the killed servers to be gone", lambda: all(_gone(pid) for pid in killed["servers"].values()),
-              timeout=30)
-    rc, err = _ended(_train(config, run_dir, steps=STEPS_3, resume=True, extra=BUSY))
-    assert rc == 0, err[-2000:]
-    report = subprocess.run([sys.executable, "-m", "rolloutdb", "trace", str(run_dir), "--json",
-                             "--out", str(root / "report")], env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
-    assert report.returncode == 0, report.stderr
-    return {"run_dir": run_dir, "config": config, "report": json.loads(report.stdout), **killed}
+    return killed
 
 
 def test_only_the_export_restore_server_s_agents_are_in_the_snapshot(all_killed):
@@ -395,13 +290,13 @@ def test_the_exporting_server_s_agents_continued_from_their_exported_turn(all_ki
     resumed = _last_trace_run(run_dir)
     (restore,) = _restore_lines(run_dir)
     assert restore["snapshot"] == all_killed["snapshot"]
-    events = _read(run_dir / TRACE, "SELECT group_id, generation_index, from_attempt, turn, tokens, attempt, prompt_id "
-                                    "FROM episode_restored WHERE run = ?", (resumed,))
+    events = read_sql(run_dir / TRACE, "SELECT group_id, generation_index, from_attempt, turn, tokens, attempt, prompt_id "
+                                       "FROM episode_restored WHERE run = ?", (resumed,))
     restored = {(g, i, a): (turn, tokens, prompt) for g, i, a, turn, tokens, _new, prompt in events}
     assert restored == all_killed["saved"]
     assert any(turn > 0 for turn, _, _ in restored.values())
-    calls = _read(run_dir / TRACE, "SELECT group_id, generation_index, attempt, turn FROM call_finished WHERE run = ?",
-                  (resumed,))
+    calls = read_sql(run_dir / TRACE, "SELECT group_id, generation_index, attempt, turn FROM call_finished WHERE run = ?",
+                     (resumed,))
     for g, i, _from, turn, _tokens, new, _prompt in events:
         turns = sorted(t for gg, ii, aa, t in calls if (gg, ii, aa) == (g, i, new))
         # The server's first model call for the new attempt is the exported turn: no
@@ -413,12 +308,15 @@ def test_the_trace_report_shows_the_turns_the_stop_kept(all_killed):
     (stop,) = all_killed["report"]["kept_per_stop"]
     saved = all_killed["saved"].values()
     assert stop["turns_kept"] == sum(turn for turn, _, _ in saved) > 0
-    assert stop["kept_tokens"] == sum(tokens for _, tokens, _ in saved)
+    # Kept: the exported agents' committed policy tokens and, at prefix level, the saved
+    # prefixes of their running calls (both decoded here from the snapshot's copy).
+    prefix_tokens = sum(len(p["tokens"]) for p in all_killed["prefixes"].values())
+    assert stop["kept_tokens"] == sum(tokens for _, tokens, _ in saved) + prefix_tokens
 
 
 def test_no_snapshot_of_a_run_whose_servers_follow_the_protocol_is_refused(all_killed):
-    refused = _read(all_killed["run_dir"] / "rollout_state.sqlite",
-                    "SELECT error FROM snapshot_attempts WHERE outcome = 'failed'")
+    refused = read_sql(all_killed["run_dir"] / "rollout_state.sqlite",
+                       "SELECT error FROM snapshot_attempts WHERE outcome = 'failed'")
     assert refused == [], refused
 
 
@@ -481,8 +379,8 @@ def tampered(tmp_path_factory):
 
 
 def _failed_attempts(run_dir: Path) -> list[tuple]:
-    return _read(run_dir / "rollout_state.sqlite", "SELECT snapshot_seq, error FROM snapshot_attempts "
-                                                   "WHERE outcome = 'failed' ORDER BY attempt_seq")
+    return read_sql(run_dir / "rollout_state.sqlite", "SELECT snapshot_seq, error FROM snapshot_attempts "
+                                                      "WHERE outcome = 'failed' ORDER BY attempt_seq")
 
 
 def test_an_export_holding_an_episode_the_ledger_does_not_know_refuses_the_snapshot(tampered):
@@ -507,12 +405,12 @@ def test_an_export_missing_a_running_acknowledged_attempt_refuses_the_snapshot(t
         named = re.search(r"1 running attempts missing \(([0-9.a-]+)\)", error)
         assert named and named[1] in dropped, error
         assert seq not in _snapshot_dirs(tampered["run_dir"])
-    lines = [e for e in _metrics(tampered["run_dir"]) if e.get("kind") == "snapshot" and e["outcome"] == "failed"]
+    lines = [e for e in metrics(tampered["run_dir"]) if e.get("kind") == "snapshot" and e["outcome"] == "failed"]
     assert [e["error"] for e in lines] == [e for _, e in _failed_attempts(tampered["run_dir"])]
 
 
 def test_refused_snapshots_leave_the_run_whole(tampered):
-    published = _read(tampered["run_dir"] / "rollout_state.sqlite",
+    published = read_sql(tampered["run_dir"] / "rollout_state.sqlite",
                       "SELECT snapshot_seq FROM snapshot_attempts WHERE outcome = 'published'")
     assert published  # the untampered attempts were published
     figures = _verify(tampered["run_dir"])

@@ -17,10 +17,7 @@ import concurrent.futures
 import contextlib
 import http.client
 import json
-import os
 import shutil
-import signal
-import sqlite3
 import subprocess
 import sys
 import time
@@ -35,6 +32,7 @@ from rolloutdb.controller.agent_server.http_loop import HttpLoop
 from rolloutdb.controller.agent_server.policy_endpoint import PolicyEndpoint
 from rolloutdb.controller.episodes import call_seed
 from rolloutdb.gpu_capture.reference_engine import ReferenceEngine
+from crash_harness import kill_when, metrics, newest_usable_snapshot, read_sql, server_pids, train_env
 from rolloutdb.store import CallPrefix
 
 PROMPT = [1, 5, 6, 7, 8]
@@ -215,9 +213,11 @@ def test_the_cut_keeps_an_agent_call_by_its_servers_mode_and_names_why_it_cannot
 # on examples/agent_server.yaml at prefix level (its two servers started by the controller:
 # even prompts on `agents`, export_restore; odd ones on `restarts`, restart_only: the
 # protocol's rule, prompt id modulo the number of servers), SIGKILLed with its servers
-# while the snapshot a resume restores holds prefixes of `agents` calls and fallbacks of
-# `restarts` calls, then resumed. What happened is read from the files through connections
-# of the test's own (sqlite3), the snapshot copied at the kill, and the metrics log.
+# while the snapshot a resume restores holds prefixes of `agents` calls, fallbacks of
+# `restarts` calls and an exported agent past its first turn, then resumed. What happened
+# is read from the files through connections of the test's own (sqlite3), the snapshot
+# copied at the kill, and the metrics log. The run is made once per session (conftest.py
+# `agent_servers_killed`): tests/test_agent_server_faults.py reads it too (section 3).
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "agent_server.yaml"
@@ -237,39 +237,19 @@ TRACE = Path("logs") / "rollout_trace.sqlite"
 RESTART_ONLY = "restart_only_server:restarts"
 
 
-def _env() -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "ROLLOUTDB_FAULT"}
-    env["RAY_AUTH_MODE"] = "disabled"
-    return env
-
-
 def _train(run_dir: Path, *, resume: bool = False) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "rolloutdb", "train", "--config", str(EXAMPLE), "--run-dir", str(run_dir)]
     cmd += (["--resume", "latest"] if resume else []) + OVERRIDES
-    return subprocess.Popen(cmd, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-
-
-def _read(path: Path, sql: str, args: tuple = ()) -> list[tuple]:
-    with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=30)) as conn:
-        return conn.execute(sql, args).fetchall()
-
-
-def _metrics(run_dir: Path) -> list[dict]:
-    path = run_dir / "logs" / "metrics.jsonl"
-    out = []
-    for line in path.read_text().splitlines() if path.exists() else []:
-        with contextlib.suppress(json.JSONDecodeError):  # a line cut by a kill
-            out.append(json.loads(line))
-    return out
+    return subprocess.Popen(cmd, env=train_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
 def _saved_prefixes(db: Path) -> dict[int, dict]:
     """attempt id -> its call's prefix in a snapshot file's token_chunks (chunks joined in
     order, decoded here), with its attempt, prompt and exported turn."""
-    rows = _read(db, "SELECT c.attempt_id, r.group_id, r.generation_index, r.attempt, g.prompt_id, c.prefix_count, "
-                     "c.token_ids, e.turn FROM token_chunks c JOIN rollouts r USING (attempt_id) "
-                     "JOIN prompt_groups g USING (group_id) LEFT JOIN env_episodes e USING (attempt_id) "
-                     "ORDER BY c.attempt_id, c.chunk_index")
+    rows = read_sql(db, "SELECT c.attempt_id, r.group_id, r.generation_index, r.attempt, g.prompt_id, c.prefix_count, "
+                        "c.token_ids, e.turn FROM token_chunks c JOIN rollouts r USING (attempt_id) "
+                        "JOIN prompt_groups g USING (group_id) LEFT JOIN env_episodes e USING (attempt_id) "
+                        "ORDER BY c.attempt_id, c.chunk_index")
     out: dict[int, dict] = {}
     for attempt_id, g, i, a, prompt, count, blob, turn in rows:
         p = out.setdefault(attempt_id, {"key": (g, i, a), "prompt": prompt, "turn": turn, "tokens": []})
@@ -278,72 +258,72 @@ def _saved_prefixes(db: Path) -> dict[int, dict]:
     return out
 
 
-def _server_pids(controller_pid: int) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            argv = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
-        except OSError:
-            continue
-        if "--parent-pid" in argv and argv[argv.index("--parent-pid") + 1] == str(controller_pid):
-            found.append(int(entry.name))
-    return found
+def saved_agents(snapshot_db: Path) -> dict[tuple[int, int, int], tuple[int, int, int]]:
+    """(group, generation, attempt) -> (turns committed, policy tokens, prompt id) of every
+    running attempt's exported agent in a snapshot's env_episodes, decoded here."""
+    rows = read_sql(snapshot_db, "SELECT r.group_id, r.generation_index, r.attempt, e.turn, e.token_ids, "
+                                 "e.version_token_counts, g.prompt_id FROM env_episodes e "
+                                 "JOIN rollouts r ON r.attempt_id = e.attempt_id JOIN prompt_groups g USING (group_id) "
+                                 "WHERE r.state = 'running'")
+    out = {}
+    for g, i, a, turn, blob, runs, prompt in rows:
+        tokens = np.frombuffer(blob, "<i4")
+        pairs = json.loads(runs)
+        assert sum(n for _, n in pairs) == len(tokens)
+        out[(g, i, a)] = (turn, sum(n for v, n in pairs if v != -1), prompt)
+    return out
 
 
-def _kill_when_the_cut_holds_both(run_dir: Path, proc: subprocess.Popen, keep: Path) -> dict | None:
-    """Freeze the controller (SIGSTOP: nothing is published while we look) until the
-    snapshot a resume would restore holds a prefix of an `agents` call and its trace
-    holds a fallback of a `restarts` call at that cut; copy that snapshot's file; SIGKILL
-    the servers and the controller together."""
-    from crash_harness import newest_usable_snapshot
+def _kill_when_the_cut_holds_all_three(run_dir: Path, proc: subprocess.Popen, keep: Path) -> dict | None:
+    """Freeze the controller until the snapshot a resume would restore holds a prefix of an
+    `agents` call and an exported agent past its first turn, and its trace holds a fallback
+    of a `restarts` call at that cut; copy that snapshot's file; SIGKILL the servers and the
+    controller together."""
+    def look() -> dict | None:
+        newest = newest_usable_snapshot(run_dir / "checkpoints")
+        if newest is None:
+            return None
+        snap = Path(newest[1])
+        prefixes = _saved_prefixes(snap / "rollout_state.sqlite")
+        if not any(p["prompt"] % 2 == 0 for p in prefixes.values()):
+            return None
+        saved = saved_agents(snap / "rollout_state.sqlite")
+        if not any(turn >= 1 for turn, _, _ in saved.values()):
+            return None
+        cut_time = json.loads((snap / "manifest.json").read_text())["cut_time"]
+        fallbacks = read_sql(run_dir / TRACE, "SELECT attempt_id, turn, reason FROM call_fallback WHERE abs(t - ?) < 1e-6",
+                             (cut_time,))
+        if not any(reason == RESTART_ONLY for _, _, reason in fallbacks):
+            return None
+        shutil.copyfile(snap / "rollout_state.sqlite", keep)
+        # Named before the kill: their command lines name this controller while it lives.
+        return {"snapshot": str(snap), "cut_time": cut_time, "prefixes": prefixes, "fallbacks": fallbacks,
+                "saved": saved, "servers": server_pids(proc.pid)}
 
-    deadline = time.monotonic() + TIMEOUT_S
-    while proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-        proc.send_signal(signal.SIGSTOP)
-        try:
-            newest = newest_usable_snapshot(run_dir / "checkpoints")
-            if newest is None:
-                continue
-            snap = Path(newest[1])
-            prefixes = _saved_prefixes(snap / "rollout_state.sqlite")
-            if not any(p["prompt"] % 2 == 0 for p in prefixes.values()):
-                continue
-            cut_time = json.loads((snap / "manifest.json").read_text())["cut_time"]
-            fallbacks = _read(run_dir / TRACE, "SELECT attempt_id, turn, reason FROM call_fallback "
-                                               "WHERE abs(t - ?) < 1e-6", (cut_time,))
-            if not any(reason == RESTART_ONLY for _, _, reason in fallbacks):
-                continue
-            shutil.copyfile(snap / "rollout_state.sqlite", keep)
-            for pid in _server_pids(proc.pid):
-                os.kill(pid, signal.SIGKILL)
-            proc.send_signal(signal.SIGKILL)
-            proc.wait(timeout=30)
-            return {"snapshot": str(snap), "cut_time": cut_time, "prefixes": prefixes, "fallbacks": fallbacks}
-        except sqlite3.Error:
-            continue  # a file being written: look again
-        finally:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGCONT)
-    if proc.poll() is None:
-        proc.kill()
-    proc.wait()
-    return None
+    return kill_when(proc, look, timeout=TIMEOUT_S, with_servers=True)
 
 
-@pytest.fixture(scope="module")
-def killed(tmp_path_factory):
-    root = tmp_path_factory.mktemp("agent_prefix")
+def _gone(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"  # a zombie is dead
+    except OSError:
+        return True
+
+
+def killed_beside_agent_servers(root: Path) -> dict:
+    """The real run above, killed with its servers once and resumed to the end, and its
+    `rolloutdb trace --json` report."""
     for n in range(2):
         run_dir = root / f"run{n}"
-        got = _kill_when_the_cut_holds_both(run_dir, _train(run_dir), root / f"cut{n}.sqlite")
+        got = _kill_when_the_cut_holds_all_three(run_dir, _train(run_dir), root / f"cut{n}.sqlite")
         if got is not None:
             break
     else:
-        pytest.fail("2 runs ended before a snapshot held both an agents prefix and a restarts fallback")
-    time.sleep(1.0)  # the killed servers go (their ports are free either way: the resume picks new ones)
+        pytest.fail("2 runs ended before a snapshot held an agents prefix, an agent past its first turn and a "
+                    "restarts fallback")
+    deadline = time.monotonic() + 30
+    while not all(_gone(pid) for pid in got["servers"].values()) and time.monotonic() < deadline:
+        time.sleep(0.05)  # the killed servers go (their ports are free either way: the resume picks new ones)
     proc = _train(run_dir, resume=True)
     try:
         _, err = proc.communicate(timeout=TIMEOUT_S)
@@ -353,9 +333,14 @@ def killed(tmp_path_factory):
         pytest.fail(f"the resumed run did not end within {TIMEOUT_S} s: {err[-1500:]}")
     assert proc.returncode == 0, err[-2000:]
     report = subprocess.run([sys.executable, "-m", "rolloutdb", "trace", str(run_dir), "--json", "--out",
-                             str(root / "report")], env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
+                             str(root / "report")], env=train_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
     assert report.returncode == 0, report.stderr
     return {"run_dir": run_dir, "cut": root / f"cut{n}.sqlite", "report": json.loads(report.stdout), **got}
+
+
+@pytest.fixture(scope="module")
+def killed(agent_servers_killed):
+    return agent_servers_killed
 
 
 def test_the_cut_saved_prefixes_only_of_export_restore_calls_each_at_its_agents_exported_turn(killed):
@@ -363,19 +348,19 @@ def test_the_cut_saved_prefixes_only_of_export_restore_calls_each_at_its_agents_
     assert prefixes and {p["prompt"] % 2 for p in prefixes.values()} == {0}
     # Every saved call is of the turn its agent's export is at (env_episodes, same file).
     assert all(p["turn"] is not None for p in prefixes.values())
-    running = dict(_read(killed["cut"], "SELECT attempt_id, state FROM rollouts"))
+    running = dict(read_sql(killed["cut"], "SELECT attempt_id, state FROM rollouts"))
     assert all(running[a] == "running" for a in prefixes)
 
 
 def test_the_export_restore_calls_continued_from_their_prefix_and_the_engine_got_prompt_and_prefix(killed):
     run_dir = killed["run_dir"]
-    (restore,) = [e for e in _metrics(run_dir) if e.get("kind") == "restore"]
+    (restore,) = [e for e in metrics(run_dir) if e.get("kind") == "restore"]
     assert restore["snapshot"] == killed["snapshot"]
-    lines = [e for e in _metrics(run_dir) if e.get("kind") == "agent_prefix"]
+    lines = [e for e in metrics(run_dir) if e.get("kind") == "agent_prefix"]
     by_key = {e["key"]: e for e in lines}
     assert len(by_key) == len(lines), "a prefix met two first calls"
-    resumed = _read(run_dir / TRACE, "SELECT max(run) FROM runs")[0][0]
-    dispatched = {(g, i, a): n for g, i, a, n in _read(
+    resumed = read_sql(run_dir / TRACE, "SELECT max(run) FROM runs")[0][0]
+    dispatched = {(g, i, a): n for g, i, a, n in read_sql(
         run_dir / TRACE, "SELECT group_id, generation_index, attempt, prefix_tokens FROM attempt_dispatched "
                          "WHERE run = ?", (resumed,))}
     for p in killed["prefixes"].values():
@@ -396,15 +381,15 @@ def test_the_restart_only_calls_fell_back_one_event_each_with_their_reason_and_r
     run_dir, prefixes = killed["run_dir"], killed["prefixes"]
     fell = [(a, t) for a, t, reason in killed["fallbacks"] if reason == RESTART_ONLY]
     assert fell and len({a for a, _ in fell}) == len(fell)  # one event per call
-    ledger = {a: (g, i, n, prompt, state) for a, g, i, n, prompt, state in _read(
+    ledger = {a: (g, i, n, prompt, state) for a, g, i, n, prompt, state in read_sql(
         killed["cut"], "SELECT r.attempt_id, r.group_id, r.generation_index, r.attempt, g.prompt_id, r.state "
                        "FROM rollouts r JOIN prompt_groups g USING (group_id)")}
-    resumed = _read(run_dir / TRACE, "SELECT max(run) FROM runs")[0][0]
-    calls = _read(run_dir / TRACE, "SELECT group_id, generation_index, attempt, turn FROM call_finished WHERE run = ?",
-                  (resumed,))
-    dispatched = _read(run_dir / TRACE, "SELECT group_id, generation_index, attempt, prefix_tokens "
-                                        "FROM attempt_dispatched WHERE run = ?", (resumed,))
-    spliced = {e["key"] for e in _metrics(run_dir) if e.get("kind") == "agent_prefix"}
+    resumed = read_sql(run_dir / TRACE, "SELECT max(run) FROM runs")[0][0]
+    calls = read_sql(run_dir / TRACE, "SELECT group_id, generation_index, attempt, turn FROM call_finished WHERE run = ?",
+                     (resumed,))
+    dispatched = read_sql(run_dir / TRACE, "SELECT group_id, generation_index, attempt, prefix_tokens "
+                                           "FROM attempt_dispatched WHERE run = ?", (resumed,))
+    spliced = {e["key"] for e in metrics(run_dir) if e.get("kind") == "agent_prefix"}
     for attempt_id, _turn in fell:
         g, i, n, prompt, state = ledger[attempt_id]
         assert prompt % 2 == 1 and state == "running"  # a restarts call, running at the cut
@@ -428,7 +413,7 @@ def test_rolloutdb_trace_counts_the_stops_fallbacks_by_reason(killed):
 
 
 def test_the_killed_prefix_level_run_beside_agent_servers_lost_and_duplicated_nothing(killed):
-    out = subprocess.run([sys.executable, "-m", "rolloutdb", "verify", str(killed["run_dir"]), "--json"], env=_env(),
+    out = subprocess.run([sys.executable, "-m", "rolloutdb", "verify", str(killed["run_dir"]), "--json"], env=train_env(),
                          capture_output=True, text=True, timeout=TIMEOUT_S)
     assert out.returncode == 0, out.stdout + out.stderr
     figures = json.loads(out.stdout)

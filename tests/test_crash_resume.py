@@ -42,57 +42,58 @@ def test_killing_the_main_job_at_fault_points_and_random_moments_loses_nothing(t
     assert result.restores, "no resume restored a snapshot"
 
 
-@pytest.mark.timeout(600)  # ~130 s on 2 cores; 13 real processes take far longer on a loaded machine
+@pytest.mark.timeout(600)  # ~130 s on 2 cores with 12 kills; 7 since 2026-12-01 (CI time)
 def test_killing_a_multi_turn_run_at_turn_level_keeps_its_committed_turns_and_loses_nothing(tmp_path):
-    """Quick tier at turn level: 12 kills in one chain of the multi-turn long-tail task,
+    """Quick tier at turn level: 7 kills in one chain of the multi-turn long-tail task,
     after a turn's commit batch, between a call finishing and its batch committing, at a
-    resume, at a snapshot's cut, and at random moments. Besides the chain's checks, every
-    episode a resume restored matches its snapshot's saved turn, and a stop kept tokens."""
+    resume, at a snapshot's cut, and at a random moment (each kind at least once, the
+    turn-level points twice; the long tier, -m slow, draws hundreds). Besides the chain's
+    checks, every episode a resume restored matches its snapshot's saved turn, and a stop
+    kept tokens."""
     rng = random.Random(12)
     # The first kill lands well into the fresh run, once snapshots hold saved episodes (the
     # first ones, before any rollout, hold none); ~120 turn-commit batches in a whole run.
-    after_turn = [(f"pump.after_turn_commit@{12 + rng.randrange(8)}", None)]
-    after_turn += [(f"pump.after_turn_commit@{2 + rng.randrange(8)}", None) for _ in range(3)]
-    uncommitted = [(f"pump.call_finished_uncommitted@{10 + rng.randrange(60)}", None) for _ in range(3)]
-    randomly = [(None, rng.uniform(*TURN_LEVEL.random_kill_s)) for _ in range(3)]
-    plan = [after_turn[0], uncommitted[0], randomly[0], ("resume.after_restore", None), after_turn[1],
-            uncommitted[1], ("snapshot.after_cut@2", None), randomly[1], after_turn[2], uncommitted[2],
-            randomly[2], after_turn[3]]
+    after_turn = [(f"pump.after_turn_commit@{12 + rng.randrange(8)}", None),
+                  (f"pump.after_turn_commit@{2 + rng.randrange(8)}", None)]
+    uncommitted = [(f"pump.call_finished_uncommitted@{10 + rng.randrange(60)}", None) for _ in range(2)]
+    plan = [after_turn[0], uncommitted[0], (None, rng.uniform(*TURN_LEVEL.random_kill_s)),
+            ("resume.after_restore", None), after_turn[1], ("snapshot.after_cut@2", None), uncommitted[1]]
     result = run_chain(tmp_path / "run", plan, config=TURN_LEVEL)
     assert not result.problems, result.problems
     assert result.finished
-    assert result.kills >= 10, f"only {result.kills} kills landed: {result.killed_at}"
+    assert result.kills >= 6, f"only {result.kills} kills landed: {result.killed_at}"
     assert {"pump.after_turn_commit", "pump.call_finished_uncommitted"} <= {k.split("@")[0] for k in result.killed_at}
     assert result.episodes_restored > 0, "no resume restored an episode at its last committed turn"
     assert any(k > 0 for k in result.kept_per_stop), f"no stop kept a token: {result.kept_per_stop}"
 
 
-@pytest.mark.timeout(600)  # ~90 s on 2 cores
+@pytest.mark.timeout(600)  # ~90 s on 2 cores with 8 kills; 6 since 2026-12-01 (CI time)
 def test_killing_a_multi_turn_run_at_prefix_level_continues_its_calls_and_loses_nothing(tmp_path):
-    """Quick tier at prefix level: 8 kills in one chain of the multi-turn long-tail task
+    """Quick tier at prefix level: 6 kills in one chain of the multi-turn long-tail task
     (after a turn's commit, between a call finishing and its commit, at a snapshot's cut,
-    at a resume and at random moments), with the chain's checks and the turn-level ones."""
+    at a resume and at a random moment), with the chain's checks and the turn-level ones."""
     rng = random.Random(13)
     plan = [(f"pump.after_turn_commit@{12 + rng.randrange(8)}", None),
             (None, rng.uniform(*PREFIX_LEVEL.random_kill_s)),
             (f"pump.call_finished_uncommitted@{10 + rng.randrange(60)}", None),
             ("resume.after_restore", None),
             ("snapshot.after_cut@3", None),
-            (None, rng.uniform(*PREFIX_LEVEL.random_kill_s)),
-            (f"pump.after_turn_commit@{2 + rng.randrange(8)}", None),
-            (None, rng.uniform(*PREFIX_LEVEL.random_kill_s))]
+            (f"pump.after_turn_commit@{2 + rng.randrange(8)}", None)]
     result = run_chain(tmp_path / "run", plan, config=PREFIX_LEVEL)
     assert not result.problems, result.problems
     assert result.finished
-    assert result.kills >= 6, f"only {result.kills} kills landed: {result.killed_at}"
+    assert result.kills >= 5, f"only {result.kills} kills landed: {result.killed_at}"
 
 
 def test_killing_an_async_checkpointing_run_at_each_of_its_points_resumes_from_the_previous_anchor(tmp_path):
     """Quick tier, checkpointing.async: a kill while a checkpoint is copied, written,
     sealed but not renamed, or renamed before its held snapshot is published. Every
     resume must restore the newest sound snapshot the harness finds on disk (so never
-    one under the unpublished checkpoint), and the chain must train every group once."""
-    plan = [(f"{p}@{n}", None) for p in controller_points.ASYNC_POINTS for n in (1, 2)]
+    one under the unpublished checkpoint), and the chain must train every group once.
+    One kill per point, at its 1st or 2nd occurrence in turn (the 1st checkpoint's
+    previous anchor is the bootstrap, a later one's a step: both kinds are met; the long
+    tier, -m slow, draws from these points in every other group-level chain)."""
+    plan = [(f"{p}@{1 + i % 2}", None) for i, p in enumerate(controller_points.ASYNC_POINTS)]
     result = run_chain(tmp_path / "run", plan, overrides=["checkpointing.async=true"])
     assert not result.problems, result.problems
     assert result.finished

@@ -6,9 +6,10 @@ discards (so every run trains the same groups, greedy's flat ones too), is SIGKI
 twice while the snapshot a resume would restore holds prefixes of running calls, and
 resumed each time. Its never-stopped twin runs the same config. Two configurations, each
 with stop strings, presence and frequency penalties and min_tokens set: greedy
-(temperature 0) and seeded sampling (temperature 1). The digit task without the long
-tail, so the config's min_tokens and max_tokens hold (the long-tail task sets each
-reply's limits itself). Then:
+(temperature 0) and seeded sampling (temperature 1, with shared-prefix packing: the
+seeded pair runs once per session and tests/test_shared_prefix_packing.py reads it too).
+The digit task without the long tail, so the config's min_tokens and max_tokens hold (the
+long-tail task sets each reply's limits itself). Then:
 
 - every group trained by the killed run was trained by the twin with exactly the same
   tokens and logprobs, generation by generation: "as if never stopped";
@@ -24,19 +25,16 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import shutil
-import signal
 import sqlite3
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from crash_harness import newest_usable_snapshot
+from crash_harness import kill_when, metrics, newest_usable_snapshot, train_env
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "multiturn.yaml"
@@ -49,8 +47,12 @@ MIN_TOKENS, MAX_TOKENS = 4, 24
 PENALTIES = {"presence_penalty": 0.5, "frequency_penalty": 0.5}
 # Measured on this tiny policy (run.seed 5): greedy replies end on EOS (~60%) or a stop
 # string (~40%), 5 to 19 tokens; seeded ones on EOS (~50%), a stop string (~45%) or
-# max_tokens. Every configuration costs two runs side by side (~30 s on 2 cores).
-SAMPLING = {"greedy": ["generation.temperature=0"], "seeded": ["generation.temperature=1"]}
+# max_tokens. Every configuration costs two runs side by side (~30 s on 2 cores). The seeded
+# one packs shared prefixes too (it changes only how the trainer lays out a batch; the
+# learning rate is 0): tests/test_shared_prefix_packing.py checks its packed batches instead
+# of killing a run of its own, greedy keeps the unpacked layout.
+SAMPLING = {"greedy": ["generation.temperature=0"],
+            "seeded": ["generation.temperature=1", "algorithm.shared_prefix_packing=true"]}
 
 
 def _config(record: Path, mode: str) -> list[str]:
@@ -78,9 +80,7 @@ def _config(record: Path, mode: str) -> list[str]:
 
 def _train(run_dir: Path, record: Path, mode: str, resume: bool = False) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "rolloutdb", "train", "--config", str(EXAMPLE), "--run-dir", str(run_dir)]
-    env = {k: v for k, v in os.environ.items() if k != "ROLLOUTDB_FAULT"}
-    env["RAY_AUTH_MODE"] = "disabled"
-    return subprocess.Popen(cmd + (["--resume"] if resume else []) + _config(record, mode), env=env,
+    return subprocess.Popen(cmd + (["--resume"] if resume else []) + _config(record, mode), env=train_env(),
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
@@ -115,26 +115,20 @@ def _prefixed_calls(snapshot_db: Path) -> int:
 
 
 def _kill_with_prefixes_saved(run_dir: Path, proc: subprocess.Popen, keep: Path) -> int | None:
-    deadline = time.monotonic() + TIMEOUT_S
-    while proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-        proc.send_signal(signal.SIGSTOP)  # nothing is published while we look
-        try:
-            newest = newest_usable_snapshot(run_dir / "checkpoints")
-            if newest is None:
-                continue
-            db = Path(newest[1]) / "rollout_state.sqlite"
-            n = _prefixed_calls(db)
-            if n:
-                shutil.copyfile(db, keep)
-                proc.send_signal(signal.SIGKILL)
-                proc.wait(timeout=30)
-                return n
-        finally:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGCONT)
-    _, err = proc.communicate(timeout=TIMEOUT_S)
-    return None
+    """SIGKILL the run once the snapshot a resume would restore holds prefixes of running
+    calls (a copy of its store kept); how many calls, or None if the run ended first."""
+    def look() -> int | None:
+        newest = newest_usable_snapshot(run_dir / "checkpoints")
+        if newest is None:
+            return None
+        db = Path(newest[1]) / "rollout_state.sqlite"
+        n = _prefixed_calls(db)
+        if not n:
+            return None
+        shutil.copyfile(db, keep)
+        return n
+
+    return kill_when(proc, look, timeout=TIMEOUT_S)
 
 
 def _trained(record: Path) -> dict[int, set[str]]:
@@ -145,15 +139,11 @@ def _trained(record: Path) -> dict[int, set[str]]:
     return out
 
 
-def _metrics(run_dir: Path, kind: str) -> list[dict]:
-    lines = (run_dir / "logs" / "metrics.jsonl").read_text().splitlines()
-    return [r for r in map(json.loads, lines) if r.get("kind") == kind]
-
-
-@pytest.fixture(scope="module", params=list(SAMPLING))
-def job(request, tmp_path_factory):
-    mode = request.param
-    root = tmp_path_factory.mktemp(f"prefix_run_{mode}")
+def killed_twin_runs(root: Path, mode: str) -> dict:
+    """The killed run (KILLS kills, each once the snapshot holds prefixes) and its twin of
+    one configuration, both to the end, with what the tests read from them. Seeded runs
+    once per session (conftest.py `seeded_prefix_run`): tests/test_shared_prefix_packing.py
+    reads its packed batches too."""
     twin_dir, run_dir = root / "twin", root / "run"
     twin = _train(twin_dir, root / "twin.jsonl", mode)
     proc = _train(run_dir, root / "run.jsonl", mode)
@@ -175,11 +165,19 @@ def job(request, tmp_path_factory):
                              "--out", str(root / "report")], capture_output=True, text=True, timeout=TIMEOUT_S)
     assert report.returncode == 0, report.stderr
     return {"mode": mode, "root": root, "run_dir": run_dir, "twin_dir": twin_dir, "kills": kills, "verify": verify,
+            "cut": root / f"cut{len(kills) - 1}.sqlite",
             "report": json.loads((root / "report" / "trace_report.json").read_text()),
             "kept_by_hand": _kept_by_hand(root / "cut0.sqlite"),
             "prefix_tokens_by_hand": _prefix_tokens_by_hand(root / "cut0.sqlite"),
             "run": _trained(root / "run.jsonl"), "twin": _trained(root / "twin.jsonl"),
             "replies": _replies(root / "twin.jsonl")}
+
+
+@pytest.fixture(scope="module", params=list(SAMPLING))
+def job(request, tmp_path_factory):
+    if request.param == "seeded":
+        return request.getfixturevalue("seeded_prefix_run")
+    return killed_twin_runs(tmp_path_factory.mktemp(f"prefix_run_{request.param}"), request.param)
 
 
 def _replies(record: Path) -> list[dict]:
@@ -210,7 +208,7 @@ def test_every_group_the_killed_run_trained_has_exactly_its_twins_tokens_and_log
 def test_the_last_resume_continued_every_call_the_restored_snapshot_held_a_prefix_of(job):
     # The metrics log rolls back with each restore to its anchor, so it holds the last
     # resume's line only; the twin test above covers every resume.
-    restores = _metrics(job["run_dir"], "prefix_restore")
+    restores = metrics(job["run_dir"], "prefix_restore")
     assert [r["calls"] for r in restores] == job["kills"][-1:]
     assert restores[0]["tokens"] >= restores[0]["calls"]
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import os
 import random
 import re
 import sqlite3
@@ -36,6 +35,7 @@ import numpy as np
 import pytest
 import torch
 
+from crash_harness import metrics, train_env
 from rolloutdb.controller.grpo import GRPOConfig, GRPOTrainer
 from rolloutdb.controller.packing import micro_batches, pack_shared_prefix, shared_prefix_length
 from rolloutdb.controller.protocols import Completion, TrainGroup
@@ -233,9 +233,7 @@ QUICK = [
 def _cli(run_dir: Path, *extra: str, resume: bool = False, config: Path | None = None) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "rolloutdb", "train", "--config", str(config or REPO / "examples" / "quickstart.yaml"),
            "--run-dir", str(run_dir), *(["--resume"] if resume else [])]
-    env = {k: v for k, v in os.environ.items() if k != "ROLLOUTDB_FAULT"}
-    env["RAY_AUTH_MODE"] = "disabled"
-    return subprocess.run(cmd + QUICK + list(extra), env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run(cmd + QUICK + list(extra), env=train_env(), capture_output=True, text=True, timeout=300)
 
 
 def _files(root: Path) -> dict[str, tuple]:
@@ -318,33 +316,19 @@ def _resumed_calls(trace_db: Path) -> dict[tuple[int, int], tuple[int, int]]:
     return {(g, i): (p, n) for g, i, p, n in rows}
 
 
-def test_a_killed_prefix_level_run_with_packing_trains_every_restored_prefix(tmp_path):
-    """The multi-turn example at prefix level with packing on (the twin test's settings,
-    tests/test_prefix_recovery_real_run.py), SIGKILLed while its newest snapshot holds
-    prefixes of running calls, then resumed to the end. Every call the snapshot held a
-    prefix of was continued from it (the trace: it decoded only the rest of its output),
-    and its output, prefix first, reached the packed batch as policy tokens with the
-    logprobs the snapshot saved. The policy is fixed (lr 0) and sampling seeded, so a
-    call redone from scratch would produce the same tokens: the decoded count is what
-    tells a kept prefix from a dropped one."""
-    from test_prefix_recovery_real_run import EXAMPLE, _config, _kill_with_prefixes_saved, _metrics
-
-    run_dir, record, cut = tmp_path / "run", tmp_path / "run.jsonl", tmp_path / "cut.sqlite"
-    extra = ["algorithm.shared_prefix_packing=true", "algorithm.total_steps=8"]
-
-    def start(resume: bool) -> subprocess.Popen:
-        cmd = [sys.executable, "-m", "rolloutdb", "train", "--config", str(EXAMPLE), "--run-dir", str(run_dir)]
-        env = {k: v for k, v in os.environ.items() if k != "ROLLOUTDB_FAULT"}
-        env["RAY_AUTH_MODE"] = "disabled"
-        return subprocess.Popen(cmd + (["--resume"] if resume else []) + _config(record, "seeded") + extra, env=env,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-
-    calls = _kill_with_prefixes_saved(run_dir, start(False), cut)
-    assert calls, "the run ended before any snapshot held a prefix of a running call"
-    resumed = start(True)
-    _, err = resumed.communicate(timeout=300)
-    assert resumed.returncode == 0, err[-2000:]
-    assert [r["calls"] for r in _metrics(run_dir, "prefix_restore")] == [calls]
+def test_a_killed_prefix_level_run_with_packing_trains_every_restored_prefix(seeded_prefix_run):
+    """The multi-turn example at prefix level with packing on (the seeded twin run of
+    tests/test_prefix_recovery_real_run.py, shared through conftest.py), SIGKILLed while
+    its newest snapshot holds prefixes of running calls, then resumed to the end. Every
+    call the last restored snapshot held a prefix of was continued from it (the trace: it
+    decoded only the rest of its output), and its output, prefix first, reached the packed
+    batch as policy tokens with the logprobs the snapshot saved. The policy is fixed (lr 0)
+    and sampling seeded, so a call redone from scratch would produce the same tokens: the
+    decoded count is what tells a kept prefix from a dropped one."""
+    job = seeded_prefix_run
+    run_dir, record, cut, calls = job["run_dir"], job["root"] / "run.jsonl", job["cut"], job["kills"][-1]
+    # The metrics log rolls back with each restore: it holds the last resume's line only.
+    assert [r["calls"] for r in metrics(run_dir, "prefix_restore")] == [calls]
     saved = _prefixes_of_running_calls(cut)
     continued = _resumed_calls(run_dir / "logs" / "rollout_trace.sqlite")
     assert len(saved) == calls and continued.keys() == saved.keys()

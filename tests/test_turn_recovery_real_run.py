@@ -15,20 +15,16 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import shutil
-import signal
 import sqlite3
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from crash_harness import newest_usable_snapshot
-from rolloutdb.store.trace.writer import TRACE_FILENAME
+from crash_harness import kill_when, newest_usable_snapshot, resumed_events, train_env
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "multiturn.yaml"
@@ -48,9 +44,7 @@ CONFIG = [
 
 def _train(run_dir: Path, resume: bool = False) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "rolloutdb", "train", "--config", str(EXAMPLE), "--run-dir", str(run_dir)]
-    env = {k: v for k, v in os.environ.items() if k != "ROLLOUTDB_FAULT"}
-    env["RAY_AUTH_MODE"] = "disabled"
-    return subprocess.Popen(cmd + (["--resume"] if resume else []) + CONFIG, env=env,
+    return subprocess.Popen(cmd + (["--resume"] if resume else []) + CONFIG, env=train_env(),
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
@@ -73,28 +67,18 @@ def _saved_turns(snapshot_db: Path) -> dict[tuple[int, int, int], tuple[int, int
 
 
 def _kill_with_turns_saved(run_dir: Path, proc: subprocess.Popen, keep: Path) -> dict | None:
-    deadline = time.monotonic() + TIMEOUT_S
-    while proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.02)
-        proc.send_signal(signal.SIGSTOP)  # nothing is published while we look
-        try:
-            newest = newest_usable_snapshot(run_dir / "checkpoints")
-            if newest is None:
-                continue
-            db = Path(newest[1]) / "rollout_state.sqlite"
-            saved = _saved_turns(db)
-            if any(turn >= 1 for turn, _ in saved.values()):
-                shutil.copyfile(db, keep)
-                proc.send_signal(signal.SIGKILL)
-                proc.wait(timeout=30)
-                return {"snapshot": newest[1], "saved": saved}
-        finally:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGCONT)
-    if proc.poll() is None:
-        proc.kill()
-    proc.wait()
-    return None
+    def look() -> dict | None:
+        newest = newest_usable_snapshot(run_dir / "checkpoints")
+        if newest is None:
+            return None
+        db = Path(newest[1]) / "rollout_state.sqlite"
+        saved = _saved_turns(db)
+        if not any(turn >= 1 for turn, _ in saved.values()):
+            return None
+        shutil.copyfile(db, keep)
+        return {"snapshot": newest[1], "saved": saved}
+
+    return kill_when(proc, look, timeout=TIMEOUT_S, poll_s=0.02)
 
 
 @pytest.fixture(scope="module")
@@ -122,18 +106,11 @@ def job(tmp_path_factory):
             "verify": verify, **killed}
 
 
-def _resumed_events(run_dir: Path, table: str, columns: str) -> list[tuple]:
-    path = run_dir / "logs" / TRACE_FILENAME
-    with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as conn:
-        (resumed,) = conn.execute("SELECT max(run) FROM runs").fetchone()
-        return conn.execute(f"SELECT {columns} FROM {table} WHERE run = ?", (resumed,)).fetchall()
-
-
 def test_every_episode_with_committed_turns_continued_from_its_last_committed_turn(job):
-    restored = {(g, i, a_from): (turn, tokens, a_new) for g, i, a_from, turn, tokens, a_new in _resumed_events(
+    restored = {(g, i, a_from): (turn, tokens, a_new) for g, i, a_from, turn, tokens, a_new in resumed_events(
         job["run_dir"], "episode_restored", "group_id, generation_index, from_attempt, turn, tokens, attempt")}
     assert {k: v[:2] for k, v in restored.items()} == job["saved"]
-    calls = _resumed_events(job["run_dir"], "call_finished", "group_id, generation_index, attempt, turn")
+    calls = resumed_events(job["run_dir"], "call_finished", "group_id, generation_index, attempt, turn")
     for (g, i, _a), (turn, _tokens, a_new) in restored.items():
         turns = sorted(t for gg, ii, aa, t in calls if (gg, ii, aa) == (g, i, a_new))
         assert turns and turns[0] == turn, ((g, i), turn, turns)  # no earlier turn generated again
