@@ -140,7 +140,8 @@ class _Call:
     versions: list[int] = field(default_factory=list)  # of the prefix; vLLM's spans for the rest
     text: str = ""  # decoded output so far (kept only with stop strings)
     abort: bool = False
-    fallback: str | None = None
+    fallback: str | None = None  # why its prefix was dropped (it restarted), if it was
+    cut_refused: str | None = None  # cut_support's verdict, asked once at submit
 
 
 class VLLMEngine:
@@ -330,7 +331,8 @@ class VLLMEngine:
                     head = len(c.prefix)
                     out[c.request.request_id] = RunningCall(
                         c.prefix + tokens, c.logprobs[:head] + logprobs if len(c.logprobs) >= head else logprobs,
-                        c.versions[:head] + _versions(starts, len(tokens), self._version), p.max_tokens, p.min_tokens)
+                        c.versions[:head] + _versions(starts, len(tokens), self._version), p.max_tokens, p.min_tokens,
+                        c.cut_refused)
                 self.cut_hold_s = time.perf_counter() - t0
                 box.set_result(out)
             except BaseException as error:
@@ -393,11 +395,14 @@ class VLLMEngine:
         check_request(request, self.vocab_size, self.max_model_len)
         prefix = list(request.prefix_ids)
         prefix_logprobs = list(request.prefix_logprobs)
-        fallback = self.cut_support(request) if prefix else None
+        # The verdict goes out with every running_calls(): without it a snapshot would save
+        # the prefix of a call that cannot continue (and trace a call_cut, not a fallback).
+        refused = self.cut_support(request)
+        fallback = refused if prefix else None
         if fallback:
             prefix, prefix_logprobs = [], []
         call = _Call(request=request, prefix=prefix, tokens=list(prefix), logprobs=prefix_logprobs,
-                     versions=list(request.prefix_versions) if prefix else [], fallback=fallback)
+                     versions=list(request.prefix_versions) if prefix else [], fallback=fallback, cut_refused=refused)
         return call
 
     def _finished_by_prefix(self, call: _Call) -> tuple | None:

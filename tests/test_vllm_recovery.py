@@ -67,7 +67,7 @@ GREEDY_VLLM = HarnessConfig(
 # third step, the second a few batches into the resumed run (after it continued calls).
 PLAN = [("pump.after_turn_commit@14", None), ("pump.after_turn_commit@8", None)]
 TAG = "ROLLOUTDB_VLLM_CHAIN"  # environment variable every process of the chain inherits
-ORPHAN_GRACE_S = 10.0  # the guard polls every 0.2 s; a loaded machine may delay it a few seconds
+ORPHAN_GRACE_S = 20.0  # the guard polls every 0.2 s; a loaded machine (load 15+) may delay it seconds
 LOGPROB_ABS = 1e-5
 
 
@@ -213,7 +213,7 @@ def test_a_greedy_prefix_level_run_on_vllm_killed_twice_and_resumed_loses_and_do
 
 @pytest.mark.vllm
 @pytest.mark.timeout(900)
-def test_the_resumes_on_vllm_continued_calls_from_their_prefixes_and_none_fell_back(chain):
+def test_the_resumes_on_vllm_continued_calls_from_their_prefixes_and_none_fell_back_for_an_engine_reason(chain):
     run_dir = chain["run_dir"]
     continued = _trace_rows(run_dir, "SELECT count(*), sum(prefix_tokens) FROM attempt_dispatched "
                                      "WHERE prefix_tokens > 0")[0]
