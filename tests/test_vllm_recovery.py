@@ -172,10 +172,15 @@ def chain(tmp_path_factory):
     try:
         t0 = time.monotonic()
         twin = start_twin(root / "twin", GREEDY_VLLM, _recording(root / "twin.jsonl"))
+        # Drained meanwhile: vLLM logs much to stderr, and a full pipe would stall the twin.
+        stderr: list[str] = []
+        drain = threading.Thread(target=lambda: stderr.append(twin.stderr.read()), daemon=True)
+        drain.start()
         result = run_chain(root / "run", PLAN, config=GREEDY_VLLM, twin=False, timeout=TIMEOUT_S,
                            overrides=_recording(root / "run.jsonl"))
-        _, err = twin.communicate(timeout=TIMEOUT_S)
-        assert twin.returncode == 0, err[-3000:]
+        twin.wait(timeout=TIMEOUT_S)
+        drain.join(60)
+        assert twin.returncode == 0, "".join(stderr)[-3000:]
         chain_s = time.monotonic() - t0
         verify = subprocess.run([sys.executable, "-m", "rolloutdb", "verify", str(root / "run"), "--json"],
                                 capture_output=True, text=True, timeout=TIMEOUT_S)
@@ -186,7 +191,7 @@ def chain(tmp_path_factory):
     finally:
         if twin is not None and twin.poll() is None:
             twin.kill()
-            twin.communicate()
+            twin.wait()
         watch.stop.set()
         watch.join()
         for k, v in saved.items():
