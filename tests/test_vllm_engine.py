@@ -297,8 +297,17 @@ def test_running_calls_polled_during_generation_are_prefixes_of_the_final_output
             assert final[rid].token_ids[:n] == running.token_ids
             assert running.logprobs == pytest.approx(final[rid].logprobs[:n], abs=0)
             assert running.token_versions == [0] * n and (running.max_tokens, running.min_tokens) == (120, 120)
+            # Sampled: a cut must not save it (the snapshot traces a fallback instead).
+            assert running.cut_refused is not None and "seeded sampling" in running.cut_refused
     assert 0 < seen < 120, "no poll saw a call in the middle"
     assert engine.running_tokens() == {}
+    greedy = engine.submit(call("vg", prompt(engine, 9), max_tokens=60, min_tokens=60, temperature=0.0))
+    verdicts = set()
+    while not greedy.done():
+        if "vg" in (polled := engine.running_calls()):
+            verdicts.add(polled["vg"].cut_refused)
+        time.sleep(0.01)  # polling flat out starves the loop's output step (measured: 58 s, not 4)
+    assert verdicts == {None}  # greedy: a cut saves it
     assert engine.cut_hold_s < 0.05
 
 
@@ -390,63 +399,32 @@ def test_reading_request_states_fails_loudly_naming_the_vllm_version_when_they_m
 
 
 @vllm
-def test_rolloutdb_train_runs_to_the_end_on_the_vllm_backend(vllm_env, tmp_path):
-    """A short run of the quickstart on vLLM: every step trains and the run finishes."""
+def test_rolloutdb_train_runs_to_the_end_on_vllm_and_at_prefix_level_its_sampled_calls_fall_back(vllm_env, tmp_path):
+    """A short run of the quickstart on vLLM: every step trains and the run finishes. At
+    target_level prefix, with snapshots every 0.1 s and 16-token replies, the sampled calls
+    (temperature 1) running at a cut are not saved: the trace records each as a
+    `call_fallback` with the engine's reason (cut_support), and no `call_cut`. The greedy
+    side is tests/test_vllm_recovery.py."""
+    import contextlib
     import json
-
-    cli = Path(sys.executable).with_name("rolloutdb")
-    done = subprocess.run(
-        [str(cli), "train", "--config", str(REPO / "examples/quickstart.yaml"), "generation.backend=vllm",
-         "algorithm.total_steps=3", "rollout_checkpointing.interval_s=1.0", "run.name=vq", "--run-dir",
-         str(tmp_path / "run")], cwd=tmp_path, capture_output=True, text=True, timeout=600,
-        env={**os.environ, "RAY_AUTH_MODE": "disabled"})
-    assert done.returncode == 0, done.stderr[-3000:]
-    steps = [json.loads(x) for p in sorted((tmp_path / "run").rglob("*.jsonl")) for x in p.read_text().splitlines()
-             if '"train_step"' in x]
-    assert [s["step"] for s in steps if s.get("kind") == "train_step"][-1] == 3, done.stderr[-2000:]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"  # a zombie is dead, waiting for a reaper that may be slow
-
-
-@vllm
-def test_a_sigkilled_run_on_vllm_leaves_no_engine_process_behind_and_releases_its_pipes(vllm_env, tmp_path):
-    """vLLM's engine core is a child process; a SIGKILLed controller runs no cleanup, so
-    without the orphan guard the engine core lived on (16 min seen) holding the run's
-    pipes, and whatever waited on them hung."""
-    import signal
-    import time
-
-    from rolloutdb.gpu_capture.orphan_guard import children_of
+    import sqlite3
 
     cli = Path(sys.executable).with_name("rolloutdb")
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen(
+    done = subprocess.run(
         [str(cli), "train", "--config", str(REPO / "examples/quickstart.yaml"), "generation.backend=vllm",
-         "algorithm.total_steps=200", "--run-dir", str(run_dir)], cwd=tmp_path, stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True, env={**os.environ, "RAY_AUTH_MODE": "disabled"})
-    try:
-        deadline = time.monotonic() + 300
-        trained = False
-        while not trained and time.monotonic() < deadline and proc.poll() is None:
-            time.sleep(0.5)
-            trained = any('"train_step"' in line for p in run_dir.rglob("metrics.jsonl")
-                          for line in p.read_text().splitlines())
-        assert trained, "the run trained no step in time"
-        engine = {c for c in children_of(proc.pid) if _alive(c)}  # the engine core (and the guard's watcher)
-        assert engine, "no child process of the run (vLLM's engine core) was found"
-        proc.send_signal(signal.SIGKILL)
-        proc.communicate(timeout=60)  # returns only once no process holds the run's pipes
-        deadline = time.monotonic() + 30
-        while any(_alive(c) for c in engine) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert not [c for c in engine if _alive(c)], "vLLM processes outlived the SIGKILLed run"
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
+         "algorithm.total_steps=3", "rollout_recovery.target_level=prefix", "rollout_checkpointing.interval_s=0.1",
+         # Replies of 16 tokens, not the quickstart's 4 (decoded in a few ms): calls a cut can find running.
+         "generation.max_tokens=16", "generation.min_tokens=16",
+         "run.name=vq", "--run-dir", str(run_dir)], cwd=tmp_path, capture_output=True, text=True, timeout=600,
+        env={**os.environ, "RAY_AUTH_MODE": "disabled"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    steps = [json.loads(x) for p in sorted(run_dir.rglob("*.jsonl")) for x in p.read_text().splitlines()
+             if '"train_step"' in x]
+    assert [s["step"] for s in steps if s.get("kind") == "train_step"][-1] == 3, done.stderr[-2000:]
+    trace = f"file:{run_dir / 'logs' / 'rollout_trace.sqlite'}?mode=ro"
+    with contextlib.closing(sqlite3.connect(trace, uri=True)) as conn:
+        reasons = dict(conn.execute("SELECT reason, count(*) FROM call_fallback GROUP BY 1").fetchall())
+        cut = conn.execute("SELECT count(*) FROM call_cut").fetchone()[0]
+    assert reasons and all("seeded sampling" in r for r in reasons), reasons
+    assert cut == 0
