@@ -26,6 +26,7 @@ _replay = T["replay_groups"]
 _groups = T["prompt_groups"]
 _rollouts = T["rollouts"]
 _shortfall = T["step_shortfall"]
+_settled = T["settled_ranges"]
 
 # The reads a group-commit batch makes, compiled once (`Prepared`, see ledger.py).
 _REPLAY_ROOM = Prepared(
@@ -42,12 +43,14 @@ _VERSION_TOKEN_COUNTS = Prepared(
 
 
 def highest_stamped_step(conn: Connection) -> int | None:
-    """The highest train step any prompt was stamped for (shortfall, ledger or replay):
-    a resumed rollout pump continues after it. None in a store that stamped nothing."""
+    """The highest train step any prompt was stamped for (shortfall, ledger, settled
+    ranges or replay): a resumed rollout pump continues after it. None in a store that
+    stamped nothing."""
     tops = [
         conn.execute(select(func.max(_shortfall.c.step))).scalar(),
         conn.execute(select(func.max(_replay.c.target_step))).scalar(),
         conn.execute(select(func.max(_groups.c.target_step))).scalar(),
+        conn.execute(select(func.max(_settled.c.target_step))).scalar(),  # settled groups (compaction.py)
     ]
     found = [t for t in tops if t is not None]
     return max(found) if found else None
