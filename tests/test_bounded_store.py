@@ -2,7 +2,8 @@
 
 A trained or discarded group leaves `prompt_groups` and its attempts leave `rollouts` in
 the commit that settles it; its sampler position joins a run-length `settled_ranges` row
-(store/live/compaction.py). These tests drive the real Store (real SQLite files), read
+(store/live/compaction.py), and its (epoch, prompt id) sets a bit of its epoch's bitmap
+in `settled_prompts`. These tests drive the real Store (real SQLite files), read
 what is persisted through a second connection, and compute what they expect by hand.
 """
 
@@ -208,11 +209,54 @@ def test_a_compacted_range_that_doubles_a_position_is_reported_duplicated(tmp_pa
 
 def test_a_position_both_settled_and_live_is_reported_duplicated(tmp_path):
     run_dir = _run_dir(tmp_path)
-    _plant(run_dir, "INSERT INTO spare_prompts (sample_seq, epoch, prompt_id, added_at) VALUES (7, 0, 7, 0)")
+    # A prompt no one settled (epoch 9), so only the position is doubled, not the prompt.
+    _plant(run_dir, "INSERT INTO spare_prompts (sample_seq, epoch, prompt_id, added_at) VALUES (7, 9, 7, 0)")
     code, doc = _verify(run_dir)
     assert code == 1
     assert (doc["lost"], doc["duplicated"]) == (0, 1)
     assert any("position 7 settled and live" in p for p in doc["problems"])
+
+
+def test_every_settled_group_sets_its_prompts_bit_in_its_epochs_bitmap(tmp_path):
+    run_dir = _run_dir(tmp_path)
+    with contextlib.closing(sqlite3.connect(f"file:{run_dir / 'rollout_state.sqlite'}?mode=ro", uri=True)) as conn:
+        # Positions 0..12 settled, each the prompt seq % 1000 of epoch 0: prompts 0..12,
+        # bits 0..7 of byte 0 and 0..4 of byte 1.
+        assert conn.execute("SELECT epoch, bits, settles FROM settled_prompts").fetchall() == [
+            (0, bytes([0xFF, 0x1F]), 13)]
+
+
+def test_a_prompt_handed_out_again_and_settled_twice_in_an_epoch_is_reported_duplicated(tmp_path):
+    run_dir = tmp_path / "run"
+    run = Run(run_dir / "rollout_state.sqlite")
+    run.stamp(1)
+    run.train(1)
+    # A sampler bug hands prompt 2 of epoch 0 out again at a new position (4), after its
+    # first group settled: the ledger's UNIQUE (epoch, prompt_id) cannot see it.
+    (g,) = run.store.reserve([Reservation(4, 0, 2)], num_generations=1, target_step=2)
+    with run.store.atomic() as tx:
+        pools.advance_cursor(tx, 5, 0)
+    with contextlib.closing(sqlite3.connect(run_dir / "rollout_state.sqlite")) as conn:
+        report = check_invariants(conn)
+    assert report.invariants == [1] and "epoch 0 prompt 2 x2" in report.problems[0]
+    run.store.discard([g], reason=ZERO)  # settled twice now: bit 2 already set, settles 5 for 4 bits
+    run.store.close()
+    (run_dir / "config.yaml").write_text(f"algorithm:\n  groups_per_step: {GROUPS_PER_STEP}\n")
+    with contextlib.closing(sqlite3.connect(run_dir / "rollout_state.sqlite")) as conn:
+        assert conn.execute("SELECT bits, settles FROM settled_prompts WHERE epoch = 0").fetchone() == (bytes([0x0F]), 5)
+    code, doc = _verify(run_dir)
+    assert code == 1
+    assert (doc["trained"], doc["discarded"], doc["duplicated"], doc["lost"]) == (4, 1, 1, 0)
+    assert any("epoch 0: 1 prompt(s) settled twice" in p for p in doc["problems"])
+
+
+def test_a_settle_that_left_no_prompt_bit_breaks_invariant_1(tmp_path):
+    run_dir = _run_dir(tmp_path)
+    _plant(run_dir, "UPDATE settled_prompts SET settles = 12")  # one settled position without its prompt
+    with contextlib.closing(sqlite3.connect(run_dir / "rollout_state.sqlite")) as conn:
+        report = check_invariants(conn)
+    assert report.invariants == [1]
+    assert "differ by 1" in report.problems[0]
 
 
 def test_an_audit_of_a_store_older_than_the_compaction_reads_its_ledger_rows(tmp_path):

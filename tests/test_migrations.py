@@ -145,6 +145,7 @@ def test_each_fixture_upgrades_to_head_keeping_every_row(fixture_copy):
     assert sorted(p.name for p in path.parent.iterdir()) == [path.name]  # no tmp, -wal, -shm
 
     settled_rows = old.get("settled_ranges", ([], []))[1]
+    old_groups = old["prompt_groups"]
     if "settled_ranges" not in old:
         # v1_4_a: settled groups and their attempts leave; expect the ranges computed here
         # from the old rows, and every other row kept.
@@ -179,6 +180,21 @@ def test_each_fixture_upgrades_to_head_keeping_every_row(fixture_copy):
             assert _content(after, table, columns) == rows, table
         assert after.execute("SELECT seq_start, seq_end, outcome, trained_step, target_step, discard_reason "
                              "FROM settled_ranges ORDER BY seq_start").fetchall() == settled_rows
+        if "settled_prompts" not in old:
+            # v1_4_a: each epoch's settled prompt ids as a bitmap (bit p % 8 of byte p // 8)
+            # and its count of settled groups, written out here from the old rows.
+            group_cols = old_groups[0]
+            at = {c: i for i, c in enumerate(group_cols)}
+            want: dict[int, tuple[bytearray, int]] = {}
+            for r in old_groups[1]:
+                if r[at["state"]] in ("trained", "discarded"):
+                    bits, n = want.get(r[at["epoch"]], (bytearray(), 0))
+                    p = r[at["prompt_id"]]
+                    bits.extend(bytes(max(0, p // 8 + 1 - len(bits))))
+                    bits[p // 8] |= 1 << (p % 8)
+                    want[r[at["epoch"]]] = (bits, n + 1)
+            assert after.execute("SELECT epoch, bits, settles FROM settled_prompts ORDER BY epoch").fetchall() == [
+                (e, bytes(b), n) for e, (b, n) in sorted(want.items())]
         assert counts["samples"] > 0
         for sample_id, tokens, logprobs in blobs:
             t2, l2 = after.execute("SELECT token_ids, logprobs FROM samples WHERE sample_id = ?", (sample_id,)).fetchone()

@@ -479,10 +479,6 @@ def test_verify_run_counts_a_clean_history_and_the_cli_prints_it(tmp_path):
     assert tree_digest(run_dir) == before  # read-only: no -wal/-shm, same bytes
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "known gap since v1_4_a: a settled group keeps only its sampler position (settled_ranges), not its "
-    "(epoch, prompt id), so a prompt handed out again at a NEW position after its first hand-out settled is "
-    "not seen; positions are still counted once. Fix: a per-epoch bitmap of settled prompt ids"))
 def test_verify_run_counts_a_prompt_handed_out_twice_as_duplicated(tmp_path):
     from rolloutdb.controller.run_audit import verify_run
 

@@ -11,6 +11,10 @@ positions settled together; a train step's groups are usually one or two runs
 (bench/bench_bounded_store.py measures the store sizes, bench/bench_transitions.py the
 transition rate).
 
+Each settled group's (epoch, prompt id) sets a bit of its epoch's bitmap in
+`settled_prompts` in the same transaction (schema.SettledPrompts): the ranges prove each
+position once, the bitmaps each prompt once (`audit_prompts`).
+
 The payload rows (samples, replay, finalizer results, chunks, episodes) are dropped by
 the ledger's transitions before this runs; here only the ledger and attempt rows go.
 """
@@ -35,7 +39,8 @@ ranges = T["settled_ranges"]
 Key = tuple[str, "int | None", "int | None", "str | None"]  # outcome, trained step, target step, reason
 
 _SETTLED_ROWS = Prepared(
-    select(groups.c.sample_seq, groups.c.state, groups.c.trained_step, groups.c.target_step, groups.c.discard_reason)
+    select(groups.c.sample_seq, groups.c.state, groups.c.trained_step, groups.c.target_step, groups.c.discard_reason,
+           groups.c.epoch, groups.c.prompt_id)
     .where(in_json(groups.c.group_id))
     .order_by(groups.c.sample_seq)
 )
@@ -86,8 +91,75 @@ def settle_groups(conn: Connection, group_ids: Sequence[int]) -> None:
     _DELETE_ATTEMPTS.run(conn, ids)
     _DELETE_GROUPS.run(conn, ids)
     raw = _driver(conn)
-    for run in runs_of(rows):
+    for run in runs_of([r[:5] for r in rows]):
         _add_run(raw, run)
+    mark_settled(raw, [(r[5], r[6]) for r in rows])
+
+
+def mark_settled(raw: sqlite3.Connection, prompts: Sequence[tuple[int, int]]) -> None:
+    """Set the bits of `prompts` ((epoch, prompt id) pairs) in `settled_prompts` and add
+    them to their epoch's `settles`. A bit already set is not refused here: the settle
+    count then exceeds the set bits and `prompt_problems` (invariant 1, verify) counts
+    the prompt as duplicated. One read and one write of the epoch's bitmap per
+    transaction (4 KB for 32k prompt ids)."""
+    by_epoch: dict[int, list[int]] = {}
+    for epoch, prompt_id in prompts:
+        by_epoch.setdefault(int(epoch), []).append(int(prompt_id))
+    for epoch, ids in by_epoch.items():
+        row = raw.execute("SELECT bits, settles FROM settled_prompts WHERE epoch = ?", (epoch,)).fetchone()
+        bits = bytearray(row[0]) if row else bytearray()
+        need = max(ids) // 8 + 1
+        if len(bits) < need:
+            bits.extend(bytes(need - len(bits)))
+        for p in ids:
+            bits[p >> 3] |= 1 << (p & 7)
+        raw.execute("INSERT OR REPLACE INTO settled_prompts (epoch, bits, settles) VALUES (?, ?, ?)",
+                    (epoch, bytes(bits), (row[1] if row else 0) + len(ids)))
+
+
+def is_set(bits: bytes, prompt_id: int) -> bool:
+    return 0 <= prompt_id and (prompt_id >> 3) < len(bits) and bool(bits[prompt_id >> 3] >> (prompt_id & 7) & 1)
+
+
+@dataclass
+class PromptAudit:
+    """Exactly-once over prompts, from `settled_prompts` and the live rows. `twice`: one
+    line per duplicated hand-out ('epoch E prompt P xN', or 'epoch E: K prompt(s) settled
+    twice' where the bitmap keeps no id); `duplicated`: the hand-outs beyond the first;
+    `unrecorded`: settled positions minus recorded settles (a settle that left no bit)."""
+
+    twice: list[str]
+    duplicated: int
+    unrecorded: int
+
+
+def audit_prompts(raw: sqlite3.Connection) -> PromptAudit:
+    """Every (epoch, prompt id) handed out at most once over the run: live rows (ledger
+    and spare pool) counted with the settled bit of their prompt, and each epoch's
+    settles against its set bits. Reads the live rows (what is in flight) and one
+    bitmap per epoch."""
+    has = lambda t: raw.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?", (t,)).fetchone()  # noqa: E731
+    bitmaps = {e: (bytes(b), n) for e, b, n in raw.execute("SELECT epoch, bits, settles FROM settled_prompts")} \
+        if has("settled_prompts") else {}
+    live = raw.execute("SELECT epoch, prompt_id, count(*) FROM (SELECT epoch, prompt_id FROM prompt_groups UNION ALL "
+                       "SELECT epoch, prompt_id FROM spare_prompts) GROUP BY epoch, prompt_id ORDER BY epoch, prompt_id")
+    twice: list[str] = []
+    duplicated = 0
+    for epoch, prompt_id, n in live:
+        n += is_set(bitmaps.get(epoch, (b"", 0))[0], prompt_id)
+        if n > 1:
+            duplicated += n - 1
+            twice.append(f"epoch {epoch} prompt {prompt_id} x{n}")
+    for epoch, (bits, settles) in sorted(bitmaps.items()):
+        extra = settles - sum(bin(b).count("1") for b in bits)
+        if extra > 0:  # fewer settles than bits: a bit without its settle, `unrecorded` says it
+            duplicated += extra
+            twice.append(f"epoch {epoch}: {extra} prompt(s) settled twice")
+    unrecorded = 0
+    if has("settled_ranges"):
+        positions = raw.execute("SELECT coalesce(sum(seq_end - seq_start), 0) FROM settled_ranges").fetchone()[0]
+        unrecorded = positions - sum(n for _, n in bitmaps.values())
+    return PromptAudit(twice, duplicated, unrecorded)
 
 
 def _add_run(raw: sqlite3.Connection, run: SettledRun) -> None:

@@ -3,7 +3,8 @@
 1. Exactly once: every prompt the sampler handed out (every sampler position below the
    cursor) is in exactly one of the ledger, the spare pool or a settled range (revision
    v1_4_a: settled groups leave the ledger, `compaction.py`), never two, never missing;
-   settled ranges never overlap; a live group is in one state and never twice (UNIQUE
+   settled ranges never overlap; no prompt of an epoch is settled twice or settled and
+   live at once (`settled_prompts` bitmaps); a live group is in one state and never twice (UNIQUE
    (epoch, prompt_id)).
 2. A group is in the replay buffer or in flight, never both: replay rows belong to
    `published` groups only, every published group holds one permit below capacity, and
@@ -20,6 +21,8 @@ from __future__ import annotations
 
 import sqlite3
 from dataclasses import dataclass, field
+
+from .compaction import audit_prompts
 
 # Each check: (invariant number, description, SQL returning offending rows as text).
 _LEDGER_CHECKS: list[tuple[int, str, str]] = [
@@ -186,6 +189,8 @@ def check_invariants(conn: sqlite3.Connection) -> InvariantReport:
     # A file older than v1_4_a (verify reads old snapshots as they are) has no settled
     # ranges: its settled groups are still ledger rows, so the checks read an empty set.
     compacted = conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'settled_ranges'").fetchone()
+    if ledger:
+        _check_prompts(conn, report)
     for number, what, sql in checks:
         if not compacted:
             sql = sql.replace("settled_ranges", _NO_RANGES)
@@ -195,3 +200,17 @@ def check_invariants(conn: sqlite3.Connection) -> InvariantReport:
             examples = ", ".join(rows[:MAX_EXAMPLES]) + (", ..." if len(rows) > MAX_EXAMPLES else "")
             report.add(number, f"{label}: {len(rows)} {what}: {examples}")
     return report
+
+
+def _check_prompts(conn: sqlite3.Connection, report: InvariantReport) -> None:
+    """Invariant 1 over prompts: no (epoch, prompt id) settled twice or settled and live at
+    once, and every settled position left its prompt's bit (`settled_prompts`). Python
+    over the bitmaps, which SQL cannot test bit by bit (compaction.audit_prompts)."""
+    audit = audit_prompts(conn)
+    if audit.twice:
+        examples = ", ".join(audit.twice[:MAX_EXAMPLES]) + (", ..." if len(audit.twice) > MAX_EXAMPLES else "")
+        report.add(1, f"invariant 1: {audit.duplicated} prompt(s) handed out more than once "
+                      f"(settled twice, or settled and live): {examples}")
+    if audit.unrecorded:
+        report.add(1, f"invariant 1: settled positions and settled prompts (settled_prompts) differ by "
+                      f"{audit.unrecorded}: a settle that left no prompt bit, or a bit without a position")

@@ -301,6 +301,24 @@ class SettledRange(Base):
     discard_reason: Mapped[str | None] = mapped_column(String(64))
 
 
+class SettledPrompts(Base):
+    """Which prompts of each epoch have settled (revision v1_4_a): the (epoch, prompt id)
+    a settled group leaves behind, so exactly-once still holds for prompts and not only
+    for positions. A position could be exact while the sampler handed one prompt out at
+    two positions (after its first group settled, the ledger's UNIQUE (epoch, prompt_id)
+    no longer sees it). `bits`: bit `prompt_id % 8` of byte `prompt_id // 8` is set once
+    the prompt settled in this epoch (one bit per prompt id: 4 KB per epoch of a 32k-prompt
+    dataset, written in the settling transaction, compaction.py); `settles`: how many
+    groups of the epoch settled. `settles` above the count of set bits means a prompt
+    settled twice; a live row (ledger or spare) whose bit is set was handed out again."""
+
+    __tablename__ = "settled_prompts"
+
+    epoch: Mapped[int] = mapped_column(Integer, primary_key=True)
+    bits: Mapped[bytes] = mapped_column(LargeBinary)
+    settles: Mapped[int] = mapped_column(Integer)
+
+
 class SnapshotAttempt(Base):
     """Every snapshot attempt and its outcome; phase timings when published."""
 

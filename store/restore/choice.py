@@ -39,7 +39,7 @@ from ..errors import (
 )
 from ..live.invariants import check_invariants
 from ..checkpoints.layout import COMPLETE, SNAPSHOTS_DIR, Entry, scan
-from ..live.compaction import SettledRun, settled_counts, settled_ranges
+from ..live.compaction import SettledRun, audit_prompts, settled_counts, settled_ranges
 from ..live.ledger import ALGORITHM_DISCARD_REASONS
 from ..checkpoints.manifest import KIND_SNAPSHOT, KIND_TRAINER, ManifestError, read_manifest
 from .apply import RestorePlan, restore_snapshot
@@ -277,11 +277,12 @@ def audit_ledger(store_path: str | Path, *, groups_per_step: int,
                            "a run that has not finished, or stopped")
         handed = "SELECT sample_seq, epoch, prompt_id FROM prompt_groups UNION ALL " \
                  "SELECT sample_seq, epoch, prompt_id FROM spare_prompts"
-        dupes = q(f"SELECT epoch, prompt_id, count(*) FROM ({handed}) GROUP BY epoch, prompt_id HAVING count(*) > 1")
-        v.duplicated = sum(n - 1 for _, _, n in dupes)
-        if dupes:
-            v.problems.append(f"{v.duplicated} prompt(s) handed out more than once: "
-                              + _examples([f"epoch {e} prompt {p} x{n}" for e, p, n in dupes]))
+        # Live rows with the settled prompts' bitmaps: a prompt handed out again after its
+        # first group settled (live/compaction.py) counts as duplicated too.
+        prompts = audit_prompts(conn)
+        v.duplicated = prompts.duplicated
+        if prompts.twice:
+            v.problems.append(f"{v.duplicated} prompt(s) handed out more than once: " + _examples(prompts.twice))
         clashes = q(f"SELECT sample_seq FROM ({handed}) GROUP BY sample_seq HAVING count(DISTINCT epoch || ':' || prompt_id) > 1")
         if clashes:
             v.problems.append(f"sampler positions holding two different prompts: {_examples([r[0] for r in clashes])}")
