@@ -135,7 +135,8 @@ def main(argv: list[str] | None = None) -> int:
                 assert rev == head_revision() and left == args.in_flight, (rev, left)
                 size = target.stat().st_size
                 target.unlink()
-        say(f"after: {left} live groups, {ranges} settled ranges, file {size / 2**20:.1f} MiB (free pages kept)")
+        say(f"after ({name}, the last timed): {left} live groups, {ranges} settled ranges, file {size / 2**20:.1f} MiB "
+            "(upgrade VACUUMs; migrate keeps the free pages)")
         copy = statistics.median(results["copy"])
         for name, values in results.items():
             med = statistics.median(values)
