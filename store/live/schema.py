@@ -283,9 +283,10 @@ class SettledRange(Base):
 
     Exactly-once over the whole run reads this table plus the live rows: every sampler
     position below the cursor is in exactly one of a range, a ledger row or the spare
-    pool (invariant 1, `invariants.py`; `restore.choice.audit_ledger`). A position maps
-    to one (epoch, prompt id) through the sampler's order, so counting positions once
-    counts prompts once; the ledger's UNIQUE (epoch, prompt_id) still guards live rows."""
+    pool (invariant 1, `invariants.py`; `restore.choice.audit_ledger`). Positions
+    alone do not prove prompts once (a sampler could hand a settled prompt out again at a
+    new position): `settled_prompts` keeps each epoch's settled prompt ids for that, and
+    the ledger's UNIQUE (epoch, prompt_id) still guards live rows."""
 
     __tablename__ = "settled_ranges"
     __table_args__ = (
