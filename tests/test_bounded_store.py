@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from rolloutdb.store import FinishedGeneration, IllegalTransition, Reservation, Store, check_invariants, pools
+from rolloutdb.store import FinishedGeneration, IllegalTransition, Reservation, Store, check_invariants, pools, queries
 from rolloutdb.store.restore.choice import audit_ledger
 
 GROUPS_PER_STEP = 4
@@ -267,3 +267,36 @@ def test_an_audit_of_a_store_older_than_the_compaction_reads_its_ledger_rows(tmp
     audit = audit_ledger(path, groups_per_step=4)
     # By hand from make_fixture.PLAN: 17 trained, 4 discarded (2 for reasons not owned).
     assert (audit.trained, audit.discarded, audit.duplicated, audit.discarded_not_owned) == (17, 4, 0, 2)
+
+
+# ------------------------------------------------------------ an exported key of a settled group
+
+
+def test_a_settled_groups_episode_key_is_told_apart_from_a_key_the_ledger_never_handed_out(tmp_path):
+    """An agent server's export can name an attempt whose group settled after the export:
+    its rows are gone, so the ledger alone reads it as unknown. Group ids are
+    AUTOINCREMENT: one at or under the sequence's high water without a row has settled."""
+    path = tmp_path / "live.sqlite"
+    run = Run(path, {1})
+    run.stamp(1)
+    run.stamp(2)
+    run.train(1)
+    # By hand: one group per position, ids from 1. Step 1 took positions 0..4 (groups
+    # 1..5, position 1 = group 2 discarded), step 2 positions 5..8 (groups 6..9, live).
+    keys = ["1.0-a1", "2.1-a0", "5.1-a0", "6.0-a0", "9.1-a0", "10.0-a0", "0.0-a0", "x.0-a0", "3.0", "-1.0-a0"]
+    with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as conn:
+        assert queries.settled_episode_keys(conn, keys) == {"1.0-a1", "2.1-a0", "5.1-a0"}
+    run.train(2)  # every group settled: the live store has no row left to compare with
+    with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as conn:
+        assert conn.execute("SELECT count(*) FROM prompt_groups").fetchone()[0] == 0
+        assert queries.settled_episode_keys(conn, keys) == {"1.0-a1", "2.1-a0", "5.1-a0", "6.0-a0", "9.1-a0"}
+    with run.store.read() as conn:  # the same through the store's own (SQLAlchemy) connection
+        assert queries.settled_episode_keys(conn, ["9.0-a0", "10.0-a0"]) == {"9.0-a0"}
+    run.store.close()
+
+
+def test_a_store_that_never_wrote_a_group_has_no_settled_key(tmp_path):
+    store = Store.create(tmp_path / "live.sqlite", replay_capacity=8)
+    with store.read() as conn:
+        assert queries.settled_episode_keys(conn, ["1.0-a0"]) == set()
+    store.close()
