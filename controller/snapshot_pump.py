@@ -443,12 +443,14 @@ class SnapshotPump:
         was told to forget), and an attempt the server had acknowledged before the
         export, that the ledger still runs at the cut, missing from it (the server lost
         an agent). An exported attempt that finished after the export is dropped: its
-        sample is in the cut."""
+        sample is in the cut; so is one whose group settled meanwhile (trained or
+        discarded: its rows have left the live store, `queries.settled_episode_keys`)."""
         export, expected = self._export, self._expected
         if not export and not expected:
             return []
         known = queries.attempts_by_key(conn, set(export) | expected)
-        unknown = sorted(k for k in export if k not in known or k in self._retired)
+        settled = queries.settled_episode_keys(conn, [k for k in export if k not in known])
+        unknown = sorted(k for k in export if (k not in known and k not in settled) or k in self._retired)
         missing = sorted(k for k in expected if known.get(k, (0, ""))[1] == "running" and k not in export)
         if unknown or missing:
             said = []
@@ -460,7 +462,7 @@ class SnapshotPump:
                                  "the snapshot was refused")
         rows = []
         for key, agent in sorted(export.items()):
-            attempt_id, state = known[key]
+            attempt_id, state = known.get(key, (0, "settled"))
             if state != "running":
                 continue
             rollout, attempt = key.rsplit("-a", 1)

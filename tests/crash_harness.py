@@ -35,6 +35,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import settled
 from crash_episodes import kept_per_stop, last_trace_run, restore_problems, set_aside, transcript_problems
 
 REPO = Path(__file__).resolve().parents[1]
@@ -333,15 +334,18 @@ def check_chain(run_dir: Path, result: ChainResult) -> None:
     conn = sqlite3.connect(run_dir / "rollout_state.sqlite")
     try:
         order = PromptOrder(c.dataset, c.seed)
+        # Live rows carry their prompt; settled groups (v1_4_a) only their position, which
+        # is the sampler's order by construction: both must cover the positions once.
         rows = conn.execute("SELECT sample_seq, epoch, prompt_id FROM prompt_groups UNION ALL "
                             "SELECT sample_seq, epoch, prompt_id FROM spare_prompts ORDER BY 1").fetchall()
+        spans = conn.execute("SELECT seq_start, seq_end FROM settled_ranges").fetchall()
         cursor = conn.execute("SELECT next_seq FROM sampler_state").fetchone()[0]
-        if [r[0] for r in rows] != list(range(cursor)):
+        if sorted([r[0] for r in rows] + [q for a, b in spans for q in range(a, b)]) != list(range(cursor)):
             result.problems.append("the prompts handed out are not the dataloader's order without a gap")
         wrong = [r for r in rows if (order.at(r[0]).epoch, order.at(r[0]).prompt_id) != (r[1], r[2])]
         if wrong:
             result.problems.append(f"{len(wrong)} prompts differ from the dataloader's order, e.g. {wrong[0]}")
-        per_step = dict(conn.execute("SELECT trained_step, count(*) FROM prompt_groups WHERE state = 'trained' GROUP BY 1"))
+        per_step = settled.trained_per_step(conn)
         if per_step != {s: c.groups for s in range(1, c.steps + 1)}:
             result.problems.append(f"groups per trained step {per_step}")
     finally:
@@ -363,14 +367,18 @@ def check_chain(run_dir: Path, result: ChainResult) -> None:
 ZERO_VARIANCE = "zero_reward_variance"  # written here, not imported: the harness's own word
 
 
-def ledger_outcomes(db: Path) -> dict[int, tuple]:
+def ledger_outcomes(db: Path, order) -> dict[int, tuple]:
     """Sampler position -> (epoch, prompt_id, outcome, trained_step) from the finished
     run's store, read with plain sqlite3. outcome: 'trained', 'zero_variance' (discarded
     for zero reward variance), 'spare' (handed out, never dispatched), or what else the
-    row says ('discarded:<reason>', a state)."""
+    row says ('discarded:<reason>', a state). A settled group (v1_4_a) is a position in
+    `settled_ranges`; its (epoch, prompt) is the one the dataloader's `order` has there."""
     with contextlib.closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True)) as conn:
         rows = conn.execute("SELECT sample_seq, epoch, prompt_id, state, discard_reason, trained_step "
                             "FROM prompt_groups").fetchall()
+        for start, end, outcome, step, reason in conn.execute(
+                "SELECT seq_start, seq_end, outcome, trained_step, discard_reason FROM settled_ranges").fetchall():
+            rows += [(q, order.at(q).epoch, order.at(q).prompt_id, outcome, reason, step) for q in range(start, end)]
         spare = conn.execute("SELECT sample_seq, epoch, prompt_id FROM spare_prompts").fetchall()
     out: dict[int, tuple] = {seq: (e, p, "spare", None) for seq, e, p in spare}
     for seq, e, p, state, reason, step in rows:
@@ -409,7 +417,11 @@ def compare_with_twin(run_dir: Path, twin_dir: Path, config: HarnessConfig = GRO
     restart, refill their steps with new prompts)" breaks 1, 2 and 3."""
     problems = []
     expected = config.steps * config.groups
-    run, twin = ledger_outcomes(run_dir / "rollout_state.sqlite"), ledger_outcomes(twin_dir / "rollout_state.sqlite")
+    from rolloutdb.controller.sampler import PromptOrder
+
+    order = PromptOrder(config.dataset, config.seed)
+    run = ledger_outcomes(run_dir / "rollout_state.sqlite", order)
+    twin = ledger_outcomes(twin_dir / "rollout_state.sqlite", order)
     for name, led in (("killed chain", run), ("twin", twin)):
         bad = sorted((seq, o) for seq, (_, _, o, _) in led.items() if o not in ("trained", "zero_variance", "spare"))
         if bad:
@@ -469,8 +481,12 @@ def restored_work_redone(run_dir: Path) -> list[str]:
                                  "WHERE reason = 'restart' GROUP BY 1, 2, 3").fetchall()
         dispatched = dict(((g, p, i), a) for g, p, i, a in conn.execute(
             "SELECT group_id, prompt_id, generation_index, max(attempt) FROM attempt_dispatched GROUP BY 1, 2, 3"))
+        # Discarded groups leave the store's ledger (v1_4_a), so their ids come from the
+        # trace's group_discarded events (a kill can lose the last milliseconds of those,
+        # as of every event; the dispatches that matter are traced before the discard).
+        discarded = set(conn.execute("SELECT group_id, prompt_id FROM group_discarded"))
     with contextlib.closing(sqlite3.connect(f"file:{run_dir / 'rollout_state.sqlite'}?mode=ro", uri=True)) as conn:
-        discarded = set(conn.execute("SELECT group_id, prompt_id FROM prompt_groups WHERE state = 'discarded'"))
+        discarded |= set(conn.execute("SELECT group_id, prompt_id FROM prompt_groups WHERE state = 'discarded'"))
     not_redone = [(g, p, i) for g, p, i, a in abandoned
                   if (g, p) in discarded and dispatched.get((g, p, i), -1) <= a]
     if not_redone:

@@ -14,6 +14,7 @@ import threading
 from pathlib import Path
 
 import pytest
+import settled
 import torch
 
 from rolloutdb.config import config_from_dict, load_config
@@ -211,7 +212,7 @@ def test_every_published_checkpoint_of_an_async_run_has_a_snapshot_cut_at_its_ow
             continue
         conn = sqlite3.connect(snap.path / "rollout_state.sqlite")
         try:  # the cut was taken while the trainer was at the anchor's step, not later
-            (last,) = conn.execute("SELECT max(trained_step) FROM prompt_groups WHERE state = 'trained'").fetchone()
+            last = max(settled.trained_per_step(conn), default=None)
         finally:
             conn.close()
         assert last == snap.step, (snap.anchor, last)
@@ -230,7 +231,7 @@ def test_an_async_run_resumes_from_its_last_checkpoint_and_trains_every_group_on
     verdict = verify_run(run_dir)
     assert verdict.ok, verdict.line()
     conn = sqlite3.connect(run_dir / "rollout_state.sqlite")
-    per_step = dict(conn.execute("SELECT trained_step, count(*) FROM prompt_groups WHERE state = 'trained' GROUP BY 1"))
+    per_step = settled.trained_per_step(conn)
     conn.close()
     assert per_step == {s: 3 for s in range(1, 7)}
     assert "step_6" in scan(run_dir / "checkpoints").durable_anchor_names()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import sqlite3
 
 import pytest
+import settled
 
 from rolloutdb.config import config_from_dict
 from rolloutdb.controller.controller import Controller
@@ -31,7 +32,9 @@ def _config(**sections):
 @pytest.fixture(scope="module")
 def ledger_run(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("ledger") / "run"
-    summary = Controller(_config(), run_dir).run()
+    # The trace is on: trained groups leave the store's ledger (settled_ranges keep their
+    # positions), so per-group facts such as the dispatch version are read from it.
+    summary = Controller(_config(trace={"enabled": True}), run_dir).run()
     return run_dir, summary
 
 
@@ -48,24 +51,28 @@ def test_a_run_trains_every_step_and_writes_metrics_checkpoints_and_a_summary(le
 def test_every_sampled_prompt_is_trained_once_or_discarded_with_a_reason(ledger_run):
     run_dir, _ = ledger_run
     conn = sqlite3.connect(run_dir / "rollout_state.sqlite")
-    states = dict(conn.execute("SELECT state, count(*) FROM prompt_groups GROUP BY state").fetchall())
+    states = settled.states(conn)
     assert set(states) <= {"trained", "discarded"}
     assert states["trained"] == 4 * 3
-    per_step = conn.execute("SELECT trained_step, count(*) FROM prompt_groups WHERE state = 'trained' GROUP BY 1").fetchall()
-    assert per_step == [(1, 3), (2, 3), (3, 3), (4, 3)]
-    assert conn.execute("SELECT count(*) FROM prompt_groups WHERE state = 'discarded' AND discard_reason IS NULL").fetchone()[0] == 0
-    # No gap in the sampler's order: every position below the cursor is a group or a spare.
+    assert settled.trained_per_step(conn) == {1: 3, 2: 3, 3: 3, 4: 3}
+    ledger = settled.positions(conn)
+    assert all(o[3] is not None for records in ledger.values() for o in records if o[0] == "discarded")
+    # No gap in the sampler's order: every position below the cursor is a group or a spare,
+    # and none is recorded twice.
     cursor = conn.execute("SELECT next_seq FROM sampler_state").fetchone()[0]
-    seqs = {r[0] for r in conn.execute("SELECT sample_seq FROM prompt_groups UNION ALL SELECT sample_seq FROM spare_prompts")}
-    assert seqs == set(range(cursor))
+    spare = [r[0] for r in conn.execute("SELECT sample_seq FROM spare_prompts")]
+    assert sorted(spare + [seq for seq, records in ledger.items() for _ in records]) == list(range(cursor))
     assert conn.execute("SELECT count(*) FROM replay_groups").fetchone()[0] == 0
 
 
 def test_the_staleness_bound_holds_for_every_trained_group(ledger_run):
     run_dir, _ = ledger_run
-    conn = sqlite3.connect(run_dir / "rollout_state.sqlite")
-    rows = conn.execute("SELECT trained_step, policy_version FROM prompt_groups WHERE state = 'trained'").fetchall()
-    assert rows and all((step - 1) - version <= 1 for step, version in rows)
+    conn = sqlite3.connect(run_dir / "logs" / "rollout_trace.sqlite")
+    # Per trained group: the step that trained it and the version of its first attempt
+    # (the group's dispatch version, which the ledger held before v1_4_a).
+    rows = conn.execute("SELECT t.step, min(a.policy_version) FROM train_step t JOIN trained_groups g ON g.seq = t.seq "
+                        "JOIN attempt_dispatched a ON a.group_id = g.group_id GROUP BY t.step, g.group_id").fetchall()
+    assert len(rows) == 4 * 3 and all((step - 1) - version <= 1 for step, version in rows)
     steps = read_metrics(run_dir / "logs" / "metrics.jsonl", "train_step")
     assert max(e["staleness_max"] for e in steps) <= 1
 
@@ -137,5 +144,5 @@ def test_a_policy_whose_groups_are_all_flat_still_finishes_the_run(tmp_path):
     steps = read_metrics(run_dir / "logs" / "metrics.jsonl", "train_step")
     assert [e["step"] for e in steps] == [1, 2]
     conn = sqlite3.connect(run_dir / "rollout_state.sqlite")
-    discarded = conn.execute("SELECT count(*) FROM prompt_groups WHERE discard_reason = 'zero_reward_variance'").fetchone()[0]
+    discarded = settled.discarded_for(conn, "zero_reward_variance")
     assert discarded >= 6

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import settled
 
 from rolloutdb.config import Config, ConfigError, load_config
 from rolloutdb.controller.protocols import Environment, PromptDataset, ReplyLimits
@@ -324,7 +325,7 @@ def test_the_multiturn_example_trains_end_to_end_on_the_long_tail_task(tmp_path)
     assert resolved.environment.task == "digits_longtail" and resolved.rollout_recovery.target_level == "turn"
     conn = sqlite3.connect(run_dir / "rollout_state.sqlite")  # a second connection, after the run
     try:
-        trained = conn.execute("SELECT count(*) FROM prompt_groups WHERE state = 'trained'").fetchone()[0]
+        trained = settled.states(conn)["trained"]
     finally:
         conn.close()
     assert trained == 6 * resolved.algorithm.groups_per_step

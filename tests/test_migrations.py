@@ -112,6 +112,9 @@ def test_each_fixture_is_at_its_own_revision_sound_and_standalone(fixture_copy):
         for table in ("samples", "replay_groups", "finalizer_results", "spare_prompts", "step_shortfall",
                       "token_chunks", "env_episodes", "snapshot_attempts", "run_meta", "sampler_state"):
             assert conn.execute(f"SELECT count(*) FROM {table}").fetchone()[0] > 0, table
+    if revision >= "v1_4_a":  # settled groups are ranges (see make_fixture._settled_ranges)
+        with _connect(path) as conn:
+            states.update(conn.execute("SELECT outcome, count(*) FROM settled_ranges GROUP BY outcome"))
     assert set(states) == {"reserved", "dispatched", "sealed", "published", "trained", "discarded"}
     assert reasons == {"restart", "deadline", "error"}
     assert _invariant_problems(path) == []
@@ -141,6 +144,31 @@ def test_each_fixture_upgrades_to_head_keeping_every_row(fixture_copy):
     assert upgrade_file(path) == (revision, HEAD)
     assert sorted(p.name for p in path.parent.iterdir()) == [path.name]  # no tmp, -wal, -shm
 
+    settled_rows = old.get("settled_ranges", ([], []))[1]
+    old_groups = old["prompt_groups"]
+    if "settled_ranges" not in old:
+        # v1_4_a: settled groups and their attempts leave; expect the ranges computed here
+        # from the old rows, and every other row kept.
+        group_cols = old["prompt_groups"][0]
+        at = {c: i for i, c in enumerate(group_cols)}
+        settled = sorted((r[at["sample_seq"]], r[at["state"]], r[at["trained_step"]], r[at["target_step"]],
+                          r[at["discard_reason"]], r[at["group_id"]]) for r in old["prompt_groups"][1]
+                         if r[at["state"]] in ("trained", "discarded"))
+        gone = {g for *_, g in settled}
+        expected_ranges: list[list] = []
+        for seq, *key, _g in settled:
+            if expected_ranges and expected_ranges[-1][1] == seq and expected_ranges[-1][2:] == key:
+                expected_ranges[-1][1] = seq + 1
+            else:
+                expected_ranges.append([seq, seq + 1, *key])
+        settled_rows = [tuple(r) for r in expected_ranges]
+        assert gone and settled_rows
+        keep = {"prompt_groups": lambda r: r[at["group_id"]] not in gone,
+                "rollouts": lambda r: r[old["rollouts"][0].index("group_id")] not in gone}
+        for table, test in keep.items():
+            columns, rows = old[table]
+            old[table] = (columns, [r for r in rows if test(r)])
+            counts[table] = len(old[table][1])
     with _connect(path) as after:
         assert after.execute("SELECT version_num FROM alembic_version").fetchall() == [(HEAD,)]
         assert after.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
@@ -150,6 +178,23 @@ def test_each_fixture_upgrades_to_head_keeping_every_row(fixture_copy):
                 continue
             assert after.execute(f"SELECT count(*) FROM {table}").fetchone()[0] == counts[table], table
             assert _content(after, table, columns) == rows, table
+        assert after.execute("SELECT seq_start, seq_end, outcome, trained_step, target_step, discard_reason "
+                             "FROM settled_ranges ORDER BY seq_start").fetchall() == settled_rows
+        if "settled_prompts" not in old:
+            # v1_4_a: each epoch's settled prompt ids as a bitmap (bit p % 8 of byte p // 8)
+            # and its count of settled groups, written out here from the old rows.
+            group_cols = old_groups[0]
+            at = {c: i for i, c in enumerate(group_cols)}
+            want: dict[int, tuple[bytearray, int]] = {}
+            for r in old_groups[1]:
+                if r[at["state"]] in ("trained", "discarded"):
+                    bits, n = want.get(r[at["epoch"]], (bytearray(), 0))
+                    p = r[at["prompt_id"]]
+                    bits.extend(bytes(max(0, p // 8 + 1 - len(bits))))
+                    bits[p // 8] |= 1 << (p % 8)
+                    want[r[at["epoch"]]] = (bits, n + 1)
+            assert after.execute("SELECT epoch, bits, settles FROM settled_prompts ORDER BY epoch").fetchall() == [
+                (e, bytes(b), n) for e, (b, n) in sorted(want.items())]
         assert counts["samples"] > 0
         for sample_id, tokens, logprobs in blobs:
             t2, l2 = after.execute("SELECT token_ids, logprobs FROM samples WHERE sample_id = ?", (sample_id,)).fetchone()
@@ -173,8 +218,10 @@ def test_a_run_resumes_from_each_upgraded_fixture(fixture_copy):
     upgrade_file(path)
     with _connect(path) as conn:
         by_state: dict[str, list[int]] = {}
-        for gid, state in conn.execute("SELECT group_id, state FROM prompt_groups ORDER BY group_id"):
+        seqs: dict[int, int] = {}
+        for gid, state, seq in conn.execute("SELECT group_id, state, sample_seq FROM prompt_groups ORDER BY group_id"):
             by_state.setdefault(state, []).append(gid)
+            seqs[gid] = seq
         with_episodes = {g for (g,) in conn.execute(
             "SELECT DISTINCT a.group_id FROM env_episodes e JOIN rollouts a USING (attempt_id)")}
         in_flight = [g for g in by_state["dispatched"] if g not in with_episodes]
@@ -207,9 +254,13 @@ def test_a_run_resumes_from_each_upgraded_fixture(fixture_copy):
 
     with _connect(path) as conn:
         states = dict(conn.execute("SELECT group_id, state FROM prompt_groups"))
-        assert {states[g] for g in by_state["published"]} == {"trained"}
+        # Trained and discarded groups left the ledger; their positions are settled ranges.
+        assert not set(states) & set(by_state["published"] + sorted(with_episodes))
+        ranges = conn.execute("SELECT seq_start, seq_end, outcome, trained_step, discard_reason FROM settled_ranges").fetchall()
+        settled = {seq: (outcome, step, reason) for a, b, outcome, step, reason in ranges for seq in range(a, b)}
+        assert {settled[seqs[g]] for g in by_state["published"]} == {("trained", 6, None)}
+        assert {settled[seqs[g]] for g in with_episodes} == {("discarded", None, "resume_check")}
         assert {states[g] for g in by_state["sealed"] + in_flight + reserved} == {"published"}
-        assert {states[g] for g in with_episodes} == {"discarded"}
         assert states[new_gid] == "reserved"
         assert conn.execute("SELECT next_seq FROM sampler_state").fetchone()[0] == cursor + 1
         assert conn.execute("SELECT mutation_counter FROM run_meta").fetchone()[0] > counter
@@ -316,7 +367,9 @@ def test_downgrade_to_base_leaves_only_alembic_version_and_upgrade_works_again(f
     upgrade_file(path)
     run_migrations(path, "base", downgrade=True)
     with _connect(path) as conn:
-        names = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE name NOT LIKE 'sqlite_autoindex_alembic%'")}
+        # sqlite_sequence (AUTOINCREMENT ids, v1_4_a) is SQLite's own and cannot be dropped.
+        names = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE name NOT LIKE 'sqlite_autoindex_alembic%' "
+                                            "AND name != 'sqlite_sequence'")}
         assert names == {"alembic_version"}
         assert conn.execute("SELECT count(*) FROM alembic_version").fetchone()[0] == 0
     run_migrations(path)

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import rolloutdb
+import settled
 from conftest import REPO
 
 EXAMPLE = REPO / "examples" / "own_loop.py"
@@ -84,16 +85,18 @@ def test_a_run_killed_mid_step_and_resumed_trains_every_prompt_exactly_once(tmp_
     assert "exactly-once: ok (trained=24 discarded=0 duplicated=0 lost=0 pending=0)" in resumed.stdout
 
     # The store, read through a second connection: 24 prompts, each once, 4 per step,
-    # and the generations that were running at the kill abandoned and run again.
+    # and the groups that were in flight at the kill run again.
     with contextlib.closing(sqlite3.connect(run / "store.db")) as conn:
-        groups = conn.execute("SELECT sample_seq, state, trained_step FROM prompt_groups ORDER BY sample_seq").fetchall()
-        assert [g[0] for g in groups] == list(range(24))
-        assert {g[1] for g in groups} == {"trained"}
-        assert [g[2] for g in groups] == [s for s in range(1, 7) for _ in range(4)]
-        rerun = conn.execute("SELECT count(*) FROM rollouts WHERE abandon_reason = 'restart'").fetchone()[0]
-        finished = conn.execute("SELECT count(*) FROM rollouts WHERE state = 'finished'").fetchone()[0]
+        ledger = settled.positions(conn)  # trained groups are settled ranges (v1_4_a)
+        assert sorted(ledger) == list(range(24))
+        assert all(len(records) == 1 for records in ledger.values())
+        assert {ledger[seq][0][0] for seq in ledger} == {"trained"}
+        assert [ledger[seq][0][1] for seq in range(24)] == [s for s in range(1, 7) for _ in range(4)]
+        # Settled groups left the ledger with their attempts: nothing is in flight at the end.
+        left = [conn.execute(f"SELECT count(*) FROM {t}").fetchone()[0] for t in ("prompt_groups", "rollouts")]
+    assert left == [0, 0]
+    rerun = int(first.split(": ")[1].split()[0])  # "resumed from ... at step 2: N group(s) in flight run again"
     assert rerun > 0, "nothing was in flight at the kill: the test proves nothing"
-    assert finished == 24 * 4
 
     audit = rolloutdb.audit_ledger(run / "store.db", groups_per_step=4)
     assert audit.ok and audit.trained == 24 and audit.pending == 0, audit.problems

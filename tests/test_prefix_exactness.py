@@ -18,6 +18,7 @@ module adds:
 from __future__ import annotations
 
 import contextlib
+import json
 import sqlite3
 import threading
 from pathlib import Path
@@ -306,13 +307,21 @@ def test_a_call_the_engine_cannot_cut_is_left_out_of_the_cut_alone_and_the_trace
     assert REFUSED in reasons and reasons <= {REFUSED, "turn_not_committed"}, fallbacks
     cut = _rows(trace, "SELECT t, group_id, generation_index, attempt FROM call_cut")
     assert cut, "the cuttable calls were still cut"
-    # Attempt by attempt, cut by cut (the live store maps (group, generation, attempt) to
-    # attempt ids): no call is both cut and left out.
-    ids = {(g, i, a): aid for aid, g, i, a in _rows(
-        refused_run / "rollout_state.sqlite", "SELECT attempt_id, group_id, generation_index, attempt FROM rollouts")}
-    cut_at = {(t, ids[(g, i, a)]) for t, g, i, a in cut}
-    assert not cut_at & {(t, a) for t, a, _, _ in fallbacks}, (cut_at, fallbacks)
+    # Attempt by attempt, cut by cut: no call is both cut and left out. A cut's own
+    # snapshot maps (group, generation, attempt) to the attempt ids running at it (a
+    # settled group's attempts have left the live store); every snapshot is kept but the
+    # bootstrap's (pruned once step_1 exists), so the cuts checked are those on disk.
+    snapshots = sorted(refused_run.glob("checkpoints/*/rollout_snapshots/*/rollout_state.sqlite"))
+    at_cut = {json.loads((db.parent / "manifest.json").read_text())["cut_time"]: db for db in snapshots}
+    checked = 0
+    for cut_time, db in at_cut.items():
+        ids = {(g, i, a): aid for aid, g, i, a in _rows(
+            db, "SELECT attempt_id, group_id, generation_index, attempt FROM rollouts")}
+        cut_here = {ids[(g, i, a)] for t, g, i, a in cut if abs(t - cut_time) < 1e-6}
+        left_out = {a for t, a, _, _ in fallbacks if abs(t - cut_time) < 1e-6}
+        assert not cut_here & left_out, (cut_time, cut_here, left_out)
+        checked += bool(cut_here)
+    assert checked, "no kept snapshot's cut cut a call"
     # Every snapshot left on disk saved prefixes of cuttable calls only (min_tokens < LONG).
-    chunks = [row for db in sorted(refused_run.glob("checkpoints/*/rollout_snapshots/*/rollout_state.sqlite"))
-              for row in _rows(db, "SELECT attempt_id, min_tokens FROM token_chunks")]
+    chunks = [row for db in snapshots for row in _rows(db, "SELECT attempt_id, min_tokens FROM token_chunks")]
     assert chunks and all(mn < LONG for _, mn in chunks), chunks

@@ -170,8 +170,13 @@ def test_restart_normalization_abandons_running_attempts_publishes_sealed_and_ha
 
     conn = second_connection(run.live)
     states = dict(conn.execute("SELECT group_id, state FROM prompt_groups"))
-    assert [states[g] for g in (run.A, run.B, run.C, run.D, run.E, run.F)] == [
-        "published", "dispatched", "published", "dispatched", "dispatched", "discarded"]  # the cut, not the live store
+    assert [states[g] for g in (run.A, run.B, run.C, run.D, run.E)] == [
+        "published", "dispatched", "published", "dispatched", "dispatched"]  # the cut, not the live store
+    # Settled groups are ranges (v1_4_a): t0, t1 (positions 0, 1) trained at 1, F (7) discarded.
+    assert run.F not in states and run.t0 not in states
+    assert conn.execute("SELECT seq_start, seq_end, outcome, trained_step, discard_reason FROM settled_ranges "
+                        "ORDER BY seq_start").fetchall() == [(0, 2, "trained", 1, None),
+                                                             (7, 8, "discarded", None, "zero_reward_variance")]
     assert conn.execute("SELECT state, abandon_reason FROM rollouts WHERE attempt_id = ?", (run.b1_retry,)).fetchone() == (
         "abandoned", "restart")
     assert conn.execute("SELECT count(*) FROM rollouts WHERE state = 'running'").fetchone()[0] == 0
@@ -490,6 +495,21 @@ def test_verify_run_counts_a_prompt_handed_out_twice_as_duplicated(tmp_path):
     proc = run_cli("verify", str(run_dir))
     assert proc.returncode == 1
     assert "duplicated=1" in proc.stdout and all(l.startswith("error:") for l in proc.stderr.splitlines())
+
+
+def test_verify_run_counts_a_prompt_handed_out_twice_while_in_flight_as_duplicated(tmp_path):
+    from rolloutdb.controller.run_audit import verify_run
+
+    def hand_out_again(store):  # position 6 is the prompt of position 5 (in the spare pool)
+        store.reserve([Reservation(6, 0, 105)], num_generations=2, target_step=3)
+        with store.atomic() as tx:
+            pools.advance_cursor(tx, 7, 0)
+
+    run_dir = build_run_dir(tmp_path, extra=hand_out_again)
+    verdict = verify_run(run_dir)
+    assert not verdict.ok
+    assert verdict.line() == "trained=4 discarded=1 duplicated=1 lost=0"
+    assert any("epoch 0 prompt 105 x2" in p for p in verdict.problems)
 
 
 def test_verify_run_counts_positions_nobody_holds_as_lost(tmp_path):

@@ -34,10 +34,11 @@ def _damage_one_index_key(db, index: str, old: bytes, new: bytes) -> None:
 def test_an_index_that_disagrees_with_its_table_is_refused_by_integrity_check(tmp_path):
     run = build_ledger_run(tmp_path)
     db = run.snap / "rollout_state.sqlite"
-    _damage_one_index_key(db, "ix_prompt_groups_state", b"trained", b"trainee")
+    # (B and E are dispatched at the cut; trained groups are settled ranges, no rows.)
+    _damage_one_index_key(db, "ix_prompt_groups_state", b"dispatched", b"dispatchee")
     # Every table still reads: the damage is invisible to ordinary queries.
     with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as conn:
-        assert conn.execute("SELECT count(*) FROM prompt_groups NOT INDEXED WHERE state = 'trained'").fetchone()[0] == 2
+        assert conn.execute("SELECT count(*) FROM prompt_groups NOT INDEXED WHERE state = 'dispatched'").fetchone()[0] == 2
         assert conn.execute("PRAGMA integrity_check").fetchone()[0] != "ok"
     conn.close()
     manifest = read_manifest(run.snap)  # re-sealed: every checksum matches the damaged bytes

@@ -20,7 +20,15 @@ from rolloutdb.controller.runtime import Progress, RolloutParts, RuntimeState
 from rolloutdb.controller.snapshot_pump import SnapshotPump
 from rolloutdb.controller.trainer_checkpoints import TrainerCheckpoints
 from rolloutdb.config import config_from_dict
-from rolloutdb.store import KeepNewestSnapshots, Publisher, Reservation, Retention, Store, faults
+from rolloutdb.store import (
+    FinishedGeneration,
+    KeepNewestSnapshots,
+    Publisher,
+    Reservation,
+    Retention,
+    Store,
+    faults,
+)
 from rolloutdb.store.checkpoints.layout import SNAPSHOT_DB
 
 DEADLINE_S = 20
@@ -51,7 +59,7 @@ def pump(tmp_path):
     and the pump running; stopped and closed afterwards."""
     made = []
 
-    def make(drain_s: float):
+    def make(drain_s: float, env=None):
         store = Store.create(tmp_path / "rollout_state.sqlite", replay_capacity=8)
         store.reserve([Reservation(0, 0, 0)], num_generations=1, target_step=1)  # something to snapshot
         publisher = Publisher(tmp_path / "checkpoints", retention=Retention(KeepNewestSnapshots(100)))
@@ -62,7 +70,7 @@ def pump(tmp_path):
         parts = RolloutParts(config=None, store=store, order=None, bound=None, engine=None, env=None, trainer=None,
                              dispatcher=None, runtime=runtime, read_progress=lambda: Progress(0, 0),
                              log_event=metrics.write)
-        env = SlowDrain(drain_s)
+        env = SlowDrain(drain_s) if env is None else env
         snapshotter = SnapshotPump(parts, publisher, interval_s=60.0, config_text="a: 1\n", env_checkpoint=env)
         thread = threading.Thread(target=snapshotter.run, name="snapshot-pump", daemon=True)
         thread.start()
@@ -177,3 +185,49 @@ def test_a_disk_failure_creating_the_snapshot_directory_is_a_failed_attempt_and_
     assert rows == [("failed", "bootstrap"), ("published", "bootstrap")]
     snapshots = tmp_path / "checkpoints" / "bootstrap" / "rollout_snapshots"
     assert sorted(p.name for p in snapshots.iterdir()) == ["snapshot_2"]  # no temporary directory left behind
+
+
+class ExportThenSettle(NoEnvironmentCheckpoint):
+    """An agent server's side of the cut: it exports `keys`; then (`settle`) the group
+    finishes and the train pump discards it, after the export and before the cut."""
+
+    holds_rollout_state = True
+
+    def __init__(self, store: Store, keys: list[str], settle: list[int]):
+        self.store, self.keys, self.settle = store, keys, settle
+
+    def export(self) -> dict[str, dict]:
+        out = {k: {"turn": 1, "state": "waiting"} for k in self.keys}
+        if self.settle:
+            self.store.discard(self.settle, reason="zero_reward_variance")
+            self.settle = []
+        return out
+
+    def expected_keys(self) -> list[str]:
+        return []
+
+
+def test_an_exported_episode_whose_group_settled_before_the_cut_is_dropped_and_an_unknown_one_refused(pump, tmp_path):
+    """The group leaves the live store in the commit that settles it (compaction), so at
+    the cut its key has no ledger row: it is a finished episode (dropped, the snapshot
+    published), not an unknown one. A key of a group id never handed out is still refused."""
+    env = ExportThenSettle(None, [], [])
+    snapshotter, _publisher, store, _env, _metrics = pump(drain_s=0.0, env=env)
+    (g,) = store.reserve([Reservation(1, 0, 1)], num_generations=1, target_step=1)
+    (a,) = store.dispatch([g], policy_version=0)
+    store.finish(a, FinishedGeneration([1, 2], [-0.1, -0.2], 1.0, [(0, 2)]))
+    env.store, env.keys, env.settle = store, [f"{g}.0-a0"], [g]
+    result = snapshotter.attempt(force=True)
+    assert (result.outcome, result.error) == ("published", None)
+    with contextlib.closing(sqlite3.connect(f"file:{store.path}?mode=ro", uri=True)) as conn:
+        assert conn.execute("SELECT count(*) FROM prompt_groups WHERE group_id = ?", (g,)).fetchone() == (0,)
+    snapshot = tmp_path / "checkpoints" / "bootstrap" / "rollout_snapshots" / f"snapshot_{result.sequence}" / SNAPSHOT_DB
+    with contextlib.closing(sqlite3.connect(f"file:{snapshot}?mode=ro", uri=True)) as conn:
+        assert conn.execute("SELECT count(*) FROM env_episodes").fetchone() == (0,)  # the settled one was dropped
+
+    (live,) = store.reserve([Reservation(2, 0, 2)], num_generations=1, target_step=1)  # something changed
+    env.keys = [f"{g}.0-a0", f"{live}.0-a0", f"{live + 1}.0-a0"]  # settled, live without the attempt, never handed out
+    refused = snapshotter.attempt(force=True)
+    assert refused.outcome == "failed"
+    assert f"2 unknown or retired episodes ({live}.0-a0, {live + 1}.0-a0)" in refused.error
+    assert "ExportMismatch" in refused.error

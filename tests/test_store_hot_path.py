@@ -65,7 +65,10 @@ def test_one_transition_moves_more_groups_than_sqlite_binds_variables(store, sec
     store.discard(ids[: n - 1], reason="error")
     conn = second_connection(store.path)
     assert conn.execute("SELECT state, count(*) FROM prompt_groups GROUP BY state ORDER BY state").fetchall() == [
-        ("discarded", n - 1), ("reserved", 1)]
+        ("reserved", 1)]
+    # The discarded positions 0 .. n-2 settled as one range.
+    assert conn.execute("SELECT seq_start, seq_end, outcome, discard_reason FROM settled_ranges").fetchall() == [
+        (0, n - 1, "discarded", "error")]
     assert conn.execute("SELECT state FROM prompt_groups WHERE group_id = ?", (ids[-1],)).fetchone() == ("reserved",)
 
 

@@ -85,13 +85,14 @@ def test_a_group_discarded_as_restart_is_lost_work_and_verify_exits_1_naming_the
     assert verdict.line() == "trained=4 discarded=3 duplicated=0 lost=2"
     (problem,) = [p for p in verdict.problems if "restart" in p]
     assert "2 group(s) discarded for a reason the algorithm does not own" in problem
-    assert "epoch 0 prompt 101" in problem and "epoch 0 prompt 102" in problem and "prompt 103" not in problem
+    # Settled groups are position ranges (v1_4_a): positions 1 and 2, not 3 (zero variance).
+    assert "positions 1..2 ('restart')" in problem and "3" not in problem.split("e.g.")[1]
     proc = verify_cli(run_dir)
     assert proc.returncode == 1
     assert proc.stdout.strip().splitlines()[-1] == "trained=4 discarded=3 duplicated=0 lost=2"
     err = proc.stderr.strip().splitlines()
     assert err and all(line.startswith("error: ") for line in err)
-    assert any("'restart'" in line and "prompt 101" in line for line in err)
+    assert any("'restart'" in line and "positions 1..2" in line for line in err)
 
 
 def test_each_reason_the_algorithm_does_not_own_is_named_with_its_own_count(tmp_path):

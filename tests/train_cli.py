@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+import settled
 from crash_harness import EXAMPLE, GROUPS, OVERRIDES, STEPS  # noqa: F401  (re-exported for the tests)
 
 TIMEOUT = 240
@@ -97,8 +98,7 @@ def trained_groups(run_dir: Path) -> dict[int, int]:
     """Groups trained per step, read with a plain sqlite3 connection."""
     conn = sqlite3.connect(f"file:{run_dir / 'rollout_state.sqlite'}?mode=ro", uri=True)
     try:
-        return dict(conn.execute(
-            "SELECT trained_step, count(*) FROM prompt_groups WHERE state = 'trained' GROUP BY 1").fetchall())
+        return settled.trained_per_step(conn)
     finally:
         conn.close()
 

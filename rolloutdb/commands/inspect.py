@@ -189,6 +189,9 @@ def summarize(conn: sqlite3.Connection, path: Path, revision: str, status: str) 
     }
     summary["row_counts"] = {t: conn.execute(f'SELECT count(*) FROM "{t}"').fetchone()[0] for t in tables}
     summary["groups"] = _per_state(conn, "SELECT state, count(*) FROM prompt_groups GROUP BY state", GROUP_STATES)
+    if "settled_ranges" in tables:  # v1_4_a: settled groups are position ranges, not ledger rows
+        for outcome, n in conn.execute("SELECT outcome, sum(seq_end - seq_start) FROM settled_ranges GROUP BY outcome"):
+            summary["groups"][outcome] = summary["groups"].get(outcome, 0) + n
     summary["rollouts"] = _per_state(conn, "SELECT state, count(*) FROM rollouts GROUP BY state", ROLLOUT_STATES)
     summary["abandon_reasons"] = _per_state(
         conn,

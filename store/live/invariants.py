@@ -1,15 +1,17 @@
 """The four invariants of the architecture, checked over any store or snapshot file.
 
 1. Exactly once: every prompt the sampler handed out (every sampler position below the
-   cursor) is in the ledger once or in the spare pool, never both, never missing; a
-   group is trained or discarded, never both (one state column) and never twice
-   (UNIQUE (epoch, prompt_id)).
+   cursor) is in exactly one of the ledger, the spare pool or a settled range (revision
+   v1_4_a: settled groups leave the ledger, `compaction.py`), never two, never missing;
+   settled ranges never overlap; no prompt of an epoch is settled twice or settled and
+   live at once (`settled_prompts` bitmaps); a live group is in one state and never twice (UNIQUE
+   (epoch, prompt_id)).
 2. A group is in the replay buffer or in flight, never both: replay rows belong to
    `published` groups only, every published group holds one permit below capacity, and
    no group in replay has a running attempt.
 3. Every payload row is referenced by a live ledger row (samples, chunks, episodes,
    finalizer results of groups that are neither trained nor discarded).
-4. The sampler cursor covers every saved group and spare prompt.
+4. The sampler cursor covers every saved group, spare prompt and settled range.
 
 Plain SQL over a sqlite3 connection, so `verify` can run it on a read-only file. With
 no-ledger dispatch the ledger is empty by design and 1, 3 and 4 only check the pool.
@@ -20,6 +22,8 @@ from __future__ import annotations
 import sqlite3
 from dataclasses import dataclass, field
 
+from .compaction import audit_prompts
+
 # Each check: (invariant number, description, SQL returning offending rows as text).
 _LEDGER_CHECKS: list[tuple[int, str, str]] = [
     (
@@ -27,9 +31,28 @@ _LEDGER_CHECKS: list[tuple[int, str, str]] = [
         "sampler positions handed out but neither in the ledger nor in the spare pool",
         """SELECT 'missing ' || (c.next_seq - h.n) || ' of ' || c.next_seq || ' positions'
            FROM sampler_state c,
-                (SELECT count(*) AS n FROM (SELECT sample_seq FROM prompt_groups
-                                            UNION SELECT sample_seq FROM spare_prompts)) h
+                (SELECT (SELECT count(*) FROM (SELECT sample_seq FROM prompt_groups
+                                               UNION SELECT sample_seq FROM spare_prompts))
+                        + (SELECT coalesce(sum(seq_end - seq_start), 0) FROM settled_ranges) AS n) h
            WHERE h.n < c.next_seq""",
+    ),
+    (
+        1,
+        "sampler positions both settled (settled_ranges) and in the ledger or the spare pool",
+        # The range holding a position is the one with the highest start at or below it
+        # (ranges are disjoint; the next check proves it): one primary-key probe each.
+        """SELECT 'position ' || h.sample_seq FROM (SELECT sample_seq FROM prompt_groups
+                                                   UNION ALL SELECT sample_seq FROM spare_prompts) h
+           WHERE (SELECT r.seq_end FROM settled_ranges r WHERE r.seq_start <= h.sample_seq
+                  ORDER BY r.seq_start DESC LIMIT 1) > h.sample_seq""",
+    ),
+    (
+        1,
+        "settled ranges that overlap (positions settled twice)",
+        """SELECT 'positions ' || b.seq_start || '..' || (min(a.seq_end, b.seq_end) - 1)
+           FROM settled_ranges a JOIN settled_ranges b
+             ON b.seq_start = (SELECT min(seq_start) FROM settled_ranges WHERE seq_start > a.seq_start)
+           WHERE a.seq_end > b.seq_start""",
     ),
     (
         1,
@@ -86,6 +109,12 @@ _LEDGER_CHECKS: list[tuple[int, str, str]] = [
     ),
     (
         4,
+        "settled ranges beyond the sampler cursor",
+        """SELECT 'positions ' || seq_start || '..' || (seq_end - 1) FROM settled_ranges
+           WHERE seq_end > (SELECT next_seq FROM sampler_state)""",
+    ),
+    (
+        4,
         "ledger groups beyond the sampler cursor",
         """SELECT 'group ' || group_id || ' at sample_seq ' || sample_seq FROM prompt_groups
            WHERE sample_seq >= (SELECT next_seq FROM sampler_state)""",
@@ -113,6 +142,7 @@ _ALWAYS_CHECKS: list[tuple[int, str, str]] = [
 ]
 
 MAX_EXAMPLES = 5
+_NO_RANGES = "(SELECT 0 AS seq_start, 0 AS seq_end WHERE 0)"
 
 
 @dataclass
@@ -156,10 +186,31 @@ def check_invariants(conn: sqlite3.Connection) -> InvariantReport:
     ledger = bool(conn.execute("SELECT ledger_dispatch FROM run_meta").fetchone()[0])
     counts["cursor"] = conn.execute("SELECT next_seq FROM sampler_state").fetchone()[0]
     checks = (_LEDGER_CHECKS if ledger else []) + _ALWAYS_CHECKS
+    # A file older than v1_4_a (verify reads old snapshots as they are) has no settled
+    # ranges: its settled groups are still ledger rows, so the checks read an empty set.
+    compacted = conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'settled_ranges'").fetchone()
+    if ledger:
+        _check_prompts(conn, report)
     for number, what, sql in checks:
+        if not compacted:
+            sql = sql.replace("settled_ranges", _NO_RANGES)
         rows = [r[0] for r in conn.execute(sql).fetchall()]
         if rows:
             label = f"invariant {number}" if number else "integrity"
             examples = ", ".join(rows[:MAX_EXAMPLES]) + (", ..." if len(rows) > MAX_EXAMPLES else "")
             report.add(number, f"{label}: {len(rows)} {what}: {examples}")
     return report
+
+
+def _check_prompts(conn: sqlite3.Connection, report: InvariantReport) -> None:
+    """Invariant 1 over prompts: no (epoch, prompt id) settled twice or settled and live at
+    once, and every settled position left its prompt's bit (`settled_prompts`). Python
+    over the bitmaps, which SQL cannot test bit by bit (compaction.audit_prompts)."""
+    audit = audit_prompts(conn)
+    if audit.twice:
+        examples = ", ".join(audit.twice[:MAX_EXAMPLES]) + (", ..." if len(audit.twice) > MAX_EXAMPLES else "")
+        report.add(1, f"invariant 1: {audit.duplicated} prompt(s) handed out more than once "
+                      f"(settled twice, or settled and live): {examples}")
+    if audit.unrecorded:
+        report.add(1, f"invariant 1: settled positions and settled prompts (settled_prompts) differ by "
+                      f"{audit.unrecorded}: a settle that left no prompt bit, or a bit without a position")

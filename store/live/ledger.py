@@ -25,6 +25,7 @@ from functools import lru_cache
 from sqlalchemy import Connection, Integer, bindparam, case, delete, func, insert, literal_column, or_, select, type_coerce, update
 
 from ..sqlite.prepared import Prepared, in_json, json_ids
+from .compaction import settle_groups
 from .codec import encode_logprobs, encode_tokens, encode_version_counts
 from ..errors import IllegalTransition, ReplayFullError
 from .schema import ABANDON_REASONS, T
@@ -451,11 +452,13 @@ def _drop_payloads(conn: Connection, group_ids: Sequence[int]) -> None:
 
 
 def mark_trained(conn: Connection, group_ids: Sequence[int], *, step: int) -> None:
-    """published -> trained: releases the replay permits and drops the payloads."""
+    """published -> trained: releases the replay permits and drops the payloads; the
+    groups then leave the ledger for `settled_ranges` (compaction.py)."""
     if not group_ids:
         return
     _move_groups(conn, group_ids, "trained", trained_step=step)
     _drop_payloads(conn, group_ids)
+    settle_groups(conn, group_ids)
 
 
 def release_replay(conn: Connection, group_ids: Sequence[int]) -> None:
@@ -465,7 +468,8 @@ def release_replay(conn: Connection, group_ids: Sequence[int]) -> None:
 
 def discard_groups(conn: Connection, group_ids: Sequence[int], *, reason: str) -> None:
     """Any state before trained -> discarded(reason): running attempts are abandoned
-    with reason `error`, payloads dropped and the replay permit released."""
+    with reason `error`, payloads dropped and the replay permit released; the groups
+    then leave the ledger for `settled_ranges` (compaction.py)."""
     if not group_ids:
         return
     if not reason:
@@ -473,3 +477,4 @@ def discard_groups(conn: Connection, group_ids: Sequence[int], *, reason: str) -
     _move_groups(conn, group_ids, "discarded", discard_reason=reason)
     _ABANDON_RUNNING_OF_GROUPS.run(conn, {"ids": json_ids(group_ids), "now": time.time()})
     _drop_payloads(conn, group_ids)
+    settle_groups(conn, group_ids)

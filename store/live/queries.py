@@ -26,6 +26,7 @@ _replay = T["replay_groups"]
 _groups = T["prompt_groups"]
 _rollouts = T["rollouts"]
 _shortfall = T["step_shortfall"]
+_settled = T["settled_ranges"]
 
 # The reads a group-commit batch makes, compiled once (`Prepared`, see ledger.py).
 _REPLAY_ROOM = Prepared(
@@ -42,12 +43,14 @@ _VERSION_TOKEN_COUNTS = Prepared(
 
 
 def highest_stamped_step(conn: Connection) -> int | None:
-    """The highest train step any prompt was stamped for (shortfall, ledger or replay):
-    a resumed rollout pump continues after it. None in a store that stamped nothing."""
+    """The highest train step any prompt was stamped for (shortfall, ledger, settled
+    ranges or replay): a resumed rollout pump continues after it. None in a store that
+    stamped nothing."""
     tops = [
         conn.execute(select(func.max(_shortfall.c.step))).scalar(),
         conn.execute(select(func.max(_replay.c.target_step))).scalar(),
         conn.execute(select(func.max(_groups.c.target_step))).scalar(),
+        conn.execute(select(func.max(_settled.c.target_step))).scalar(),  # settled groups (compaction.py)
     ]
     found = [t for t in tops if t is not None]
     return max(found) if found else None
@@ -160,6 +163,35 @@ def attempts_by_key(conn: Connection | sqlite3.Connection, keys: Iterable[str]) 
     rows = conn.execute(_ATTEMPTS_OF_KEYS, arg).fetchall() if isinstance(conn, sqlite3.Connection) \
         else conn.exec_driver_sql(_ATTEMPTS_OF_KEYS, arg).all()
     return {episode_key(g, i, a): (attempt_id, state) for g, i, a, attempt_id, state in rows}
+
+
+# Group ids are AUTOINCREMENT (revision v1_4_a) and only compaction deletes a group row,
+# so an id at or under the sequence's high water without a row is a settled group's.
+_GROUPS_SETTLED = """SELECT k.value FROM json_each(?) AS k
+WHERE k.value >= 1 AND k.value <= (SELECT coalesce(max(seq), 0) FROM sqlite_sequence WHERE name = 'prompt_groups')
+  AND NOT EXISTS (SELECT 1 FROM prompt_groups AS g WHERE g.group_id = k.value)"""
+
+
+def settled_episode_keys(conn: Connection | sqlite3.Connection, keys: Iterable[str]) -> set[str]:
+    """The episode keys among `keys` whose group has settled (trained or discarded) and
+    left the live store: its id was handed out (at or under the `prompt_groups`
+    AUTOINCREMENT high water, ids start at 1) and the ledger no longer has it. A key of
+    a live group, of an id never handed out, or not an episode key is left out. Which generation and
+    attempt a settled group had is gone with its rows, so only the group id is checked.
+    Also over a snapshot cut's raw connection."""
+    by_group: dict[int, list[str]] = {}
+    for key in keys:
+        try:
+            rollout, _attempt = key.rsplit("-a", 1)
+            group, _generation = rollout.split(".", 1)
+            by_group.setdefault(int(group), []).append(key)
+        except ValueError:
+            continue
+    run = conn.execute if isinstance(conn, sqlite3.Connection) else conn.exec_driver_sql
+    if not by_group or not run("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'sqlite_sequence'").fetchone():
+        return set()  # no AUTOINCREMENT table has been written yet: nothing has settled
+    rows = run(_GROUPS_SETTLED, (json.dumps(sorted(by_group)),)).fetchall()
+    return {key for (g,) in rows for key in by_group[g]}
 
 
 _GROUP_PROMPTS = "SELECT group_id, prompt_id, target_step FROM prompt_groups WHERE group_id IN (SELECT value FROM json_each(?))"

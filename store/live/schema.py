@@ -101,6 +101,9 @@ class PromptGroup(Base):
             "(state = 'discarded') = (discard_reason IS NOT NULL)", name="discard_reason"
         ),
         Index(None, "state"),
+        # Ids are never handed out twice (revision v1_4_a): settled rows are deleted
+        # (compaction.py) and the trace names groups by id.
+        {"sqlite_autoincrement": True},
     )
 
     group_id: Mapped[int] = mapped_column(Integer, primary_key=True)
@@ -132,6 +135,7 @@ class Rollout(Base):
             name="abandon_reason_known",
         ),
         Index(None, "state"),
+        {"sqlite_autoincrement": True},  # as prompt_groups
     )
 
     attempt_id: Mapped[int] = mapped_column(Integer, primary_key=True)
@@ -266,6 +270,54 @@ class EnvEpisode(Base):
     token_ids: Mapped[bytes | None] = mapped_column(LargeBinary)
     logprobs: Mapped[bytes | None] = mapped_column(LargeBinary)
     version_token_counts: Mapped[str | None] = mapped_column(Text)
+
+
+class SettledRange(Base):
+    """The compacted record of settled groups (revision v1_4_a): a trained or discarded
+    group leaves `prompt_groups` (and its attempts leave `rollouts`) in the commit that
+    settles it, and its sampler position joins a range here. One row is a run of
+    consecutive positions [seq_start, seq_end) that settled the same way: same outcome,
+    trained step, stamped step and discard reason. Adjacent runs of the same key are
+    merged, so the table grows with the number of steps at worst (one trained run per
+    step, split by the discards between its positions) and not with the groups trained.
+
+    Exactly-once over the whole run reads this table plus the live rows: every sampler
+    position below the cursor is in exactly one of a range, a ledger row or the spare
+    pool (invariant 1, `invariants.py`; `restore.choice.audit_ledger`). Positions
+    alone do not prove prompts once (a sampler could hand a settled prompt out again at a
+    new position): `settled_prompts` keeps each epoch's settled prompt ids for that, and
+    the ledger's UNIQUE (epoch, prompt_id) still guards live rows."""
+
+    __tablename__ = "settled_ranges"
+    __table_args__ = (
+        CheckConstraint("seq_end > seq_start", name="nonempty"),
+        CheckConstraint(_in("outcome", ("trained", "discarded")), name="outcome"),
+    )
+
+    seq_start: Mapped[int] = mapped_column(Integer, primary_key=True)
+    seq_end: Mapped[int] = mapped_column(Integer)  # one past the last position
+    outcome: Mapped[str] = mapped_column(String(16))
+    trained_step: Mapped[int | None] = mapped_column(Integer)
+    target_step: Mapped[int | None] = mapped_column(Integer)
+    discard_reason: Mapped[str | None] = mapped_column(String(64))
+
+
+class SettledPrompts(Base):
+    """Which prompts of each epoch have settled (revision v1_4_a): the (epoch, prompt id)
+    a settled group leaves behind, so exactly-once still holds for prompts and not only
+    for positions. A position could be exact while the sampler handed one prompt out at
+    two positions (after its first group settled, the ledger's UNIQUE (epoch, prompt_id)
+    no longer sees it). `bits`: bit `prompt_id % 8` of byte `prompt_id // 8` is set once
+    the prompt settled in this epoch (one bit per prompt id: 4 KB per epoch of a 32k-prompt
+    dataset, written in the settling transaction, compaction.py); `settles`: how many
+    groups of the epoch settled. `settles` above the count of set bits means a prompt
+    settled twice; a live row (ledger or spare) whose bit is set was handed out again."""
+
+    __tablename__ = "settled_prompts"
+
+    epoch: Mapped[int] = mapped_column(Integer, primary_key=True)
+    bits: Mapped[bytes] = mapped_column(LargeBinary)
+    settles: Mapped[int] = mapped_column(Integer)
 
 
 class SnapshotAttempt(Base):

@@ -24,7 +24,7 @@ import uuid
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from sqlalchemy import Connection, insert, select, update
+from sqlalchemy import Connection, delete, func, insert, select, update
 
 from . import ledger, pools
 from .capture import Capture, capture_snapshot
@@ -39,6 +39,8 @@ from ..sqlite.revision import create_store_file, file_revision, require_head
 from .schema import T
 
 # Compiled once and run on the sqlite3 cursor: it ends every mutation (see ledger.py).
+# snapshot_attempts rows kept: about two minutes at the quickstart's 2 s interval.
+KEEP_SNAPSHOT_ATTEMPTS = 64
 _BUMP = Prepared(update(T["run_meta"]).values(mutation_counter=T["run_meta"].c.mutation_counter + 1))
 
 
@@ -224,7 +226,8 @@ class Store:
         """Log a snapshot attempt's outcome, once per attempt, by whoever decided it: the
         controller's snapshot pump; a caller with its own publish loop calls this itself
         (the Publisher records nothing). Not a mutation: recording that a snapshot was
-        skipped must not make the next attempt think something changed."""
+        skipped must not make the next attempt think something changed. The newest
+        KEEP_SNAPSHOT_ATTEMPTS rows are kept."""
         with self.atomic(mutation=False) as tx:
             counter = mutation_counter
             if counter is None:
@@ -240,6 +243,13 @@ class Store:
                     error=error,
                 )
             )
+            # Only the newest attempts stay (the store holds what is in flight, not the
+            # run's history: metrics.jsonl has a line for every attempt). One snapshot
+            # every 2 s kept every attempt added 45 KB per 300 quickstart steps
+            # (bench/bench_bounded_store.py).
+            attempts = T["snapshot_attempts"]
+            newest = select(func.max(attempts.c.attempt_seq)).scalar_subquery()
+            tx.execute(delete(attempts).where(attempts.c.attempt_seq <= newest - KEEP_SNAPSHOT_ATTEMPTS))
 
     def capture(self, dst: str | Path, *, at_cut=None, into_copy=None) -> Capture:
         """A consistent copy of the store at one read cut (see `capture.py`)."""

@@ -10,14 +10,16 @@ nothing at all raises `NothingToRestore`. Whether the caller may then start over
 decision: `live_store_work` says whether the live store holds anything to lose.
 
 `audit_ledger` checks exactly-once over every stop a run's live store has been through
-(the controller's run audit, `verify RUN_DIR`, calls it). The live store keeps every
-group the sampler ever handed out (trained and discarded rows stay in the ledger; a
-restore rolls back only what came after the snapshot's cut, and the rolled-back work is
-redone under the same rows), so one read of it sees the whole chain.
+(the controller's run audit, `verify RUN_DIR`, calls it). The live store accounts for
+every position the sampler ever handed out: in flight as ledger rows, settled (trained,
+discarded) as run-length `settled_ranges` (live/compaction.py); a restore rolls back
+only what came after the snapshot's cut, records included, and the rolled-back work is
+redone under the same rows, so one read of it sees the whole chain.
 """
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import sqlite3
 from collections.abc import Callable
@@ -37,6 +39,7 @@ from ..errors import (
 )
 from ..live.invariants import check_invariants
 from ..checkpoints.layout import COMPLETE, SNAPSHOTS_DIR, Entry, scan
+from ..live.compaction import SettledRun, audit_prompts, settled_counts, settled_ranges
 from ..live.ledger import ALGORITHM_DISCARD_REASONS
 from ..checkpoints.manifest import KIND_SNAPSHOT, KIND_TRAINER, ManifestError, read_manifest
 from .apply import RestorePlan, restore_snapshot
@@ -190,8 +193,11 @@ def live_store_work(live_store_path: str | Path, checkpoint_dir: str | Path) -> 
             states = dict(conn.execute("SELECT state, count(*) FROM prompt_groups GROUP BY state").fetchall())
             cursor = q("SELECT coalesce(max(next_seq), 0) FROM sampler_state")
             spare, replay, samples = (q(f"SELECT count(*) FROM {t}") for t in ("spare_prompts", "replay_groups", "samples"))
+            settled = settled_counts(conn)
     except (NotAStoreError, sqlite3.DatabaseError) as e:
         return f"the live store cannot be read ({e}), so it may hold trained work"
+    for outcome, n in settled.items():  # settled groups left the ledger (live/compaction.py)
+        states[outcome] = states.get(outcome, 0) + n
     held = [f"{n} group(s) {state}" for state, n in sorted(states.items(), key=lambda kv: kv[0] != "trained") if n]
     held += [f"{n} {what}" for n, what in ((spare, "spare prompt(s)"), (replay, "group(s) in replay"),
                                           (samples, "finished sample(s)")) if n]
@@ -259,68 +265,127 @@ def audit_ledger(store_path: str | Path, *, groups_per_step: int,
                            "so exactly-once cannot be checked; only the invariants were")
             return v
         states = dict(q("SELECT state, count(*) FROM prompt_groups GROUP BY state"))
-        v.trained, v.discarded = states.pop("trained", 0), states.pop("discarded", 0)
+        runs = settled_ranges(conn)
+        settled = {"trained": 0, "discarded": 0}
+        for r in runs:
+            settled[r.outcome] = settled.get(r.outcome, 0) + r.end - r.start
+        v.trained = states.pop("trained", 0) + settled["trained"]
+        v.discarded = states.pop("discarded", 0) + settled["discarded"]
         v.pending = sum(states.values())
         if v.pending:
             v.notes.append(f"{v.pending} group(s) neither trained nor discarded yet (in flight or in replay): "
                            "a run that has not finished, or stopped")
         handed = "SELECT sample_seq, epoch, prompt_id FROM prompt_groups UNION ALL " \
                  "SELECT sample_seq, epoch, prompt_id FROM spare_prompts"
-        covered = q(f"SELECT count(DISTINCT sample_seq) FROM ({handed}) WHERE sample_seq >= 0 AND sample_seq < ?", v.cursor)[0][0]
-        v.lost = v.cursor - covered
-        dupes = q(f"SELECT epoch, prompt_id, count(*) FROM ({handed}) GROUP BY epoch, prompt_id HAVING count(*) > 1")
-        v.duplicated = sum(n - 1 for _, _, n in dupes)
-        if dupes:
-            v.problems.append(f"{v.duplicated} prompt(s) handed out more than once: "
-                              + _examples([f"epoch {e} prompt {p} x{n}" for e, p, n in dupes]))
+        # Live rows with the settled prompts' bitmaps: a prompt handed out again after its
+        # first group settled (live/compaction.py) counts as duplicated too.
+        prompts = audit_prompts(conn)
+        v.duplicated = prompts.duplicated
+        if prompts.twice:
+            v.problems.append(f"{v.duplicated} prompt(s) handed out more than once: " + _examples(prompts.twice))
         clashes = q(f"SELECT sample_seq FROM ({handed}) GROUP BY sample_seq HAVING count(DISTINCT epoch || ':' || prompt_id) > 1")
         if clashes:
             v.problems.append(f"sampler positions holding two different prompts: {_examples([r[0] for r in clashes])}")
-        if v.lost:
-            missing = q(f"WITH RECURSIVE pos(n) AS (SELECT 0 UNION ALL SELECT n + 1 FROM pos WHERE n + 1 < ?) "
-                        f"SELECT n FROM pos WHERE n NOT IN (SELECT sample_seq FROM ({handed})) LIMIT {MAX_EXAMPLES + 1}",
-                        v.cursor) if v.cursor else []
-            v.problems.append(f"{v.lost} sampler position(s) below the cursor {v.cursor} neither in the ledger nor in the "
-                              f"spare pool: {_examples([r[0] for r in missing])}")
-        _check_discard_reasons(q, v, algorithm_reasons)
-        _check_steps(q, v)
+        live = sorted({r[0] for r in q(f"SELECT sample_seq FROM ({handed})")})
+        _check_positions(v, live, runs)
+        _check_discard_reasons(q, v, algorithm_reasons, runs)
+        _check_steps(q, v, runs)
     return v
 
 
-def _check_discard_reasons(q, v: LedgerAudit, algorithm_reasons: frozenset[str]) -> None:
+def _check_positions(v: LedgerAudit, live: list[int], runs: list[SettledRun]) -> None:
+    """Every sampler position below the cursor in exactly one of: a live row (ledger or
+    spare, `live`, distinct and sorted), a settled range. A position in two ranges or in
+    a range and a live row counts as duplicated; a position in none as lost. Ranges are
+    few (runs of positions, see compaction.py) and live rows are what is in flight, so a
+    merge in Python over both is cheap."""
+    doubled: list[str] = []
+    covered = 0
+    reach = 0  # the end of the union of the ranges so far (runs are sorted by start)
+    for r in runs:
+        if r.start < reach:
+            overlap = min(r.end, reach) - r.start
+            v.duplicated += overlap
+            doubled.append(f"positions {r.start}..{r.start + overlap - 1} settled twice")
+        lo, hi = max(0, max(r.start, reach)), min(v.cursor, r.end)
+        covered += max(0, hi - lo)
+        reach = max(reach, r.end)
+    starts = [r.start for r in runs]
+    for seq in live:
+        i = bisect.bisect_right(starts, seq) - 1
+        inside = any(runs[j].start <= seq < runs[j].end for j in range(max(0, i - 1), i + 1)) if i >= 0 else False
+        if inside:
+            v.duplicated += 1
+            doubled.append(f"position {seq} settled and live")
+        elif 0 <= seq < v.cursor:
+            covered += 1
+    if doubled:
+        v.problems.append(f"{len(doubled)} sampler position(s) or range(s) recorded twice: {_examples(doubled)}")
+    lost = v.cursor - covered
+    v.lost += lost
+    if lost:
+        missing, seq = [], 0
+        spans = sorted([(r.start, r.end) for r in runs] + [(s, s + 1) for s in live])
+        for a, b in spans:  # the first few gaps below the cursor
+            while seq < min(a, v.cursor) and len(missing) <= MAX_EXAMPLES:
+                missing.append(seq)
+                seq += 1
+            seq = max(seq, b)
+        while seq < v.cursor and len(missing) <= MAX_EXAMPLES:
+            missing.append(seq)
+            seq += 1
+        v.problems.append(f"{lost} sampler position(s) below the cursor {v.cursor} neither in the ledger, the spare "
+                          f"pool nor a settled range: {_examples(missing)}")
+
+
+def _check_discard_reasons(q, v: LedgerAudit, algorithm_reasons: frozenset[str], runs: list[SettledRun]) -> None:
     """A group discarded for a reason the algorithm does not own is lost work: its
-    sampler position is covered by a ledger row, so the position count cannot see it."""
+    sampler position is covered by a ledger row or a settled range, so the position
+    count cannot see it."""
     owned = sorted(algorithm_reasons)
     marks = ", ".join("?" * len(owned)) or "NULL"
     rows = q(f"SELECT discard_reason, epoch, prompt_id, group_id FROM prompt_groups WHERE state = 'discarded' "
              f"AND (discard_reason IS NULL OR discard_reason NOT IN ({marks})) ORDER BY sample_seq, group_id", *owned)
-    if not rows:
-        return
-    v.discarded_not_owned = len(rows)
-    v.lost += len(rows)
+    examples = [f"group {g} epoch {e} prompt {p} ({r!r})" for r, e, p, g in rows]
     per_reason: dict[str, int] = {}
     for reason, *_ in rows:
         per_reason[str(reason)] = per_reason.get(str(reason), 0) + 1
+    for r in runs:
+        if r.outcome == "discarded" and r.discard_reason not in algorithm_reasons:
+            n = r.end - r.start
+            per_reason[str(r.discard_reason)] = per_reason.get(str(r.discard_reason), 0) + n
+            examples.append(f"positions {r.start}..{r.end - 1} ({r.discard_reason!r})")
+    total = sum(per_reason.values())
+    if not total:
+        return
+    v.discarded_not_owned = total
+    v.lost += total
     v.problems.append(
-        f"{len(rows)} group(s) discarded for a reason the algorithm does not own (it owns only "
+        f"{total} group(s) discarded for a reason the algorithm does not own (it owns only "
         f"{', '.join(repr(r) for r in owned)}), counted as lost work: "
         + ", ".join(f"{r!r} x{n}" for r, n in sorted(per_reason.items()))
-        + "; e.g. " + _examples([f"group {g} epoch {e} prompt {p} ({r!r})" for r, e, p, g in rows]))
+        + "; e.g. " + _examples(examples))
 
 
-def _check_steps(q, v: LedgerAudit) -> None:
+def _check_steps(q, v: LedgerAudit, runs: list[SettledRun]) -> None:
     """Each group trained at most once and at its stamped step; each step trained exactly
     groups_per_step groups, with no step skipped."""
     wrong = q("SELECT group_id FROM prompt_groups WHERE (state = 'trained') != (trained_step IS NOT NULL)")
+    wrong += [(f"positions {r.start}..{r.end - 1}",) for r in runs if (r.outcome == "trained") != (r.trained_step is not None)]
     if wrong:
         v.problems.append(f"groups whose trained step contradicts their state: {_examples([r[0] for r in wrong])}")
     off = q("SELECT group_id, target_step, trained_step FROM prompt_groups "
             "WHERE state = 'trained' AND target_step IS NOT NULL AND target_step != trained_step")
+    off += [(f"positions {r.start}..{r.end - 1}", r.target_step, r.trained_step) for r in runs
+            if r.outcome == "trained" and r.target_step is not None and r.target_step != r.trained_step]
     if off:
         v.problems.append("groups trained at another step than stamped: "
                           + _examples([f"group {g} stamped {s} trained {t}" for g, s, t in off]))
     per_step = dict(q("SELECT trained_step, count(*) FROM prompt_groups WHERE state = 'trained' GROUP BY trained_step"))
-    v.steps = max(per_step, default=0)
+    for r in runs:
+        if r.outcome == "trained":
+            per_step[r.trained_step] = per_step.get(r.trained_step, 0) + r.end - r.start
+    v.steps = max((s for s in per_step if s is not None), default=0)
     bad = [(s, per_step.get(s, 0)) for s in range(1, v.steps + 1) if per_step.get(s, 0) != v.groups_per_step]
     bad += [(s, n) for s, n in per_step.items() if s is None or s < 1]
     if bad:

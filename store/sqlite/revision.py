@@ -79,22 +79,33 @@ def sqlite_url(path: str | Path) -> URL:
     return URL.create("sqlite", database=str(path))
 
 
-def _migration_engine(path: Path):
+def _migration_engine(path: Path, private_copy: bool = False):
     engine = create_engine(sqlite_url(path), poolclass=NullPool)
 
     @event.listens_for(engine, "connect")
     def _fk_off(dbapi_conn, _record):  # noqa: ANN001
         # Batch mode copies tables; foreign keys are checked after, by verify.
         dbapi_conn.execute("PRAGMA foreign_keys = OFF")
+        if private_copy:  # see run_migrations
+            dbapi_conn.execute("PRAGMA journal_mode = OFF")
+            dbapi_conn.execute("PRAGMA synchronous = OFF")
 
     return engine
 
 
-def run_migrations(path: str | Path, target: str = "head", *, downgrade: bool = False, config: Config | None = None) -> None:
+def run_migrations(path: str | Path, target: str = "head", *, downgrade: bool = False, config: Config | None = None,
+                   private_copy: bool = False) -> None:
     """Run Alembic on `path` in place (callers work on a copy or on a new file); the
-    store's migrations unless another package's `config` is given."""
+    store's migrations unless another package's `config` is given.
+
+    `private_copy`: `path` is a copy no one else opens, thrown away if anything fails
+    and published only by `fsio.replace_file` (fsync, rename, fsync of the directory)
+    once whole: no rollback journal and no fsync per commit (journal_mode OFF,
+    synchronous OFF). A crash or a failed migration leaves a torn copy, which is never
+    read: the original stays in place until the rename. upgrade_file of 100k groups:
+    bench/bench_compaction_upgrade.py."""
     cfg = config or alembic_config()
-    engine = _migration_engine(Path(path))
+    engine = _migration_engine(Path(path), private_copy)
     try:
         with engine.begin() as conn:
             cfg.attributes["connection"] = conn

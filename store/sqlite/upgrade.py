@@ -99,13 +99,17 @@ def _finish_copy(tmp: Path, shown: Path, old: str, journal_mode: str) -> None:
     """Migrate the copy `tmp` to head, VACUUM it (batch mode copies tables and leaves
     the old pages free: about half the file), check it and set its journal mode."""
     try:
-        run_migrations(tmp)
+        run_migrations(tmp, private_copy=True)  # tmp is ours alone until replace_file publishes it
     except Exception as e:  # noqa: BLE001 - any failure leaves the original as is
         raise NotAStoreError(
             f"{shown}: migrating a copy from {old} to {head_revision()} failed "
             f"({type(e).__name__}: {e}); original left as is"
         ) from e
     with contextlib.closing(sqlite3.connect(tmp, isolation_level=None)) as conn:
+        # The same private copy (run_migrations' private_copy): VACUUM without a journal
+        # or fsyncs; replace_file fsyncs the finished file before the rename.
+        conn.execute("PRAGMA journal_mode = OFF")
+        conn.execute("PRAGMA synchronous = OFF")
         conn.execute("VACUUM")
         if integrity_problems(conn, 1):
             raise NotAStoreError(f"{shown}: the upgraded copy failed integrity_check; original left as is")

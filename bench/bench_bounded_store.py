@@ -1,0 +1,129 @@
+"""Size of the live store and of a rollout snapshot vs steps run, with settled groups
+compacted (v1_4_a) and without (the old behaviour), side by side in one run (W2-G item 1).
+
+    python bench/bench_bounded_store.py                    # 30, 300, 3000 steps
+    python bench/bench_bounded_store.py --steps 30 300     # shorter
+
+The quickstart's shape through the Store API (no model, so 3000 steps take seconds, not
+hours): 8 groups per step of 8 generations, 4-token samples, groups stamped one step
+ahead (max_staleness 1) so one step's groups are in flight while the previous one trains,
+one group in 8 discarded for zero reward variance and refilled, a generation retried now
+and then (an abandoned attempt), and a snapshot attempt recorded every step (the
+quickstart snapshots every 2 s, about a step). At each size it reports the live store's
+file size (plus its WAL, checkpointed first) and the size of a snapshot taken with
+`Store.capture` (the backup API, as the snapshot pump takes them).
+
+"before" is the same loop with `compaction.settle_groups` replaced by a no-op: settled
+groups keep their ledger and attempt rows, as they did before v1_4_a. Goal: after 300
+steps <= 1.2x the size after 30.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import random
+import sqlite3
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from benchlib import machine_line, say  # noqa: E402
+
+from rolloutdb.store import FinishedGeneration, Reservation, Store, ledger, pools
+from rolloutdb.store.live import compaction
+
+GROUPS, GENERATIONS, TOKENS = 8, 8, 4
+GOAL = 1.2
+
+
+def _gen(rng: random.Random) -> FinishedGeneration:
+    return FinishedGeneration([rng.randint(3, 40) for _ in range(TOKENS)], [-rng.random() for _ in range(TOKENS)],
+                              float(rng.random() < 0.5), [(0, TOKENS)])
+
+
+def run(path: Path, steps: list[int], snaps: Path) -> dict[int, tuple[int, int, int]]:
+    """Sizes (live bytes, snapshot bytes, ledger rows) at each step count in `steps`."""
+    rng = random.Random(0)
+    out: dict[int, tuple[int, int, int]] = {}
+    store = Store.create(path, replay_capacity=64)
+    seq, published = 0, {}
+
+    def stamp(step: int) -> None:
+        nonlocal seq
+        need = GROUPS
+        while need:
+            (g,) = store.reserve([Reservation(seq, seq // 1000, seq % 1000)], num_generations=GENERATIONS,
+                                 target_step=step)
+            zero = seq % 8 == 5
+            seq += 1
+            attempts = store.dispatch([g], policy_version=step - 1)
+            if rng.random() < 0.1:
+                store.abandon(attempts[:1], "deadline")
+                with store.atomic() as tx:
+                    attempts[0] = ledger.start_attempts(tx, [(g, 0)], policy_version=step - 1)[0]
+            with store.atomic() as tx:
+                ledger.finish_attempts(tx, [(a, _gen(rng)) for a in attempts])
+            if zero:
+                store.discard([g], reason="zero_reward_variance")
+                continue
+            store.seal([g])
+            store.enter_replay([g])
+            published.setdefault(step, []).append(g)
+            need -= 1
+        with store.atomic() as tx:
+            pools.advance_cursor(tx, seq, seq // 1000)
+
+    stamp(1)
+    for step in range(1, max(steps) + 1):
+        stamp(step + 1)
+        store.mark_trained(published.pop(step), step=step)
+        store.record_snapshot_attempt("published", anchor=f"step_{step}", snapshot_seq=step,
+                                      timings={"lock": 0.0001, "env": 0.0, "cut": 0.0004, "capture": 0.003,
+                                               "publish": 0.01})
+        if step in steps:
+            with contextlib.closing(sqlite3.connect(path)) as conn:
+                conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+                rows = conn.execute("SELECT (SELECT count(*) FROM prompt_groups) + (SELECT count(*) FROM rollouts)"
+                                    ).fetchone()[0]
+            snap = snaps / f"{path.stem}_{step}.sqlite"
+            store.capture(snap)
+            wal = path.with_name(path.name + "-wal")
+            live = path.stat().st_size + (wal.stat().st_size if wal.exists() else 0)
+            out[step] = (live, snap.stat().st_size, rows)
+    store.close()
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, nargs="+", default=[30, 300, 3000])
+    args = parser.parse_args(argv)
+    steps = sorted(args.steps)
+    say(f"# {machine_line()}")
+    with tempfile.TemporaryDirectory(prefix="bench_bounded_") as tmp:
+        work = Path(tmp)
+        after = run(work / "after.sqlite", steps, work)
+        keep = compaction.settle_groups
+        ledger.settle_groups = lambda conn, ids: None  # the old behaviour: settled rows stay
+        try:
+            before = run(work / "before.sqlite", steps, work)
+        finally:
+            ledger.settle_groups = keep
+    say(f"{'steps':>6} | {'before: live':>13} {'snapshot':>10} {'rows':>8} | {'after: live':>12} {'snapshot':>10} {'rows':>5}")
+    for s in steps:
+        b, a = before[s], after[s]
+        say(f"{s:>6} | {b[0] / 1024:>10.0f} KiB {b[1] / 1024:>6.0f} KiB {b[2]:>8} | "
+            f"{a[0] / 1024:>8.0f} KiB {a[1] / 1024:>6.0f} KiB {a[2]:>5}")
+    base = steps[0]
+    for s in steps[1:]:
+        for name, figures in (("before", before), ("after", after)):
+            live, snap = figures[s][0] / figures[base][0], figures[s][1] / figures[base][1]
+            verdict = "met" if max(live, snap) <= GOAL else "missed"
+            say(f"{name:<6} {s} vs {base} steps: live {live:.2f}x, snapshot {snap:.2f}x (goal <= {GOAL}x: {verdict})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,302 @@
+"""A bounded live store: settled groups leave it, and exactly-once stays provable.
+
+A trained or discarded group leaves `prompt_groups` and its attempts leave `rollouts` in
+the commit that settles it; its sampler position joins a run-length `settled_ranges` row
+(store/live/compaction.py), and its (epoch, prompt id) sets a bit of its epoch's bitmap
+in `settled_prompts`. These tests drive the real Store (real SQLite files), read
+what is persisted through a second connection, and compute what they expect by hand.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rolloutdb.store import FinishedGeneration, IllegalTransition, Reservation, Store, check_invariants, pools, queries
+from rolloutdb.store.restore.choice import audit_ledger
+
+GROUPS_PER_STEP = 4
+GENERATIONS = 2
+ZERO = "zero_reward_variance"
+
+
+def _gen(reward: float) -> FinishedGeneration:
+    return FinishedGeneration([1, 2, 3], [-0.1, -0.2, -0.3], reward, [(0, 3)])
+
+
+class Run:
+    """A GRPO-shaped loop over the Store API: each step stamps GROUPS_PER_STEP groups,
+    one step ahead of training (so one step's groups are always in flight), discards the
+    positions listed in `discards` (and refills the step with the next position)."""
+
+    def __init__(self, path: Path, discards: set[int] = frozenset()):
+        self.store = Store.create(path, replay_capacity=64)
+        self.discards = set(discards)
+        self.seq = 0
+        self.published: dict[int, list[int]] = {}
+
+    def stamp(self, step: int) -> None:
+        need = GROUPS_PER_STEP
+        while need:
+            seq = self.seq
+            self.seq += 1
+            (g,) = self.store.reserve([Reservation(seq, seq // 1000, seq % 1000)], num_generations=GENERATIONS,
+                                      target_step=step)
+            attempts = self.store.dispatch([g], policy_version=step - 1)
+            self.store.abandon(attempts[:1], "deadline")  # a retried generation: two attempt rows
+            with self.store.atomic() as tx:
+                from rolloutdb.store import ledger
+                (retry,) = ledger.start_attempts(tx, [(g, 0)], policy_version=step - 1)
+            for i, a in enumerate([retry, *attempts[1:]]):
+                self.store.finish(a, _gen(float(i)))
+            if seq in self.discards:
+                self.store.discard([g], reason=ZERO)
+                continue
+            self.store.seal([g])
+            self.store.enter_replay([g])
+            self.published.setdefault(step, []).append(g)
+            need -= 1
+        with self.store.atomic() as tx:
+            pools.advance_cursor(tx, self.seq, self.seq // 1000)
+
+    def train(self, step: int) -> None:
+        self.store.mark_trained(self.published.pop(step), step=step)
+
+
+def _counts(path: Path) -> dict[str, int]:
+    with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as conn:
+        return {t: conn.execute(f"SELECT count(*) FROM {t}").fetchone()[0]
+                for t in ("prompt_groups", "rollouts", "samples", "replay_groups", "settled_ranges")}
+
+
+def test_many_settles_keep_the_live_row_counts_bounded_by_what_is_in_flight(tmp_path):
+    path = tmp_path / "live.sqlite"
+    steps = 120
+    discards = {seq for seq in range(0, steps * GROUPS_PER_STEP, 37)}  # a discard now and then
+    run = Run(path, discards)
+    run.stamp(1)
+    peak: dict[str, int] = {}
+    for step in range(1, steps + 1):
+        run.stamp(step + 1)  # one step ahead: step + 1's groups are in flight while `step` trains
+        run.train(step)
+        counts = _counts(path)
+        for table, n in counts.items():
+            peak[table] = max(peak.get(table, 0), n)
+        # Exactly what is in flight: step + 1's groups, 3 attempt rows each (a retry).
+        assert counts["prompt_groups"] == GROUPS_PER_STEP
+        assert counts["rollouts"] == GROUPS_PER_STEP * (GENERATIONS + 1)
+        assert counts["samples"] == GROUPS_PER_STEP * GENERATIONS
+    with contextlib.closing(sqlite3.connect(path)) as conn:
+        assert check_invariants(conn).ok
+        ranges = conn.execute("SELECT seq_start, seq_end, outcome, trained_step, discard_reason FROM settled_ranges "
+                              "ORDER BY seq_start").fetchall()
+    # The record grows with the steps (one trained run per step) plus two per discard
+    # (the discard and the split of its step's run), never with the groups trained.
+    handed = steps * GROUPS_PER_STEP + len([d for d in discards if d < run.seq - GROUPS_PER_STEP])
+    assert len(ranges) <= steps + 2 * len(discards) < handed
+    # Every settled position once, by hand: positions below the in-flight step's, in order.
+    settled = [seq for a, b, *_ in ranges for seq in range(a, b)]
+    assert settled == list(range(len(settled)))
+    trained = {seq: step for a, b, outcome, step, _ in ranges if outcome == "trained" for seq in range(a, b)}
+    assert sorted(trained.values()) == [s for s in range(1, steps + 1) for _ in range(GROUPS_PER_STEP)]
+    assert {seq for a, b, outcome, _, reason in ranges if outcome == "discarded" for seq in range(a, b)} == \
+        {d for d in discards if d < len(settled)}
+
+
+def test_a_group_settled_in_one_commit_leaves_no_row_and_its_position_joins_the_neighbouring_range(tmp_path):
+    path = tmp_path / "live.sqlite"
+    run = Run(path)
+    run.stamp(1)
+    run.stamp(2)
+    run.train(1)
+    with contextlib.closing(sqlite3.connect(path)) as conn:
+        assert conn.execute("SELECT * FROM settled_ranges").fetchall() == [(0, 4, "trained", 1, 1, None)]
+    # Step 2's groups are positions 4..7; train them in two commits: the second merges.
+    first, second = run.published[2][:2], run.published[2][2:]
+    run.store.mark_trained(first, step=2)
+    run.store.mark_trained(second, step=2)
+    with contextlib.closing(sqlite3.connect(path)) as conn:
+        assert conn.execute("SELECT * FROM settled_ranges ORDER BY seq_start").fetchall() == [
+            (0, 4, "trained", 1, 1, None), (4, 8, "trained", 2, 2, None)]
+        assert conn.execute("SELECT count(*) FROM prompt_groups").fetchone()[0] == 0
+        assert conn.execute("SELECT count(*) FROM rollouts").fetchone()[0] == 0
+
+
+def test_settling_a_position_already_settled_is_refused_and_changes_nothing(tmp_path):
+    path = tmp_path / "live.sqlite"
+    run = Run(path)
+    run.stamp(1)
+    run.train(1)
+    # A sampler bug hands position 2 out again: the ledger takes it (its old row is gone)...
+    (g,) = run.store.reserve([Reservation(2, 5, 5)], num_generations=1, target_step=2)
+    with contextlib.closing(sqlite3.connect(path)) as conn:
+        report = check_invariants(conn)  # ...but the invariants see it at once
+    assert report.invariants == [1]
+    assert "position 2" in report.problems[0]
+    before = _counts(path)
+    with pytest.raises(IllegalTransition, match="sampler positions 2..2: already settled"):
+        run.store.discard([g], reason=ZERO)
+    assert _counts(path) == before
+
+
+# ------------------------------------------------------------------ verify reads the record
+
+
+def _run_dir(tmp_path: Path) -> Path:
+    """A finished run of 3 steps with one zero-variance discard (position 5): ranges
+    0..4 trained 1, 4..5 trained 2, 5..6 discarded, 6..9 trained 2, 9..13 trained 3."""
+    run_dir = tmp_path / "run"
+    run = Run(run_dir / "rollout_state.sqlite", {5})
+    for step in (1, 2, 3):
+        run.stamp(step)
+        run.train(step)
+    run.store.close()
+    (run_dir / "config.yaml").write_text(f"algorithm:\n  groups_per_step: {GROUPS_PER_STEP}\n")
+    return run_dir
+
+
+def _verify(run_dir: Path) -> tuple[int, dict]:
+    proc = subprocess.run([sys.executable, "-m", "rolloutdb", "verify", str(run_dir), "--json"],
+                          capture_output=True, text=True, timeout=120)
+    return proc.returncode, json.loads(proc.stdout)
+
+
+def _plant(run_dir: Path, sql: str) -> None:
+    with contextlib.closing(sqlite3.connect(run_dir / "rollout_state.sqlite")) as conn:
+        conn.execute(sql)
+        conn.commit()
+
+
+def test_verify_proves_exactly_once_from_the_compacted_record(tmp_path):
+    run_dir = _run_dir(tmp_path)
+    with contextlib.closing(sqlite3.connect(run_dir / "rollout_state.sqlite")) as conn:
+        assert conn.execute("SELECT seq_start, seq_end, outcome, trained_step FROM settled_ranges "
+                            "ORDER BY seq_start").fetchall() == [
+            (0, 4, "trained", 1), (4, 5, "trained", 2), (5, 6, "discarded", None), (6, 9, "trained", 2),
+            (9, 13, "trained", 3)]
+        assert conn.execute("SELECT count(*) FROM prompt_groups").fetchone()[0] == 0
+    code, doc = _verify(run_dir)
+    assert code == 0, doc["problems"]
+    assert {k: doc[k] for k in ("trained", "discarded", "duplicated", "lost", "pending", "steps")} == {
+        "trained": 12, "discarded": 1, "duplicated": 0, "lost": 0, "pending": 0, "steps": 3}
+
+
+def test_a_compacted_range_that_drops_a_position_is_reported_lost(tmp_path):
+    run_dir = _run_dir(tmp_path)
+    _plant(run_dir, "UPDATE settled_ranges SET seq_end = 8 WHERE seq_start = 6")  # position 8 gone
+    code, doc = _verify(run_dir)
+    assert code == 1
+    assert (doc["lost"], doc["duplicated"], doc["trained"]) == (1, 0, 11)
+    assert any("neither in the ledger, the spare pool nor a settled range: 8" in p for p in doc["problems"])
+    assert any("invariant 1" in p and "missing 1 of 13 positions" in p for p in doc["problems"])
+
+
+def test_a_compacted_range_that_doubles_a_position_is_reported_duplicated(tmp_path):
+    run_dir = _run_dir(tmp_path)
+    _plant(run_dir, "UPDATE settled_ranges SET seq_end = 6 WHERE seq_start = 4")  # 4..5 now overlaps 5..6
+    code, doc = _verify(run_dir)
+    assert code == 1
+    assert (doc["lost"], doc["duplicated"]) == (0, 1)
+    assert any("positions 5..5 settled twice" in p for p in doc["problems"])
+    assert any("invariant 1" in p and "overlap" in p for p in doc["problems"])
+
+
+def test_a_position_both_settled_and_live_is_reported_duplicated(tmp_path):
+    run_dir = _run_dir(tmp_path)
+    # A prompt no one settled (epoch 9), so only the position is doubled, not the prompt.
+    _plant(run_dir, "INSERT INTO spare_prompts (sample_seq, epoch, prompt_id, added_at) VALUES (7, 9, 7, 0)")
+    code, doc = _verify(run_dir)
+    assert code == 1
+    assert (doc["lost"], doc["duplicated"]) == (0, 1)
+    assert any("position 7 settled and live" in p for p in doc["problems"])
+
+
+def test_every_settled_group_sets_its_prompts_bit_in_its_epochs_bitmap(tmp_path):
+    run_dir = _run_dir(tmp_path)
+    with contextlib.closing(sqlite3.connect(f"file:{run_dir / 'rollout_state.sqlite'}?mode=ro", uri=True)) as conn:
+        # Positions 0..12 settled, each the prompt seq % 1000 of epoch 0: prompts 0..12,
+        # bits 0..7 of byte 0 and 0..4 of byte 1.
+        assert conn.execute("SELECT epoch, bits, settles FROM settled_prompts").fetchall() == [
+            (0, bytes([0xFF, 0x1F]), 13)]
+
+
+def test_a_prompt_handed_out_again_and_settled_twice_in_an_epoch_is_reported_duplicated(tmp_path):
+    run_dir = tmp_path / "run"
+    run = Run(run_dir / "rollout_state.sqlite")
+    run.stamp(1)
+    run.train(1)
+    # A sampler bug hands prompt 2 of epoch 0 out again at a new position (4), after its
+    # first group settled: the ledger's UNIQUE (epoch, prompt_id) cannot see it.
+    (g,) = run.store.reserve([Reservation(4, 0, 2)], num_generations=1, target_step=2)
+    with run.store.atomic() as tx:
+        pools.advance_cursor(tx, 5, 0)
+    with contextlib.closing(sqlite3.connect(run_dir / "rollout_state.sqlite")) as conn:
+        report = check_invariants(conn)
+    assert report.invariants == [1] and "epoch 0 prompt 2 x2" in report.problems[0]
+    run.store.discard([g], reason=ZERO)  # settled twice now: bit 2 already set, settles 5 for 4 bits
+    run.store.close()
+    (run_dir / "config.yaml").write_text(f"algorithm:\n  groups_per_step: {GROUPS_PER_STEP}\n")
+    with contextlib.closing(sqlite3.connect(run_dir / "rollout_state.sqlite")) as conn:
+        assert conn.execute("SELECT bits, settles FROM settled_prompts WHERE epoch = 0").fetchone() == (bytes([0x0F]), 5)
+    code, doc = _verify(run_dir)
+    assert code == 1
+    assert (doc["trained"], doc["discarded"], doc["duplicated"], doc["lost"]) == (4, 1, 1, 0)
+    assert any("epoch 0: 1 prompt(s) settled twice" in p for p in doc["problems"])
+
+
+def test_a_settle_that_left_no_prompt_bit_breaks_invariant_1(tmp_path):
+    run_dir = _run_dir(tmp_path)
+    _plant(run_dir, "UPDATE settled_prompts SET settles = 12")  # one settled position without its prompt
+    with contextlib.closing(sqlite3.connect(run_dir / "rollout_state.sqlite")) as conn:
+        report = check_invariants(conn)
+    assert report.invariants == [1]
+    assert "differ by 1" in report.problems[0]
+
+
+def test_an_audit_of_a_store_older_than_the_compaction_reads_its_ledger_rows(tmp_path):
+    """A v1_3_a fixture (settled groups still rows) is audited as it is: no ranges table."""
+    src = Path(__file__).parent / "fixtures" / "store_v1_3_a.sqlite"
+    path = tmp_path / "old.sqlite"
+    path.write_bytes(src.read_bytes())
+    audit = audit_ledger(path, groups_per_step=4)
+    # By hand from make_fixture.PLAN: 17 trained, 4 discarded (2 for reasons not owned).
+    assert (audit.trained, audit.discarded, audit.duplicated, audit.discarded_not_owned) == (17, 4, 0, 2)
+
+
+# ------------------------------------------------------------ an exported key of a settled group
+
+
+def test_a_settled_groups_episode_key_is_told_apart_from_a_key_the_ledger_never_handed_out(tmp_path):
+    """An agent server's export can name an attempt whose group settled after the export:
+    its rows are gone, so the ledger alone reads it as unknown. Group ids are
+    AUTOINCREMENT: one at or under the sequence's high water without a row has settled."""
+    path = tmp_path / "live.sqlite"
+    run = Run(path, {1})
+    run.stamp(1)
+    run.stamp(2)
+    run.train(1)
+    # By hand: one group per position, ids from 1. Step 1 took positions 0..4 (groups
+    # 1..5, position 1 = group 2 discarded), step 2 positions 5..8 (groups 6..9, live).
+    keys = ["1.0-a1", "2.1-a0", "5.1-a0", "6.0-a0", "9.1-a0", "10.0-a0", "0.0-a0", "x.0-a0", "3.0", "-1.0-a0"]
+    with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as conn:
+        assert queries.settled_episode_keys(conn, keys) == {"1.0-a1", "2.1-a0", "5.1-a0"}
+    run.train(2)  # every group settled: the live store has no row left to compare with
+    with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as conn:
+        assert conn.execute("SELECT count(*) FROM prompt_groups").fetchone()[0] == 0
+        assert queries.settled_episode_keys(conn, keys) == {"1.0-a1", "2.1-a0", "5.1-a0", "6.0-a0", "9.1-a0"}
+    with run.store.read() as conn:  # the same through the store's own (SQLAlchemy) connection
+        assert queries.settled_episode_keys(conn, ["9.0-a0", "10.0-a0"]) == {"9.0-a0"}
+    run.store.close()
+
+
+def test_a_store_that_never_wrote_a_group_has_no_settled_key(tmp_path):
+    store = Store.create(tmp_path / "live.sqlite", replay_capacity=8)
+    with store.read() as conn:
+        assert queries.settled_episode_keys(conn, ["1.0-a0"]) == set()
+    store.close()
