@@ -36,30 +36,21 @@ def no_ray_processes_left(temp: str, within: float = 20.0) -> list[str]:
 
 def abandoned(run_dir: Path, reason: str) -> list[tuple]:
     """(group, generation, attempt) abandoned for `reason`, each with whether a later
-    attempt of the same generation finished; from the store, read by plain sqlite3."""
-    with contextlib.closing(sqlite3.connect(f"file:{run_dir / 'rollout_state.sqlite'}?mode=ro", uri=True)) as conn:
-        return conn.execute(
-            "SELECT r.group_id, r.generation_index, r.attempt, EXISTS (SELECT 1 FROM rollouts n WHERE "
-            "n.group_id = r.group_id AND n.generation_index = r.generation_index AND n.attempt > r.attempt "
-            "AND n.state = 'finished') FROM rollouts r WHERE r.state = 'abandoned' AND r.abandon_reason = ?",
-            (reason,)).fetchall()
-
-
-def traced_abandons(run_dir: Path, reason: str) -> set[tuple]:
+    attempt of the same generation finished; from the trace, read by plain sqlite3 (a
+    settled group's attempt rows leave the live store with it, revision v1_4_a)."""
     trace = run_dir / "logs" / "rollout_trace.sqlite"
     with contextlib.closing(sqlite3.connect(f"file:{trace}?mode=ro", uri=True)) as conn:
-        return set(conn.execute("SELECT group_id, generation_index, attempt FROM attempt_abandoned WHERE reason = ?",
-                                (reason,)))
+        return conn.execute(
+            "SELECT a.group_id, a.generation_index, a.attempt, EXISTS (SELECT 1 FROM rollout_finished f WHERE "
+            "f.group_id = a.group_id AND f.generation_index = a.generation_index AND f.attempt > a.attempt) "
+            "FROM attempt_abandoned a WHERE a.reason = ?", (reason,)).fetchall()
 
 
-def test_the_quickstart_runs_to_the_end_on_two_ray_workers_and_leaves_no_ray_process(tmp_path):
-    temp = short_temp_dir()
-    run_dir = tmp_path / "run"
-    proc = train_cli.train(run_dir, overrides=RAY, extra_env={"RAY_TMPDIR": temp})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    verified = train_cli.verify(run_dir)
-    assert verified.returncode == 0 and "lost=0" in verified.stdout, verified.stdout + verified.stderr
-    assert not no_ray_processes_left(temp)
+def ledger_abandons(run_dir: Path, reason: str) -> set[tuple]:
+    """The attempts abandoned for `reason` that the live store still holds (groups in flight)."""
+    with contextlib.closing(sqlite3.connect(f"file:{run_dir / 'rollout_state.sqlite'}?mode=ro", uri=True)) as conn:
+        return set(conn.execute("SELECT group_id, generation_index, attempt FROM rollouts "
+                                "WHERE state = 'abandoned' AND abandon_reason = ?", (reason,)))
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +104,7 @@ def test_engine_workers_killed_mid_rollout_have_their_attempts_abandoned_as_erro
     lost = abandoned(run_dir, "error")
     assert len(lost) >= 2, lost  # one kill at least each, mid-call
     assert all(redone for *_, redone in lost), lost  # every one started again and finished
-    assert {(g, i, a) for g, i, a, _ in lost} == traced_abandons(run_dir, "error")
+    assert ledger_abandons(run_dir, "error") <= {(g, i, a) for g, i, a, _ in lost}  # the ledger agrees
     verified = train_cli.verify(run_dir)
     assert verified.returncode == 0 and "duplicated=0 lost=0" in verified.stdout, verified.stdout + verified.stderr
 
