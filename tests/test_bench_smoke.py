@@ -5,6 +5,7 @@ completes, reports every figure it promises and leaves the store sound."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -189,3 +190,14 @@ def test_the_prefix_cut_benchmark_measures_the_hold_at_two_sizes(tmp_path):
     r = _run_bench("bench_prefix_cut.py", tmp_path)
     assert [s["calls"] for s in r["sizes"]] == [4, 16]
     assert all(s["cuts"] > 0 and s["hold_ms_p50"] >= 0 for s in r["sizes"])
+
+
+def test_the_ray_workers_benchmark_runs_in_process_and_one_and_two_workers_side_by_side(tmp_path):
+    out = tmp_path / "figures.json"
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "bench_ray_workers.py"), "--quick", "--json", str(out)],
+                          cwd=REPO, capture_output=True, text=True, timeout=240,
+                          env={**os.environ, "RAY_AUTH_MODE": "disabled"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    r = json.loads(out.read_text())
+    assert all(r[k]["tokens_per_s"] > 0 for k in ("in_process", "ray_1", "ray_2"))
+    assert set(r["ratios"]) >= {"tokens_per_s_ray2_vs_ray1", "cut_wall_p50_ray2_vs_in_process", "per_call_overhead_p50_ms"}
