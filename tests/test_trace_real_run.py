@@ -21,12 +21,11 @@ import signal
 import sqlite3
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from crash_harness import EXAMPLE, OVERRIDES, newest_usable_snapshot
+from crash_harness import EXAMPLE, OVERRIDES, kill_when, metrics, newest_usable_snapshot
 from rolloutdb.store.trace.writer import TRACE_FILENAME
 from rolloutdb.timefmt import iso_utc
 
@@ -51,17 +50,6 @@ def _train(run_dir: Path, resume: bool = False) -> subprocess.Popen:
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
-def _metrics(run_dir: Path) -> list[dict]:
-    path = run_dir / "logs" / "metrics.jsonl"
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        with contextlib.suppress(json.JSONDecodeError):  # a line cut by the kill
-            out.append(json.loads(line))
-    return out
-
-
 def _anchor_of(snapshot: str) -> str:
     return Path(snapshot).parents[1].name  # CHECKPOINTS/<anchor>/rollout_snapshots/snapshot_<N>
 
@@ -77,29 +65,20 @@ def _kill_once_beyond_bootstrap(run_dir: Path, proc: subprocess.Popen) -> str | 
     a trainer checkpoint beyond bootstrap and has attempts running. Returns that snapshot,
     or None if the run ended before there was one (rare: a loaded machine can find the
     pump idle at every such snapshot)."""
-    deadline = time.monotonic() + TIMEOUT_S
-    while proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.01)
-        if not any(e.get("kind") == "snapshot" and e.get("outcome") == "published"
-                   and str(e.get("anchor", "")).startswith("step_") for e in _metrics(run_dir)):
-            continue
-        proc.send_signal(signal.SIGSTOP)  # nothing is published while we look
-        try:
-            # Decided from the manifests on disk (read as JSON, files hashed), not with
-            # the selection code the resume runs: the resume must agree with this.
-            newest = newest_usable_snapshot(run_dir / "checkpoints")
-            if newest is not None and _anchor_of(newest[1]).startswith("step_") \
-                    and _running_attempts(Path(newest[1]) / "rollout_state.sqlite") > 0:
-                proc.send_signal(signal.SIGKILL)
-                proc.wait(timeout=30)
-                return newest[1]
-        finally:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGCONT)
-    if proc.poll() is None:
-        proc.kill()
-    proc.wait()
-    return None
+
+    def look() -> str | None:
+        if not any(e.get("outcome") == "published" and str(e.get("anchor", "")).startswith("step_")
+                   for e in metrics(run_dir, "snapshot")):
+            return None
+        # Decided from the manifests on disk (read as JSON, files hashed), not with
+        # the selection code the resume runs: the resume must agree with this.
+        newest = newest_usable_snapshot(run_dir / "checkpoints")
+        if newest is not None and _anchor_of(newest[1]).startswith("step_") \
+                and _running_attempts(Path(newest[1]) / "rollout_state.sqlite") > 0:
+            return newest[1]
+        return None
+
+    return kill_when(proc, look, timeout=TIMEOUT_S, poll_s=0.01)
 
 
 @pytest.fixture(scope="module")
@@ -141,19 +120,19 @@ def _printed_table(printed: str, title: str) -> list[list[str]]:
 
 
 def test_the_resumed_run_restored_the_snapshot_it_was_killed_after(job):
-    restores = [e for e in _metrics(job["run_dir"]) if e.get("kind") == "restore"]
+    restores = metrics(job["run_dir"], "restore")
     assert [r["snapshot"] for r in restores] == [job["snapshot"]]
     assert restores[0]["anchor"] == _anchor_of(job["snapshot"]) and restores[0]["anchor"].startswith("step_")
     seq = int(Path(job["snapshot"]).name.removeprefix("snapshot_"))
     assert f"resumed from {_anchor_of(job['snapshot'])}/snapshot_{seq} " in job["resume_stderr"]
     # The kill log: the newest snapshot the killed process logged as published is the one.
-    logged = [e["sequence"] for e in _metrics(job["run_dir"])[: _restore_index(job["run_dir"])]
+    logged = [e["sequence"] for e in metrics(job["run_dir"])[: _restore_index(job["run_dir"])]
               if e.get("kind") == "snapshot" and e.get("outcome") == "published"]
     assert logged and max(logged) <= seq
 
 
 def _restore_index(run_dir: Path) -> int:
-    return next(i for i, e in enumerate(_metrics(run_dir)) if e.get("kind") == "restore")
+    return next(i for i, e in enumerate(metrics(run_dir)) if e.get("kind") == "restore")
 
 
 def _restored_cut_time(run_dir: Path) -> float:
@@ -224,10 +203,10 @@ def test_lost_progress_matches_groups_running_at_the_stop_with_the_twin(job):
 
 
 def test_batch_age_is_printed_for_every_step_and_equals_the_logged_value(job):
-    metrics = _metrics(job["run_dir"])
-    restore_at = next(i for i, e in enumerate(metrics) if e.get("kind") == "restore")
-    logged = {1: [(e["step"], e["batch_age"]) for e in metrics[:restore_at] if e.get("kind") == "train_step"],
-              2: [(e["step"], e["batch_age"]) for e in metrics[restore_at:] if e.get("kind") == "train_step"]}
+    events = metrics(job["run_dir"])
+    restore_at = next(i for i, e in enumerate(events) if e.get("kind") == "restore")
+    logged = {1: [(e["step"], e["batch_age"]) for e in events[:restore_at] if e.get("kind") == "train_step"],
+              2: [(e["step"], e["batch_age"]) for e in events[restore_at:] if e.get("kind") == "train_step"]}
     rows = job["json"]["batch_age_per_step"]
     traced = {n: [(r["step"], r["batch_age"]) for r in rows if r["run_no"] == n] for n in (1, 2)}
     assert {r["step"] for r in rows} == set(range(1, STEPS + 1))
