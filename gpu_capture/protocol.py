@@ -160,7 +160,11 @@ class PrefixCapture(Protocol):
     def cut_support(self, request: GenerationRequest) -> str | None:
         """Whether this call, cut at any point, can be continued exactly: None if so,
         else why not, in a few words for the trace (e.g. "seeded sampling on vLLM 0.32").
-        Asked once per call, when it is submitted, and answered from the request alone.
+        Asked once per call, when it is submitted. The verdict is a function of the
+        call's SamplingParams only, and of whether the call is seeded, not of the seed's
+        value (nor of its prompt, prefix or id): an engine pool may answer from a cache
+        keyed so (`RayEnginePool.cut_support`, which would otherwise ask a remote worker
+        at every submit; the seed differs in every call of a run, `call_seed`).
         `running_calls` reports the verdict as `RunningCall.cut_refused`; the controller
         saves no prefix of a refused call: after a stop it restarts its turn (the turn
         path), and the trace's `call_fallback` says why."""

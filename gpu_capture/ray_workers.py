@@ -62,13 +62,21 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
-from .protocol import EngineWorkerLost, GenerationRequest, GenerationResult, RunningCall, check_request
+from .protocol import (
+    EngineWorkerLost,
+    GenerationRequest,
+    GenerationResult,
+    RunningCall,
+    SamplingParams,
+    check_request,
+)
 
 NAMESPACE = "rolloutdb"  # the Ray namespace of the pool's named actors
 MAX_DEATHS_IN_A_ROW = 3
+MAX_CUT_VERDICTS = 4096  # cached cut_support verdicts (one per kind of call)
 INSTALL_HINT = "cluster.backend: ray needs Ray, which is not installed: pip install -e '.[ray]'"
 
 
@@ -79,6 +87,15 @@ def import_ray():
     except ImportError:
         raise ValueError(INSTALL_HINT) from None
     return ray
+
+
+def _params_key(params: SamplingParams) -> tuple:
+    """A hashable form of what a cut verdict may depend on: every setting, with `stop`
+    as a tuple (a caller may pass a list) and the seed reduced to whether there is one."""
+    values = {f.name: getattr(params, f.name) for f in fields(params)}
+    values["seed"] = values["seed"] is not None
+    values["stop"] = tuple(values["stop"])
+    return tuple(values.items())
 
 
 def _whole(request: GenerationRequest, result: GenerationResult, cut_refused: str | None) -> RunningCall:
@@ -232,6 +249,8 @@ class RayEnginePool:
         self.cut_hold_s = 0.0  # the longest worker's own hold at the last cut
         self.gather_s = 0.0  # the last cut's wall time across workers
         self.replacements = 0
+        self._cut_verdicts: dict[tuple, str | None] = {}  # _params_key -> the engines' cut_support verdict
+        self.cut_support_asks = 0  # remote cut_support asks (the cache's misses)
         try:
             for slot in self._slots:
                 self._start(slot)
@@ -414,10 +433,24 @@ class RayEnginePool:
         return calls
 
     def cut_support(self, request: GenerationRequest) -> str | None:
-        """The engines' own rule (every worker runs the same engine): asked of one worker."""
+        """The engines' own rule (every worker runs the same engine): asked of one worker
+        once per kind of call, then answered from the pool's cache. The rollout pump asks
+        at every submit at prefix level, on its own thread, and a remote ask is a round
+        trip (about 4 ms here, the module docstring); the protocol makes the verdict a
+        function of the call's SamplingParams and whether it is seeded
+        (`PrefixCapture.cut_support`), so that is the key."""
+        key = _params_key(request.params)
+        with self._lock:
+            if key in self._cut_verdicts:
+                return self._cut_verdicts[key]
+        self.cut_support_asks += 1
         for _, answer in self._gather_one("cut_support", request):
+            with self._lock:
+                if len(self._cut_verdicts) >= MAX_CUT_VERDICTS:
+                    self._cut_verdicts.clear()  # a bound, never reached by a run's few kinds of call
+                self._cut_verdicts[key] = answer
             return answer
-        return None
+        return None  # no live worker answered (replaced meanwhile): ask again next time
 
     def _gather_one(self, method: str, *args) -> list[tuple[_Slot, Any]]:
         with self._lock:

@@ -8,6 +8,7 @@ workers, so they come last."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -187,6 +188,37 @@ def test_a_call_finished_in_its_worker_stays_in_the_cut_until_the_driver_acknowl
         assert calls == {}
     finally:
         worker.engine.close()
+
+
+class GreedyOnlyEngine(ReferenceEngine):
+    """A reference engine that refuses to cut non-greedy calls, as vLLM 0.32 does
+    (gpu_capture/vllm_engine.py): a verdict that depends on the call's params."""
+
+    def cut_support(self, request: GenerationRequest) -> str | None:
+        return None if request.params.temperature == 0.0 else "non-greedy (test engine)"
+
+
+def greedy_only_engine(policy_dir: Path) -> GreedyOnlyEngine:
+    return GreedyOnlyEngine(policy_dir, max_batch_size=8, num_threads=1)
+
+
+def test_the_pool_asks_a_worker_for_a_cut_verdict_once_per_kind_of_call_and_answers_the_engines_verdict(
+        cluster, policy_dir):
+    # The workers cannot import this test module: its class travels by value.
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    # worker_cpus=0: the module's pool holds the cluster's two CPUs.
+    with contextlib.ExitStack() as stack:
+        stack.callback(ray.cloudpickle.unregister_pickle_by_value, sys.modules[__name__])
+        own = stack.enter_context(RayEnginePool(partial(greedy_only_engine, policy_dir), workers=1, worker_cpus=0))
+        sampled = [req(f"cs{i}", i, temperature=1.0, seed=100 + i, stop=["x"]) for i in range(6)]
+        greedy = [req(f"cg{i}", i, temperature=0.0, stop=("x",)) for i in range(6)]
+        verdicts = [own.cut_support(r) for r in sampled + greedy]
+        asks = own.cut_support_asks
+        # Each call of a run has its own seed (call_seed): one ask per kind of call all the same.
+        assert verdicts == ["non-greedy (test engine)"] * 6 + [None] * 6
+        assert asks == 2
+        assert own.cut_support(req("cs-unseeded", 0, temperature=1.0, stop=["x"])) == "non-greedy (test engine)"
+        assert own.cut_support_asks == 3  # seeded or not is part of the key
 
 
 def perturbed(local_engine, scale: float) -> dict[str, torch.Tensor]:
