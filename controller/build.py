@@ -138,9 +138,25 @@ def build_engine(config: Config, policy_dir: Path, work_dir: Path | None = None)
 
         from rolloutdb.gpu_capture.ray_workers import RayEnginePool
 
+        # A local cluster offers one CPU per worker of either kind (each reserves one).
+        cpus = cluster.ray_num_cpus or cluster.engine_workers + cluster.environment_workers
         return RayEnginePool(partial(build_local_engine, config, policy_dir, work_dir), workers=cluster.engine_workers,
-                             address=cluster.address, num_cpus=cluster.ray_num_cpus, worker_gpus=cluster.worker_gpus)
+                             address=cluster.address, num_cpus=cpus, worker_gpus=cluster.worker_gpus)
     return build_local_engine(config, policy_dir, work_dir)
+
+
+def build_env_stepper(config: Config, env: Environment, policy_dir: Path):
+    """Where the environment steps: in the driver on `env` (LocalStepper), or with
+    `cluster.environment_workers` on that many Ray actors, each building its own
+    environment from the config (after `build_engine`, which starts or joins Ray)."""
+    from rolloutdb.controller.env_steps import LocalStepper
+
+    workers = config.cluster.environment_workers
+    if config.cluster.backend != "ray" or not workers:
+        return LocalStepper(env)
+    from rolloutdb.controller.ray_environments import EnvironmentWorkerPool
+
+    return EnvironmentWorkerPool(config, policy_dir, workers=workers)
 
 
 def build_local_engine(config: Config, policy_dir: Path, work_dir: Path | None = None):

@@ -86,6 +86,7 @@ class Controller:
         self.dataset, self.env = build.build_task(cfg, policy_dir, found)
         self.trainer = build.build_trainer(cfg, policy_dir)
         self.engine = build.build_engine(cfg, policy_dir)
+        self.env_steps = build.build_env_stepper(cfg, self.env, policy_dir)
         self.publisher = build.build_publisher(cfg, self.dirs.checkpoints)
         if self.resume:
             done = resuming.restore_run(self)
@@ -146,6 +147,7 @@ class Controller:
             bound=StalenessBound(cfg.algorithm.max_staleness, cfg.algorithm.total_steps),
             engine=self.engine,
             env=self.env,
+            stepper=self.env_steps,
             trainer=self.trainer,
             dispatcher=dispatcher,
             runtime=self.runtime,
@@ -287,7 +289,8 @@ class Controller:
         return RunSummary(self.dirs.root, len(steps), summary_line(steps), plot, wall_s)
 
     def close(self) -> None:
-        for name in ("engine", "agents", "bar", "publisher", "tracer", "metrics", "store"):
+        # The environment workers before the engine: the engine pool shuts its Ray cluster down.
+        for name in ("env_steps", "engine", "agents", "bar", "publisher", "tracer", "metrics", "store"):
             part = getattr(self, name, None)
             if part is not None:
                 part.close()

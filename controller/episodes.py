@@ -105,21 +105,67 @@ class Episode:
     def absorb(self, env: Environment, out: GenerationResult) -> None:
         """Take the finished call of the current turn: append the reply, step the
         environment, append its observation unless the episode ended; score it when it
-        ends (done, or its last turn)."""
+        ends (done, or its last turn). The two halves (`take_reply`, then `apply` of the
+        environment's `step_environment`) are what the rollout pump runs with the step
+        in between on an environment worker (controller/env_steps.py)."""
+        self.take_reply(out)
+        self.apply(step_environment(env, self.state, out.token_ids, last=self.last_turn))
+
+    def take_reply(self, out: GenerationResult) -> None:
+        """Append the current turn's reply (its environment step follows)."""
         self.token_ids += out.token_ids
         self.logprobs += out.logprobs
         self.token_versions += out.token_versions
         self.finish_reasons.append(out.finish_reason)
-        reply, self.state = env.step(self.state, out.token_ids)
+
+    @property
+    def last_turn(self) -> bool:
+        """Whether the turn in progress is the episode's last allowed one (its step scores)."""
+        return self.turn + 1 >= self.max_turns
+
+    def apply(self, step: StepOutcome) -> None:
+        """The environment's answer to the reply taken: the new state, then either the
+        end (with its reward) or the observation the next turn starts after."""
+        self.state = step.state
         self.turn += 1
-        if reply.done or self.turn >= self.max_turns:
+        if step.reward is not None:
             self.done = True
-            self.reward = float(env.score(self.state))
+            self.reward = step.reward
             return
-        obs = list(reply.observation_ids)
+        obs = list(step.observation_ids)
         self.token_ids += obs
         self.logprobs += [0.0] * len(obs)
         self.token_versions += [ENV_TOKEN_VERSION] * len(obs)
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    """One environment step as plain data (what an environment worker sends back):
+    the new JSON-able state, the observation, and the reward when the step ended the
+    episode (None while it goes on)."""
+
+    state: dict
+    observation_ids: list[int]
+    reward: float | None
+
+    def to_json(self) -> dict:
+        return {"state": self.state, "observation_ids": self.observation_ids, "reward": self.reward}
+
+    @classmethod
+    def from_json(cls, data: dict) -> StepOutcome:
+        reward = data["reward"]
+        return cls(dict(data["state"]), [int(t) for t in data["observation_ids"]],
+                   None if reward is None else float(reward))
+
+
+def step_environment(env: Environment, state: dict, reply_ids: Sequence[int], *, last: bool) -> StepOutcome:
+    """Step `env` on a reply and, when that ends the episode (the environment says done,
+    or `last`: the episode's last allowed turn), score it: in the driver or on an
+    environment worker, the same rule."""
+    reply, new_state = env.step(state, list(reply_ids))
+    if reply.done or last:
+        return StepOutcome(new_state, [], float(env.score(new_state)))
+    return StepOutcome(new_state, [int(t) for t in reply.observation_ids], None)
 
 
 def play_episodes(engine, env: Environment, episodes: Sequence[Episode], params: SamplingParams) -> None:

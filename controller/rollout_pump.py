@@ -29,24 +29,24 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
-from dataclasses import replace
 
 import numpy as np
 
 from rolloutdb.controller.dispatch import GroupHandle
 from rolloutdb.controller.episodes import Episode, call_seed
 from rolloutdb.controller.group_commit import CommitBatch, Pending, RolloutMeter
-from rolloutdb.controller.live_episode import GroupRun, LiveEpisode, whole_call
+from rolloutdb.controller.env_steps import LocalStepper
+from rolloutdb.controller.live_episode import GroupRun, LiveEpisode
+from rolloutdb.controller.pump_calls import CallFlow
 from rolloutdb.controller.runtime import RolloutParts
 from rolloutdb.controller.tracing import RolloutTrace
-from rolloutdb.gpu_capture.protocol import EngineWorkerLost, GenerationRequest, RunningCall, SamplingParams
+from rolloutdb.gpu_capture.protocol import RunningCall, SamplingParams
 from rolloutdb.store import (
     CallPrefix,
     Chunk,
     FinishedGeneration,
     Reservation,
     SavedEpisode,
-    codec,
     faults,
     ledger,
     pools,
@@ -56,12 +56,9 @@ from rolloutdb.store import (
 _WAKE: Future = Future()  # put in the completion queue to wake the loop (a flush request)
 ZERO_VARIANCE = ledger.ZERO_REWARD_VARIANCE  # the store owns the names of the reasons the algorithm owns
 IDLE_WAIT_S = 0.5
-# Episodes an agent server may lose in a row (every one since its last finished episode)
-# before the run stops: a server that comes back and fails every episode is broken.
-MAX_LOST_IN_A_ROW = 1000
 
 
-class RolloutPump:
+class RolloutPump(CallFlow):
     def __init__(self, parts: RolloutParts, restored: Sequence[tuple[GroupHandle, list[int]]] = (),
                  saved_episodes: Mapping[tuple[int, int], SavedEpisode] | None = None,
                  saved_prefixes: Mapping[tuple[int, int], Sequence[Chunk]] | None = None,
@@ -87,7 +84,11 @@ class RolloutPump:
         # What the calls running at the restored cut had decoded (prefix level only)
         self._prefixes = {k: p for k, chunks in (saved_prefixes or {}).items()
                           if (p := CallPrefix.of(list(chunks))) is not None} if self.prefix_level else {}
-        self._running: dict[Future, LiveEpisode] = {}
+        self._running: dict[Future, LiveEpisode] = {}  # model calls (agent servers: episodes) in flight
+        # Where the environment steps (controller/env_steps.py), and the episodes whose
+        # step runs on an environment worker now (they count as in flight)
+        self.stepper = parts.stepper if parts.stepper is not None else LocalStepper(parts.env)
+        self._stepping: dict[Future, LiveEpisode] = {}
         # Finished calls, in the order they finished: each future puts itself here when it
         # completes, so waiting costs O(1) per call (concurrent.futures.wait over every
         # running call costs O(calls in flight) per wake-up).
@@ -122,11 +123,11 @@ class RolloutPump:
                     self._answer_flushes()
                     continue
                 # Due, or nothing in flight that could add to it: waiting longer buys nothing.
-                if self.batch.due() or (not self._running and not self.batch.empty) \
+                if self.batch.due() or (not self._in_flight() and not self.batch.empty) \
                         or (self.batch.empty and self._may_start()):
                     self._commit()
                     continue
-                if self._running:
+                if self._in_flight():
                     left = self.batch.time_left()
                     try:
                         future: Future | None = self._done.get(timeout=IDLE_WAIT_S if left is None else left)
@@ -204,8 +205,12 @@ class RolloutPump:
     def _room(self) -> int:
         """Episodes that may start now without passing max_inflight_calls (one group
         always may when nothing runs, whatever its size)."""
-        free = self.max_inflight - len(self._running)
-        return max(free, self.group_size if not self._running else 0)
+        free = self.max_inflight - self._in_flight()
+        return max(free, self.group_size if not self._in_flight() else 0)
+
+    def _in_flight(self) -> int:
+        """Episodes with a model call or an environment step in progress."""
+        return len(self._running) + len(self._stepping)
 
     def _may_start(self) -> bool:
         """Whether a commit now would start something (in memory, no store read: the
@@ -217,144 +222,7 @@ class RolloutPump:
         last_step = self.p.bound.last_admissible_step(self.p.read_progress().policy_version)
         return self._open_shortfall or self._last_opened < last_step
 
-    # ------------------------------------------------------------------ calls
-
-    def _submit(self, live: LiveEpisode) -> None:
-        if self.agents is not None:
-            future = self.agents.run(live, key=live.episode.key, prompt_id=live.group.reservation.prompt_id,
-                                     seed=live.episode.seed, params=self.params, continue_from=live.continue_from,
-                                     prefix=live.prefix, prefix_turn=live.episode.turn)
-        else:
-            request = live.episode.request(self.p.env, self.params)
-            live.prefix_len = 0
-            if live.prefix is not None:
-                request = self._spliced(live, request)
-            live.limits = (request.params.max_tokens, request.params.min_tokens)
-            cut_support = getattr(self.p.engine, "cut_support", None) if self.prefix_level else None
-            live.cut_refused = cut_support(request) if cut_support is not None else None
-            future = self.p.engine.submit(request)
-        self._running[future] = live
-        future.add_done_callback(self._done.put)
-
-    def _spliced(self, live: LiveEpisode, request: GenerationRequest) -> GenerationRequest:
-        """The restored call continued from its prefix: the engine counts limits,
-        penalties and stop strings over the whole output, prefix included, and returns
-        the whole output with the prefix's own logprobs and versions, so the result is
-        the uninterrupted call's. A prefix saved under other limits (it cannot be the
-        same call) restarts the turn instead."""
-        prefix, live.prefix = live.prefix, None
-        p = request.params
-        if prefix is None or (prefix.max_tokens, prefix.min_tokens) != (p.max_tokens, p.min_tokens):
-            return request
-        live.prefix_len = len(prefix.token_ids)
-        return replace(request, prefix_ids=list(prefix.token_ids), prefix_versions=list(prefix.token_versions),
-                       prefix_logprobs=list(prefix.logprobs or ()))
-
-    def _served_call(self, live: LiveEpisode, turn: int, result, prefix_tokens: int = 0) -> None:
-        """An agent server's model call for `live` (HTTP loop's thread), less its restored prefix."""
-        self.meter.call()
-        self.trace.call_finished(live.group, live.index, turn=turn, tokens=len(result.token_ids) - prefix_tokens,
-                                 finish_reason=result.finish_reason)
-
-    def _on_episode(self, future: Future) -> None:
-        """An agent server's episode ended: its sample goes in the batch; an episode the
-        server lost (it died, or the deadline passed) is abandoned with that reason and
-        started again in the same batch."""
-        live = self._running.pop(future)
-        outcome = future.result()  # a protocol error fails the pump, and the run
-        if outcome.status != "finished":
-            if self.p.runtime.stop.is_set():
-                return  # the controller is stopping: a resume redoes it
-            lost = self._lost_in_a_row[outcome.server] = self._lost_in_a_row.get(outcome.server, 0) + 1
-            if lost > MAX_LOST_IN_A_ROW:
-                raise RuntimeError(f"agent server {outcome.server} lost {lost} episodes in a row; the last: "
-                                   f"{outcome.error} (see logs/agent_server_{outcome.server}.log)")
-            self.batch.add_retry(live, outcome.status)
-            return
-        self._lost_in_a_row[outcome.server] = 0
-        e = live.episode
-        e.turn, e.reward, e.done = outcome.turn, outcome.reward, True
-        e.token_ids, e.logprobs, e.token_versions = outcome.token_ids, outcome.logprobs, outcome.token_versions
-        e.finish_reasons = outcome.finish_reasons
-        self._episode_done(live)
-
-    def _episode_done(self, live: LiveEpisode) -> None:
-        e = live.episode
-        self.batch.drop_progress((live.group.group_id, live.index))
-        self.batch.add_finished(live, FinishedGeneration(
-            token_ids=e.token_ids, logprobs=e.logprobs, reward=e.reward,
-            version_token_counts=codec.version_runs(e.token_versions)))
-        run = self._groups[live.group.group_id]
-        run.outstanding.discard(live.index)
-        if not run.outstanding:
-            del self._groups[live.group.group_id]
-            self.batch.add_completed(run.handle)
-
-    def _on_call(self, future: Future) -> None:
-        if self.agents is not None:
-            return self._on_episode(future)
-        live = self._running[future]
-        try:
-            result = future.result()  # an engine error fails the pump, and the run
-        except EngineWorkerLost:
-            # The worker running the call died (Ray): the engine replaced it; the attempt
-            # is abandoned with reason `error` and starts again in this batch.
-            del self._running[future]
-            if not self.p.runtime.stop.is_set():
-                self.batch.drop_progress((live.group.group_id, live.index))
-                self.batch.add_retry(live, "error")
-            return
-        if result.finish_reason == "abort":
-            del self._running[future]
-            if self.p.runtime.stop.is_set():
-                return  # the pump aborted it at a stop (or the engine closed): a resume redoes it
-            raise RuntimeError(f"the engine aborted call {result.request_id} while the run was going on; its episode "
-                               "cannot finish (see the engine's log for why)")
-        if self.prefix_level:
-            # Until its batch commits, a cut saves this call whole (see `uncommitted_calls`).
-            # Written before the call leaves `_running`: a cut finds it in one or the other.
-            self._uncommitted[result.request_id] = whole_call(result, live)
-            self._uncommitted_ids.append(result.request_id)
-        del self._running[future]
-        e = live.episode
-        turn = e.turn
-        e.absorb(self.p.env, result)
-        self.meter.call()
-        self.trace.call_finished(live.group, live.index, turn=turn, tokens=len(result.token_ids) - live.prefix_len,
-                                 finish_reason=result.finish_reason)
-        if e.done:
-            self._episode_done(live)
-        else:
-            if self.turn_level:
-                self.batch.add_progress((live.group.group_id, live.index), live)
-            self._submit(live)  # the next turn starts now; its save follows in the batch
-        faults.point("pump.call_finished_uncommitted")
-
     # ------------------------------------------------------------------ the commit
-
-    def uncommitted_calls(self) -> dict[str, RunningCall]:
-        """Prefix level, read by a snapshot's cut (another thread; a dict copy is atomic
-        under the GIL): the calls that finished and were absorbed but whose batch has not
-        committed yet, each as a complete prefix. A cut that misses them would lose them
-        with the window (they are neither running in the engine nor in the store); saved
-        whole, a resumed call finishes at once with the same output (the engine finds its
-        end in the prefix: EOS, a stop string or max_tokens).
-
-        Also the calls in transit: finished in the engine (their future is done) but not
-        yet taken from the completion queue by this pump. The engine finishes a call
-        under the lock its `running_calls` reads under, and `_on_call` adds a call here
-        before it leaves `_running`; reading `_running` before `_uncommitted` (and the
-        cut reads the engine before this) therefore finds every call somewhere
-        (bench_prefix_kept.py: in-transit calls were most of what a cut still lost)."""
-        if self.agents is not None:
-            return {}
-        in_transit = {}
-        for future, live in dict(self._running).items():  # a copy: the pump thread changes it
-            if future.done() and future.exception() is None:
-                result = future.result()
-                if result.finish_reason != "abort":
-                    in_transit[result.request_id] = whole_call(result, live)
-        return {**in_transit, **self._uncommitted}
 
     def _commit(self) -> None:
         pending = self.batch.take()

@@ -160,3 +160,5 @@ class RolloutParts:
     # Agent servers (environment.servers): episodes run there, not on `env`
     # (controller/agent_server/client.py, AgentPool); None: episodes run in the controller.
     agents: Any = None
+    # Where the environment steps (controller/env_steps.py): None is `env` in the driver.
+    stepper: Any = None

@@ -35,12 +35,18 @@ from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 
-class EngineWorkerLost(RuntimeError):
+class WorkerLost(RuntimeError):
+    """A remote piece of work (a model call, an environment step) failed because the
+    worker process running it is gone, not because of the work: the pool behind it
+    replaces the worker, so the controller abandons the attempt with reason `error` and
+    starts it again. Any other exception from such a future is the work's own error and
+    fails the run. One base for every kind of worker, so the rollout pump has one rule."""
+
+
+class EngineWorkerLost(WorkerLost):
     """A call's future fails with this when the worker process that ran it is gone (a
     Ray engine worker killed or crashed): the call did not finish and never will, but the
-    engine lives on (the pool replaces the worker), so the controller abandons the call's
-    attempt with reason `error` and starts it again. Any other exception from a future is
-    the engine's own error and fails the run."""
+    engine lives on (the pool replaces the worker)."""
 
 
 @dataclass(frozen=True)

@@ -376,6 +376,16 @@ class ClusterSection(Section):
     ray_num_cpus: int | None = Field(None, ge=1, le=1_000_000, description="backend ray, local cluster: its CPUs "
                                      "(None: one per engine worker).")
     worker_gpus: float = Field(0.0, ge=0, le=1024, description="backend ray: GPUs each engine worker reserves.")
+    # > 0: environment steps run on that many Ray actors (controller/ray_environments.py).
+    environment_workers: int = Field(0, ge=0, le=4096, description="backend ray: environment actors the steps are "
+                                     "spread over (0: the environment runs in the driver).")
+
+    @model_validator(mode="after")
+    def _environment_workers_need_ray(self):
+        if self.environment_workers and self.backend != "ray":
+            raise ValueError(f"environment_workers: {self.environment_workers} needs cluster.backend: ray; set it, "
+                             "or environment_workers: 0 to step the environment in the driver")
+        return self
 
 
 class Config(Section):
@@ -434,6 +444,9 @@ class Config(Section):
         if self.cluster.backend == "ray" and self.rollout_recovery.target_level == "none":
             raise ValueError("cluster.backend: ray needs ledger dispatch (a lost engine worker's attempts are abandoned "
                              "and started again); set rollout_recovery.target_level to group, turn or prefix")
+        if env.servers and self.cluster.environment_workers:
+            raise ValueError("cluster.environment_workers: agent servers (environment.servers) already run the "
+                             "environment in their own processes; set cluster.environment_workers: 0")
         if env.servers and self.rollout_recovery.target_level == "none":
             raise ValueError("environment.servers: agent servers need ledger dispatch (their episodes are keyed "
                              "by attempt); set rollout_recovery.target_level to group or turn")

@@ -1,0 +1,222 @@
+"""How the rollout pump handles a model call, from its submit to its episode's next turn:
+the call's request (a restored call spliced onto its prefix), its finished result (the
+reply taken, then the environment's step through the run's `EnvironmentStepper`,
+controller/env_steps.py), and the episode's end. A mixin of `RolloutPump`
+(controller/rollout_pump.py), which owns the loop, the commit and dispatch; split off to
+keep each module readable, with no behaviour of its own beyond the pump's.
+
+A finished call is taken in two halves. `_on_call` appends the reply and hands the
+environment's step to the stepper; `_on_step` applies the step's outcome and submits the
+next call or finishes the episode. In the driver the step's future is already done and
+`_on_step` runs at once (today's order and cost); on environment workers it comes back
+later through the pump's completion queue, the queue engine futures use, so the pump's
+thread never waits on a remote step. Meanwhile the episode is in `_stepping`, counted as
+in flight. At prefix level the call is in `_uncommitted` (whole) before its step starts,
+so a cut taken while the step runs saves it, and a restored run steps it again; at turn
+level the episode's progress joins the batch only once its step is applied.
+
+A worker that dies under an attempt (an engine worker mid-call, an environment worker
+mid-step: both fail their future with `WorkerLost`) has the attempt abandoned with reason
+`error` and started again in the same batch (`_abandon`).
+"""
+
+from __future__ import annotations
+
+import queue
+from concurrent.futures import Future
+from dataclasses import replace
+from typing import Any
+
+from rolloutdb.controller.group_commit import CommitBatch, RolloutMeter
+from rolloutdb.controller.live_episode import GroupRun, LiveEpisode, whole_call
+from rolloutdb.controller.runtime import RolloutParts
+from rolloutdb.controller.tracing import RolloutTrace
+from rolloutdb.gpu_capture.protocol import GenerationRequest, RunningCall, SamplingParams, WorkerLost
+from rolloutdb.store import FinishedGeneration, codec, faults
+
+# Episodes an agent server may lose in a row (every one since its last finished episode)
+# before the run stops: a server that comes back and fails every episode is broken.
+MAX_LOST_IN_A_ROW = 1000
+
+
+class CallFlow:
+    """The call-handling half of `RolloutPump` (see the module docstring); the pump sets
+    these attributes in its constructor."""
+
+    p: RolloutParts
+    agents: Any
+    stepper: Any  # EnvironmentStepper
+    params: SamplingParams
+    batch: CommitBatch
+    meter: RolloutMeter
+    trace: RolloutTrace
+    prefix_level: bool
+    turn_level: bool
+    _running: dict[Future, LiveEpisode]
+    _stepping: dict[Future, LiveEpisode]
+    _done: queue.SimpleQueue[Future]
+    _uncommitted: dict[str, RunningCall]
+    _uncommitted_ids: list[str]
+    _groups: dict[int, GroupRun]
+    _lost_in_a_row: dict[str, int]
+
+    def _submit(self, live: LiveEpisode) -> None:
+        if self.agents is not None:
+            future = self.agents.run(live, key=live.episode.key, prompt_id=live.group.reservation.prompt_id,
+                                     seed=live.episode.seed, params=self.params, continue_from=live.continue_from,
+                                     prefix=live.prefix, prefix_turn=live.episode.turn)
+        else:
+            request = live.episode.request(self.p.env, self.params)
+            live.prefix_len = 0
+            if live.prefix is not None:
+                request = self._spliced(live, request)
+            live.limits = (request.params.max_tokens, request.params.min_tokens)
+            cut_support = getattr(self.p.engine, "cut_support", None) if self.prefix_level else None
+            live.cut_refused = cut_support(request) if cut_support is not None else None
+            future = self.p.engine.submit(request)
+        self._running[future] = live
+        future.add_done_callback(self._done.put)
+
+    def _spliced(self, live: LiveEpisode, request: GenerationRequest) -> GenerationRequest:
+        """The restored call continued from its prefix: the engine counts limits,
+        penalties and stop strings over the whole output, prefix included, and returns
+        the whole output with the prefix's own logprobs and versions, so the result is
+        the uninterrupted call's. A prefix saved under other limits (it cannot be the
+        same call) restarts the turn instead."""
+        prefix, live.prefix = live.prefix, None
+        p = request.params
+        if prefix is None or (prefix.max_tokens, prefix.min_tokens) != (p.max_tokens, p.min_tokens):
+            return request
+        live.prefix_len = len(prefix.token_ids)
+        return replace(request, prefix_ids=list(prefix.token_ids), prefix_versions=list(prefix.token_versions),
+                       prefix_logprobs=list(prefix.logprobs or ()))
+
+    def _served_call(self, live: LiveEpisode, turn: int, result, prefix_tokens: int = 0) -> None:
+        """An agent server's model call for `live` (HTTP loop's thread), less its restored prefix."""
+        self.meter.call()
+        self.trace.call_finished(live.group, live.index, turn=turn, tokens=len(result.token_ids) - prefix_tokens,
+                                 finish_reason=result.finish_reason)
+
+    def _on_episode(self, future: Future) -> None:
+        """An agent server's episode ended: its sample goes in the batch; an episode the
+        server lost (it died, or the deadline passed) is abandoned with that reason and
+        started again in the same batch."""
+        live = self._running.pop(future)
+        outcome = future.result()  # a protocol error fails the pump, and the run
+        if outcome.status != "finished":
+            if self.p.runtime.stop.is_set():
+                return  # the controller is stopping: a resume redoes it
+            lost = self._lost_in_a_row[outcome.server] = self._lost_in_a_row.get(outcome.server, 0) + 1
+            if lost > MAX_LOST_IN_A_ROW:
+                raise RuntimeError(f"agent server {outcome.server} lost {lost} episodes in a row; the last: "
+                                   f"{outcome.error} (see logs/agent_server_{outcome.server}.log)")
+            self.batch.add_retry(live, outcome.status)
+            return
+        self._lost_in_a_row[outcome.server] = 0
+        e = live.episode
+        e.turn, e.reward, e.done = outcome.turn, outcome.reward, True
+        e.token_ids, e.logprobs, e.token_versions = outcome.token_ids, outcome.logprobs, outcome.token_versions
+        e.finish_reasons = outcome.finish_reasons
+        self._episode_done(live)
+
+    def _episode_done(self, live: LiveEpisode) -> None:
+        e = live.episode
+        self.batch.drop_progress((live.group.group_id, live.index))
+        self.batch.add_finished(live, FinishedGeneration(
+            token_ids=e.token_ids, logprobs=e.logprobs, reward=e.reward,
+            version_token_counts=codec.version_runs(e.token_versions)))
+        run = self._groups[live.group.group_id]
+        run.outstanding.discard(live.index)
+        if not run.outstanding:
+            del self._groups[live.group.group_id]
+            self.batch.add_completed(run.handle)
+
+    def _on_call(self, future: Future) -> None:
+        """A future from the completion queue: an engine call, an environment step, or
+        (agent servers) a whole episode."""
+        if self.agents is not None:
+            return self._on_episode(future)
+        if future in self._stepping:
+            return self._on_step(future, self._stepping.pop(future))
+        live = self._running[future]
+        try:
+            result = future.result()  # an engine error fails the pump, and the run
+        except WorkerLost:  # the engine worker running the call died (Ray)
+            del self._running[future]
+            self._abandon(live)
+            return
+        if result.finish_reason == "abort":
+            del self._running[future]
+            if self.p.runtime.stop.is_set():
+                return  # the pump aborted it at a stop (or the engine closed): a resume redoes it
+            raise RuntimeError(f"the engine aborted call {result.request_id} while the run was going on; its episode "
+                               "cannot finish (see the engine's log for why)")
+        if self.prefix_level:
+            # Until its batch commits, a cut saves this call whole (see `uncommitted_calls`).
+            # Written before the call leaves `_running`: a cut finds it in one or the other.
+            self._uncommitted[result.request_id] = whole_call(result, live)
+            self._uncommitted_ids.append(result.request_id)
+        del self._running[future]
+        e = live.episode
+        e.take_reply(result)
+        self.meter.call()
+        self.trace.call_finished(live.group, live.index, turn=e.turn, tokens=len(result.token_ids) - live.prefix_len,
+                                 finish_reason=result.finish_reason)
+        step = self.stepper.step(e.state, result.token_ids, last=e.last_turn)
+        if step.done():
+            self._on_step(step, live)  # in the driver (LocalStepper): applied at once, as before the seam
+        else:
+            self._stepping[step] = live  # on a worker: it comes back through the completion queue
+            step.add_done_callback(self._done.put)
+
+    def _on_step(self, future: Future, live: LiveEpisode) -> None:
+        """The environment's step for `live` is done: apply it, then start the next turn
+        or finish the episode. A step whose worker died is abandoned with reason `error`
+        as a lost engine call is (the episode's state in the driver never saw it)."""
+        try:
+            outcome = future.result()  # the environment's own error fails the pump, and the run
+        except WorkerLost:
+            self._abandon(live)
+            return
+        e = live.episode
+        e.apply(outcome)
+        if e.done:
+            self._episode_done(live)
+        else:
+            if self.turn_level:
+                self.batch.add_progress((live.group.group_id, live.index), live)
+            self._submit(live)  # the next turn starts now; its save follows in the batch
+        faults.point("pump.call_finished_uncommitted")
+
+    def _abandon(self, live: LiveEpisode) -> None:
+        """A worker (engine or environment) died under `live`'s attempt: the pool replaced
+        it; the attempt is abandoned with reason `error` and starts again in this batch."""
+        if not self.p.runtime.stop.is_set():
+            self.batch.drop_progress((live.group.group_id, live.index))
+            self.batch.add_retry(live, "error")
+
+
+    def uncommitted_calls(self) -> dict[str, RunningCall]:
+        """Prefix level, read by a snapshot's cut (another thread; a dict copy is atomic
+        under the GIL): the calls that finished and were absorbed but whose batch has not
+        committed yet, each as a complete prefix. A cut that misses them would lose them
+        with the window (they are neither running in the engine nor in the store); saved
+        whole, a resumed call finishes at once with the same output (the engine finds its
+        end in the prefix: EOS, a stop string or max_tokens).
+
+        Also the calls in transit: finished in the engine (their future is done) but not
+        yet taken from the completion queue by this pump. The engine finishes a call
+        under the lock its `running_calls` reads under, and `_on_call` adds a call here
+        before it leaves `_running`; reading `_running` before `_uncommitted` (and the
+        cut reads the engine before this) therefore finds every call somewhere
+        (bench_prefix_kept.py: in-transit calls were most of what a cut still lost)."""
+        if self.agents is not None:
+            return {}
+        in_transit = {}
+        for future, live in dict(self._running).items():  # a copy: the pump thread changes it
+            if future.done() and future.exception() is None:
+                result = future.result()
+                if result.finish_reason != "abort":
+                    in_transit[result.request_id] = whole_call(result, live)
+        return {**in_transit, **self._uncommitted}
+

@@ -1,0 +1,225 @@
+"""Environment workers on Ray (`cluster.environment_workers` > 0 with `cluster.backend:
+ray`): `EnvironmentWorkerPool` is an `EnvironmentStepper` (controller/env_steps.py) whose
+steps run in N Ray actors. Ray is imported lazily (the engine pool's `import_ray`); the
+rest of the controller does not know about Ray.
+
+Each worker builds the run's environment itself, from the run's config (sent as its JSON
+form, `Config.model_dump(mode="json")`, never a pickled environment) and the policy
+directory (the tokenizer), with the same builder an in-driver run uses
+(`controller/build.py`'s `check_plugins` and `build_task`: the built-in tasks and an
+`environment.factory` plugin alike). Workers are stateless: a step carries the
+episode's state (the JSON-able dict the driver keeps and the store saves at a cut) and
+returns the new one (`StepOutcome.to_json`), so a worker holds nothing the store lacks at
+a cut, and any worker can take any episode's next step.
+
+Routing: least loaded (fewest steps in progress, ties to the lowest index), as the
+engine pool routes calls. A worker runs one step at a time (a plain actor): a slow step
+(a plugin environment running code) holds only its worker, and the next steps go to the
+others.
+
+Faults: a worker that dies (ray.kill, its process SIGKILLed, a crash) fails each step it
+held with `EnvironmentWorkerLost`; the pool starts a replacement in its slot before
+routing anything there again (it builds its environment from the config, as the first
+did). A slot whose worker dies more than `MAX_DEATHS_IN_A_ROW` times without finishing a
+step is given up; with every slot given up, `step` raises RuntimeError and the run stops
+with it. A step's answer comes back on Ray's callback thread, which only queues it: the
+pool's own thread completes the futures and starts replacements (a Ray call made on the
+callback thread hung, as the engine pool found).
+
+Ray must already be initialised: `build_engine` starts (or joins) the cluster with the
+engine pool, and sizes a local one for both kinds of worker.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rolloutdb.config import Config
+from rolloutdb.controller.env_steps import EnvironmentWorkerLost
+from rolloutdb.controller.episodes import StepOutcome, step_environment
+from rolloutdb.gpu_capture.ray_workers import MAX_DEATHS_IN_A_ROW, NAMESPACE, import_ray
+
+
+class EnvironmentWorker:
+    """The actor body (made a Ray actor by the pool): one environment, built here from
+    the run's config; every step is a pure function of its arguments."""
+
+    def __init__(self, config: dict, policy_dir: str):
+        from rolloutdb.controller import build
+
+        cfg = Config.model_validate(config)
+        _, self.env = build.build_task(cfg, Path(policy_dir), build.check_plugins(cfg))
+
+    def describe(self) -> dict:
+        return {"pid": os.getpid(), "max_turns": self.env.max_turns}
+
+    def step(self, state: dict, reply_ids: list[int], last: bool) -> dict:
+        return step_environment(self.env, state, reply_ids, last=last).to_json()
+
+
+@dataclass(eq=False)
+class _Slot:
+    index: int
+    actor: Any
+    generation: int = 0  # how many workers this slot has had, minus one
+    steps: int = 0  # in progress on this slot's worker
+    deaths: int = 0  # deaths since its last finished step
+    broken: str | None = None  # why the slot was given up
+
+
+class EnvironmentWorkerPool:
+    """`workers` environment actors for the run `config` (policy tokenizer from
+    `policy_dir`), each reserving `worker_cpus` CPUs. See the module docstring."""
+
+    def __init__(self, config: Config, policy_dir: str | Path, *, workers: int, worker_cpus: float = 1.0,
+                 name: str | None = None):
+        if workers < 1:
+            raise ValueError(f"workers must be >= 1, got {workers}")
+        ray = self._ray = import_ray()
+        if not ray.is_initialized():
+            raise RuntimeError("environment workers join the Ray cluster the engine pool started or joined; "
+                               "initialise Ray first (build_engine does)")
+        from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
+
+        self._lost_errors: tuple[type[BaseException], ...] = (RayActorError, ActorUnavailableError)
+        self._task_error = RayTaskError
+        self._config = config.model_dump(mode="json")  # what each worker builds its environment from
+        self._policy_dir = str(policy_dir)
+        self._actor_class = ray.remote(EnvironmentWorker)
+        self._options = {"num_cpus": worker_cpus, "max_restarts": 0, "namespace": NAMESPACE}
+        self._name = name or f"env-{os.getpid()}-{id(self):x}"
+        self._lock = threading.Lock()  # guards the slots
+        self._slots = [_Slot(i, None) for i in range(workers)]
+        self._pending: dict[Future, tuple[_Slot, Any]] = {}  # caller's future -> where its step runs
+        self._closed = False
+        self._answers: queue.SimpleQueue = queue.SimpleQueue()
+        self._completer = threading.Thread(target=self._complete, name="ray-env-pool", daemon=True)
+        self._completer.start()
+        self.replacements = 0
+        try:
+            for slot in self._slots:
+                self._start(slot)
+            ray.get([s.actor.describe.remote() for s in self._slots])  # a broken build fails here, not mid-run
+        except BaseException:
+            self.close()
+            raise
+
+    # ---- workers ------------------------------------------------------------------------
+
+    def _start(self, slot: _Slot) -> None:
+        """A new actor in `slot`, named so an operator (or a test) can find it."""
+        slot.actor = self._actor_class.options(name=f"{self._name}-w{slot.index}.{slot.generation}",
+                                               **self._options).remote(self._config, self._policy_dir)
+
+    def _lost(self, slot: _Slot, actor: Any, error: BaseException) -> None:
+        """`actor` (which ran in `slot`) is gone: replace it, once, unless the slot keeps dying."""
+        with self._lock:
+            if slot.actor is not actor or self._closed:
+                return  # already replaced
+            slot.deaths += 1
+            slot.generation += 1
+            self.replacements += 1
+            if slot.deaths > MAX_DEATHS_IN_A_ROW:
+                slot.broken = f"environment worker {slot.index} died {slot.deaths} times in a row; the last: {error}"
+                slot.actor = None
+                return
+            self._start(slot)
+
+    def workers(self) -> list[Any]:
+        """The live actors, slot by slot (None for a slot given up)."""
+        with self._lock:
+            return [s.actor for s in self._slots]
+
+    def worker_pids(self) -> list[int]:
+        return [d["pid"] for d in self._ray.get([a.describe.remote() for a in self.workers() if a is not None])]
+
+    def load_per_worker(self) -> list[int]:
+        with self._lock:
+            return [s.steps for s in self._slots]
+
+    # ---- EnvironmentStepper -------------------------------------------------------------
+
+    def step(self, state: dict, reply_ids: Sequence[int], *, last: bool) -> Future[StepOutcome]:
+        future: Future[StepOutcome] = Future()
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("environment workers are closed")
+            live = [s for s in self._slots if s.broken is None]
+            if not live:
+                raise RuntimeError("; ".join(s.broken or "" for s in self._slots))
+            slot = min(live, key=lambda s: (s.steps, s.index))  # least loaded
+            actor = slot.actor
+            ref = actor.step.remote(state, [int(t) for t in reply_ids], last)
+            slot.steps += 1
+            self._pending[future] = (slot, actor)
+        ref.future().add_done_callback(lambda done: self._answers.put((slot, actor, done, future)))
+        return future
+
+    def _complete(self) -> None:
+        """The `ray-env-pool` thread: completes the callers' futures, in arrival order."""
+        while True:
+            item = self._answers.get()
+            if item is None:
+                return
+            self._finish(*item)
+
+    def _finish(self, slot: _Slot, actor: Any, done: Future, future: Future) -> None:
+        with self._lock:
+            slot.steps -= 1
+            self._pending.pop(future, None)
+        try:
+            answer = done.result()
+        except self._lost_errors as e:
+            self._lost(slot, actor, e)
+            first = str(e).splitlines()[0] if str(e) else ""
+            future.set_exception(EnvironmentWorkerLost(f"environment worker {slot.index} is gone: "
+                                                       f"{type(e).__name__}: {first}"))
+            return
+        except self._task_error as e:  # the environment's own error, as it raised it
+            future.set_exception(e.cause if isinstance(e.cause, BaseException) else e)
+            return
+        except BaseException as e:  # noqa: BLE001 - handed to the caller's future
+            future.set_exception(e)
+            return
+        with self._lock:
+            if slot.actor is actor:
+                slot.deaths = 0
+        try:
+            future.set_result(StepOutcome.from_json(answer))
+        except Exception as e:  # noqa: BLE001 - a malformed answer fails its step, not this thread
+            future.set_exception(e)
+
+    # ---- lifecycle ----------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Kill every worker; steps still in progress fail (the run is stopping: a resume
+        redoes their attempts). Ray itself is the engine pool's to shut down."""
+        with self._lock:
+            self._closed = True
+            actors = [s.actor for s in self._slots if s.actor is not None]
+        for actor in actors:
+            self._ray.kill(actor)
+        deadline = time.monotonic() + 10  # the killed workers' steps fail within ms
+        while self._pending and time.monotonic() < deadline:
+            time.sleep(0.01)
+        self._answers.put(None)
+        self._completer.join(timeout=30)
+        with self._lock:
+            left, self._pending = list(self._pending), {}
+        for future in left:
+            if not future.done():
+                future.set_exception(RuntimeError("environment workers are closed"))
+
+    def __enter__(self) -> EnvironmentWorkerPool:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
