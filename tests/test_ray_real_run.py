@@ -11,6 +11,7 @@ import os
 import signal
 import sqlite3
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -19,7 +20,15 @@ import pytest
 ray = pytest.importorskip("ray")
 
 import train_cli  # noqa: E402
-from crash_harness import GROUP_LEVEL, PREFIX_LEVEL, ChainResult, check_chain, finish, run_once  # noqa: E402
+from crash_harness import (  # noqa: E402
+    GROUP_LEVEL,
+    PREFIX_LEVEL,
+    TURN_LEVEL,
+    ChainResult,
+    check_chain,
+    finish,
+    run_once,
+)
 from test_ray_workers import ray_processes, short_temp_dir, wait_until  # noqa: E402
 
 from rolloutdb.gpu_capture.ray_workers import NAMESPACE  # noqa: E402
@@ -58,16 +67,19 @@ def cluster():
     """A cluster this test process starts; the runs join it (`cluster.address`), so the
     test can find their workers and kill them."""
     temp = short_temp_dir()
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _temp_dir=temp)
+    # Logical CPUs: two engine and two environment workers each reserve one (on 2 cores).
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, _temp_dir=temp)
     yield ray.get_runtime_context().gcs_address
     ray.shutdown()
     assert not no_ray_processes_left(temp)
 
 
-def worker(slot: int, generation: int):
-    """The run's engine worker actor of `slot` (its `generation`-th), once it exists."""
+def worker(slot: int, generation: int, kind: str = "engine"):
+    """The run's `kind` ("engine" or "env") worker actor of `slot` (its `generation`-th),
+    once it exists."""
     names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-             if a["namespace"] == NAMESPACE and a["name"].endswith(f"-w{slot}.{generation}")]
+             if a["namespace"] == NAMESPACE and a["name"].startswith(f"{kind}-")
+             and a["name"].endswith(f"-w{slot}.{generation}")]
     return ray.get_actor(names[0], namespace=NAMESPACE) if names else None
 
 
@@ -105,6 +117,51 @@ def test_engine_workers_killed_mid_rollout_have_their_attempts_abandoned_as_erro
     assert len(lost) >= 2, lost  # one kill at least each, mid-call
     assert all(redone for *_, redone in lost), lost  # every one started again and finished
     assert ledger_abandons(run_dir, "error") <= {(g, i, a) for g, i, a, _ in lost}  # the ledger agrees
+    verified = train_cli.verify(run_dir)
+    assert verified.returncode == 0 and "duplicated=0 lost=0" in verified.stdout, verified.stdout + verified.stderr
+
+
+def serving(slot: int, generation: int):
+    """The run's environment worker once its environment is built (it answers), else None."""
+    actor = worker(slot, generation, "env")
+    try:
+        return actor if actor is not None and ray.get(actor.describe.remote(), timeout=5) else None
+    except (ray.exceptions.RayError, TimeoutError):
+        return None
+
+
+@pytest.mark.timeout(600)
+def test_environment_workers_killed_mid_run_have_their_attempts_abandoned_as_error_and_the_run_verifies(
+        tmp_path, cluster):
+    """The multi-turn task at turn level, its steps on two environment workers: worker 0
+    (which takes most steps: least loaded, ties to the lowest index) by ray.kill, then its
+    replacement's process by SIGKILL, each once it serves."""
+    run_dir = tmp_path / "run"
+    command = [sys.executable, "-m", "rolloutdb", "train", "--config", str(TURN_LEVEL.example), "--run-dir",
+               str(run_dir), *TURN_LEVEL.overrides, *RAY, "cluster.environment_workers=2",
+               f"cluster.address={cluster}", "algorithm.total_steps=16"]
+    proc = subprocess.Popen(command, env=train_cli.env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        first = wait_until(lambda: serving(0, 0) if proc.poll() is None else True, timeout=240)
+        time.sleep(1.0)  # steps flow
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        ray.kill(first)
+        second = wait_until(lambda: serving(0, 1) if proc.poll() is None else True, timeout=240)
+        time.sleep(1.0)
+        assert proc.poll() is None, f"the run ended (exit {proc.returncode}) before the second kill: " \
+                                    f"{proc.communicate()[1][-2000:]}"
+        os.kill(ray.get(second.describe.remote())["pid"], signal.SIGKILL)
+        wait_until(lambda: worker(0, 2, "env") or proc.poll() is not None, timeout=60)
+        _, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, err[-3000:]
+    lost = abandoned(run_dir, "error")
+    assert len(lost) >= 2, lost  # each kill's next step failed at least
+    assert all(redone for *_, redone in lost), lost  # every one started again and finished
+    assert ledger_abandons(run_dir, "error") <= {(g, i, a) for g, i, a, _ in lost}
     verified = train_cli.verify(run_dir)
     assert verified.returncode == 0 and "duplicated=0 lost=0" in verified.stdout, verified.stdout + verified.stderr
 
