@@ -159,3 +159,19 @@ def test_environment_workers_are_refused_without_ray_and_with_agent_servers():
     servers = {"servers": [{"name": "a"}]}
     with pytest.raises(ValueError, match="agent servers .* own processes"):
         Config.model_validate({"environment": servers, "cluster": {"backend": "ray", "environment_workers": 1}})
+
+
+def test_a_slot_whose_worker_keeps_dying_is_given_up_and_then_steps_are_refused_with_why(cluster, config, policy_dir,
+                                                                                          env):
+    from rolloutdb.gpu_capture.ray_workers import MAX_DEATHS_IN_A_ROW
+
+    # worker_cpus=0: the module's pool holds the cluster's two CPUs.
+    with EnvironmentWorkerPool(config, policy_dir, workers=1, worker_cpus=0) as own:
+        state, reply, last = replies(env, 1)[0]
+        for _ in range(MAX_DEATHS_IN_A_ROW + 1):  # each replacement killed before it finishes a step
+            ray.kill(own.workers()[0])
+            with pytest.raises(EnvironmentWorkerLost):
+                own.step(state, reply, last=last).result(timeout=60)
+        assert own.workers() == [None]
+        with pytest.raises(RuntimeError, match=f"environment worker 0 died {MAX_DEATHS_IN_A_ROW + 1} times in a row"):
+            own.step(state, reply, last=last)
