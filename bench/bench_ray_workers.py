@@ -11,6 +11,9 @@
    and the cut's wall time (in process: the wait for the step in progress and the copy;
    the pool: the gather across workers, round trip included), each side by side.
 3. Ray's per-call overhead on the pump: one 1-token call at a time, in process vs pool.
+4. The environment-step round trip (`cluster.environment_workers`): one step of the
+   multi-turn digit task at a time (scored when it ends the episode, as the pump asks),
+   through the in-driver stepper vs one Ray environment worker, the same steps.
 
     python bench/bench_ray_workers.py [--quick] [--json FILE]
 """
@@ -85,6 +88,36 @@ def per_call(engine, n: int) -> dict:
     return latency_summary(lat)
 
 
+def env_steps(config: Config, policy: Path, n: int) -> list[tuple[dict, list[int], bool]]:
+    """`n` (state, reply, last) steps of the 3-turn digit task, right and wrong replies,
+    every turn index, from states the task itself reached."""
+    from rolloutdb.controller.build import build_task, check_plugins
+
+    env = build_task(config, policy, check_plugins(config))[1]
+    cases: list[tuple[dict, list[int], bool]] = []
+    prompt = 0
+    while len(cases) < n:
+        _, state = env.start(prompt)
+        for turn in range(env.max_turns):
+            target = state["targets"][turn]
+            reply = env.codec.encode(target if (prompt + turn) % 2 == 0 else "9" * len(target))
+            cases.append((state, reply, turn + 1 >= env.max_turns))
+            out, state = env.step(state, reply)
+            if out.done:
+                break
+        prompt += 1
+    return cases[:n]
+
+
+def per_step(stepper, cases) -> dict:
+    lat = []
+    for state, reply, last in cases:
+        t = time.perf_counter()
+        stepper.step(state, reply, last=last).result()
+        lat.append(time.perf_counter() - t)
+    return latency_summary(lat)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="a few calls: checks that it runs")
@@ -93,10 +126,11 @@ def main() -> int:
     ap.add_argument("--inflight", type=int, default=32)
     ap.add_argument("--cut-every", type=float, default=0.05)
     ap.add_argument("--one-calls", type=int, default=200)
+    ap.add_argument("--env-steps", type=int, default=300)
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
     if a.quick:
-        a.calls, a.max_digits, a.one_calls = 24, 16, 20
+        a.calls, a.max_digits, a.one_calls, a.env_steps = 24, 16, 20, 20
     import ray
 
     from rolloutdb.gpu_capture.ray_workers import RayEnginePool
@@ -108,6 +142,13 @@ def main() -> int:
     calls = requests(a.calls, a.max_digits, seed=0)
     figures: dict = {"machine": machine_line(), "args": vars(a) | {"json": str(a.json) if a.json else None}}
 
+    env_cfg = Config.model_validate({"environment": {"task": "digits", "turns": 3, "n_digits": 3},
+                                     "generation": {"max_tokens": 4}})
+    steps = env_steps(env_cfg, policy, a.env_steps)
+    from rolloutdb.controller.build import build_task, check_plugins
+    from rolloutdb.controller.env_steps import LocalStepper
+
+    figures["env_in_driver"] = per_step(LocalStepper(build_task(env_cfg, policy, check_plugins(env_cfg))[1]), steps)
     engine = factory()
     try:
         figures["in_process"] = throughput(engine, calls, a.inflight, a.cut_every)
@@ -125,6 +166,11 @@ def main() -> int:
                 figures[key] = throughput(pool, [c for c in calls], a.inflight, a.cut_every)
                 if workers == 1:
                     figures[key]["per_call"] = per_call(pool, a.one_calls)
+        from rolloutdb.controller.ray_environments import EnvironmentWorkerPool
+
+        with EnvironmentWorkerPool(env_cfg, policy, workers=1) as env_pool:
+            per_step(env_pool, steps[:3])  # warm: the worker answers
+            figures["env_ray_1"] = per_step(env_pool, steps)
     finally:
         ray.shutdown()
     base = figures["in_process"]
@@ -135,6 +181,7 @@ def main() -> int:
         "cut_hold_p50_ray2_vs_in_process": figures["ray_2"]["cut_hold"]["p50_ms"] / base["cut_hold"]["p50_ms"],
         "cut_wall_p50_ray2_vs_in_process": figures["ray_2"]["gather"]["p50_ms"] / base["gather"]["p50_ms"],
         "per_call_overhead_p50_ms": figures["ray_1"]["per_call"]["p50_ms"] - base["per_call"]["p50_ms"],
+        "env_step_overhead_p50_ms": figures["env_ray_1"]["p50_ms"] - figures["env_in_driver"]["p50_ms"],
     }
     print(figures["machine"])
     for key in ("in_process", "ray_1", "ray_2"):
@@ -142,6 +189,9 @@ def main() -> int:
         print(f"{key:10s} {f['tokens_per_s']:9.0f} tokens/s  cut hold p50 {f['cut_hold']['p50_ms']:.3f} ms "
               f"p99 {f['cut_hold']['p99_ms']:.3f} ms  cut wall p50 {f['gather']['p50_ms']:.3f} ms"
               + (f"  1-token call p50 {f['per_call']['p50_ms']:.2f} ms" if "per_call" in f else ""))
+    print(f"env step  in driver p50 {figures['env_in_driver']['p50_ms']:.3f} ms p99 "
+          f"{figures['env_in_driver']['p99_ms']:.3f} ms  1 Ray env worker p50 {figures['env_ray_1']['p50_ms']:.3f} ms "
+          f"p99 {figures['env_ray_1']['p99_ms']:.3f} ms")
     print(json.dumps(figures["ratios"], indent=1))
     if a.json:
         a.json.write_text(json.dumps(figures, indent=1))
