@@ -1,7 +1,9 @@
 """Environment steps, in the driver or on environment workers, behind one seam.
 
-The rollout pump takes a finished model call in two halves (`Episode.take_reply`, then
-`Episode.apply`) with the environment's step in between. The step goes through an
+The rollout pump takes a finished model call in two halves: it hands the environment's
+step on the reply to the stepper, and once the step is done it takes the reply and
+applies the step together (`Episode.take_reply`, `Episode.apply`; controller/pump_calls.py).
+The step goes through an
 `EnvironmentStepper`: `step(state, reply_ids, last)` returns a
 `concurrent.futures.Future` of the `StepOutcome` (the new state, the observation, and the
 reward when the step ended the episode). Two implementations:

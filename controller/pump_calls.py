@@ -5,9 +5,9 @@ controller/env_steps.py), and the episode's end. A mixin of `RolloutPump`
 (controller/rollout_pump.py), which owns the loop, the commit and dispatch; split off to
 keep each module readable, with no behaviour of its own beyond the pump's.
 
-A finished call is taken in two halves. `_on_call` appends the reply and hands the
-environment's step to the stepper; `_on_step` applies the step's outcome and submits the
-next call or finishes the episode. In the driver the step's future is already done and
+A finished call is taken in two halves. `_on_call` hands the environment's step on the
+reply to the stepper; `_on_step` takes the reply and applies the step's outcome together
+(the episode changes only there) and submits the next call or finishes the episode. In the driver the step's future is already done and
 `_on_step` runs at once (today's order and cost); on environment workers it comes back
 later through the pump's completion queue, the queue engine futures use, so the pump's
 thread never waits on a remote step. Meanwhile the episode is in `_stepping`, counted as
@@ -31,7 +31,7 @@ from rolloutdb.controller.group_commit import CommitBatch, RolloutMeter
 from rolloutdb.controller.live_episode import GroupRun, LiveEpisode, whole_call
 from rolloutdb.controller.runtime import RolloutParts
 from rolloutdb.controller.tracing import RolloutTrace
-from rolloutdb.gpu_capture.protocol import GenerationRequest, RunningCall, SamplingParams, WorkerLost
+from rolloutdb.gpu_capture.protocol import GenerationRequest, GenerationResult, RunningCall, SamplingParams, WorkerLost
 from rolloutdb.store import FinishedGeneration, codec, faults
 
 # Episodes an agent server may lose in a row (every one since its last finished episode)
@@ -53,7 +53,7 @@ class CallFlow:
     prefix_level: bool
     turn_level: bool
     _running: dict[Future, LiveEpisode]
-    _stepping: dict[Future, LiveEpisode]
+    _stepping: dict[Future, tuple[LiveEpisode, GenerationResult]]  # steps on a worker, with their reply
     _done: queue.SimpleQueue[Future]
     _uncommitted: dict[str, RunningCall]
     _uncommitted_ids: list[str]
@@ -137,7 +137,7 @@ class CallFlow:
         if self.agents is not None:
             return self._on_episode(future)
         if future in self._stepping:
-            return self._on_step(future, self._stepping.pop(future))
+            return self._on_step(future, *self._stepping.pop(future))
         live = self._running[future]
         try:
             result = future.result()  # an engine error fails the pump, and the run
@@ -158,27 +158,30 @@ class CallFlow:
             self._uncommitted_ids.append(result.request_id)
         del self._running[future]
         e = live.episode
-        e.take_reply(result)
         self.meter.call()
         self.trace.call_finished(live.group, live.index, turn=e.turn, tokens=len(result.token_ids) - live.prefix_len,
                                  finish_reason=result.finish_reason)
         step = self.stepper.step(e.state, result.token_ids, last=e.last_turn)
         if step.done():
-            self._on_step(step, live)  # in the driver (LocalStepper): applied at once, as before the seam
+            self._on_step(step, live, result)  # in the driver (LocalStepper): at once, as before the seam
         else:
-            self._stepping[step] = live  # on a worker: it comes back through the completion queue
+            self._stepping[step] = (live, result)  # on a worker: it comes back through the completion queue
             step.add_done_callback(self._done.put)
 
-    def _on_step(self, future: Future, live: LiveEpisode) -> None:
-        """The environment's step for `live` is done: apply it, then start the next turn
-        or finish the episode. A step whose worker died is abandoned with reason `error`
-        as a lost engine call is (the episode's state in the driver never saw it)."""
+    def _on_step(self, future: Future, live: LiveEpisode, result: GenerationResult) -> None:
+        """The environment's step on `result` (the reply) for `live` is done: take the
+        reply and apply the step together, then start the next turn or finish the
+        episode. Together: the episode changes only here, on the pump thread, so a commit
+        while the step runs (turn level: `live.progress()`) sees the last whole turn,
+        never a reply without its step. A step whose worker died is abandoned with
+        reason `error` as a lost engine call is (the episode never saw it)."""
         try:
             outcome = future.result()  # the environment's own error fails the pump, and the run
         except WorkerLost:
             self._abandon(live)
             return
         e = live.episode
+        e.take_reply(result)
         e.apply(outcome)
         if e.done:
             self._episode_done(live)
@@ -194,7 +197,6 @@ class CallFlow:
         if not self.p.runtime.stop.is_set():
             self.batch.drop_progress((live.group.group_id, live.index))
             self.batch.add_retry(live, "error")
-
 
     def uncommitted_calls(self) -> dict[str, RunningCall]:
         """Prefix level, read by a snapshot's cut (another thread; a dict copy is atomic

@@ -40,7 +40,7 @@ from rolloutdb.controller.live_episode import GroupRun, LiveEpisode
 from rolloutdb.controller.pump_calls import CallFlow
 from rolloutdb.controller.runtime import RolloutParts
 from rolloutdb.controller.tracing import RolloutTrace
-from rolloutdb.gpu_capture.protocol import RunningCall, SamplingParams
+from rolloutdb.gpu_capture.protocol import GenerationResult, RunningCall, SamplingParams
 from rolloutdb.store import (
     CallPrefix,
     Chunk,
@@ -88,7 +88,7 @@ class RolloutPump(CallFlow):
         # Where the environment steps (controller/env_steps.py), and the episodes whose
         # step runs on an environment worker now (they count as in flight)
         self.stepper = parts.stepper if parts.stepper is not None else LocalStepper(parts.env)
-        self._stepping: dict[Future, LiveEpisode] = {}
+        self._stepping: dict[Future, tuple[LiveEpisode, GenerationResult]] = {}
         # Finished calls, in the order they finished: each future puts itself here when it
         # completes, so waiting costs O(1) per call (concurrent.futures.wait over every
         # running call costs O(calls in flight) per wake-up).
