@@ -11,9 +11,10 @@ reply to the stepper; `_on_step` takes the reply and applies the step's outcome 
 `_on_step` runs at once (today's order and cost); on environment workers it comes back
 later through the pump's completion queue, the queue engine futures use, so the pump's
 thread never waits on a remote step. Meanwhile the episode is in `_stepping`, counted as
-in flight. At prefix level the call is in `_uncommitted` (whole) before its step starts,
-so a cut taken while the step runs saves it, and a restored run steps it again; at turn
-level the episode's progress joins the batch only once its step is applied.
+in flight. At prefix level the call is in `_uncommitted` (whole) before its step starts
+and stays there until the batch holding its step's turn commits, so a cut taken while the
+step runs saves it, and a restored run steps it again; at turn level the episode's
+progress joins the batch only once its step is applied.
 
 A worker that dies under an attempt (an engine worker mid-call, an environment worker
 mid-step: both fail their future with `WorkerLost`) has the attempt abandoned with reason
@@ -152,10 +153,11 @@ class CallFlow:
             raise RuntimeError(f"the engine aborted call {result.request_id} while the run was going on; its episode "
                                "cannot finish (see the engine's log for why)")
         if self.prefix_level:
-            # Until its batch commits, a cut saves this call whole (see `uncommitted_calls`).
-            # Written before the call leaves `_running`: a cut finds it in one or the other.
+            # Until the batch that holds its turn commits, a cut saves this call whole (see
+            # `uncommitted_calls`). Written before the call leaves `_running`: a cut finds
+            # it in one or the other. It joins that batch (`_uncommitted_ids`) once its step
+            # is applied (`_on_step`): a commit while the step runs keeps it for the cut.
             self._uncommitted[result.request_id] = whole_call(result, live)
-            self._uncommitted_ids.append(result.request_id)
         del self._running[future]
         e = live.episode
         self.meter.call()
@@ -175,6 +177,8 @@ class CallFlow:
         while the step runs (turn level: `live.progress()`) sees the last whole turn,
         never a reply without its step. A step whose worker died is abandoned with
         reason `error` as a lost engine call is (the episode never saw it)."""
+        if self.prefix_level:
+            self._uncommitted_ids.append(result.request_id)  # leaves the cut's view with this batch's commit
         try:
             outcome = future.result()  # the environment's own error fails the pump, and the run
         except WorkerLost:

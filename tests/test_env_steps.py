@@ -48,12 +48,12 @@ class DelayedStepper:
         pass
 
 
-def multiturn_parts(tmp_path, policy_dir, stepper_delay: float | None, window_ms: int = 5):
+def multiturn_parts(tmp_path, policy_dir, stepper_delay: float | None, window_ms: int = 5, level: str = "turn"):
     _, tokenizer = load_policy(policy_dir)
     env = MultiTurnDigitEnv(DigitPromptDataset(size=64, n_digits=2), tokenizer, turns=TURNS)
     parts, _ = make_parts(tmp_path, policy_dir, env, overrides={
         "generation": {"max_tokens": 4},
-        "rollout_recovery": {"target_level": "turn", "commit_window_ms": window_ms}})
+        "rollout_recovery": {"target_level": level, "commit_window_ms": window_ms}})
     if stepper_delay is not None:
         parts.stepper = DelayedStepper(env, stepper_delay)
     return parts
@@ -118,3 +118,32 @@ def test_a_turn_saved_while_the_next_turns_step_runs_is_the_last_whole_turn(tmp_
         assert 1 <= turn < TURNS and json.loads(state)["turn"] == turn
         # After `turn` whole turns: `turn` replies, each followed by its observation.
         assert [v == -1 for v, _ in runs] == [False, True] * turn, (turn, runs)
+
+
+def test_at_prefix_level_a_call_whose_step_runs_stays_in_the_cuts_view_across_commits(tmp_path, policy_dir):
+    """A snapshot's cut reads `uncommitted_calls` (another thread): a call whose step is
+    still running is in no engine and its turn in no store row, so it must be there,
+    whole, however many commits pass meanwhile (5 ms windows, 250 ms steps)."""
+    parts = multiturn_parts(tmp_path, policy_dir, 0.25, level="prefix")
+    pump = RolloutPump(parts)
+    thread = threading.Thread(target=pump.run, name="rollout-pump")
+    thread.start()
+    looks, missing = 0, []
+    try:
+        deadline = time.monotonic() + 60
+        while thread.is_alive() and time.monotonic() < deadline:
+            stepping = list(dict(pump._stepping).items())  # as a cut would look: the steps running ...
+            seen = pump.uncommitted_calls()  # ... then what it saves
+            for future, (_, result) in stepping:
+                if not future.done():  # still running after the read: the pump cannot have applied it
+                    looks += 1
+                    if result.request_id not in seen or seen[result.request_id].token_ids != result.token_ids:
+                        missing.append(result.request_id)
+            time.sleep(0.01)
+    finally:
+        parts.runtime.stop.set()
+        thread.join(60)
+        close(parts)
+    assert parts.runtime.error is None, parts.runtime.error
+    assert looks > 10, "no step was seen running: the test proves nothing"
+    assert not missing, missing
