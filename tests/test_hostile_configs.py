@@ -36,6 +36,7 @@ ACCEPTED = {
     ("generation", "presence_penalty", "zero"), ("generation", "presence_penalty", "minus one"),
     ("generation", "frequency_penalty", "zero"), ("generation", "frequency_penalty", "minus one"),
     ("cluster", "worker_gpus", "zero"),  # the default: Ray engine workers on CPUs
+    ("cluster", "environment_workers", "zero"),  # the default: the environment steps in the driver
 }
 
 
