@@ -17,7 +17,7 @@ from concurrent.futures import Future
 
 from test_streaming_pump import _samples, close, make_parts, policy_dir, run_pump  # noqa: F401  (fixture)
 
-from rolloutdb.controller.env_steps import EnvironmentStepper, LocalStepper
+from rolloutdb.controller.env_steps import EnvironmentStepper, EnvironmentWorkerLost, LocalStepper
 from rolloutdb.controller.rollout_pump import RolloutPump
 from rolloutdb.controller.tasks import DigitPromptDataset, MultiTurnDigitEnv
 from rolloutdb.gpu_capture import load_policy
@@ -29,15 +29,20 @@ class DelayedStepper:
     """Each step runs `LocalStepper`'s (the environment, in full) on a timer thread after
     `delay_s`: the pump sees a future that is not done yet, as from a remote worker."""
 
-    def __init__(self, env, delay_s: float):
+    def __init__(self, env, delay_s: float, lose: frozenset[int] = frozenset()):
         self.local, self.delay_s = LocalStepper(env), delay_s
+        self.lose = lose  # the steps (1-based) whose worker dies under them, as the Ray pool reports it
         self.steps = 0
 
     def step(self, state: dict, reply_ids: Sequence[int], *, last: bool) -> Future:
         self.steps += 1
         future: Future = Future()
+        lost = self.steps in self.lose
 
         def later():
+            if lost:
+                future.set_exception(EnvironmentWorkerLost(f"environment worker 0 is gone (step {self.steps})"))
+                return
             answer = self.local.step(state, reply_ids, last=last)
             future.set_result(answer.result())
 
@@ -80,6 +85,25 @@ def test_steps_that_come_back_later_give_the_samples_of_steps_run_inline(tmp_pat
     assert not pump._stepping
     got, expected = _samples(tmp_path / "later" / "store.sqlite"), _samples(tmp_path / "inline" / "store.sqlite")
     assert len(expected) == 8 and got == expected
+
+
+def test_a_step_whose_worker_died_has_its_attempt_abandoned_as_error_and_redone_to_the_end(tmp_path, policy_dir):
+    parts = multiturn_parts(tmp_path, policy_dir, 0.01)
+    parts.stepper.lose = frozenset({3, 11})
+    pump = RolloutPump(parts)
+    thread = threading.Thread(target=pump.run, name="rollout-pump")
+    thread.start()
+    thread.join(30)  # a lost step left unhandled would hold its group, and the pump, forever
+    finished = not thread.is_alive()
+    parts.runtime.stop.set()
+    thread.join(60)
+    close(parts)
+    assert finished and parts.runtime.error is None, f"the pump did not finish: {parts.runtime.error}"
+    db = sqlite3.connect(f"file:{tmp_path / 'store.sqlite'}?mode=ro", uri=True)
+    abandoned = db.execute("SELECT count(*) FROM rollouts WHERE state = 'abandoned' AND abandon_reason = 'error'")
+    samples = db.execute("SELECT count(*) FROM samples").fetchone()[0]
+    assert abandoned.fetchone()[0] == 2 and samples == 8  # each lost attempt redone; every generation finished
+    db.close()
 
 
 def saved_turns(path) -> list[tuple]:
