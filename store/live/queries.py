@@ -12,13 +12,13 @@ from __future__ import annotations
 import json
 import sqlite3
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import Connection, func, select
 
-from ..sqlite.prepared import Prepared, in_json, json_ids
+from ..sqlite.prepared import Prepared, _driver, in_json, json_ids
 from . import codec
-from .pools import episode_key
 from .schema import T
 
 _samples = T["samples"]
@@ -26,7 +26,7 @@ _replay = T["replay_groups"]
 _groups = T["prompt_groups"]
 _rollouts = T["rollouts"]
 _shortfall = T["step_shortfall"]
-_settled = T["settled_ranges"]
+_settled = T["settled_steps"]
 
 # The reads a group-commit batch makes, compiled once (`Prepared`, see ledger.py).
 _REPLAY_ROOM = Prepared(
@@ -44,13 +44,16 @@ _VERSION_TOKEN_COUNTS = Prepared(
 
 def highest_stamped_step(conn: Connection) -> int | None:
     """The highest train step any prompt was stamped for (shortfall, ledger, settled
-    ranges or replay): a resumed rollout pump continues after it. None in a store that
+    steps or replay): a resumed rollout pump continues after it. None in a store that
     stamped nothing."""
     tops = [
         conn.execute(select(func.max(_shortfall.c.step))).scalar(),
         conn.execute(select(func.max(_replay.c.target_step))).scalar(),
         conn.execute(select(func.max(_groups.c.target_step))).scalar(),
-        conn.execute(select(func.max(_settled.c.target_step))).scalar(),  # settled groups (compaction.py)
+        # Settled groups (compaction.py): the stamped step of the trained ones. A discarded
+        # group's stamp is not kept, and need not be: its step's refill carries the same
+        # stamp (a live row) or the step's shortfall row does until one is reserved.
+        conn.execute(select(func.max(_settled.c.target_step))).scalar(),
     ]
     found = [t for t in tops if t is not None]
     return max(found) if found else None
@@ -136,6 +139,7 @@ def episode_keys(conn: Connection | sqlite3.Connection, state: str, *, except_re
         rows = conn.execute(sql, args).fetchall()
     else:
         rows = conn.exec_driver_sql(sql, tuple(args)).all()
+    from .pools import episode_key  # here: pools imports ledger -> compaction -> this module
     return [episode_key(g, i, a) for g, i, a in rows]
 
 
@@ -162,6 +166,7 @@ def attempts_by_key(conn: Connection | sqlite3.Connection, keys: Iterable[str]) 
     arg = (json.dumps(parts),)
     rows = conn.execute(_ATTEMPTS_OF_KEYS, arg).fetchall() if isinstance(conn, sqlite3.Connection) \
         else conn.exec_driver_sql(_ATTEMPTS_OF_KEYS, arg).all()
+    from .pools import episode_key  # here: pools imports ledger -> compaction -> this module
     return {episode_key(g, i, a): (attempt_id, state) for g, i, a, attempt_id, state in rows}
 
 
@@ -228,3 +233,115 @@ def abandoned_by_restart(conn: Connection, since: float) -> list[Any]:
             (since,),
         ).all()
     )
+
+
+# --------------------------------------------------------------------------- settled record
+
+
+@dataclass(frozen=True)
+class SettledRun:
+    """Positions [start, end) that settled the same way: `outcome` 'trained' (at
+    `trained_step`, stamped for `target_step`) or 'discarded' (for `discard_reason`)."""
+
+    start: int
+    end: int
+    outcome: str
+    trained_step: int | None
+    target_step: int | None
+    discard_reason: str | None
+
+
+OPEN = 0  # code of a position not settled in a `settled_steps` row
+TRAINED = -1  # in memory only: a position trained at its row's step (not in the blob)
+
+
+def _varints(blob: bytes) -> list[int]:
+    out, value, shift = [], 0, 0
+    for byte in blob:
+        value |= (byte & 0x7F) << shift
+        shift += 7
+        if not byte & 0x80:
+            out.append(value)
+            value, shift = 0, 0
+    if shift or len(out) % 3:
+        raise ValueError(f"settled_steps.others: truncated blob {blob.hex()}")
+    return out
+
+
+def decode_row(seq_start: int, seq_end: int, others: bytes | None) -> list[tuple[int, int, int]]:
+    """One `settled_steps` row (schema.SettledStep) -> (start, end, code) runs covering
+    [seq_start, seq_end) in order: code TRAINED, OPEN or a discard reason's code. The
+    only decoder of the blob; compaction.py rewrites rows through it and `encode_row`."""
+    runs: list[tuple[int, int, int]] = []
+    at = seq_start
+    values = _varints(others or b"")
+    for i in range(0, len(values), 3):
+        gap, length, code = values[i:i + 3]
+        if gap:
+            runs.append((at, at + gap, TRAINED))
+        runs.append((at + gap, at + gap + length, code))
+        at += gap + length
+    if at < seq_end:
+        runs.append((at, seq_end, TRAINED))
+    return runs
+
+
+def encode_row(runs: Sequence[tuple[int, int, int]]) -> bytes | None:
+    """The inverse of `decode_row`: runs (contiguous, in order) -> the `others` blob
+    (None when every position is trained). Adjacent runs of one code become one entry."""
+    out = bytearray()
+    at = runs[0][0] if runs else 0
+    merged: list[list[int]] = []
+    for a, b, code in runs:
+        if merged and merged[-1][2] == code and merged[-1][1] == a:
+            merged[-1][1] = b
+        else:
+            merged.append([a, b, code])
+    for a, b, code in merged:
+        if code == TRAINED:
+            continue
+        for value in (a - at, b - a, code):
+            while value > 0x7F:
+                out.append(value & 0x7F | 0x80)
+                value >>= 7
+            out.append(value)
+        at = b
+    return bytes(out) or None
+
+
+def _table(raw: sqlite3.Connection, name: str) -> bool:
+    return raw.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?", (name,)).fetchone() is not None
+
+
+def settled_runs(conn: Connection | sqlite3.Connection) -> list[SettledRun]:
+    """Every settled position, as runs sorted by start (a position settled in two rows
+    appears in two overlapping runs: `verify` counts it duplicated). Reads `settled_steps`
+    (v1_5_a on), a v1_4_a file's `settled_ranges` as they are, and nothing in an older
+    file (its settled groups are still ledger rows). Every reader of the settled record
+    (invariants, audit_ledger, restore, inspect, the tests' and the crash harness's
+    twin comparison) goes through here. Python over every row: one row per step, ~3000
+    rows decode in a few ms."""
+    raw = conn if isinstance(conn, sqlite3.Connection) else _driver(conn)
+    out: list[SettledRun] = []
+    if _table(raw, "settled_steps"):
+        reasons = dict(raw.execute("SELECT code, reason FROM discard_reasons").fetchall())
+        for start, end, trained, target, others in raw.execute(
+                "SELECT seq_start, seq_end, trained_step, target_step, others FROM settled_steps"):
+            for a, b, code in decode_row(start, end, others):
+                if code == TRAINED:
+                    out.append(SettledRun(a, b, "trained", trained, target, None))
+                elif code != OPEN:
+                    out.append(SettledRun(a, b, "discarded", None, None, reasons.get(code, f"unknown code {code}")))
+    elif _table(raw, "settled_ranges"):
+        out = [SettledRun(*r) for r in raw.execute(
+            "SELECT seq_start, seq_end, outcome, trained_step, target_step, discard_reason FROM settled_ranges")]
+    out.sort(key=lambda r: (r.start, r.end))
+    return out
+
+
+def settled_counts(conn: Connection | sqlite3.Connection) -> dict[str, int]:
+    """{'trained': n, 'discarded': n}: groups in the settled record (`settled_runs`)."""
+    out = {"trained": 0, "discarded": 0}
+    for r in settled_runs(conn):
+        out[r.outcome] = out.get(r.outcome, 0) + r.end - r.start
+    return out
