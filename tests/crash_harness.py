@@ -15,7 +15,8 @@ The harness decides what the resume should have done without the code the resume
 the snapshot it must restore is read from the manifests on disk with `json` and
 `hashlib` (`newest_usable_snapshot`) and checked against the kill log (every snapshot a
 killed process logged as published); the prompts trained are compared with those of a
-never-killed twin of the same seed and config (`compare_with_twin`).
+never-killed twin of the same seed and config (`compare_with_twin`, with the other
+reads of a run's ledger in tests/crash_ledger.py).
 """
 
 from __future__ import annotations

@@ -60,9 +60,9 @@ def ledger_outcomes(db: Path, order) -> dict[int, tuple]:
     return out
 
 
-def compare_with_twin(run_dir: Path, twin_dir: Path, config: HarnessConfig = GROUP_LEVEL) -> list[str]:
+def compare_with_twin(run_dir: Path, twin_dir: Path, config) -> list[str]:
     """The prompts the killed chain trained against those of a never-killed run with the
-    same seed and config.
+    same seed and config (`config`: the chain's crash_harness.HarnessConfig).
 
     What must agree, and why. Both runs hand out the same dataloader order (position i is
     the same (epoch, prompt) in both), so one run's hand-outs are a prefix of the other's.

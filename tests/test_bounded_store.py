@@ -151,6 +151,26 @@ def test_settling_a_position_already_settled_is_refused_and_changes_nothing(tmp_
     assert _counts(path) == before
 
 
+def test_scattered_discards_fill_a_row_up_to_64_blob_bytes_and_then_start_another(tmp_path):
+    """Every other position discarded, one commit each, nothing trained: the discards
+    extend one row (each adds an open entry and a discard entry, 3 one-byte varints
+    each: 3 + 6 (k - 1) bytes for k discards) until its blob would pass 64 bytes, so a
+    row holds 11 (63 bytes) and 50 discards make rows of 11, 11, 11, 11 and 6."""
+    store = Store.create(tmp_path / "live.sqlite", replay_capacity=8)
+    ids = store.reserve([Reservation(s, 0, s) for s in range(100)], num_generations=1, target_step=1)
+    for seq in range(0, 100, 2):
+        store.discard([ids[seq]], reason=ZERO)
+    store.close()
+    with contextlib.closing(sqlite3.connect(tmp_path / "live.sqlite")) as conn:
+        rows = conn.execute("SELECT seq_start, seq_end, trained_step, length(others) FROM settled_steps "
+                            "ORDER BY seq_start").fetchall()
+        assert rows == [(0, 21, None, 63), (22, 43, None, 63), (44, 65, None, 63), (66, 87, None, 63),
+                        (88, 99, None, 33)]
+        assert check_invariants(conn).ok
+        assert [(r.start, r.outcome, r.discard_reason) for r in queries.settled_runs(conn)] == [
+            (seq, "discarded", ZERO) for seq in range(0, 100, 2)]
+
+
 # ------------------------------------------------------------------ verify reads the record
 
 
