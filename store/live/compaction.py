@@ -24,11 +24,12 @@ Cost per settling commit: one primary-key probe and one write per step trained, 
 probes and one write per batch of discards joining one row, plus one read of
 `discard_reasons` when there is a discard
 (bench/bench_transitions.py measures the transition rate). The blob is decoded and
-encoded by queries.decode_row / encode_row, the one codec of the record.
+encoded here (`decode_row`, `encode_row`: the one codec of the record); every reader
+expands rows through `queries.settled_runs`.
 
 Each settled group's (epoch, prompt id) sets a bit of its epoch's bitmap in
 `settled_prompts` in the same transaction (schema.SettledPrompts): the record proves
-each position once, the bitmaps each prompt once (`audit_prompts`).
+each position once, the bitmaps each prompt once (`invariants.audit_prompts`).
 
 The payload rows (samples, replay, finalizer results, chunks, episodes) are dropped by
 the ledger's transitions before this runs; here only the ledger and attempt rows go.
@@ -44,11 +45,76 @@ from sqlalchemy import Connection, delete, select
 
 from ..errors import IllegalTransition
 from ..sqlite.prepared import Prepared, _driver, in_json, json_ids
-from .queries import OPEN, TRAINED, decode_row, encode_row, settled_runs
 from .schema import T
 
 groups = T["prompt_groups"]
 rollouts = T["rollouts"]
+
+# --------------------------------------------------------------------------- the blob
+
+OPEN = 0  # code of a position not settled in a `settled_steps` row
+TRAINED = -1  # in memory only: a position trained at its row's step (not in the blob)
+
+
+def _varints(blob: bytes) -> list[int]:
+    out, value, shift = [], 0, 0
+    for byte in blob:
+        value |= (byte & 0x7F) << shift
+        shift += 7
+        if not byte & 0x80:
+            out.append(value)
+            value, shift = 0, 0
+    if shift or len(out) % 3:
+        raise ValueError(f"settled_steps.others: truncated blob {blob.hex()}")
+    return out
+
+
+def decode_row(seq_start: int, seq_end: int, others: bytes | None) -> list[tuple[int, int, int]]:
+    """One `settled_steps` row (schema.SettledStep) -> (start, end, code) runs covering
+    [seq_start, seq_end) in order: code TRAINED, OPEN or a discard reason's code. The
+    only decoder of the blob: `queries.settled_runs` (the one reader of the record)
+    expands rows through it, and the writer below rewrites a row through it and
+    `encode_row`."""
+    runs: list[tuple[int, int, int]] = []
+    at = seq_start
+    values = _varints(others or b"")
+    for i in range(0, len(values), 3):
+        gap, length, code = values[i:i + 3]
+        if gap:
+            runs.append((at, at + gap, TRAINED))
+        runs.append((at + gap, at + gap + length, code))
+        at += gap + length
+    if at < seq_end:
+        runs.append((at, seq_end, TRAINED))
+    return runs
+
+
+def encode_row(runs: Sequence[tuple[int, int, int]]) -> bytes | None:
+    """The inverse of `decode_row`: runs (contiguous, in order) -> the `others` blob
+    (None when every position is trained). Adjacent runs of one code become one entry."""
+    out = bytearray()
+    at = runs[0][0] if runs else 0
+    merged: list[list[int]] = []
+    for a, b, code in runs:
+        if merged and merged[-1][2] == code and merged[-1][1] == a:
+            merged[-1][1] = b
+        else:
+            merged.append([a, b, code])
+    for a, b, code in merged:
+        if code == TRAINED:
+            continue
+        for value in (a - at, b - a, code):
+            while value > 0x7F:
+                out.append(value & 0x7F | 0x80)
+                value >>= 7
+            out.append(value)
+        at = b
+    return bytes(out) or None
+
+
+
+# --------------------------------------------------------------------------- the writer
+
 
 # A blob longer than this is not extended by a discard (a new row starts instead): a
 # rewrite re-encodes the row, so this bounds the bytes one settle rewrites. 64 bytes is
@@ -69,7 +135,7 @@ _ROW_AT = ("SELECT seq_start, seq_end, trained_step, target_step, others FROM se
 
 @dataclass
 class _Row:
-    """A `settled_steps` row being rewritten: its runs from queries.decode_row."""
+    """A `settled_steps` row being rewritten: its runs from `decode_row`."""
 
     start: int
     trained_step: int | None
@@ -220,48 +286,3 @@ def mark_settled(raw: sqlite3.Connection, prompts: Sequence[tuple[int, int]]) ->
             bits[p >> 3] |= 1 << (p & 7)
         raw.execute("INSERT OR REPLACE INTO settled_prompts (epoch, bits, settles) VALUES (?, ?, ?)",
                     (epoch, bytes(bits), (row[1] if row else 0) + len(ids)))
-
-
-def is_set(bits: bytes, prompt_id: int) -> bool:
-    return 0 <= prompt_id and (prompt_id >> 3) < len(bits) and bool(bits[prompt_id >> 3] >> (prompt_id & 7) & 1)
-
-
-@dataclass
-class PromptAudit:
-    """Exactly-once over prompts, from `settled_prompts` and the live rows. `twice`: one
-    line per duplicated hand-out ('epoch E prompt P xN', or 'epoch E: K prompt(s) settled
-    twice' where the bitmap keeps no id); `duplicated`: the hand-outs beyond the first;
-    `unrecorded`: settled positions minus recorded settles (a settle that left no bit)."""
-
-    twice: list[str]
-    duplicated: int
-    unrecorded: int
-
-
-def audit_prompts(raw: sqlite3.Connection) -> PromptAudit:
-    """Every (epoch, prompt id) handed out at most once over the run: live rows (ledger
-    and spare pool) counted with the settled bit of their prompt, and each epoch's
-    settles against its set bits. Reads the live rows (what is in flight) and one
-    bitmap per epoch."""
-    has = lambda t: raw.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?", (t,)).fetchone()  # noqa: E731
-    bitmaps = {e: (bytes(b), n) for e, b, n in raw.execute("SELECT epoch, bits, settles FROM settled_prompts")} \
-        if has("settled_prompts") else {}
-    live = raw.execute("SELECT epoch, prompt_id, count(*) FROM (SELECT epoch, prompt_id FROM prompt_groups UNION ALL "
-                       "SELECT epoch, prompt_id FROM spare_prompts) GROUP BY epoch, prompt_id ORDER BY epoch, prompt_id")
-    twice: list[str] = []
-    duplicated = 0
-    for epoch, prompt_id, n in live:
-        n += is_set(bitmaps.get(epoch, (b"", 0))[0], prompt_id)
-        if n > 1:
-            duplicated += n - 1
-            twice.append(f"epoch {epoch} prompt {prompt_id} x{n}")
-    for epoch, (bits, settles) in sorted(bitmaps.items()):
-        extra = settles - sum(bin(b).count("1") for b in bits)
-        if extra > 0:  # fewer settles than bits: a bit without its settle, `unrecorded` says it
-            duplicated += extra
-            twice.append(f"epoch {epoch}: {extra} prompt(s) settled twice")
-    unrecorded = 0
-    if has("settled_steps") or has("settled_ranges"):
-        positions = sum(r.end - r.start for r in settled_runs(raw))
-        unrecorded = positions - sum(n for _, n in bitmaps.values())
-    return PromptAudit(twice, duplicated, unrecorded)

@@ -23,7 +23,6 @@ import bisect
 import sqlite3
 from dataclasses import dataclass, field
 
-from .compaction import audit_prompts
 from .queries import settled_runs
 
 # Each check: (invariant number, description, SQL returning offending rows as text).
@@ -203,7 +202,7 @@ def _settled_checks(conn: sqlite3.Connection, cursor: int) -> list[tuple[int, st
 def _check_prompts(conn: sqlite3.Connection, report: InvariantReport) -> None:
     """Invariant 1 over prompts: no (epoch, prompt id) settled twice or settled and live at
     once, and every settled position left its prompt's bit (`settled_prompts`). Python
-    over the bitmaps, which SQL cannot test bit by bit (compaction.audit_prompts)."""
+    over the bitmaps, which SQL cannot test bit by bit (`audit_prompts`)."""
     audit = audit_prompts(conn)
     if audit.twice:
         examples = ", ".join(audit.twice[:MAX_EXAMPLES]) + (", ..." if len(audit.twice) > MAX_EXAMPLES else "")
@@ -212,3 +211,48 @@ def _check_prompts(conn: sqlite3.Connection, report: InvariantReport) -> None:
     if audit.unrecorded:
         report.add(1, f"invariant 1: settled positions and settled prompts (settled_prompts) differ by "
                       f"{audit.unrecorded}: a settle that left no prompt bit, or a bit without a position")
+
+
+def is_set(bits: bytes, prompt_id: int) -> bool:
+    return 0 <= prompt_id and (prompt_id >> 3) < len(bits) and bool(bits[prompt_id >> 3] >> (prompt_id & 7) & 1)
+
+
+@dataclass
+class PromptAudit:
+    """Exactly-once over prompts, from `settled_prompts` and the live rows. `twice`: one
+    line per duplicated hand-out ('epoch E prompt P xN', or 'epoch E: K prompt(s) settled
+    twice' where the bitmap keeps no id); `duplicated`: the hand-outs beyond the first;
+    `unrecorded`: settled positions minus recorded settles (a settle that left no bit)."""
+
+    twice: list[str]
+    duplicated: int
+    unrecorded: int
+
+
+def audit_prompts(raw: sqlite3.Connection) -> PromptAudit:
+    """Every (epoch, prompt id) handed out at most once over the run: live rows (ledger
+    and spare pool) counted with the settled bit of their prompt, and each epoch's
+    settles against its set bits. Reads the live rows (what is in flight) and one
+    bitmap per epoch."""
+    has = lambda t: raw.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?", (t,)).fetchone()  # noqa: E731
+    bitmaps = {e: (bytes(b), n) for e, b, n in raw.execute("SELECT epoch, bits, settles FROM settled_prompts")} \
+        if has("settled_prompts") else {}
+    live = raw.execute("SELECT epoch, prompt_id, count(*) FROM (SELECT epoch, prompt_id FROM prompt_groups UNION ALL "
+                       "SELECT epoch, prompt_id FROM spare_prompts) GROUP BY epoch, prompt_id ORDER BY epoch, prompt_id")
+    twice: list[str] = []
+    duplicated = 0
+    for epoch, prompt_id, n in live:
+        n += is_set(bitmaps.get(epoch, (b"", 0))[0], prompt_id)
+        if n > 1:
+            duplicated += n - 1
+            twice.append(f"epoch {epoch} prompt {prompt_id} x{n}")
+    for epoch, (bits, settles) in sorted(bitmaps.items()):
+        extra = settles - sum(bin(b).count("1") for b in bits)
+        if extra > 0:  # fewer settles than bits: a bit without its settle, `unrecorded` says it
+            duplicated += extra
+            twice.append(f"epoch {epoch}: {extra} prompt(s) settled twice")
+    unrecorded = 0
+    if has("settled_steps") or has("settled_ranges"):
+        positions = sum(r.end - r.start for r in settled_runs(raw))
+        unrecorded = positions - sum(n for _, n in bitmaps.values())
+    return PromptAudit(twice, duplicated, unrecorded)

@@ -19,6 +19,8 @@ from sqlalchemy import Connection, func, select
 
 from ..sqlite.prepared import Prepared, _driver, in_json, json_ids
 from . import codec
+from .compaction import OPEN, TRAINED, decode_row
+from .pools import episode_key
 from .schema import T
 
 _samples = T["samples"]
@@ -139,7 +141,6 @@ def episode_keys(conn: Connection | sqlite3.Connection, state: str, *, except_re
         rows = conn.execute(sql, args).fetchall()
     else:
         rows = conn.exec_driver_sql(sql, tuple(args)).all()
-    from .pools import episode_key  # here: pools imports ledger -> compaction -> this module
     return [episode_key(g, i, a) for g, i, a in rows]
 
 
@@ -166,7 +167,6 @@ def attempts_by_key(conn: Connection | sqlite3.Connection, keys: Iterable[str]) 
     arg = (json.dumps(parts),)
     rows = conn.execute(_ATTEMPTS_OF_KEYS, arg).fetchall() if isinstance(conn, sqlite3.Connection) \
         else conn.exec_driver_sql(_ATTEMPTS_OF_KEYS, arg).all()
-    from .pools import episode_key  # here: pools imports ledger -> compaction -> this module
     return {episode_key(g, i, a): (attempt_id, state) for g, i, a, attempt_id, state in rows}
 
 
@@ -251,64 +251,6 @@ class SettledRun:
     discard_reason: str | None
 
 
-OPEN = 0  # code of a position not settled in a `settled_steps` row
-TRAINED = -1  # in memory only: a position trained at its row's step (not in the blob)
-
-
-def _varints(blob: bytes) -> list[int]:
-    out, value, shift = [], 0, 0
-    for byte in blob:
-        value |= (byte & 0x7F) << shift
-        shift += 7
-        if not byte & 0x80:
-            out.append(value)
-            value, shift = 0, 0
-    if shift or len(out) % 3:
-        raise ValueError(f"settled_steps.others: truncated blob {blob.hex()}")
-    return out
-
-
-def decode_row(seq_start: int, seq_end: int, others: bytes | None) -> list[tuple[int, int, int]]:
-    """One `settled_steps` row (schema.SettledStep) -> (start, end, code) runs covering
-    [seq_start, seq_end) in order: code TRAINED, OPEN or a discard reason's code. The
-    only decoder of the blob; compaction.py rewrites rows through it and `encode_row`."""
-    runs: list[tuple[int, int, int]] = []
-    at = seq_start
-    values = _varints(others or b"")
-    for i in range(0, len(values), 3):
-        gap, length, code = values[i:i + 3]
-        if gap:
-            runs.append((at, at + gap, TRAINED))
-        runs.append((at + gap, at + gap + length, code))
-        at += gap + length
-    if at < seq_end:
-        runs.append((at, seq_end, TRAINED))
-    return runs
-
-
-def encode_row(runs: Sequence[tuple[int, int, int]]) -> bytes | None:
-    """The inverse of `decode_row`: runs (contiguous, in order) -> the `others` blob
-    (None when every position is trained). Adjacent runs of one code become one entry."""
-    out = bytearray()
-    at = runs[0][0] if runs else 0
-    merged: list[list[int]] = []
-    for a, b, code in runs:
-        if merged and merged[-1][2] == code and merged[-1][1] == a:
-            merged[-1][1] = b
-        else:
-            merged.append([a, b, code])
-    for a, b, code in merged:
-        if code == TRAINED:
-            continue
-        for value in (a - at, b - a, code):
-            while value > 0x7F:
-                out.append(value & 0x7F | 0x80)
-                value >>= 7
-            out.append(value)
-        at = b
-    return bytes(out) or None
-
-
 def _table(raw: sqlite3.Connection, name: str) -> bool:
     return raw.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?", (name,)).fetchone() is not None
 
@@ -319,8 +261,9 @@ def settled_runs(conn: Connection | sqlite3.Connection) -> list[SettledRun]:
     (v1_5_a on), a v1_4_a file's `settled_ranges` as they are, and nothing in an older
     file (its settled groups are still ledger rows). Every reader of the settled record
     (invariants, audit_ledger, restore, inspect, the tests' and the crash harness's
-    twin comparison) goes through here. Python over every row: one row per step, ~3000
-    rows decode in a few ms."""
+    twin comparison) goes through here; the blob's decoder is compaction.decode_row,
+    beside the writer. Python over every row: one row per step, ~3000 rows decode in a
+    few ms."""
     raw = conn if isinstance(conn, sqlite3.Connection) else _driver(conn)
     out: list[SettledRun] = []
     if _table(raw, "settled_steps"):

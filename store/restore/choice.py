@@ -38,9 +38,8 @@ from ..errors import (
     SnapshotInconsistent,
     TrainerCheckpointOnly,
 )
-from ..live.invariants import check_invariants
+from ..live.invariants import audit_prompts, check_invariants
 from ..checkpoints.layout import COMPLETE, SNAPSHOTS_DIR, Entry, scan
-from ..live.compaction import audit_prompts
 from ..live.queries import SettledRun, settled_counts, settled_runs
 from ..live.ledger import ALGORITHM_DISCARD_REASONS
 from ..checkpoints.manifest import KIND_SNAPSHOT, KIND_TRAINER, ManifestError, read_manifest
