@@ -1,5 +1,6 @@
 """Size of the live store and of a rollout snapshot vs steps run, with settled groups
-compacted (v1_4_a) and without (the old behaviour), side by side in one run (W2-G item 1).
+compacted (v1_4_a, one row per step since v1_5_a) and without (the old behaviour), side
+by side in one run (W2-G item 1).
 
     python bench/bench_bounded_store.py                    # 30, 300, 3000 steps
     python bench/bench_bounded_store.py --steps 30 300     # shorter
@@ -14,8 +15,9 @@ file size (plus its WAL, checkpointed first) and the size of a snapshot taken wi
 `Store.capture` (the backup API, as the snapshot pump takes them).
 
 "before" is the same loop with `compaction.settle_groups` replaced by a no-op: settled
-groups keep their ledger and attempt rows, as they did before v1_4_a. Goal: after 300
-steps <= 1.2x the size after 30.
+groups keep their ledger and attempt rows, as they did before v1_4_a. "after" is the
+compaction at head (v1_5_a: one `settled_steps` row per step; its rows and pages are
+listed). Goal: after 300 steps <= 1.2x the size after 30.
 """
 
 from __future__ import annotations
@@ -43,10 +45,11 @@ def _gen(rng: random.Random) -> FinishedGeneration:
                               float(rng.random() < 0.5), [(0, TOKENS)])
 
 
-def run(path: Path, steps: list[int], snaps: Path) -> dict[int, tuple[int, int, int]]:
-    """Sizes (live bytes, snapshot bytes, ledger rows) at each step count in `steps`."""
+def run(path: Path, steps: list[int], snaps: Path) -> dict[int, tuple[int, int, int, int, int]]:
+    """Sizes (live bytes, snapshot bytes, ledger + attempt rows, settled_steps rows,
+    settled_steps pages) at each step count in `steps`."""
     rng = random.Random(0)
-    out: dict[int, tuple[int, int, int]] = {}
+    out: dict[int, tuple[int, int, int, int, int]] = {}
     store = Store.create(path, replay_capacity=64)
     seq, published = 0, {}
 
@@ -87,11 +90,13 @@ def run(path: Path, steps: list[int], snaps: Path) -> dict[int, tuple[int, int, 
                 conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
                 rows = conn.execute("SELECT (SELECT count(*) FROM prompt_groups) + (SELECT count(*) FROM rollouts)"
                                     ).fetchone()[0]
+                settled = conn.execute("SELECT count(*) FROM settled_steps").fetchone()[0]
+                pages = conn.execute("SELECT count(*) FROM dbstat WHERE name = 'settled_steps'").fetchone()[0]
             snap = snaps / f"{path.stem}_{step}.sqlite"
             store.capture(snap)
             wal = path.with_name(path.name + "-wal")
             live = path.stat().st_size + (wal.stat().st_size if wal.exists() else 0)
-            out[step] = (live, snap.stat().st_size, rows)
+            out[step] = (live, snap.stat().st_size, rows, settled, pages)
     store.close()
     return out
 
@@ -111,11 +116,12 @@ def main(argv: list[str] | None = None) -> int:
             before = run(work / "before.sqlite", steps, work)
         finally:
             ledger.settle_groups = keep
-    say(f"{'steps':>6} | {'before: live':>13} {'snapshot':>10} {'rows':>8} | {'after: live':>12} {'snapshot':>10} {'rows':>5}")
+    say(f"{'steps':>6} | {'before: live':>13} {'snapshot':>10} {'rows':>8} | {'after: live':>12} {'snapshot':>10} "
+        f"{'rows':>5} {'settled_steps rows':>18} {'pages':>5}")
     for s in steps:
         b, a = before[s], after[s]
         say(f"{s:>6} | {b[0] / 1024:>10.0f} KiB {b[1] / 1024:>6.0f} KiB {b[2]:>8} | "
-            f"{a[0] / 1024:>8.0f} KiB {a[1] / 1024:>6.0f} KiB {a[2]:>5}")
+            f"{a[0] / 1024:>8.0f} KiB {a[1] / 1024:>6.0f} KiB {a[2]:>5} {a[3]:>18} {a[4]:>5}")
     base = steps[0]
     for s in steps[1:]:
         for name, figures in (("before", before), ("after", after)):

@@ -1,5 +1,6 @@
 """Upgrade of a 100k-group store file from the oldest revision to head, against a plain
-copy of the same file, in one run (W2-G item 1: the v1_4_a compaction, goal <= 3 s).
+copy of the same file, in one run (W2-G item 1: the v1_4_a compaction and v1_5_a's
+one row per step, goal <= 3 s).
 
     python bench/bench_compaction_upgrade.py                 # 100k groups (the BENCHMARKS.md figure)
     python bench/bench_compaction_upgrade.py --groups 20000 --repeats 1
@@ -14,7 +15,8 @@ times, each on a fresh copy, after `os.sync()`:
 
 * upgrade: `upgrade_file(path)`: every check (integrity, strict identification), the
   backup-API copy, the migrations v1_1_a .. head (v1_4_a compacts: ranges from the
-  settled rows, the two tables rebuilt with only the live rows), the integrity check of
+  settled rows, the two tables rebuilt with only the live rows; v1_5_a turns the ranges
+  into one settled_steps row per step, in Python), the integrity check of
   the result, fsync and the rename into place;
 * migrate: `run_migrations` on a copy alone (the migrations without upgrade_file's checks
   and copy);
@@ -130,12 +132,12 @@ def main(argv: list[str] | None = None) -> int:
                     results[name].append(timed(lambda: run_migrations(target), name))
                 with sqlite3.connect(target) as conn:
                     left = conn.execute("SELECT count(*) FROM prompt_groups").fetchone()[0]
-                    ranges = conn.execute("SELECT count(*) FROM settled_ranges").fetchone()[0]
+                    ranges = conn.execute("SELECT count(*) FROM settled_steps").fetchone()[0]
                     rev = conn.execute("SELECT version_num FROM alembic_version").fetchone()[0]
                 assert rev == head_revision() and left == args.in_flight, (rev, left)
                 size = target.stat().st_size
                 target.unlink()
-        say(f"after ({name}, the last timed): {left} live groups, {ranges} settled ranges, file {size / 2**20:.1f} MiB "
+        say(f"after ({name}, the last timed): {left} live groups, {ranges} settled_steps rows, file {size / 2**20:.1f} MiB "
             "(upgrade VACUUMs; migrate keeps the free pages)")
         copy = statistics.median(results["copy"])
         for name, values in results.items():

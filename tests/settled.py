@@ -1,10 +1,14 @@
-"""What a store file says about every sampler position, read with plain sqlite3.
+"""What a store file says about every sampler position, read over a plain sqlite3
+connection.
 
-Since revision v1_4_a a trained or discarded group is no ledger row: its position is in a
-`settled_ranges` row (seq_start, seq_end, outcome, trained_step, target_step,
-discard_reason). Tests that check what a run trained read both through these helpers,
-written against the table's documented meaning, not through the store's own code (which
-is what they check).
+Since revision v1_4_a a trained or discarded group is no ledger row; since v1_5_a its
+position is in a `settled_steps` row (about one per train step, the discards and the
+positions settled elsewhere in a small blob). The blob has one decoder, the store's
+`queries.settled_runs` (the brief of W2-G item 1: every reader of the record goes
+through it); these helpers expand its runs per position beside the live rows, so tests
+that check what a run trained see one record per position and can tell a position
+recorded twice. What the record itself holds is checked against hand-computed rows
+in tests/test_bounded_store.py.
 """
 
 from __future__ import annotations
@@ -12,26 +16,23 @@ from __future__ import annotations
 import sqlite3
 from collections import Counter
 
+from rolloutdb.store import queries
+
 # seq -> (state, trained_step, target_step, discard_reason)
 Outcome = tuple[str, "int | None", "int | None", "str | None"]
 
 
-def _has_ranges(conn: sqlite3.Connection) -> bool:
-    return conn.execute("SELECT 1 FROM sqlite_master WHERE name = 'settled_ranges'").fetchone() is not None
-
-
 def positions(conn: sqlite3.Connection) -> dict[int, list[Outcome]]:
-    """Every position the ledger accounts for (live rows and settled ranges), each with
-    every record of it (more than one: recorded twice)."""
+    """Every position the ledger accounts for (live rows and the settled record), each
+    with every record of it (more than one: recorded twice). A settled discard has no
+    stamped step (the record keeps only the trained positions' stamp)."""
     out: dict[int, list[Outcome]] = {}
     for seq, state, trained, target, reason in conn.execute(
             "SELECT sample_seq, state, trained_step, target_step, discard_reason FROM prompt_groups"):
         out.setdefault(seq, []).append((state, trained, target, reason))
-    if _has_ranges(conn):
-        for start, end, outcome, trained, target, reason in conn.execute(
-                "SELECT seq_start, seq_end, outcome, trained_step, target_step, discard_reason FROM settled_ranges"):
-            for seq in range(start, end):
-                out.setdefault(seq, []).append((outcome, trained, target, reason))
+    for r in queries.settled_runs(conn):
+        for seq in range(r.start, r.end):
+            out.setdefault(seq, []).append((r.outcome, r.trained_step, r.target_step, r.discard_reason))
     return out
 
 

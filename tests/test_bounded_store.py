@@ -1,9 +1,9 @@
 """A bounded live store: settled groups leave it, and exactly-once stays provable.
 
 A trained or discarded group leaves `prompt_groups` and its attempts leave `rollouts` in
-the commit that settles it; its sampler position joins a run-length `settled_ranges` row
-(store/live/compaction.py), and its (epoch, prompt id) sets a bit of its epoch's bitmap
-in `settled_prompts`. These tests drive the real Store (real SQLite files), read
+the commit that settles it; its sampler position joins a `settled_steps` row, about one
+per train step, the discards coded in a small blob (store/live/compaction.py), and its
+(epoch, prompt id) sets a bit of its epoch's bitmap in `settled_prompts`. These tests drive the real Store (real SQLite files), read
 what is persisted through a second connection, and compute what they expect by hand.
 """
 
@@ -72,7 +72,7 @@ class Run:
 def _counts(path: Path) -> dict[str, int]:
     with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as conn:
         return {t: conn.execute(f"SELECT count(*) FROM {t}").fetchone()[0]
-                for t in ("prompt_groups", "rollouts", "samples", "replay_groups", "settled_ranges")}
+                for t in ("prompt_groups", "rollouts", "samples", "replay_groups", "settled_steps")}
 
 
 def test_many_settles_keep_the_live_row_counts_bounded_by_what_is_in_flight(tmp_path):
@@ -94,36 +94,42 @@ def test_many_settles_keep_the_live_row_counts_bounded_by_what_is_in_flight(tmp_
         assert counts["samples"] == GROUPS_PER_STEP * GENERATIONS
     with contextlib.closing(sqlite3.connect(path)) as conn:
         assert check_invariants(conn).ok
-        ranges = conn.execute("SELECT seq_start, seq_end, outcome, trained_step, discard_reason FROM settled_ranges "
-                              "ORDER BY seq_start").fetchall()
-    # The record grows with the steps (one trained run per step) plus two per discard
-    # (the discard and the split of its step's run), never with the groups trained.
-    handed = steps * GROUPS_PER_STEP + len([d for d in discards if d < run.seq - GROUPS_PER_STEP])
-    assert len(ranges) <= steps + 2 * len(discards) < handed
+        rows = conn.execute("SELECT seq_start, trained_step, length(others) FROM settled_steps "
+                            "ORDER BY seq_start").fetchall()
+        runs = queries.settled_runs(conn)
+    # One row per step trained, plus one: position 0 is discarded before any step has a
+    # row, so it starts a row of discards, which the later discards up to the next
+    # trained row's start extend. Never a row per discard or per group.
+    assert [t for _, t, _ in rows] == [None] + list(range(1, steps + 1))
+    assert peak["settled_steps"] == steps + 1
+    # A step's row holds its discards and open positions in a few bytes: at most two
+    # entries of three one-byte varints (a discard inside the span; one past its end).
+    assert max(n or 0 for *_, n in rows) <= 12
     # Every settled position once, by hand: positions below the in-flight step's, in order.
-    settled = [seq for a, b, *_ in ranges for seq in range(a, b)]
+    settled = sorted(seq for r in runs for seq in range(r.start, r.end))
     assert settled == list(range(len(settled)))
-    trained = {seq: step for a, b, outcome, step, _ in ranges if outcome == "trained" for seq in range(a, b)}
+    trained = {seq: r.trained_step for r in runs if r.outcome == "trained" for seq in range(r.start, r.end)}
     assert sorted(trained.values()) == [s for s in range(1, steps + 1) for _ in range(GROUPS_PER_STEP)]
-    assert {seq for a, b, outcome, _, reason in ranges if outcome == "discarded" for seq in range(a, b)} == \
+    assert {seq for r in runs if r.outcome == "discarded" for seq in range(r.start, r.end)} == \
         {d for d in discards if d < len(settled)}
 
 
-def test_a_group_settled_in_one_commit_leaves_no_row_and_its_position_joins_the_neighbouring_range(tmp_path):
+def test_a_group_settled_in_one_commit_leaves_no_row_and_its_position_joins_its_steps_row(tmp_path):
     path = tmp_path / "live.sqlite"
     run = Run(path)
     run.stamp(1)
     run.stamp(2)
     run.train(1)
     with contextlib.closing(sqlite3.connect(path)) as conn:
-        assert conn.execute("SELECT * FROM settled_ranges").fetchall() == [(0, 4, "trained", 1, 1, None)]
-    # Step 2's groups are positions 4..7; train them in two commits: the second merges.
+        assert conn.execute("SELECT * FROM settled_steps").fetchall() == [(0, 4, 1, 1, None)]
+    # Step 2's groups are positions 4..7; train them in two commits: the second joins the
+    # first's row (still one row for the step).
     first, second = run.published[2][:2], run.published[2][2:]
     run.store.mark_trained(first, step=2)
     run.store.mark_trained(second, step=2)
     with contextlib.closing(sqlite3.connect(path)) as conn:
-        assert conn.execute("SELECT * FROM settled_ranges ORDER BY seq_start").fetchall() == [
-            (0, 4, "trained", 1, 1, None), (4, 8, "trained", 2, 2, None)]
+        assert conn.execute("SELECT * FROM settled_steps ORDER BY seq_start").fetchall() == [
+            (0, 4, 1, 1, None), (4, 8, 2, 2, None)]
         assert conn.execute("SELECT count(*) FROM prompt_groups").fetchone()[0] == 0
         assert conn.execute("SELECT count(*) FROM rollouts").fetchone()[0] == 0
 
@@ -145,12 +151,34 @@ def test_settling_a_position_already_settled_is_refused_and_changes_nothing(tmp_
     assert _counts(path) == before
 
 
+def test_scattered_discards_fill_a_row_up_to_64_blob_bytes_and_then_start_another(tmp_path):
+    """Every other position discarded, one commit each, nothing trained: the discards
+    extend one row (each adds an open entry and a discard entry, 3 one-byte varints
+    each: 3 + 6 (k - 1) bytes for k discards) until its blob would pass 64 bytes, so a
+    row holds 11 (63 bytes) and 50 discards make rows of 11, 11, 11, 11 and 6."""
+    store = Store.create(tmp_path / "live.sqlite", replay_capacity=8)
+    ids = store.reserve([Reservation(s, 0, s) for s in range(100)], num_generations=1, target_step=1)
+    for seq in range(0, 100, 2):
+        store.discard([ids[seq]], reason=ZERO)
+    store.close()
+    with contextlib.closing(sqlite3.connect(tmp_path / "live.sqlite")) as conn:
+        rows = conn.execute("SELECT seq_start, seq_end, trained_step, length(others) FROM settled_steps "
+                            "ORDER BY seq_start").fetchall()
+        assert rows == [(0, 21, None, 63), (22, 43, None, 63), (44, 65, None, 63), (66, 87, None, 63),
+                        (88, 99, None, 33)]
+        assert check_invariants(conn).ok
+        assert [(r.start, r.outcome, r.discard_reason) for r in queries.settled_runs(conn)] == [
+            (seq, "discarded", ZERO) for seq in range(0, 100, 2)]
+
+
 # ------------------------------------------------------------------ verify reads the record
 
 
 def _run_dir(tmp_path: Path) -> Path:
-    """A finished run of 3 steps with one zero-variance discard (position 5): ranges
-    0..4 trained 1, 4..5 trained 2, 5..6 discarded, 6..9 trained 2, 9..13 trained 3."""
+    """A finished run of 3 steps with one zero-variance discard (position 5): positions
+    0..3 trained at 1, 4 and 6..8 at 2, 9..12 at 3, 5 discarded. The discard (while
+    step 2 is stamped) joins step 1's row, the only one then, which extends over 4 (open)
+    to 5; step 2's row spans 4..8 with 5 open (BLOB_STEP_1, BLOB_STEP_2)."""
     run_dir = tmp_path / "run"
     run = Run(run_dir / "rollout_state.sqlite", {5})
     for step in (1, 2, 3):
@@ -159,6 +187,12 @@ def _run_dir(tmp_path: Path) -> Path:
     run.store.close()
     (run_dir / "config.yaml").write_text(f"algorithm:\n  groups_per_step: {GROUPS_PER_STEP}\n")
     return run_dir
+
+
+# Varints (gap, length, code), code 0 = not settled in the row, 1 = the first discard
+# reason coded (zero_reward_variance): by hand from schema.SettledStep's format.
+BLOB_STEP_1 = bytes([4, 1, 0, 0, 1, 1])  # 0..3 trained, 4 open, 5 discarded
+BLOB_STEP_2 = bytes([1, 1, 0])  # 4 trained, 5 open, 6..8 trained
 
 
 def _verify(run_dir: Path) -> tuple[int, dict]:
@@ -176,10 +210,9 @@ def _plant(run_dir: Path, sql: str) -> None:
 def test_verify_proves_exactly_once_from_the_compacted_record(tmp_path):
     run_dir = _run_dir(tmp_path)
     with contextlib.closing(sqlite3.connect(run_dir / "rollout_state.sqlite")) as conn:
-        assert conn.execute("SELECT seq_start, seq_end, outcome, trained_step FROM settled_ranges "
-                            "ORDER BY seq_start").fetchall() == [
-            (0, 4, "trained", 1), (4, 5, "trained", 2), (5, 6, "discarded", None), (6, 9, "trained", 2),
-            (9, 13, "trained", 3)]
+        assert conn.execute("SELECT * FROM settled_steps ORDER BY seq_start").fetchall() == [
+            (0, 6, 1, 1, BLOB_STEP_1), (4, 9, 2, 2, BLOB_STEP_2), (9, 13, 3, 3, None)]
+        assert conn.execute("SELECT * FROM discard_reasons").fetchall() == [(1, ZERO)]
         assert conn.execute("SELECT count(*) FROM prompt_groups").fetchone()[0] == 0
     code, doc = _verify(run_dir)
     assert code == 0, doc["problems"]
@@ -187,9 +220,9 @@ def test_verify_proves_exactly_once_from_the_compacted_record(tmp_path):
         "trained": 12, "discarded": 1, "duplicated": 0, "lost": 0, "pending": 0, "steps": 3}
 
 
-def test_a_compacted_range_that_drops_a_position_is_reported_lost(tmp_path):
+def test_a_settled_row_that_drops_a_position_is_reported_lost(tmp_path):
     run_dir = _run_dir(tmp_path)
-    _plant(run_dir, "UPDATE settled_ranges SET seq_end = 8 WHERE seq_start = 6")  # position 8 gone
+    _plant(run_dir, "UPDATE settled_steps SET seq_end = 8 WHERE seq_start = 4")  # position 8 gone
     code, doc = _verify(run_dir)
     assert code == 1
     assert (doc["lost"], doc["duplicated"], doc["trained"]) == (1, 0, 11)
@@ -197,14 +230,24 @@ def test_a_compacted_range_that_drops_a_position_is_reported_lost(tmp_path):
     assert any("invariant 1" in p and "missing 1 of 13 positions" in p for p in doc["problems"])
 
 
-def test_a_compacted_range_that_doubles_a_position_is_reported_duplicated(tmp_path):
+def test_a_settled_row_that_doubles_a_position_is_reported_duplicated(tmp_path):
     run_dir = _run_dir(tmp_path)
-    _plant(run_dir, "UPDATE settled_ranges SET seq_end = 6 WHERE seq_start = 4")  # 4..5 now overlaps 5..6
+    _plant(run_dir, "UPDATE settled_steps SET others = NULL WHERE seq_start = 4")  # 5 trained at 2 and discarded
     code, doc = _verify(run_dir)
     assert code == 1
     assert (doc["lost"], doc["duplicated"]) == (0, 1)
     assert any("positions 5..5 settled twice" in p for p in doc["problems"])
     assert any("invariant 1" in p and "overlap" in p for p in doc["problems"])
+    assert any("step 2: 5" in p for p in doc["problems"])  # and step 2 trained one group too many
+
+
+def test_a_trained_position_whose_step_is_off_by_one_fails_the_audit(tmp_path):
+    run_dir = _run_dir(tmp_path)
+    _plant(run_dir, "UPDATE settled_steps SET trained_step = 3 WHERE seq_start = 4")  # step 2's row says 3
+    code, doc = _verify(run_dir)
+    assert code == 1 and (doc["lost"], doc["duplicated"]) == (0, 0)
+    assert any("stamped 2 trained 3" in p for p in doc["problems"])
+    assert any("step 2: 0" in p and "step 3: 8" in p for p in doc["problems"])
 
 
 def test_a_position_both_settled_and_live_is_reported_duplicated(tmp_path):

@@ -24,7 +24,7 @@ from alembic.migration import MigrationContext
 from sqlalchemy import create_engine
 from sqlalchemy.pool import NullPool
 
-from rolloutdb.store import FinishedGeneration, Reservation, Store, codec
+from rolloutdb.store import FinishedGeneration, Reservation, Store, codec, queries
 from rolloutdb.store.live.invariants import check_invariants
 from rolloutdb.store.sqlite.revision import head_revision, known_revisions, run_migrations
 from rolloutdb.store.sqlite.upgrade import upgrade_file
@@ -112,9 +112,9 @@ def test_each_fixture_is_at_its_own_revision_sound_and_standalone(fixture_copy):
         for table in ("samples", "replay_groups", "finalizer_results", "spare_prompts", "step_shortfall",
                       "token_chunks", "env_episodes", "snapshot_attempts", "run_meta", "sampler_state"):
             assert conn.execute(f"SELECT count(*) FROM {table}").fetchone()[0] > 0, table
-    if revision >= "v1_4_a":  # settled groups are ranges (see make_fixture._settled_ranges)
+    if revision >= "v1_4_a":  # settled groups are a record, not rows (make_fixture._settled_ranges, _settled_steps)
         with _connect(path) as conn:
-            states.update(conn.execute("SELECT outcome, count(*) FROM settled_ranges GROUP BY outcome"))
+            states.update(queries.settled_counts(conn))
     assert set(states) == {"reserved", "dispatched", "sealed", "published", "trained", "discarded"}
     assert reasons == {"restart", "deadline", "error"}
     assert _invariant_problems(path) == []
@@ -146,7 +146,7 @@ def test_each_fixture_upgrades_to_head_keeping_every_row(fixture_copy):
 
     settled_rows = old.get("settled_ranges", ([], []))[1]
     old_groups = old["prompt_groups"]
-    if "settled_ranges" not in old:
+    if "settled_ranges" not in old and "settled_steps" not in old:
         # v1_4_a: settled groups and their attempts leave; expect the ranges computed here
         # from the old rows, and every other row kept.
         group_cols = old["prompt_groups"][0]
@@ -169,17 +169,32 @@ def test_each_fixture_upgrades_to_head_keeping_every_row(fixture_copy):
             columns, rows = old[table]
             old[table] = (columns, [r for r in rows if test(r)])
             counts[table] = len(old[table][1])
+    # Each settled position's outcome, from the old rows or ranges: (outcome, trained
+    # step, stamped step, reason); v1_5_a keeps the stamped step of trained positions only.
+    outcomes = {seq: (o, t, s if o == "trained" else None, r) for a, b, o, t, s, r in settled_rows for seq in range(a, b)}
+    if "settled_steps" in old:
+        outcomes = None  # already at v1_5_a: its rows must be kept as they are (checked with the others)
+    old.pop("settled_ranges", None)
     with _connect(path) as after:
         assert after.execute("SELECT version_num FROM alembic_version").fetchall() == [(HEAD,)]
         assert after.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
-        assert set(_tables(after)) >= set(tables)
+        assert set(_tables(after)) >= set(tables) - {"settled_ranges"}  # v1_5_a: settled_steps instead
         for table, (columns, rows) in old.items():
             if table == "alembic_version":
                 continue
             assert after.execute(f"SELECT count(*) FROM {table}").fetchone()[0] == counts[table], table
             assert _content(after, table, columns) == rows, table
-        assert after.execute("SELECT seq_start, seq_end, outcome, trained_step, target_step, discard_reason "
-                             "FROM settled_ranges ORDER BY seq_start").fetchall() == settled_rows
+        if outcomes is not None:
+            got = {seq: (r.outcome, r.trained_step, r.target_step, r.discard_reason)
+                   for r in queries.settled_runs(after) for seq in range(r.start, r.end)}
+            assert got == outcomes
+        # v1_5_a: one row per trained step, the discards coded inside: the rows make_fixture
+        # writes out by hand for PLAN, whatever revision the file came from.
+        steps, reasons = _load_make_fixture()._settled_steps()
+        assert after.execute("SELECT seq_start, seq_end, trained_step, target_step, others FROM settled_steps "
+                             "ORDER BY seq_start").fetchall() == [tuple(r.values()) for r in steps]
+        assert after.execute("SELECT code, reason FROM discard_reasons ORDER BY code").fetchall() == [
+            tuple(r.values()) for r in reasons]
         if "settled_prompts" not in old:
             # v1_4_a: each epoch's settled prompt ids as a bitmap (bit p % 8 of byte p // 8)
             # and its count of settled groups, written out here from the old rows.
@@ -254,10 +269,10 @@ def test_a_run_resumes_from_each_upgraded_fixture(fixture_copy):
 
     with _connect(path) as conn:
         states = dict(conn.execute("SELECT group_id, state FROM prompt_groups"))
-        # Trained and discarded groups left the ledger; their positions are settled ranges.
+        # Trained and discarded groups left the ledger; their positions are in the settled record.
         assert not set(states) & set(by_state["published"] + sorted(with_episodes))
-        ranges = conn.execute("SELECT seq_start, seq_end, outcome, trained_step, discard_reason FROM settled_ranges").fetchall()
-        settled = {seq: (outcome, step, reason) for a, b, outcome, step, reason in ranges for seq in range(a, b)}
+        settled = {seq: (r.outcome, r.trained_step, r.discard_reason)
+                   for r in queries.settled_runs(conn) for seq in range(r.start, r.end)}
         assert {settled[seqs[g]] for g in by_state["published"]} == {("trained", 6, None)}
         assert {settled[seqs[g]] for g in with_episodes} == {("discarded", None, "resume_check")}
         assert {states[g] for g in by_state["sealed"] + in_flight + reserved} == {"published"}

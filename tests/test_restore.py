@@ -172,11 +172,12 @@ def test_restart_normalization_abandons_running_attempts_publishes_sealed_and_ha
     states = dict(conn.execute("SELECT group_id, state FROM prompt_groups"))
     assert [states[g] for g in (run.A, run.B, run.C, run.D, run.E)] == [
         "published", "dispatched", "published", "dispatched", "dispatched"]  # the cut, not the live store
-    # Settled groups are ranges (v1_4_a): t0, t1 (positions 0, 1) trained at 1, F (7) discarded.
+    # Settled groups are a record (v1_5_a): t0, t1 (positions 0, 1) trained at 1 make step
+    # 1's row; F (7) discarded joins it, the row extending over 2..6 (open: live) to 7.
+    # Blob by hand: varints (gap 2, 5 open, code 0), (gap 0, 1 position, code 1).
     assert run.F not in states and run.t0 not in states
-    assert conn.execute("SELECT seq_start, seq_end, outcome, trained_step, discard_reason FROM settled_ranges "
-                        "ORDER BY seq_start").fetchall() == [(0, 2, "trained", 1, None),
-                                                             (7, 8, "discarded", None, "zero_reward_variance")]
+    assert conn.execute("SELECT * FROM settled_steps").fetchall() == [(0, 8, 1, 1, bytes([2, 5, 0, 0, 1, 1]))]
+    assert conn.execute("SELECT * FROM discard_reasons").fetchall() == [(1, "zero_reward_variance")]
     assert conn.execute("SELECT state, abandon_reason FROM rollouts WHERE attempt_id = ?", (run.b1_retry,)).fetchone() == (
         "abandoned", "restart")
     assert conn.execute("SELECT count(*) FROM rollouts WHERE state = 'running'").fetchone()[0] == 0

@@ -66,9 +66,11 @@ def test_one_transition_moves_more_groups_than_sqlite_binds_variables(store, sec
     conn = second_connection(store.path)
     assert conn.execute("SELECT state, count(*) FROM prompt_groups GROUP BY state ORDER BY state").fetchall() == [
         ("reserved", 1)]
-    # The discarded positions 0 .. n-2 settled as one range.
-    assert conn.execute("SELECT seq_start, seq_end, outcome, discard_reason FROM settled_ranges").fetchall() == [
-        (0, n - 1, "discarded", "error")]
+    # The discarded positions 0 .. n-2 settled as one row of discards: one entry (gap 0,
+    # length n - 1 = 39,999 as the varint bytes 0xBF 0xB8 0x02, code 1 = 'error').
+    assert conn.execute("SELECT seq_start, seq_end, trained_step, others FROM settled_steps").fetchall() == [
+        (0, n - 1, None, bytes([0, 0xBF, 0xB8, 0x02, 1]))]
+    assert conn.execute("SELECT code, reason FROM discard_reasons").fetchall() == [(1, "error")]
     assert conn.execute("SELECT state FROM prompt_groups WHERE group_id = ?", (ids[-1],)).fetchone() == ("reserved",)
 
 

@@ -28,8 +28,8 @@ def test_a_group_moves_from_reserved_to_trained_and_its_payload_is_dropped(store
     # A trained group leaves the ledger and its attempts go; its position (0) is settled.
     assert conn.execute("SELECT count(*) FROM prompt_groups WHERE group_id = ?", (gid,)).fetchone()[0] == 0
     assert conn.execute("SELECT count(*) FROM rollouts WHERE group_id = ?", (gid,)).fetchone()[0] == 0
-    assert conn.execute("SELECT seq_start, seq_end, outcome, trained_step FROM settled_ranges").fetchall() == [
-        (0, 1, "trained", 1)]
+    assert conn.execute("SELECT seq_start, seq_end, trained_step, target_step, others FROM settled_steps").fetchall() == [
+        (0, 1, 1, 1, None)]
     assert conn.execute("SELECT count(*) FROM samples").fetchone()[0] == 0
     assert conn.execute("SELECT count(*) FROM replay_groups").fetchone()[0] == 0
 

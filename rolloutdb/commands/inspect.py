@@ -34,6 +34,7 @@ from rolloutdb.store import (
     identify,
     listing_manifest,
     open_readonly,
+    queries,
     quick_check,
     run_readonly_query,
 )
@@ -189,8 +190,10 @@ def summarize(conn: sqlite3.Connection, path: Path, revision: str, status: str) 
     }
     summary["row_counts"] = {t: conn.execute(f'SELECT count(*) FROM "{t}"').fetchone()[0] for t in tables}
     summary["groups"] = _per_state(conn, "SELECT state, count(*) FROM prompt_groups GROUP BY state", GROUP_STATES)
-    if "settled_ranges" in tables:  # v1_4_a: settled groups are position ranges, not ledger rows
-        for outcome, n in conn.execute("SELECT outcome, sum(seq_end - seq_start) FROM settled_ranges GROUP BY outcome"):
+    # v1_4_a on: settled groups are no ledger rows but a compacted record (v1_5_a:
+    # `settled_steps`, one row per step), counted through the store's one reader of it.
+    for outcome, n in queries.settled_counts(conn).items():
+        if n:
             summary["groups"][outcome] = summary["groups"].get(outcome, 0) + n
     summary["rollouts"] = _per_state(conn, "SELECT state, count(*) FROM rollouts GROUP BY state", ROLLOUT_STATES)
     summary["abandon_reasons"] = _per_state(

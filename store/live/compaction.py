@@ -1,19 +1,35 @@
 """Settled groups leave the live store: the commit that trains or discards a group
 deletes its ledger row and its attempt rows and records its sampler position in
-`settled_ranges` (schema.SettledRange), run-length encoded.
+`settled_steps` (schema.SettledStep): about one row per train step.
 
 Why at the settling commit and not batched every N settles: the invariants must hold at
 every commit, and a batch would leave a window in which a settled group is both a row
-and (after the batch) a range; doing it in the same transaction keeps one place per
+and (after the batch) a record; doing it in the same transaction keeps one place per
 position at every commit, and the live store's row counts follow what is in flight
-(tests/test_bounded_store.py). Cost: two indexed reads and one write per run of
-positions settled together; a train step's groups are usually one or two runs
-(bench/bench_bounded_store.py measures the store sizes, bench/bench_transitions.py the
-transition rate).
+(tests/test_bounded_store.py).
+
+Where a position goes. Trained positions of one (trained step, stamped step) go to the
+row with the highest start at or below their first position if it is that step's row
+(a step trained in several commits stays one row), else to a new row starting there;
+positions of its span trained elsewhere or still live are open entries of its blob.
+A discarded position goes to the row with the highest start at or below it: an open
+entry of its span takes the discard's reason code, a position past its end extends it
+(the gap open). So a zero-variance discard among a step's positions costs a few bytes
+of a neighbouring row, not a split of the step's run and a row of its own (v1_4_a's
+ranges: ~3 rows per step; BENCHMARKS.md "A bounded live store"). A row whose blob would
+pass MAX_OTHERS bytes is not extended: the discard starts a row of its own, so one
+rewrite stays small however many discards a stretch of positions has.
+
+Cost per settling commit: one primary-key probe and one write per step trained, two
+probes and one write per batch of discards joining one row, plus one read of
+`discard_reasons` when there is a discard
+(bench/bench_transitions.py measures the transition rate). The blob is decoded and
+encoded here (`decode_row`, `encode_row`: the one codec of the record); every reader
+expands rows through `queries.settled_runs`.
 
 Each settled group's (epoch, prompt id) sets a bit of its epoch's bitmap in
-`settled_prompts` in the same transaction (schema.SettledPrompts): the ranges prove each
-position once, the bitmaps each prompt once (`audit_prompts`).
+`settled_prompts` in the same transaction (schema.SettledPrompts): the record proves
+each position once, the bitmaps each prompt once (`invariants.audit_prompts`).
 
 The payload rows (samples, replay, finalizer results, chunks, episodes) are dropped by
 the ledger's transitions before this runs; here only the ledger and attempt rows go.
@@ -33,10 +49,77 @@ from .schema import T
 
 groups = T["prompt_groups"]
 rollouts = T["rollouts"]
-ranges = T["settled_ranges"]
 
-# What a run of positions must share to be one row.
-Key = tuple[str, "int | None", "int | None", "str | None"]  # outcome, trained step, target step, reason
+# --------------------------------------------------------------------------- the blob
+
+OPEN = 0  # code of a position not settled in a `settled_steps` row
+TRAINED = -1  # in memory only: a position trained at its row's step (not in the blob)
+
+
+def _varints(blob: bytes) -> list[int]:
+    out, value, shift = [], 0, 0
+    for byte in blob:
+        value |= (byte & 0x7F) << shift
+        shift += 7
+        if not byte & 0x80:
+            out.append(value)
+            value, shift = 0, 0
+    if shift or len(out) % 3:
+        raise ValueError(f"settled_steps.others: truncated blob {blob.hex()}")
+    return out
+
+
+def decode_row(seq_start: int, seq_end: int, others: bytes | None) -> list[tuple[int, int, int]]:
+    """One `settled_steps` row (schema.SettledStep) -> (start, end, code) runs covering
+    [seq_start, seq_end) in order: code TRAINED, OPEN or a discard reason's code. The
+    only decoder of the blob: `queries.settled_runs` (the one reader of the record)
+    expands rows through it, and the writer below rewrites a row through it and
+    `encode_row`."""
+    runs: list[tuple[int, int, int]] = []
+    at = seq_start
+    values = _varints(others or b"")
+    for i in range(0, len(values), 3):
+        gap, length, code = values[i:i + 3]
+        if gap:
+            runs.append((at, at + gap, TRAINED))
+        runs.append((at + gap, at + gap + length, code))
+        at += gap + length
+    if at < seq_end:
+        runs.append((at, seq_end, TRAINED))
+    return runs
+
+
+def encode_row(runs: Sequence[tuple[int, int, int]]) -> bytes | None:
+    """The inverse of `decode_row`: runs (contiguous, in order) -> the `others` blob
+    (None when every position is trained). Adjacent runs of one code become one entry."""
+    out = bytearray()
+    at = runs[0][0] if runs else 0
+    merged: list[list[int]] = []
+    for a, b, code in runs:
+        if merged and merged[-1][2] == code and merged[-1][1] == a:
+            merged[-1][1] = b
+        else:
+            merged.append([a, b, code])
+    for a, b, code in merged:
+        if code == TRAINED:
+            continue
+        for value in (a - at, b - a, code):
+            while value > 0x7F:
+                out.append(value & 0x7F | 0x80)
+                value >>= 7
+            out.append(value)
+        at = b
+    return bytes(out) or None
+
+
+
+# --------------------------------------------------------------------------- the writer
+
+
+# A blob longer than this is not extended by a discard (a new row starts instead): a
+# rewrite re-encodes the row, so this bounds the bytes one settle rewrites. 64 bytes is
+# ~20 entries; a quickstart step's row holds 1-3.
+MAX_OTHERS = 64
 
 _SETTLED_ROWS = Prepared(
     select(groups.c.sample_seq, groups.c.state, groups.c.trained_step, groups.c.target_step, groups.c.discard_reason,
@@ -46,44 +129,122 @@ _SETTLED_ROWS = Prepared(
 )
 _DELETE_ATTEMPTS = Prepared(delete(rollouts).where(in_json(rollouts.c.group_id)))
 _DELETE_GROUPS = Prepared(delete(groups).where(in_json(groups.c.group_id)))
-_RANGE_COLUMNS = (ranges.c.seq_start, ranges.c.seq_end, ranges.c.outcome, ranges.c.trained_step,
-                  ranges.c.target_step, ranges.c.discard_reason)
+_ROW_AT = ("SELECT seq_start, seq_end, trained_step, target_step, others FROM settled_steps "
+           "WHERE seq_start <= ? ORDER BY seq_start DESC LIMIT 1")
 
 
-@dataclass(frozen=True)
-class SettledRun:
-    """Positions [start, end) that settled the same way."""
+@dataclass
+class _Row:
+    """A `settled_steps` row being rewritten: its runs from `decode_row`."""
 
     start: int
-    end: int
-    outcome: str
     trained_step: int | None
     target_step: int | None
-    discard_reason: str | None
+    runs: list[tuple[int, int, int]]
+    new: bool
 
     @property
-    def key(self) -> Key:
-        return (self.outcome, self.trained_step, self.target_step, self.discard_reason)
+    def end(self) -> int:
+        return self.runs[-1][1]
 
 
-def runs_of(rows: Sequence[tuple]) -> list[SettledRun]:
-    """(sample_seq, outcome, trained step, target step, reason) rows sorted by position
-    -> maximal runs of consecutive positions with one key."""
-    out: list[SettledRun] = []
-    for seq, outcome, trained, target, reason in rows:
-        last = out[-1] if out else None
-        if last is not None and last.end == seq and last.key == (outcome, trained, target, reason):
-            out[-1] = SettledRun(last.start, seq + 1, *last.key)
-        else:
-            out.append(SettledRun(seq, seq + 1, outcome, trained, target, reason))
+def _row_at(raw: sqlite3.Connection, seq: int) -> _Row | None:
+    r = raw.execute(_ROW_AT, (seq,)).fetchone()
+    return None if r is None else _Row(r[0], r[2], r[3], decode_row(r[0], r[1], r[4]), False)
+
+
+def _refuse(seq: int, code: int) -> IllegalTransition:
+    what = "trained" if code == TRAINED else "discarded"
+    return IllegalTransition(f"sampler positions {seq}..{seq}: already settled ({what}); a position settles once")
+
+
+def _paint(runs: list[tuple[int, int, int]], paints: Sequence[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """`runs` (contiguous, in order) with each (position, code) of `paints` (in order)
+    set: a position inside must be OPEN (else IllegalTransition: settled twice), one
+    past the end extends the runs, the gap OPEN."""
+    out: list[tuple[int, int, int]] = []
+    rest = list(reversed(runs))  # a stack, the next run on top
+    for seq, code in paints:
+        while rest and rest[-1][1] <= seq:
+            out.append(rest.pop())
+        if rest and rest[-1][0] <= seq:
+            a, b, old = rest.pop()
+            if old != OPEN:
+                raise _refuse(seq, old)
+            if a < seq:
+                out.append((a, seq, OPEN))
+            if seq + 1 < b:
+                rest.append((seq + 1, b, OPEN))
+        elif out and out[-1][1] < seq:
+            out.append((out[-1][1], seq, OPEN))
+        out.append((seq, seq + 1, code))
+    out += reversed(rest)
     return out
+
+
+def _write(raw: sqlite3.Connection, row: _Row) -> None:
+    others = encode_row(row.runs)
+    if row.new:
+        raw.execute("INSERT INTO settled_steps (seq_start, seq_end, trained_step, target_step, others) "
+                    "VALUES (?, ?, ?, ?, ?)", (row.start, row.end, row.trained_step, row.target_step, others))
+    else:
+        raw.execute("UPDATE settled_steps SET seq_end = ?, others = ? WHERE seq_start = ?", (row.end, others, row.start))
+
+
+def _add_trained(raw: sqlite3.Connection, step: int | None, target: int | None, seqs: list[int]) -> None:
+    """Positions `seqs` (in order) trained at `step`, stamped `target`."""
+    row = _row_at(raw, seqs[0])
+    if row is None or (row.trained_step, row.target_step) != (step, target) or step is None:
+        if row is not None:  # positions inside its span must be open there
+            _paint(row.runs, [(s, TRAINED) for s in seqs if s < row.end])
+        row = _Row(seqs[0], step, target, [], True)
+    row.runs = _paint(row.runs, [(s, TRAINED) for s in seqs])
+    _write(raw, row)
+
+
+def _add_discards(raw: sqlite3.Connection, discards: list[tuple[int, int]]) -> None:
+    """Discarded positions (in order, with their reason codes): each batch of positions
+    below the next row's start joins the row with the highest start at or below them
+    (past its end only while its blob stays within MAX_OTHERS), the rest a new row of
+    discards. One probe and one write per batch (40k discards in one commit: one row)."""
+    i = 0
+    while i < len(discards):
+        first = discards[i][0]
+        row = _row_at(raw, first)
+        nxt = raw.execute("SELECT min(seq_start) FROM settled_steps WHERE seq_start > ?", (first,)).fetchone()[0]
+        j = i
+        while j < len(discards) and (nxt is None or discards[j][0] < nxt):
+            j += 1
+        batch = discards[i:j]
+        i = j
+        if row is not None:
+            painted = _paint(row.runs, batch)
+            if batch[-1][0] < row.end or len(encode_row(painted) or b"") <= MAX_OTHERS:
+                row.runs = painted
+                _write(raw, row)
+                continue
+            inside = [d for d in batch if d[0] < row.end]
+            if inside:
+                row.runs = _paint(row.runs, inside)
+                _write(raw, row)
+            batch = batch[len(inside):]
+        _write(raw, _Row(batch[0][0], None, None, _paint([], batch), True))
+
+
+def _reason_codes(raw: sqlite3.Connection, reasons: set[str]) -> dict[str, int]:
+    """Each reason's code in `discard_reasons`, added (next code) if new."""
+    codes = {r: c for c, r in raw.execute("SELECT code, reason FROM discard_reasons")}
+    for reason in sorted(reasons - codes.keys()):
+        codes[reason] = max(codes.values(), default=0) + 1
+        raw.execute("INSERT INTO discard_reasons (code, reason) VALUES (?, ?)", (codes[reason], reason))
+    return codes
 
 
 def settle_groups(conn: Connection, group_ids: Sequence[int]) -> None:
     """Compact `group_ids`, just moved to trained or discarded in this transaction:
-    their positions join `settled_ranges` and their ledger and attempt rows go.
-    Raises IllegalTransition if a position is already recorded as settled (it would be
-    settled twice: invariant 1)."""
+    their positions join `settled_steps` and their ledger and attempt rows go.
+    Raises IllegalTransition if a position is already recorded as settled in the row
+    it would join (it would be settled twice: invariant 1)."""
     if not group_ids:
         return
     ids = {"ids": json_ids(group_ids)}
@@ -91,8 +252,18 @@ def settle_groups(conn: Connection, group_ids: Sequence[int]) -> None:
     _DELETE_ATTEMPTS.run(conn, ids)
     _DELETE_GROUPS.run(conn, ids)
     raw = _driver(conn)
-    for run in runs_of([r[:5] for r in rows]):
-        _add_run(raw, run)
+    trained: dict[tuple[int | None, int | None], list[int]] = {}
+    discarded: list[tuple[int, str]] = []
+    for seq, state, step, target, reason, *_ in rows:  # in position order
+        if state == "trained":
+            trained.setdefault((step, target), []).append(seq)
+        else:
+            discarded.append((seq, reason))
+    for (step, target), seqs in trained.items():
+        _add_trained(raw, step, target, seqs)
+    if discarded:
+        codes = _reason_codes(raw, {r for _, r in discarded})
+        _add_discards(raw, [(seq, codes[reason]) for seq, reason in discarded])
     mark_settled(raw, [(r[5], r[6]) for r in rows])
 
 
@@ -115,90 +286,3 @@ def mark_settled(raw: sqlite3.Connection, prompts: Sequence[tuple[int, int]]) ->
             bits[p >> 3] |= 1 << (p & 7)
         raw.execute("INSERT OR REPLACE INTO settled_prompts (epoch, bits, settles) VALUES (?, ?, ?)",
                     (epoch, bytes(bits), (row[1] if row else 0) + len(ids)))
-
-
-def is_set(bits: bytes, prompt_id: int) -> bool:
-    return 0 <= prompt_id and (prompt_id >> 3) < len(bits) and bool(bits[prompt_id >> 3] >> (prompt_id & 7) & 1)
-
-
-@dataclass
-class PromptAudit:
-    """Exactly-once over prompts, from `settled_prompts` and the live rows. `twice`: one
-    line per duplicated hand-out ('epoch E prompt P xN', or 'epoch E: K prompt(s) settled
-    twice' where the bitmap keeps no id); `duplicated`: the hand-outs beyond the first;
-    `unrecorded`: settled positions minus recorded settles (a settle that left no bit)."""
-
-    twice: list[str]
-    duplicated: int
-    unrecorded: int
-
-
-def audit_prompts(raw: sqlite3.Connection) -> PromptAudit:
-    """Every (epoch, prompt id) handed out at most once over the run: live rows (ledger
-    and spare pool) counted with the settled bit of their prompt, and each epoch's
-    settles against its set bits. Reads the live rows (what is in flight) and one
-    bitmap per epoch."""
-    has = lambda t: raw.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?", (t,)).fetchone()  # noqa: E731
-    bitmaps = {e: (bytes(b), n) for e, b, n in raw.execute("SELECT epoch, bits, settles FROM settled_prompts")} \
-        if has("settled_prompts") else {}
-    live = raw.execute("SELECT epoch, prompt_id, count(*) FROM (SELECT epoch, prompt_id FROM prompt_groups UNION ALL "
-                       "SELECT epoch, prompt_id FROM spare_prompts) GROUP BY epoch, prompt_id ORDER BY epoch, prompt_id")
-    twice: list[str] = []
-    duplicated = 0
-    for epoch, prompt_id, n in live:
-        n += is_set(bitmaps.get(epoch, (b"", 0))[0], prompt_id)
-        if n > 1:
-            duplicated += n - 1
-            twice.append(f"epoch {epoch} prompt {prompt_id} x{n}")
-    for epoch, (bits, settles) in sorted(bitmaps.items()):
-        extra = settles - sum(bin(b).count("1") for b in bits)
-        if extra > 0:  # fewer settles than bits: a bit without its settle, `unrecorded` says it
-            duplicated += extra
-            twice.append(f"epoch {epoch}: {extra} prompt(s) settled twice")
-    unrecorded = 0
-    if has("settled_ranges"):
-        positions = raw.execute("SELECT coalesce(sum(seq_end - seq_start), 0) FROM settled_ranges").fetchone()[0]
-        unrecorded = positions - sum(n for _, n in bitmaps.values())
-    return PromptAudit(twice, duplicated, unrecorded)
-
-
-def _add_run(raw: sqlite3.Connection, run: SettledRun) -> None:
-    """Insert one run, merged with the range that ends where it starts and the one that
-    starts where it ends when they have its key. Plain sqlite3 text on the driver
-    connection of the same transaction: three short statements on the primary key."""
-    before = raw.execute(
-        "SELECT seq_start, seq_end, outcome, trained_step, target_step, discard_reason FROM settled_ranges "
-        "WHERE seq_start < ? ORDER BY seq_start DESC LIMIT 1", (run.end,)).fetchone()
-    if before is not None and before[1] > run.start:
-        raise IllegalTransition(f"sampler positions {max(run.start, before[0])}..{min(run.end, before[1]) - 1}: "
-                                f"already settled ({before[2]}); a position settles once")
-    start, end = run.start, run.end
-    if before is not None and before[1] == run.start and tuple(before[2:]) == run.key:
-        start = before[0]
-        raw.execute("DELETE FROM settled_ranges WHERE seq_start = ?", (start,))
-    after = raw.execute(
-        "SELECT seq_end, outcome, trained_step, target_step, discard_reason FROM settled_ranges WHERE seq_start = ?",
-        (run.end,)).fetchone()
-    if after is not None and tuple(after[1:]) == run.key:
-        end = after[0]
-        raw.execute("DELETE FROM settled_ranges WHERE seq_start = ?", (run.end,))
-    raw.execute("INSERT INTO settled_ranges (seq_start, seq_end, outcome, trained_step, target_step, discard_reason) "
-                "VALUES (?, ?, ?, ?, ?, ?)", (start, end, *run.key))
-
-
-def settled_ranges(conn: Connection | sqlite3.Connection) -> list[SettledRun]:
-    """Every recorded range, by position (empty in a file older than v1_4_a)."""
-    raw = conn if isinstance(conn, sqlite3.Connection) else _driver(conn)
-    if not raw.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'settled_ranges'").fetchone():
-        return []
-    return [SettledRun(*r) for r in raw.execute(
-        "SELECT seq_start, seq_end, outcome, trained_step, target_step, discard_reason FROM settled_ranges "
-        "ORDER BY seq_start")]
-
-
-def settled_counts(conn: Connection | sqlite3.Connection) -> dict[str, int]:
-    """{'trained': n, 'discarded': n}: groups recorded in ranges."""
-    out = {"trained": 0, "discarded": 0}
-    for r in settled_ranges(conn):
-        out[r.outcome] = out.get(r.outcome, 0) + r.end - r.start
-    return out

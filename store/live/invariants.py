@@ -1,9 +1,9 @@
 """The four invariants of the architecture, checked over any store or snapshot file.
 
 1. Exactly once: every prompt the sampler handed out (every sampler position below the
-   cursor) is in exactly one of the ledger, the spare pool or a settled range (revision
-   v1_4_a: settled groups leave the ledger, `compaction.py`), never two, never missing;
-   settled ranges never overlap; no prompt of an epoch is settled twice or settled and
+   cursor) is in exactly one of the ledger, the spare pool or a settled record (revision
+   v1_4_a: settled groups leave the ledger, `compaction.py`; v1_5_a: one `settled_steps`
+   row per step), never two, never missing; no position is settled in two records; no prompt of an epoch is settled twice or settled and
    live at once (`settled_prompts` bitmaps); a live group is in one state and never twice (UNIQUE
    (epoch, prompt_id)).
 2. A group is in the replay buffer or in flight, never both: replay rows belong to
@@ -11,7 +11,7 @@
    no group in replay has a running attempt.
 3. Every payload row is referenced by a live ledger row (samples, chunks, episodes,
    finalizer results of groups that are neither trained nor discarded).
-4. The sampler cursor covers every saved group, spare prompt and settled range.
+4. The sampler cursor covers every saved group, spare prompt and settled position.
 
 Plain SQL over a sqlite3 connection, so `verify` can run it on a read-only file. With
 no-ledger dispatch the ledger is empty by design and 1, 3 and 4 only check the pool.
@@ -19,41 +19,14 @@ no-ledger dispatch the ledger is empty by design and 1, 3 and 4 only check the p
 
 from __future__ import annotations
 
+import bisect
 import sqlite3
 from dataclasses import dataclass, field
 
-from .compaction import audit_prompts
+from .queries import settled_runs
 
 # Each check: (invariant number, description, SQL returning offending rows as text).
 _LEDGER_CHECKS: list[tuple[int, str, str]] = [
-    (
-        1,
-        "sampler positions handed out but neither in the ledger nor in the spare pool",
-        """SELECT 'missing ' || (c.next_seq - h.n) || ' of ' || c.next_seq || ' positions'
-           FROM sampler_state c,
-                (SELECT (SELECT count(*) FROM (SELECT sample_seq FROM prompt_groups
-                                               UNION SELECT sample_seq FROM spare_prompts))
-                        + (SELECT coalesce(sum(seq_end - seq_start), 0) FROM settled_ranges) AS n) h
-           WHERE h.n < c.next_seq""",
-    ),
-    (
-        1,
-        "sampler positions both settled (settled_ranges) and in the ledger or the spare pool",
-        # The range holding a position is the one with the highest start at or below it
-        # (ranges are disjoint; the next check proves it): one primary-key probe each.
-        """SELECT 'position ' || h.sample_seq FROM (SELECT sample_seq FROM prompt_groups
-                                                   UNION ALL SELECT sample_seq FROM spare_prompts) h
-           WHERE (SELECT r.seq_end FROM settled_ranges r WHERE r.seq_start <= h.sample_seq
-                  ORDER BY r.seq_start DESC LIMIT 1) > h.sample_seq""",
-    ),
-    (
-        1,
-        "settled ranges that overlap (positions settled twice)",
-        """SELECT 'positions ' || b.seq_start || '..' || (min(a.seq_end, b.seq_end) - 1)
-           FROM settled_ranges a JOIN settled_ranges b
-             ON b.seq_start = (SELECT min(seq_start) FROM settled_ranges WHERE seq_start > a.seq_start)
-           WHERE a.seq_end > b.seq_start""",
-    ),
     (
         1,
         "prompts both in the ledger and in the spare pool",
@@ -109,12 +82,6 @@ _LEDGER_CHECKS: list[tuple[int, str, str]] = [
     ),
     (
         4,
-        "settled ranges beyond the sampler cursor",
-        """SELECT 'positions ' || seq_start || '..' || (seq_end - 1) FROM settled_ranges
-           WHERE seq_end > (SELECT next_seq FROM sampler_state)""",
-    ),
-    (
-        4,
         "ledger groups beyond the sampler cursor",
         """SELECT 'group ' || group_id || ' at sample_seq ' || sample_seq FROM prompt_groups
            WHERE sample_seq >= (SELECT next_seq FROM sampler_state)""",
@@ -142,7 +109,6 @@ _ALWAYS_CHECKS: list[tuple[int, str, str]] = [
 ]
 
 MAX_EXAMPLES = 5
-_NO_RANGES = "(SELECT 0 AS seq_start, 0 AS seq_end WHERE 0)"
 
 
 @dataclass
@@ -186,15 +152,11 @@ def check_invariants(conn: sqlite3.Connection) -> InvariantReport:
     ledger = bool(conn.execute("SELECT ledger_dispatch FROM run_meta").fetchone()[0])
     counts["cursor"] = conn.execute("SELECT next_seq FROM sampler_state").fetchone()[0]
     checks = (_LEDGER_CHECKS if ledger else []) + _ALWAYS_CHECKS
-    # A file older than v1_4_a (verify reads old snapshots as they are) has no settled
-    # ranges: its settled groups are still ledger rows, so the checks read an empty set.
-    compacted = conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'settled_ranges'").fetchone()
+    found = [(n, what, [r[0] for r in conn.execute(sql).fetchall()]) for n, what, sql in checks]
     if ledger:
         _check_prompts(conn, report)
-    for number, what, sql in checks:
-        if not compacted:
-            sql = sql.replace("settled_ranges", _NO_RANGES)
-        rows = [r[0] for r in conn.execute(sql).fetchall()]
+        found = _settled_checks(conn, counts["cursor"]) + found
+    for number, what, rows in found:
         if rows:
             label = f"invariant {number}" if number else "integrity"
             examples = ", ".join(rows[:MAX_EXAMPLES]) + (", ..." if len(rows) > MAX_EXAMPLES else "")
@@ -202,10 +164,45 @@ def check_invariants(conn: sqlite3.Connection) -> InvariantReport:
     return report
 
 
+def _settled_checks(conn: sqlite3.Connection, cursor: int) -> list[tuple[int, str, list[str]]]:
+    """Invariants 1 and 4 over the settled record (`queries.settled_runs`, the one
+    decoder of `settled_steps`; empty in a file older than v1_4_a, whose settled groups
+    are still ledger rows) and the live positions: every position below the cursor in
+    exactly one of a settled row, the ledger or the spare pool; none beyond the cursor.
+    Python over the decoded runs (one row per step) and the live positions (what is in
+    flight): a merge, no per-position SQL."""
+    runs = settled_runs(conn)
+    live = sorted({r[0] for r in conn.execute("SELECT sample_seq FROM prompt_groups UNION SELECT sample_seq FROM spare_prompts")})
+    settled = sum(r.end - r.start for r in runs)
+    missing = [f"missing {cursor - len(live) - settled} of {cursor} positions"] if len(live) + settled < cursor else []
+    both, twice, beyond = [], [], []
+    union: list[list[int]] = []  # the settled positions as disjoint spans, in order
+    for r in runs:  # sorted by start
+        if union and r.start < union[-1][1]:
+            twice.append(f"positions {r.start}..{min(r.end, union[-1][1]) - 1}")
+        if union and r.start <= union[-1][1]:
+            union[-1][1] = max(union[-1][1], r.end)
+        else:
+            union.append([r.start, r.end])
+        if r.end > cursor:
+            beyond.append(f"positions {r.start}..{r.end - 1}")
+    starts = [a for a, _ in union]
+    for seq in live:
+        i = bisect.bisect_right(starts, seq) - 1
+        if i >= 0 and seq < union[i][1]:
+            both.append(f"position {seq}")
+    return [
+        (1, "sampler positions handed out but neither in the ledger nor in the spare pool", missing),
+        (1, "sampler positions both settled (settled_steps) and in the ledger or the spare pool", both),
+        (1, "settled records that overlap (positions settled twice)", twice),
+        (4, "settled positions beyond the sampler cursor", beyond),
+    ]
+
+
 def _check_prompts(conn: sqlite3.Connection, report: InvariantReport) -> None:
     """Invariant 1 over prompts: no (epoch, prompt id) settled twice or settled and live at
     once, and every settled position left its prompt's bit (`settled_prompts`). Python
-    over the bitmaps, which SQL cannot test bit by bit (compaction.audit_prompts)."""
+    over the bitmaps, which SQL cannot test bit by bit (`audit_prompts`)."""
     audit = audit_prompts(conn)
     if audit.twice:
         examples = ", ".join(audit.twice[:MAX_EXAMPLES]) + (", ..." if len(audit.twice) > MAX_EXAMPLES else "")
@@ -214,3 +211,48 @@ def _check_prompts(conn: sqlite3.Connection, report: InvariantReport) -> None:
     if audit.unrecorded:
         report.add(1, f"invariant 1: settled positions and settled prompts (settled_prompts) differ by "
                       f"{audit.unrecorded}: a settle that left no prompt bit, or a bit without a position")
+
+
+def is_set(bits: bytes, prompt_id: int) -> bool:
+    return 0 <= prompt_id and (prompt_id >> 3) < len(bits) and bool(bits[prompt_id >> 3] >> (prompt_id & 7) & 1)
+
+
+@dataclass
+class PromptAudit:
+    """Exactly-once over prompts, from `settled_prompts` and the live rows. `twice`: one
+    line per duplicated hand-out ('epoch E prompt P xN', or 'epoch E: K prompt(s) settled
+    twice' where the bitmap keeps no id); `duplicated`: the hand-outs beyond the first;
+    `unrecorded`: settled positions minus recorded settles (a settle that left no bit)."""
+
+    twice: list[str]
+    duplicated: int
+    unrecorded: int
+
+
+def audit_prompts(raw: sqlite3.Connection) -> PromptAudit:
+    """Every (epoch, prompt id) handed out at most once over the run: live rows (ledger
+    and spare pool) counted with the settled bit of their prompt, and each epoch's
+    settles against its set bits. Reads the live rows (what is in flight) and one
+    bitmap per epoch."""
+    has = lambda t: raw.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?", (t,)).fetchone()  # noqa: E731
+    bitmaps = {e: (bytes(b), n) for e, b, n in raw.execute("SELECT epoch, bits, settles FROM settled_prompts")} \
+        if has("settled_prompts") else {}
+    live = raw.execute("SELECT epoch, prompt_id, count(*) FROM (SELECT epoch, prompt_id FROM prompt_groups UNION ALL "
+                       "SELECT epoch, prompt_id FROM spare_prompts) GROUP BY epoch, prompt_id ORDER BY epoch, prompt_id")
+    twice: list[str] = []
+    duplicated = 0
+    for epoch, prompt_id, n in live:
+        n += is_set(bitmaps.get(epoch, (b"", 0))[0], prompt_id)
+        if n > 1:
+            duplicated += n - 1
+            twice.append(f"epoch {epoch} prompt {prompt_id} x{n}")
+    for epoch, (bits, settles) in sorted(bitmaps.items()):
+        extra = settles - sum(bin(b).count("1") for b in bits)
+        if extra > 0:  # fewer settles than bits: a bit without its settle, `unrecorded` says it
+            duplicated += extra
+            twice.append(f"epoch {epoch}: {extra} prompt(s) settled twice")
+    unrecorded = 0
+    if has("settled_steps") or has("settled_ranges"):
+        positions = sum(r.end - r.start for r in settled_runs(raw))
+        unrecorded = positions - sum(n for _, n in bitmaps.values())
+    return PromptAudit(twice, duplicated, unrecorded)

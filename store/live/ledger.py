@@ -453,7 +453,7 @@ def _drop_payloads(conn: Connection, group_ids: Sequence[int]) -> None:
 
 def mark_trained(conn: Connection, group_ids: Sequence[int], *, step: int) -> None:
     """published -> trained: releases the replay permits and drops the payloads; the
-    groups then leave the ledger for `settled_ranges` (compaction.py)."""
+    groups then leave the ledger for `settled_steps` (compaction.py)."""
     if not group_ids:
         return
     _move_groups(conn, group_ids, "trained", trained_step=step)
@@ -469,7 +469,7 @@ def release_replay(conn: Connection, group_ids: Sequence[int]) -> None:
 def discard_groups(conn: Connection, group_ids: Sequence[int], *, reason: str) -> None:
     """Any state before trained -> discarded(reason): running attempts are abandoned
     with reason `error`, payloads dropped and the replay permit released; the groups
-    then leave the ledger for `settled_ranges` (compaction.py)."""
+    then leave the ledger for `settled_steps` (compaction.py)."""
     if not group_ids:
         return
     if not reason:

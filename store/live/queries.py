@@ -12,12 +12,14 @@ from __future__ import annotations
 import json
 import sqlite3
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import Connection, func, select
 
-from ..sqlite.prepared import Prepared, in_json, json_ids
+from ..sqlite.prepared import Prepared, _driver, in_json, json_ids
 from . import codec
+from .compaction import OPEN, TRAINED, decode_row
 from .pools import episode_key
 from .schema import T
 
@@ -26,7 +28,7 @@ _replay = T["replay_groups"]
 _groups = T["prompt_groups"]
 _rollouts = T["rollouts"]
 _shortfall = T["step_shortfall"]
-_settled = T["settled_ranges"]
+_settled = T["settled_steps"]
 
 # The reads a group-commit batch makes, compiled once (`Prepared`, see ledger.py).
 _REPLAY_ROOM = Prepared(
@@ -44,13 +46,16 @@ _VERSION_TOKEN_COUNTS = Prepared(
 
 def highest_stamped_step(conn: Connection) -> int | None:
     """The highest train step any prompt was stamped for (shortfall, ledger, settled
-    ranges or replay): a resumed rollout pump continues after it. None in a store that
+    steps or replay): a resumed rollout pump continues after it. None in a store that
     stamped nothing."""
     tops = [
         conn.execute(select(func.max(_shortfall.c.step))).scalar(),
         conn.execute(select(func.max(_replay.c.target_step))).scalar(),
         conn.execute(select(func.max(_groups.c.target_step))).scalar(),
-        conn.execute(select(func.max(_settled.c.target_step))).scalar(),  # settled groups (compaction.py)
+        # Settled groups (compaction.py): the stamped step of the trained ones. A discarded
+        # group's stamp is not kept, and need not be: its step's refill carries the same
+        # stamp (a live row) or the step's shortfall row does until one is reserved.
+        conn.execute(select(func.max(_settled.c.target_step))).scalar(),
     ]
     found = [t for t in tops if t is not None]
     return max(found) if found else None
@@ -228,3 +233,58 @@ def abandoned_by_restart(conn: Connection, since: float) -> list[Any]:
             (since,),
         ).all()
     )
+
+
+# --------------------------------------------------------------------------- settled record
+
+
+@dataclass(frozen=True)
+class SettledRun:
+    """Positions [start, end) that settled the same way: `outcome` 'trained' (at
+    `trained_step`, stamped for `target_step`) or 'discarded' (for `discard_reason`)."""
+
+    start: int
+    end: int
+    outcome: str
+    trained_step: int | None
+    target_step: int | None
+    discard_reason: str | None
+
+
+def _table(raw: sqlite3.Connection, name: str) -> bool:
+    return raw.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?", (name,)).fetchone() is not None
+
+
+def settled_runs(conn: Connection | sqlite3.Connection) -> list[SettledRun]:
+    """Every settled position, as runs sorted by start (a position settled in two rows
+    appears in two overlapping runs: `verify` counts it duplicated). Reads `settled_steps`
+    (v1_5_a on), a v1_4_a file's `settled_ranges` as they are, and nothing in an older
+    file (its settled groups are still ledger rows). Every reader of the settled record
+    (invariants, audit_ledger, restore, inspect, the tests' and the crash harness's
+    twin comparison) goes through here; the blob's decoder is compaction.decode_row,
+    beside the writer. Python over every row: one row per step, ~3000 rows decode in a
+    few ms."""
+    raw = conn if isinstance(conn, sqlite3.Connection) else _driver(conn)
+    out: list[SettledRun] = []
+    if _table(raw, "settled_steps"):
+        reasons = dict(raw.execute("SELECT code, reason FROM discard_reasons").fetchall())
+        for start, end, trained, target, others in raw.execute(
+                "SELECT seq_start, seq_end, trained_step, target_step, others FROM settled_steps"):
+            for a, b, code in decode_row(start, end, others):
+                if code == TRAINED:
+                    out.append(SettledRun(a, b, "trained", trained, target, None))
+                elif code != OPEN:
+                    out.append(SettledRun(a, b, "discarded", None, None, reasons.get(code, f"unknown code {code}")))
+    elif _table(raw, "settled_ranges"):
+        out = [SettledRun(*r) for r in raw.execute(
+            "SELECT seq_start, seq_end, outcome, trained_step, target_step, discard_reason FROM settled_ranges")]
+    out.sort(key=lambda r: (r.start, r.end))
+    return out
+
+
+def settled_counts(conn: Connection | sqlite3.Connection) -> dict[str, int]:
+    """{'trained': n, 'discarded': n}: groups in the settled record (`settled_runs`)."""
+    out = {"trained": 0, "discarded": 0}
+    for r in settled_runs(conn):
+        out[r.outcome] = out.get(r.outcome, 0) + r.end - r.start
+    return out

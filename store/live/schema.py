@@ -272,34 +272,53 @@ class EnvEpisode(Base):
     version_token_counts: Mapped[str | None] = mapped_column(Text)
 
 
-class SettledRange(Base):
-    """The compacted record of settled groups (revision v1_4_a): a trained or discarded
-    group leaves `prompt_groups` (and its attempts leave `rollouts`) in the commit that
-    settles it, and its sampler position joins a range here. One row is a run of
-    consecutive positions [seq_start, seq_end) that settled the same way: same outcome,
-    trained step, stamped step and discard reason. Adjacent runs of the same key are
-    merged, so the table grows with the number of steps at worst (one trained run per
-    step, split by the discards between its positions) and not with the groups trained.
+class SettledStep(Base):
+    """The compacted record of settled groups (revision v1_5_a; v1_4_a kept run-length
+    `settled_ranges`): a trained or discarded group leaves `prompt_groups` (and its
+    attempts leave `rollouts`) in the commit that settles it, and its sampler position
+    joins a row here (store/live/compaction.py). One row per settling record, about one
+    per train step: positions [seq_start, seq_end) are trained at `trained_step`
+    (stamped for `target_step`), except those `others` lists: discarded (with a reason
+    code of `discard_reasons`) or not settled in this row (trained at another step,
+    still live, or discarded in another row). A zero-variance discard among a step's
+    positions is an entry of the blob, not a split of the row, so the table grows by
+    one row per step, not three (BENCHMARKS.md, "A bounded live store").
+
+    `others`: entries of three unsigned LEB128 varints (gap, length, code), in position
+    order: `gap` positions after the previous entry's end (or after `seq_start`), a run
+    of `length` positions, `code` 0 = not settled in this row, k >= 1 = discarded for
+    `discard_reasons.code` k. NULL: every position trained here. A row of discards only
+    has `trained_step` NULL and lists every position of its span. `seq_start` is always
+    a position settled in its row. Spans may overlap (a position open in one row is
+    settled in another); `queries.settled_runs` is the one reader that decodes them.
 
     Exactly-once over the whole run reads this table plus the live rows: every sampler
-    position below the cursor is in exactly one of a range, a ledger row or the spare
-    pool (invariant 1, `invariants.py`; `restore.choice.audit_ledger`). Positions
-    alone do not prove prompts once (a sampler could hand a settled prompt out again at a
-    new position): `settled_prompts` keeps each epoch's settled prompt ids for that, and
-    the ledger's UNIQUE (epoch, prompt_id) still guards live rows."""
+    position below the cursor is settled in exactly one row or is a ledger row or a
+    spare prompt (invariant 1, `invariants.py`; `restore.choice.audit_ledger`). Positions
+    alone do not prove prompts once: `settled_prompts` keeps each epoch's settled prompt
+    ids for that, and the ledger's UNIQUE (epoch, prompt_id) still guards live rows."""
 
-    __tablename__ = "settled_ranges"
-    __table_args__ = (
-        CheckConstraint("seq_end > seq_start", name="nonempty"),
-        CheckConstraint(_in("outcome", ("trained", "discarded")), name="outcome"),
-    )
+    __tablename__ = "settled_steps"
+    __table_args__ = (CheckConstraint("seq_end > seq_start", name="nonempty"),)
 
     seq_start: Mapped[int] = mapped_column(Integer, primary_key=True)
     seq_end: Mapped[int] = mapped_column(Integer)  # one past the last position
-    outcome: Mapped[str] = mapped_column(String(16))
     trained_step: Mapped[int | None] = mapped_column(Integer)
     target_step: Mapped[int | None] = mapped_column(Integer)
-    discard_reason: Mapped[str | None] = mapped_column(String(64))
+    others: Mapped[bytes | None] = mapped_column(LargeBinary)
+
+
+class DiscardReason(Base):
+    """The discard reasons `settled_steps.others` names by code (revision v1_5_a): a few
+    rows per run ('zero_reward_variance', 'resume_check', ...), so a discard costs a
+    one-byte code in its step's row instead of the reason's text. No UNIQUE index on
+    `reason` (it would cost a page for a table of a few rows): the writer looks the
+    reason up before adding it, in the settling transaction."""
+
+    __tablename__ = "discard_reasons"
+
+    code: Mapped[int] = mapped_column(Integer, primary_key=True)
+    reason: Mapped[str] = mapped_column(String(64))
 
 
 class SettledPrompts(Base):

@@ -12,7 +12,8 @@ decision: `live_store_work` says whether the live store holds anything to lose.
 `audit_ledger` checks exactly-once over every stop a run's live store has been through
 (the controller's run audit, `verify RUN_DIR`, calls it). The live store accounts for
 every position the sampler ever handed out: in flight as ledger rows, settled (trained,
-discarded) as run-length `settled_ranges` (live/compaction.py); a restore rolls back
+discarded) as `settled_steps` rows, about one per step (live/compaction.py; read through
+`queries.settled_runs`); a restore rolls back
 only what came after the snapshot's cut, records included, and the rolled-back work is
 redone under the same rows, so one read of it sees the whole chain.
 """
@@ -37,9 +38,9 @@ from ..errors import (
     SnapshotInconsistent,
     TrainerCheckpointOnly,
 )
-from ..live.invariants import check_invariants
+from ..live.invariants import audit_prompts, check_invariants
 from ..checkpoints.layout import COMPLETE, SNAPSHOTS_DIR, Entry, scan
-from ..live.compaction import SettledRun, audit_prompts, settled_counts, settled_ranges
+from ..live.queries import SettledRun, settled_counts, settled_runs
 from ..live.ledger import ALGORITHM_DISCARD_REASONS
 from ..checkpoints.manifest import KIND_SNAPSHOT, KIND_TRAINER, ManifestError, read_manifest
 from .apply import RestorePlan, restore_snapshot
@@ -265,7 +266,7 @@ def audit_ledger(store_path: str | Path, *, groups_per_step: int,
                            "so exactly-once cannot be checked; only the invariants were")
             return v
         states = dict(q("SELECT state, count(*) FROM prompt_groups GROUP BY state"))
-        runs = settled_ranges(conn)
+        runs = settled_runs(conn)
         settled = {"trained": 0, "discarded": 0}
         for r in runs:
             settled[r.outcome] = settled.get(r.outcome, 0) + r.end - r.start

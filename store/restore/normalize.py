@@ -12,7 +12,7 @@ from pathlib import Path
 from sqlalchemy import Connection, delete, func, literal_column, select
 
 from ..errors import ReplayFullError, SnapshotInconsistent
-from ..live import ledger, pools
+from ..live import ledger, pools, queries
 from ..live.schema import T
 from .plan import RestoredGroup
 
@@ -21,7 +21,7 @@ from .plan import RestoredGroup
 
 groups_t, rollouts_t, samples_t = T["prompt_groups"], T["rollouts"], T["samples"]
 finalizers_t, chunks_t, episodes_t = T["finalizer_results"], T["token_chunks"], T["env_episodes"]
-replay_t, ranges_t = T["replay_groups"], T["settled_ranges"]
+replay_t = T["replay_groups"]
 
 
 def _clear_unreferenced(tx: Connection) -> int:
@@ -57,10 +57,8 @@ def normalize_ledger(tx: Connection, source: Path, step: int, counts: dict[str, 
     """Phase 6, inside one transaction on the copy."""
     beyond = tx.execute(
         select(func.count()).where(groups_t.c.state == "trained", groups_t.c.trained_step > step)
-    ).scalar_one() + tx.execute(  # and the settled ones (live/compaction.py)
-        select(func.coalesce(func.sum(ranges_t.c.seq_end - ranges_t.c.seq_start), 0))
-        .where(ranges_t.c.outcome == "trained", ranges_t.c.trained_step > step)
-    ).scalar_one()
+    ).scalar_one() + sum(  # and the settled ones (live/compaction.py)
+        r.end - r.start for r in queries.settled_runs(tx) if r.outcome == "trained" and (r.trained_step or 0) > step)
     if beyond:
         raise SnapshotInconsistent(f"{source}: {beyond} group(s) trained after step {step}, the snapshot's anchor; "
                                    "the snapshot does not match its trainer checkpoint; restore another snapshot", 1)
