@@ -8,6 +8,10 @@ An attempt, in order:
    (`skipped_unchanged`), unless forced;
 2. resolve the anchor: `bootstrap` before the first step, else `step_<N>`; skip unless
    that trainer checkpoint is durable (`skipped_not_durable`);
+2b. seal the payload of finished samples that is still inline in the store into one new
+   immutable payload segment (store/checkpoints/segments.py: written and made durable,
+   then one transaction points the samples at it), so the cut copies references and
+   not payload: a snapshot writes the payload that finished since the last one, once;
 3. the environment phase (retire, prepare, commit, drain, export), for backends that
    hold rollout state (controller/agent_server/client.py); a server that fails it fails
    the attempt, never the run; abort if an optimizer commit starts meanwhile
@@ -56,7 +60,19 @@ from rolloutdb.controller.env_checkpoint import EnvironmentCheckpoint
 from rolloutdb.controller.runtime import RolloutParts
 from rolloutdb.controller.tracing import RolloutTrace
 from rolloutdb.gpu_capture.protocol import PrefixCapture
-from rolloutdb.store import CallPrefix, EpisodeProgress, Publisher, PublishError, anchor_name, faults, pools, queries, scan
+from rolloutdb.store import (
+    CallPrefix,
+    EpisodeProgress,
+    Publisher,
+    PublishError,
+    anchor_name,
+    faults,
+    pools,
+    queries,
+    scan,
+    seal_inline_payload,
+    segments_dir_of,
+)
 
 log = logging.getLogger("rolloutdb.controller")
 
@@ -156,6 +172,10 @@ class SnapshotPump:
         self.interval_s = interval_s
         self.config_text = config_text
         self.env = env_checkpoint  # build.build_env_checkpoint: the environment phase of step 3
+        # Payload segments (step 2b): the store reads them from the checkpoint directory,
+        # and retention keeps every segment the live store still references.
+        parts.store.segments_dir = segments_dir_of(publisher.root)
+        publisher.live_references = parts.store.segment_references
         self._wake = threading.Event()
         self._force = False
         self._waiters: list[_CutWaiter] = []
@@ -338,6 +358,18 @@ class SnapshotPump:
         if pending is not None and (not force or any(h.stage.pending is pending for h in self._held)):
             return AttemptResult("skipped_not_durable", anchor)
         timings = {"lock_and_anchor": time.perf_counter() - t0}
+
+        # 2b. Seal the payload still inline into one new segment, before the environment
+        # phase (dispatch stays open while it is written) and before the cut: the cut then
+        # copies references, not payload, and this snapshot writes its new payload once.
+        t_seal = time.perf_counter()
+        try:
+            sealed = seal_inline_payload(self.p.store, self.publisher.root)
+        except Exception as e:  # noqa: BLE001 - a full disk fails this attempt, not the run; the payload stays inline
+            return AttemptResult("failed", anchor, timings=timings, error=f"sealing payload: {type(e).__name__}: {e}")
+        if sealed is not None:
+            timings.update(sealed.timings)
+            timings["seal"] = time.perf_counter() - t_seal
 
         t_env = time.perf_counter()
         try:

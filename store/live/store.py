@@ -26,7 +26,7 @@ from pathlib import Path
 
 from sqlalchemy import Connection, delete, func, insert, select, update
 
-from . import ledger, pools
+from . import ledger, payload, pools
 from .capture import Capture, capture_snapshot
 from ..sqlite.database import BUSY_TIMEOUT_MS, Database
 from ..errors import NotAStoreError
@@ -73,6 +73,10 @@ class Store:
         self.db = db
         self.path = db.path
         self.tx_time = TransactionClock()
+        # Where the payload segments its samples reference are (CHECKPOINT_DIR/
+        # payload_segments, `payload.segments_dir_of`): set by whoever knows the
+        # checkpoint directory (the snapshot pump); read by `samples_of`.
+        self.segments_dir: Path | None = None
 
     # ------------------------------------------------------------ lifecycle
 
@@ -254,6 +258,17 @@ class Store:
     def capture(self, dst: str | Path, *, at_cut=None, into_copy=None) -> Capture:
         """A consistent copy of the store at one read cut (see `capture.py`)."""
         return capture_snapshot(self.path, dst, at_cut=at_cut, into_copy=into_copy)
+
+    def samples_of(self, group_ids: Sequence[int]) -> list[tuple]:
+        """The samples of `group_ids` with their payload, inline or from its segment, in
+        one read transaction (`payload.read_samples`: the one reader of payload)."""
+        with self.read() as conn:
+            return payload.read_samples(conn, group_ids, self.segments_dir)
+
+    def segment_references(self) -> set[str]:
+        """The file names of the payload segments this store's samples reference."""
+        with self.read() as conn:
+            return {r.file_name for r in payload.referenced_segments(conn)}
 
     def check_invariants(self) -> InvariantReport:
         with contextlib.closing(sqlite3.connect(self.path)) as conn:

@@ -11,7 +11,8 @@ import sqlite3
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..checkpoints.layout import SNAPSHOT_DB
+from ..checkpoints.layout import SNAPSHOT_DB, SNAPSHOTS_DIR
+from ..checkpoints.segments import unlisted_references, verify_segments
 from ..checkpoints.manifest import (
     KIND_SNAPSHOT,
     Manifest,
@@ -136,10 +137,36 @@ def verify_and_copy(snapshot_dir: Path, manifest: Manifest, copy: Path) -> None:
     if SNAPSHOT_DB not in listed:
         raise SnapshotDamaged(f"{snapshot_dir}: its manifest lists no {SNAPSHOT_DB}; not a rollout snapshot",
                               snapshot_dir / SNAPSHOT_DB)
+    verify_listed_segments(snapshot_dir, manifest, copy)
     for name in describe_files_names(snapshot_dir):
         if name not in listed:
             raise SnapshotDamaged(f"{snapshot_dir / name}: not listed in the manifest (added after publication?); "
                                   "restore another snapshot", snapshot_dir / name)
+
+
+def verify_listed_segments(snapshot_dir: Path, manifest: Manifest, copy: Path) -> None:
+    """Item 4 of W2-G: the payload stays where it was published. Each segment the
+    manifest lists is read and hashed (not copied); the restored store references the
+    same files in CHECKPOINT_DIR/payload_segments/. Every segment the copy references
+    must be listed. An older snapshot lists none: its payload is inline in the copy."""
+    where = str(snapshot_dir / "manifest.json")
+    try:
+        unlisted = unlisted_references(copy, manifest.segments)
+    except (NotAStoreError, sqlite3.DatabaseError) as e:
+        raise SnapshotDamaged(f"{snapshot_dir / SNAPSHOT_DB}: unreadable payload references ({e}); "
+                              "restore another snapshot", snapshot_dir / SNAPSHOT_DB) from None
+    if unlisted:
+        raise SnapshotDamaged(f"{snapshot_dir / SNAPSHOT_DB}: references payload segment {unlisted[0]}, which its "
+                              "manifest does not list; restore another snapshot", snapshot_dir / SNAPSHOT_DB)
+    if not manifest.segments:
+        return
+    if snapshot_dir.parent.name != SNAPSHOTS_DIR:
+        raise SnapshotDamaged(f"{where}: lists payload segments, which are found only where the snapshot was "
+                              "published (CHECKPOINT_DIR/<anchor>/rollout_snapshots/); restore it from there",
+                              snapshot_dir)
+    problems = verify_segments(snapshot_dir.parents[2], manifest.segments, manifest.hashing, where)
+    if problems:
+        raise SnapshotDamaged(f"{problems[0]}; restore another snapshot", snapshot_dir)
 
 
 def check_integrity(copy: Path, source: Path, rows: list[str] | None = None) -> None:
