@@ -44,6 +44,15 @@ KEEP_SNAPSHOT_ATTEMPTS = 64
 _BUMP = Prepared(update(T["run_meta"]).values(mutation_counter=T["run_meta"].c.mutation_counter + 1))
 
 
+def _incremental_vacuum_mode(path: str | Path) -> None:
+    """Make a new store file ``auto_vacuum = INCREMENTAL`` (a VACUUM of the new, empty
+    file: ~ms), so that the payload a snapshot seals leaves the file (`reclaim_free_pages`).
+    Costs a pointer-map update per page the store allocates."""
+    with contextlib.closing(sqlite3.connect(path, isolation_level=None)) as conn:
+        conn.execute("PRAGMA auto_vacuum = INCREMENTAL")
+        conn.execute("VACUUM")
+
+
 class TransactionClock:
     """Per-thread count, wall seconds and CPU seconds of store transactions; optionally
     every latency (for benchmarks). Cheap: a dict update per transaction. Wall time
@@ -100,6 +109,7 @@ class Store:
         single-row tables. `busy_timeout_ms`: how long a transaction waits for another
         process's write lock before raising `StoreBusyError`."""
         create_store_file(path)
+        _incremental_vacuum_mode(path)
         store = cls(Database(path, synchronous=synchronous, busy_timeout_ms=busy_timeout_ms))
         with store.db.atomic() as tx:
             tx.execute(
@@ -269,6 +279,26 @@ class Store:
         """The file names of the payload segments this store's samples reference."""
         with self.read() as conn:
             return {r.file_name for r in payload.referenced_segments(conn)}
+
+    def reclaim_free_pages(self) -> int:
+        """Give the file's free pages back (``PRAGMA incremental_vacuum``) in a store
+        created with ``auto_vacuum = INCREMENTAL`` (every store `create` makes); returns
+        the pages freed, 0 in a store without it (an upgraded file: the capture's own
+        VACUUM of the copy keeps its snapshots small, capture.py). Called after payload
+        is sealed into a segment: the backup API copies free pages too, so without this
+        every snapshot would copy the sealed payload's old pages again. Its own
+        connection and write transaction (``executescript`` steps the pragma to the end;
+        sqlite3's ``execute`` frees one page per step). Cost: moving the in-use pages
+        that sit after the first free page; sealing frees the interval's payload, which
+        was appended last, so few move (measured in bench/bench_snapshot_segments.py)."""
+        with contextlib.closing(sqlite3.connect(self.path, isolation_level=None)) as conn:
+            conn.execute(f"PRAGMA busy_timeout = {self.db.busy_timeout_ms}")
+            if conn.execute("PRAGMA auto_vacuum").fetchone()[0] != 2:
+                return 0
+            (free,) = conn.execute("PRAGMA freelist_count").fetchone()
+            if free:
+                conn.executescript("PRAGMA incremental_vacuum")
+            return free
 
     def check_invariants(self) -> InvariantReport:
         with contextlib.closing(sqlite3.connect(self.path)) as conn:
