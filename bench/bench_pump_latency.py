@@ -52,7 +52,7 @@ from rollout_payload import Layout, populate  # noqa: E402
 from rolloutdb.config import load_config  # noqa: E402
 from rolloutdb.controller.controller import Controller  # noqa: E402
 from rolloutdb.controller.sampler import PromptOrder  # noqa: E402
-from rolloutdb.store import Store
+from rolloutdb.store import Store, seal_inline_payload, segments_dir_of
 from rolloutdb.store.live.store import TransactionClock
 
 REPO = Path(__file__).resolve().parent.parent
@@ -123,6 +123,7 @@ class BenchController(Controller):
     template: Path
     layout: Layout
     built: dict = {}
+    setup_s = 0.0  # sealing the template's payload, subtracted from the phase's wall time
 
     def create_store(self) -> Store:
         cfg = self.config
@@ -141,6 +142,17 @@ class BenchController(Controller):
             BenchController.built["build_s"] = time.perf_counter() - t0
         shutil.copyfile(self.template, self.dirs.store)
         store = MeasuredStore.open(self.dirs.store)
+        BenchController.setup_s = 0.0
+        if cfg.rollout_checkpointing.enabled:
+            # Set-up, not measured: in a run the payload in flight was sealed a snapshot
+            # interval at a time as it finished (W2-G payload segments); the template's
+            # payload was written in one go, so it is sealed here once, before the pumps
+            # start (else the run's first snapshot would seal 1 GiB on the main thread).
+            t0 = time.perf_counter()
+            store.segments_dir = segments_dir_of(self.publisher.root)
+            with self.publisher.lock:
+                seal_inline_payload(store, self.publisher.root)
+            BenchController.setup_s = time.perf_counter() - t0
         finish = self.publisher._finish_snapshot
 
         def timed_finish(*a, **k):
@@ -204,7 +216,7 @@ def run_phase(name: str, args, work: Path) -> dict:
     try:
         summary = controller.run()
     finally:
-        wall = time.perf_counter() - t0
+        wall = time.perf_counter() - t0 - BenchController.setup_s
     snaps = controller.snapshotter.results if controller.snapshotter else []
     published = [r for r in snaps if r.outcome == "published"]
     outcomes: dict[str, int] = {}

@@ -11,7 +11,9 @@ An attempt, in order:
 2b. seal the payload of finished samples that is still inline in the store into one new
    immutable payload segment (store/checkpoints/segments.py: written and made durable,
    then one transaction points the samples at it), so the cut copies references and
-   not payload: a snapshot writes the payload that finished since the last one, once;
+   not payload: a snapshot writes the payload that finished since the last one, once.
+   Skipped while the train pump waits for this cut (that cut copies what finished since
+   the last seal inline); the pump also seals between attempts (`seal_payload`);
 3. the environment phase (retire, prepare, commit, drain, export), for backends that
    hold rollout state (controller/agent_server/client.py); a server that fails it fails
    the attempt, never the run; abort if an optimizer commit starts meanwhile
@@ -216,8 +218,20 @@ class SnapshotPump:
                 force, self._force = self._force, False
                 self.attempt(force=force)
                 self.publish_held()
+                self.seal_payload()
         except BaseException as e:  # noqa: BLE001 - handed to the controller
             rt.fail(e)
+
+    def seal_payload(self) -> None:
+        """Seal what finished since the last seal, between attempts (outside every cut,
+        under the save lock), so the next attempt, even one the train pump waits for,
+        finds little payload inline. A failure is logged; the next attempt seals again."""
+        try:
+            with self.publisher.lock:
+                seal_inline_payload(self.p.store, self.publisher.root)
+        except Exception as e:  # noqa: BLE001 - the payload stays inline and is sealed later
+            log.warning("rolloutdb: sealing payload between snapshots failed (%s: %s); the next snapshot retries",
+                        type(e).__name__, e)
 
     def wake(self, *, force: bool = False) -> None:
         """Take an attempt now."""
@@ -362,14 +376,20 @@ class SnapshotPump:
         # 2b. Seal the payload still inline into one new segment, before the environment
         # phase (dispatch stays open while it is written) and before the cut: the cut then
         # copies references, not payload, and this snapshot writes its new payload once.
-        t_seal = time.perf_counter()
-        try:
-            sealed = seal_inline_payload(self.p.store, self.publisher.root)
-        except Exception as e:  # noqa: BLE001 - a full disk fails this attempt, not the run; the payload stays inline
-            return AttemptResult("failed", anchor, timings=timings, error=f"sealing payload: {type(e).__name__}: {e}")
-        if sealed is not None:
-            timings.update(sealed.timings)
-            timings["seal"] = time.perf_counter() - t_seal
+        # Not while the train pump waits for this cut (`anchor_new_checkpoint`): the cut
+        # then copies what finished since the last seal inline (written again when it is
+        # sealed, after the attempt: `seal_payload`), so training never waits for a seal.
+        with self._waiters_lock:
+            waited_for = bool(self._waiters)
+        if not waited_for:
+            t_seal = time.perf_counter()
+            try:
+                sealed = seal_inline_payload(self.p.store, self.publisher.root)
+            except Exception as e:  # noqa: BLE001 - a full disk fails this attempt, not the run; the payload stays inline
+                return AttemptResult("failed", anchor, timings=timings, error=f"sealing payload: {type(e).__name__}: {e}")
+            if sealed is not None:
+                timings.update(sealed.timings)
+                timings["seal"] = time.perf_counter() - t_seal
 
         t_env = time.perf_counter()
         try:

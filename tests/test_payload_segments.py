@@ -408,3 +408,71 @@ def test_an_upgraded_store_keeps_its_payload_inline_until_its_next_snapshot_seal
         assert read_payload(store, groups) == [tuple(r) for r in expected]
     conn = second_connection(live)
     assert conn.execute("SELECT count(token_ids), count(segment_id) FROM samples").fetchone() == (0, len(expected))
+
+
+# --------------------------------------------------------------------------- the snapshot pump
+
+
+@pytest.fixture
+def pump(tmp_path):
+    """A snapshot pump on real parts (a store with one finished sample, a publisher with
+    bootstrap published); its thread is started by the test when it wants the loop."""
+    import threading
+
+    from rolloutdb.controller.env_checkpoint import NoEnvironmentCheckpoint
+    from rolloutdb.controller.runtime import Progress, RolloutParts, RuntimeState
+    from rolloutdb.controller.snapshot_pump import SnapshotPump
+
+    store = Store.create(tmp_path / "rollout_state.sqlite", replay_capacity=8)
+    (g,) = store.reserve([Reservation(0, 0, 0)], num_generations=1, target_step=1)
+    (a,) = store.dispatch([g], policy_version=0)
+    store.finish(a, FinishedGeneration(tokens_of(g, 0, 300), logprobs_of(g, 0, 300), 1.0, [(0, 300)]))
+    publisher = Publisher(tmp_path / "checkpoints", retention=Retention(KeepNewestSnapshots(100)))
+    publisher.publish_bootstrap(lambda d: (d / "weights.bin").write_bytes(b"w"))
+    runtime = RuntimeState()
+    parts = RolloutParts(config=None, store=store, order=None, bound=None, engine=None, env=None, trainer=None,
+                         dispatcher=None, runtime=runtime, read_progress=lambda: Progress(0, 0),
+                         log_event=lambda e: None)
+    snapshotter = SnapshotPump(parts, publisher, interval_s=60.0, config_text="a: 1\n",
+                               env_checkpoint=NoEnvironmentCheckpoint())
+    thread = threading.Thread(target=snapshotter.run, name="snapshot-pump", daemon=True)
+    yield snapshotter, store, g, thread
+    runtime.stop.set()
+    snapshotter.wake()
+    if thread.is_alive():
+        thread.join(20)
+    publisher.close()
+    store.close()
+
+
+def _snapshot_payload(tmp_path: Path, seq: int) -> tuple[int, int]:
+    db = tmp_path / "checkpoints" / "bootstrap" / "rollout_snapshots" / f"snapshot_{seq}" / "rollout_state.sqlite"
+    with contextlib.closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True)) as conn:
+        return conn.execute("SELECT count(token_ids), count(segment_id) FROM samples").fetchone()
+
+
+def test_the_snapshot_pump_seals_the_payload_before_its_cut_so_its_snapshot_holds_only_references(pump, tmp_path):
+    snapshotter, store, g, _thread = pump
+    result = snapshotter.attempt()
+    assert result.outcome == "published" and "seal" in result.timings
+    assert _snapshot_payload(tmp_path, result.sequence) == (0, 1)
+    manifest = json.loads((tmp_path / "checkpoints" / "bootstrap" / "rollout_snapshots" / f"snapshot_{result.sequence}"
+                           / "manifest.json").read_text())
+    assert [e["path"] for e in manifest["segments"]] == list(store.segment_references())
+    assert read_payload(store, [g]) == expected_rows([g], 300, gens=1)
+
+
+def test_a_cut_the_train_pump_waits_for_never_waits_for_a_seal_and_the_pump_seals_right_after(pump, tmp_path):
+    snapshotter, store, g, thread = pump
+    thread.start()
+    assert snapshotter.anchor_new_checkpoint(0, timeout=20) is True
+    deadline = time.monotonic() + 20
+    while not (snapshotter.results and store.segment_references()):  # sealed by the loop after the attempt
+        assert time.monotonic() < deadline, "the pump never sealed the payload after the attempt"
+        time.sleep(0.02)
+    # The waited-for cut copied the payload inline (it finished since the last seal).
+    first = snapshotter.results[0]
+    assert first.outcome == "published", first.error
+    assert "seal" not in first.timings
+    assert _snapshot_payload(tmp_path, first.sequence) == (1, 0)
+    assert read_payload(store, [g]) == expected_rows([g], 300, gens=1)

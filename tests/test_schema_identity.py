@@ -136,8 +136,9 @@ def test_an_old_schema_labelled_head_is_told_which_revision_it_matches(tmp_path)
     assert f"its schema is that of {OLDEST}" in result.stderr
     # The first two differences are named, the rest counted: v1_2_a's three episode
     # columns, v1_1_a's samples.version_token_counts, v1_3_a's token_chunks.logprobs and
-    # v1_4_a's settled_ranges and settled_prompts tables are missing.
-    assert ("column env_episodes.logprobs is missing; column env_episodes.token_ids is missing; and 5 more"
+    # v1_4_a's settled_ranges and settled_prompts tables, and v1_6_a's payload_segments
+    # table and samples' segment reference (its column, index and constraints) are missing.
+    assert ("column env_episodes.logprobs is missing; column env_episodes.token_ids is missing; and 10 more"
             in result.stderr)
 
 
