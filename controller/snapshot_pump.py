@@ -13,7 +13,7 @@ An attempt, in order:
    then one transaction points the samples at it), so the cut copies references and
    not payload: a snapshot writes the payload that finished since the last one, once.
    Skipped while the train pump waits for this cut (that cut copies what finished since
-   the last seal inline); the pump also seals between attempts (`seal_payload`);
+   the last seal inline); the pump then seals right after the attempt (`seal_payload`);
 3. the environment phase (retire, prepare, commit, drain, export), for backends that
    hold rollout state (controller/agent_server/client.py); a server that fails it fails
    the attempt, never the run; abort if an optimizer commit starts meanwhile
@@ -186,6 +186,7 @@ class SnapshotPump:
         self._pending: Any = None  # store.TrainerStage: an async checkpoint not yet published
         self._held: list[_Held] = []  # touched under the save lock only
         self._retired: set[str] = set()  # the keys this attempt's retire named
+        self._seal_owed = False  # an attempt skipped its seal: `seal_payload` seals after it
         # Prefix level: every cut saves the running calls' prefixes, and a snapshot whose
         # store did not change is still due when the engine decoded since the last one.
         engine = parts.engine
@@ -223,9 +224,14 @@ class SnapshotPump:
             rt.fail(e)
 
     def seal_payload(self) -> None:
-        """Seal what finished since the last seal, between attempts (outside every cut,
-        under the save lock), so the next attempt, even one the train pump waits for,
-        finds little payload inline. A failure is logged; the next attempt seals again."""
+        """After an attempt that skipped its seal (the train pump waited for its cut):
+        seal what finished since the last seal, outside every cut, under the save lock,
+        so that payload is not copied inline by one more snapshot. After an attempt that
+        sealed, nothing: one segment per snapshot interval, not two. A failure is logged;
+        the next attempt seals again."""
+        if not self._seal_owed:
+            return
+        self._seal_owed = False
         try:
             with self.publisher.lock:
                 seal_inline_payload(self.p.store, self.publisher.root)
@@ -381,6 +387,7 @@ class SnapshotPump:
         # sealed, after the attempt: `seal_payload`), so training never waits for a seal.
         with self._waiters_lock:
             waited_for = bool(self._waiters)
+        self._seal_owed = self._seal_owed or waited_for
         if not waited_for:
             t_seal = time.perf_counter()
             try:
