@@ -476,3 +476,38 @@ def test_a_cut_the_train_pump_waits_for_never_waits_for_a_seal_and_the_pump_seal
     assert "seal" not in first.timings
     assert _snapshot_payload(tmp_path, first.sequence) == (1, 0)
     assert read_payload(store, [g]) == expected_rows([g], 300, gens=1)
+
+
+def test_duckdb_reads_a_segment_in_place_with_the_same_payload_bytes(run, tmp_path):
+    from rolloutdb.store.trace.analysis import connect_duckdb
+
+    groups = run.finish_groups(2, tokens=64)
+    sealed, _ = run.snapshot()
+    before = sha(sealed.path)
+    con = connect_duckdb(tmp_path / "duck")
+    try:
+        rows = con.execute(f"SELECT sample_id, token_ids, logprobs FROM sqlite_scan('{sealed.path}', 'payload') "
+                           "ORDER BY sample_id").fetchall()
+    finally:
+        con.close()
+    assert [(bytes(t), bytes(lp)) for _sid, t, lp in rows] == [(t, lp) for _g, _i, t, lp in expected_rows(groups, 64)]
+    assert sha(sealed.path) == before
+
+
+def test_a_segment_only_a_snapshot_being_published_references_is_kept_until_it_is_published(tmp_path):
+    r = Run(tmp_path, keep=1)
+    try:
+        groups = r.finish_groups(2, tokens=30)
+        r.pub.publish_trainer_checkpoint(1, lambda d: (d / "weights.bin").write_bytes(b"w"))
+        with r.pub.lock:
+            sealed = seal_inline_payload(r.store, r.ckpt)
+            stage = r.pub.begin_snapshot("step_1")
+            capture = r.store.capture(stage.db_path)
+            r.store.mark_trained(groups, step=1)  # the live store references it no more
+            r.pub.publish_trainer_checkpoint(2, lambda d: (d / "weights.bin").write_bytes(b"w"))  # retention runs
+            assert sealed.path.is_file()
+            published = stage.publish(capture, "a: 1\n")
+        assert [e.path for e in published.manifest.segments] == [sealed.file_name]
+        assert verify_path(published.path).ok
+    finally:
+        r.close()

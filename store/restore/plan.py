@@ -139,11 +139,11 @@ def verify_and_copy(snapshot_dir: Path, manifest: Manifest, copy: Path) -> Segme
     if SNAPSHOT_DB not in listed:
         raise SnapshotDamaged(f"{snapshot_dir}: its manifest lists no {SNAPSHOT_DB}; not a rollout snapshot",
                               snapshot_dir / SNAPSHOT_DB)
-    return verify_listed_segments(snapshot_dir, manifest, copy)
     for name in describe_files_names(snapshot_dir):
         if name not in listed:
             raise SnapshotDamaged(f"{snapshot_dir / name}: not listed in the manifest (added after publication?); "
                                   "restore another snapshot", snapshot_dir / name)
+    return verify_listed_segments(snapshot_dir, manifest, copy)
 
 
 class SegmentCheck:
