@@ -15,12 +15,17 @@ save lock, in this order:
 2. write them into a new segment file through the one file commit (`fsio.write_file_atomic`:
    temporary name, fsync, rename, fsync the directory), hashing it (BLAKE3, the hash of
    manifest format 2) before the rename. A segment is never opened for writing again;
-3. one write transaction records it in ``payload_segments`` and points those samples at
-   it, dropping their inline BLOBs (`payload.point_at_segment`).
+3. write transactions record it in ``payload_segments`` and point those samples at it,
+   dropping their inline BLOBs (`payload.record_segment`, `payload.point_at_segment`),
+   a few MiB of payload per transaction (`POINT_STEP_BYTES`: the pumps wait for one
+   step at most);
+4. the pages the dropped BLOBs leave are given back (`Store.reclaim_free_pages`).
 
 So a reference is never committed before its segment is durable. A crash before 3
 leaves a segment no store file references (or a temporary file); the next save removes
-it (`remove_unreferenced`), and a restore never looks at it. The snapshot taken right
+it (`remove_unreferenced`), and a restore never looks at it. A crash during 3 leaves
+some samples pointed and the rest inline (each sample is one or the other: two CHECK
+constraints); the next seal writes the rest into a new segment. The snapshot taken right
 after captures a store file without that payload; its manifest lists the segments the
 file references with the checksum recorded at sealing (`referenced_entries`), so a
 snapshot costs its new payload once plus its metadata file, not the payload in flight.
@@ -55,6 +60,7 @@ from ..live.payload import (
     inline_payloads,
     next_segment_id,
     point_at_segment,
+    record_segment,
     referenced_segments,
     segment_file_name,
     segments_dir_of,
@@ -72,6 +78,24 @@ _NAME = re.compile(r"^segment_(\d+)\.sqlite$")
 # 16 KiB pages held one row per page (a row fits locally, two do not), 2.0x the payload;
 # 4 KiB pages 1.0x.
 PAGE_SIZE = 4096
+# Payload pointed at its segment per write transaction. Dropping the inline BLOBs frees
+# their overflow pages (~1 per 4 KiB); 10 MiB in one transaction held the write lock
+# 40-115 ms (bench/bench_snapshot_segments.py profile), so the pumps wait for one step
+# of this size at most.
+POINT_STEP_BYTES = 2 * 1024 * 1024
+
+
+def _steps(rows: list[tuple[int, bytes, bytes]], limit: int) -> list[list[int]]:
+    """Sample ids in runs of about `limit` bytes of payload (at least one sample each)."""
+    out: list[list[int]] = [[]]
+    size = 0
+    for sid, tok, lp in rows:
+        if out[-1] and size + len(tok) + len(lp) > limit:
+            out.append([])
+            size = 0
+        out[-1].append(sid)
+        size += len(tok) + len(lp)
+    return out
 
 
 @dataclass
@@ -148,8 +172,12 @@ def seal_inline_payload(store, checkpoint_dir: str | Path, *, hashing: Hashing =
     write_file_atomic(path, _build(rows, hashing, out), tag="seal")
     faults.point("segment.durable")
     t_written = time.perf_counter()
-    with store.atomic() as tx:
-        pointed = point_at_segment(tx, number, name, out["digest"], out["size"], [r[0] for r in rows])
+    pointed = 0
+    for k, step in enumerate(_steps(rows, POINT_STEP_BYTES)):
+        with store.atomic() as tx:
+            if k == 0:
+                record_segment(tx, number, name, out["digest"], out["size"], len(rows))
+            pointed += point_at_segment(tx, number, step)
     faults.point("segment.referenced")
     t_referenced = time.perf_counter()
     store.reclaim_free_pages()  # the sealed payload's pages leave the live file (and every later copy of it)

@@ -4,8 +4,9 @@ live store's side of sealing (revision v1_6_a).
 A finished sample's token ids and logprobs never change. Until a snapshot seals them
 they are inline in ``samples``; the snapshot pump then writes them once into a segment
 file (``CHECKPOINT_DIR/payload_segments/segment_<n>.sqlite``, written and made durable by
-`store/checkpoints/segments.py`) and, in one transaction (`point_at_segment`), records
-the segment in ``payload_segments`` and points the samples at it, dropping their inline
+`store/checkpoints/segments.py`) and then, in write transactions, records the segment in
+``payload_segments`` (`record_segment`) and points the samples at it (`point_at_segment`,
+a few MiB of payload per transaction), dropping their inline
 BLOBs. From then on no snapshot copies that payload again: each snapshot's store file
 holds the references and its manifest lists the segments with their checksums.
 
@@ -176,25 +177,31 @@ def inline_payloads(conn: Connection, limit_bytes: int | None = None) -> list[tu
     return out
 
 
-def point_at_segment(tx: Connection, segment_id: int, file_name: str, blake3: str, size: int,
-                     sample_ids: Sequence[int]) -> int:
-    """In the caller's write transaction: record the durable segment and point the
-    samples of `sample_ids` that still hold their payload inline at it (a sample
-    trained and deleted since the segment was written is simply not there), dropping
-    their inline BLOBs. Segments no sample references any more leave the table (their
-    files go when no kept snapshot lists them either: retention). Returns the samples
-    pointed at the segment. The caller made the segment durable first: a reference is
+def record_segment(tx: Connection, segment_id: int, file_name: str, blake3: str, size: int, rows: int) -> None:
+    """In the caller's write transaction: record a durable segment, and drop the rows of
+    segments no sample references any more (their files go when no kept snapshot lists
+    them either: retention). The caller made the segment durable first: a reference is
     never committed before its file is."""
+    s = _samples
+    tx.execute(delete(_segments).where(_segments.c.segment_id.not_in(
+        select(s.c.segment_id).where(s.c.segment_id.is_not(None)).distinct())))
     tx.execute(insert(_segments).values(segment_id=segment_id, file_name=file_name, blake3=blake3, bytes=size,
-                                        rows=len(sample_ids), created_at=time.time()))
+                                        rows=rows, created_at=time.time()))
+
+
+def point_at_segment(tx: Connection, segment_id: int, sample_ids: Sequence[int]) -> int:
+    """In the caller's write transaction: point the samples of `sample_ids` that still
+    hold their payload inline at the recorded segment `segment_id` (a sample trained and
+    deleted since the segment was written is simply not there), dropping their inline
+    BLOBs. Returns the samples pointed. SQLite walks and frees each dropped BLOB's
+    overflow chain here (~1 page per 4 KiB of payload), which is why the caller
+    points a few MiB of payload per transaction (segments.POINT_STEP_BYTES)."""
     s = _samples
     moved = 0
     for start in range(0, len(sample_ids), 5000):  # stays under SQLite's bound-variable limit
         chunk = list(sample_ids[start:start + 5000])
         moved += tx.execute(update(s).where(s.c.sample_id.in_(chunk), s.c.segment_id.is_(None))
                             .values(segment_id=segment_id, token_ids=None, logprobs=None)).rowcount
-    tx.execute(delete(_segments).where(_segments.c.segment_id.not_in(
-        select(s.c.segment_id).where(s.c.segment_id.is_not(None)).distinct())))
     return moved
 
 
