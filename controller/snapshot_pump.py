@@ -8,12 +8,9 @@ An attempt, in order:
    (`skipped_unchanged`), unless forced;
 2. resolve the anchor: `bootstrap` before the first step, else `step_<N>`; skip unless
    that trainer checkpoint is durable (`skipped_not_durable`);
-2b. seal the payload of finished samples that is still inline in the store into one new
-   immutable payload segment (store/checkpoints/segments.py: written and made durable,
-   then one transaction points the samples at it), so the cut copies references and
-   not payload: a snapshot writes the payload that finished since the last one, once.
-   Skipped while the train pump waits for this cut (that cut copies what finished since
-   the last seal inline); the pump then seals right after the attempt (`seal_payload`);
+2b. seal the payload still inline into a new immutable payload segment (checkpoints/
+   segments.py), so the cut copies references: a snapshot writes new payload once. Not
+   while the train pump waits for the cut: the pump seals right after (`seal_payload`);
 3. the environment phase (retire, prepare, commit, drain, export), for backends that
    hold rollout state (controller/agent_server/client.py); a server that fails it fails
    the attempt, never the run; abort if an optimizer commit starts meanwhile
@@ -62,19 +59,8 @@ from rolloutdb.controller.env_checkpoint import EnvironmentCheckpoint
 from rolloutdb.controller.runtime import RolloutParts
 from rolloutdb.controller.tracing import RolloutTrace
 from rolloutdb.gpu_capture.protocol import PrefixCapture
-from rolloutdb.store import (
-    CallPrefix,
-    EpisodeProgress,
-    Publisher,
-    PublishError,
-    anchor_name,
-    faults,
-    pools,
-    queries,
-    scan,
-    seal_inline_payload,
-    segments_dir_of,
-)
+from rolloutdb.store import (CallPrefix, EpisodeProgress, Publisher, PublishError, anchor_name, faults, pools, queries,
+                             scan, seal_inline_payload, segments_dir_of)
 
 log = logging.getLogger("rolloutdb.controller")
 
@@ -174,8 +160,7 @@ class SnapshotPump:
         self.interval_s = interval_s
         self.config_text = config_text
         self.env = env_checkpoint  # build.build_env_checkpoint: the environment phase of step 3
-        # Payload segments (step 2b): the store reads them from the checkpoint directory,
-        # and retention keeps every segment the live store still references.
+        # Step 2b: segments are read from, and kept in, the checkpoint directory.
         parts.store.segments_dir = segments_dir_of(publisher.root)
         publisher.live_references = parts.store.segment_references
         self._wake = threading.Event()
@@ -224,11 +209,8 @@ class SnapshotPump:
             rt.fail(e)
 
     def seal_payload(self) -> None:
-        """After an attempt that skipped its seal (the train pump waited for its cut):
-        seal what finished since the last seal, outside every cut, under the save lock,
-        so that payload is not copied inline by one more snapshot. After an attempt that
-        sealed, nothing: one segment per snapshot interval, not two. A failure is logged;
-        the next attempt seals again."""
+        """After an attempt that skipped its seal (the train pump waited for its cut), seal; after
+        one that sealed, nothing (one segment per interval). A failure: logged, sealed later."""
         if not self._seal_owed:
             return
         self._seal_owed = False
@@ -236,8 +218,7 @@ class SnapshotPump:
             with self.publisher.lock:
                 seal_inline_payload(self.p.store, self.publisher.root)
         except Exception as e:  # noqa: BLE001 - the payload stays inline and is sealed later
-            log.warning("rolloutdb: sealing payload between snapshots failed (%s: %s); the next snapshot retries",
-                        type(e).__name__, e)
+            log.warning("rolloutdb: sealing payload failed (%s: %s); the next snapshot retries", type(e).__name__, e)
 
     def wake(self, *, force: bool = False) -> None:
         """Take an attempt now."""
@@ -379,14 +360,10 @@ class SnapshotPump:
             return AttemptResult("skipped_not_durable", anchor)
         timings = {"lock_and_anchor": time.perf_counter() - t0}
 
-        # 2b. Seal the payload still inline into one new segment, before the environment
-        # phase (dispatch stays open while it is written) and before the cut: the cut then
-        # copies references, not payload, and this snapshot writes its new payload once.
-        # Not while the train pump waits for this cut (`anchor_new_checkpoint`): the cut
-        # then copies what finished since the last seal inline (written again when it is
-        # sealed, after the attempt: `seal_payload`), so training never waits for a seal.
-        with self._waiters_lock:
-            waited_for = bool(self._waiters)
+        # 2b. Seal before the environment phase (dispatch stays open meanwhile) and the cut
+        # (which then copies references). Not while the train pump waits for this cut: it
+        # copies what finished since the last seal inline, sealed right after (`seal_payload`).
+        waited_for = bool(self._waiters)  # unlocked read: a waiter arriving just after waits out this one seal
         self._seal_owed = self._seal_owed or waited_for
         if not waited_for:
             t_seal = time.perf_counter()
@@ -395,8 +372,7 @@ class SnapshotPump:
             except Exception as e:  # noqa: BLE001 - a full disk fails this attempt, not the run; the payload stays inline
                 return AttemptResult("failed", anchor, timings=timings, error=f"sealing payload: {type(e).__name__}: {e}")
             if sealed is not None:
-                timings.update(sealed.timings)
-                timings["seal"] = time.perf_counter() - t_seal
+                timings.update(sealed.timings, seal=time.perf_counter() - t_seal)
 
         t_env = time.perf_counter()
         try:
