@@ -12,6 +12,12 @@ Format 2 (written since W2-G) names its hash, ``"hash": "blake3"``, and each fil
 ``hash`` field and each entry carries ``sha256``; it stays readable and verifiable.
 Which hash checks a manifest is decided in one place, `hashing.hashing_for`.
 
+A rollout snapshot's manifest (since v1_6_a) also lists under ``segments`` the payload
+segments its store file references, entries of the same shape named by file name in
+``CHECKPOINT_DIR/payload_segments/`` (checkpoints/segments.py), with the checksum taken
+when each was sealed; verify and restore hash each one. No ``segments``: nothing
+referenced (a snapshot from before v1_6_a, payload inline).
+
 Paths in a manifest are relative, POSIX-style, and must stay inside the directory: an
 absolute path, a ``..`` component, or anything that resolves outside (through a symlink)
 is refused before a byte of it is read.
