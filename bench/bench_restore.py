@@ -26,6 +26,13 @@ times with the order rotated, each after `os.sync()`:
 * copy+blake3+fsync: what any restore that copies must do at least (read, hash, write
   the copy, fsync it), for context.
 
+With `--segments` (W2-G item 4), the payload is sealed into a payload segment before
+the snapshot is taken (`seal_inline_payload`, what the snapshot pump does): the
+snapshot's store file holds the ledger and the references, its manifest lists the
+segment, and a restore copies the store file and only reads and hashes the segment.
+The baselines then read the same bytes: the store file and the segment(s), one after
+the other; ratio = restore / read+blake3 (goal <= 1.2x).
+
 Cache state: `warm` (the file was just written or read; 1 GiB fits in the page cache
 here) and, with `--cold`, `cold`: the snapshot file's pages dropped with
 ``posix_fadvise(DONTNEED)`` before each measurement (the disk is a shared virtual disk,
@@ -52,13 +59,15 @@ import benchlib  # noqa: E402
 from benchlib import say  # noqa: E402
 from rollout_payload import Layout, populate  # noqa: E402
 
-from rolloutdb.store import Publisher, Reservation, Store
+from rolloutdb.store import Publisher, Reservation, Store, seal_inline_payload, segments_dir_of
 from rolloutdb.store.checkpoints.layout import SNAPSHOT_DB
+from rolloutdb.store.checkpoints.manifest import read_manifest
 from rolloutdb.store.restore.apply import restore_snapshot
 from rolloutdb.store.checkpoints.retention import KeepNewestSnapshots, Retention
 
 CHUNK = 4 * 2**20
 RATIO_GOAL = 2.0
+SEGMENTS_GOAL = 1.2  # W2-G item 7: restore of 100k groups + 1 GiB vs read + hash of the same bytes
 FINGERPRINT = "bench-restore"
 
 
@@ -91,6 +100,10 @@ def build(work: Path, args) -> tuple[Path, int, dict]:
     pub = Publisher(work / "checkpoints", retention=Retention(KeepNewestSnapshots(10)))
     pub.publish_trainer_checkpoint(step or None, lambda tmp: (tmp / "weights.bin").write_bytes(b"\0" * 4096))
     with Store.open(live) as store:
+        if args.segments:
+            store.segments_dir = segments_dir_of(pub.root)
+            with pub.lock:
+                seal_inline_payload(store, pub.root)
         published = pub.publish_rollout_snapshot(published_anchor(step), lambda p: store.capture(p), "bench: restore\n")
     pub.close()
     live.unlink()
@@ -105,23 +118,30 @@ def published_anchor(step: int) -> str:
 # ---------------------------------------------------------------------- what is timed
 
 
-def py_read(path: Path) -> None:
+# Each takes the list of files a restore reads: the snapshot's store file, and with
+# --segments the payload segments its manifest lists.
+
+
+def py_read(paths: list[Path]) -> None:
     buf = bytearray(CHUNK)
-    with open(path, "rb", buffering=0) as f:
-        while f.readinto(buf):
-            pass
+    for path in paths:
+        with open(path, "rb", buffering=0) as f:
+            while f.readinto(buf):
+                pass
 
 
-def cat(path: Path) -> None:
-    subprocess.run(f"cat '{path}' > /dev/null", shell=True, check=True)
+def cat(paths: list[Path]) -> None:
+    subprocess.run("cat " + " ".join(f"'{p}'" for p in paths) + " > /dev/null", shell=True, check=True)
 
 
-def read_sha256(path: Path) -> None:
-    _read_into(path, hashlib.sha256())
+def read_sha256(paths: list[Path]) -> None:
+    for path in paths:
+        _read_into(path, hashlib.sha256())
 
 
-def read_blake3(path: Path) -> None:
-    _read_into(path, blake3.blake3())
+def read_blake3(paths: list[Path]) -> None:
+    for path in paths:
+        _read_into(path, blake3.blake3())
 
 
 def _read_into(path: Path, digest) -> None:
@@ -133,22 +153,24 @@ def _read_into(path: Path, digest) -> None:
     digest.hexdigest()
 
 
-def copy_blake3_fsync(path: Path, dst: Path) -> None:
-    digest = blake3.blake3()
-    with open(path, "rb") as fin, open(dst, "wb") as fout:
-        while chunk := fin.read(CHUNK):
-            digest.update(chunk)
-            fout.write(chunk)
-        fout.flush()
-        os.fsync(fout.fileno())
+def copy_blake3_fsync(paths: list[Path], dst: Path) -> None:
+    for k, path in enumerate(paths):
+        digest = blake3.blake3()
+        with open(path, "rb") as fin, open(dst.with_suffix(f".{k}"), "wb") as fout:
+            while chunk := fin.read(CHUNK):
+                digest.update(chunk)
+                fout.write(chunk)
+            fout.flush()
+            os.fsync(fout.fileno())
 
 
-def drop_cache(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+def drop_cache(paths: list[Path]) -> None:
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
 
 
 def main() -> int:
@@ -165,6 +187,7 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--cold", action="store_true", help="also measure with the snapshot's pages dropped from the cache")
     ap.add_argument("--quick", action="store_true", help="tiny sizes, one repeat (smoke test)")
+    ap.add_argument("--segments", action="store_true", help="payload sealed into a payload segment (W2-G item 4)")
     ap.add_argument("--dir", type=Path, default=None, help="where to build (default: a temp dir); needs ~3x the payload")
     ap.add_argument("--json", default=None, help="write the figures here")
     args = ap.parse_args()
@@ -180,9 +203,13 @@ def main() -> int:
         t0 = time.perf_counter()
         snap_dir, step, counts = build(work, args)
         snap = snap_dir / SNAPSHOT_DB
-        size = snap.stat().st_size
+        files = [snap] + [segments_dir_of(work / "checkpoints") / e.path
+                          for e in read_manifest(snap_dir).segments]
+        size = sum(p.stat().st_size for p in files)
+        result["store_file_bytes"] = snap.stat().st_size
         result.update(build=counts, snapshot_bytes=size, build_s=time.perf_counter() - t0)
-        say(f"snapshot: {size / 2**30:.3f} GiB, {counts['groups']} groups ({counts['snapshot_states']}), "
+        say(f"snapshot: {size / 2**30:.3f} GiB (store file {snap.stat().st_size / 2**20:.1f} MiB, "
+            f"{len(files) - 1} segment(s)), {counts['groups']} groups ({counts['snapshot_states']}), "
             f"{counts['samples']} full-size samples, built in {result['build_s']:.0f} s")
         live_dir = work / "run"
         live_dir.mkdir()
@@ -196,23 +223,24 @@ def main() -> int:
                                           forest_training={}, groups_per_step=8, ledger_dispatch=True, trainer_step=step))
 
         def copy_floor() -> None:
-            copy.unlink(missing_ok=True)
-            copy_blake3_fsync(snap, copy)
+            for p in work.glob("copy.*"):
+                p.unlink()
+            copy_blake3_fsync(files, copy)
 
-        ops = {"restore": restore, "read": lambda: py_read(snap), "cat": lambda: cat(snap),
-               "read+sha256": lambda: read_sha256(snap), "read+blake3": lambda: read_blake3(snap),
+        ops = {"restore": restore, "read": lambda: py_read(files), "cat": lambda: cat(files),
+               "read+sha256": lambda: read_sha256(files), "read+blake3": lambda: read_blake3(files),
                "copy+blake3+fsync": copy_floor}
         caches = ["warm"] + (["cold"] if args.cold else [])
         times: dict[str, dict[str, list[float]]] = {c: {k: [] for k in ops} for c in caches}
         names = list(ops)
-        py_read(snap)  # warm
+        py_read(files)  # warm
         for r in range(args.repeats):
             rotated = names[r % len(names):] + names[: r % len(names)]
             for cache in caches:
                 for name in rotated:
                     os.sync()
                     if cache == "cold":
-                        drop_cache(snap)
+                        drop_cache(files)
                     t = time.perf_counter()
                     ops[name]()
                     times[cache][name].append(time.perf_counter() - t)
@@ -229,6 +257,10 @@ def main() -> int:
                 say(f"  {k:<18} {v:7.3f} s  {size / 2**20 / v:7.0f} MiB/s")
             say("  " + ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items())
                 + f"  (goal restore/read <= {RATIO_GOAL:.0f}x: {'met' if ratios['restore/read'] <= RATIO_GOAL else 'MISSED'})")
+            if args.segments:
+                r = ratios["restore/read+blake3"]
+                say(f"  W2-G item 7: restore / read+blake3 of the same bytes {r:.2f}x "
+                    f"(goal <= {SEGMENTS_GOAL}x: {'met' if r <= SEGMENTS_GOAL else 'MISSED'})")
         phases = {k: statistics.median(p.timings.get(k, 0.0) for p in plans) for k in plans[0].timings}
         result["restore_phases_s"] = phases
         result["restore_counts"] = plans[-1].counts

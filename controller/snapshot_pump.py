@@ -8,6 +8,9 @@ An attempt, in order:
    (`skipped_unchanged`), unless forced;
 2. resolve the anchor: `bootstrap` before the first step, else `step_<N>`; skip unless
    that trainer checkpoint is durable (`skipped_not_durable`);
+2b. seal the payload still inline into a new immutable payload segment (checkpoints/
+   segments.py), so the cut copies references: a snapshot writes new payload once. Not
+   while the train pump waits for the cut: the pump seals right after (`seal_payload`);
 3. the environment phase (retire, prepare, commit, drain, export), for backends that
    hold rollout state (controller/agent_server/client.py); a server that fails it fails
    the attempt, never the run; abort if an optimizer commit starts meanwhile
@@ -56,7 +59,8 @@ from rolloutdb.controller.env_checkpoint import EnvironmentCheckpoint
 from rolloutdb.controller.runtime import RolloutParts
 from rolloutdb.controller.tracing import RolloutTrace
 from rolloutdb.gpu_capture.protocol import PrefixCapture
-from rolloutdb.store import CallPrefix, EpisodeProgress, Publisher, PublishError, anchor_name, faults, pools, queries, scan
+from rolloutdb.store import (CallPrefix, EpisodeProgress, Publisher, PublishError, anchor_name, faults, pools, queries,
+                             scan, seal_inline_payload, segments_dir_of)
 
 log = logging.getLogger("rolloutdb.controller")
 
@@ -156,6 +160,9 @@ class SnapshotPump:
         self.interval_s = interval_s
         self.config_text = config_text
         self.env = env_checkpoint  # build.build_env_checkpoint: the environment phase of step 3
+        # Step 2b: segments are read from, and kept in, the checkpoint directory.
+        parts.store.segments_dir = segments_dir_of(publisher.root)
+        publisher.live_references = parts.store.segment_references
         self._wake = threading.Event()
         self._force = False
         self._waiters: list[_CutWaiter] = []
@@ -164,6 +171,7 @@ class SnapshotPump:
         self._pending: Any = None  # store.TrainerStage: an async checkpoint not yet published
         self._held: list[_Held] = []  # touched under the save lock only
         self._retired: set[str] = set()  # the keys this attempt's retire named
+        self._seal_owed = False  # an attempt skipped its seal: `seal_payload` seals after it
         # Prefix level: every cut saves the running calls' prefixes, and a snapshot whose
         # store did not change is still due when the engine decoded since the last one.
         engine = parts.engine
@@ -196,8 +204,21 @@ class SnapshotPump:
                 force, self._force = self._force, False
                 self.attempt(force=force)
                 self.publish_held()
+                self.seal_payload()
         except BaseException as e:  # noqa: BLE001 - handed to the controller
             rt.fail(e)
+
+    def seal_payload(self) -> None:
+        """After an attempt that skipped its seal (the train pump waited for its cut), seal; after
+        one that sealed, nothing (one segment per interval). A failure: logged, sealed later."""
+        if not self._seal_owed:
+            return
+        self._seal_owed = False
+        try:
+            with self.publisher.lock:
+                seal_inline_payload(self.p.store, self.publisher.root)
+        except Exception as e:  # noqa: BLE001 - the payload stays inline and is sealed later
+            log.warning("rolloutdb: sealing payload failed (%s: %s); the next snapshot retries", type(e).__name__, e)
 
     def wake(self, *, force: bool = False) -> None:
         """Take an attempt now."""
@@ -338,6 +359,20 @@ class SnapshotPump:
         if pending is not None and (not force or any(h.stage.pending is pending for h in self._held)):
             return AttemptResult("skipped_not_durable", anchor)
         timings = {"lock_and_anchor": time.perf_counter() - t0}
+
+        # 2b. Seal before the environment phase (dispatch stays open meanwhile) and the cut
+        # (which then copies references). Not while the train pump waits for this cut: it
+        # copies what finished since the last seal inline, sealed right after (`seal_payload`).
+        waited_for = bool(self._waiters)  # unlocked read: a waiter arriving just after waits out this one seal
+        self._seal_owed = self._seal_owed or waited_for
+        if not waited_for:
+            t_seal = time.perf_counter()
+            try:
+                sealed = seal_inline_payload(self.p.store, self.publisher.root)
+            except Exception as e:  # noqa: BLE001 - a full disk fails this attempt, not the run; the payload stays inline
+                return AttemptResult("failed", anchor, timings=timings, error=f"sealing payload: {type(e).__name__}: {e}")
+            if sealed is not None:
+                timings.update(sealed.timings, seal=time.perf_counter() - t_seal)
 
         t_env = time.perf_counter()
         try:

@@ -61,8 +61,7 @@ class TrainPump:
         return None
 
     def _load_groups(self, group_ids: list[int]) -> tuple[list[TrainGroup], dict]:
-        with self.p.store.read() as conn:
-            rows = queries.samples_of(conn, group_ids)
+        rows = self.p.store.samples_of(group_ids)  # payload inline or from its segment
         groups: dict[int, TrainGroup] = {}
         runs_all, rewards, dispatch_versions = [], [], []
         prompts: dict[int, list[int]] = {}

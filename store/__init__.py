@@ -65,6 +65,8 @@ from .checkpoints.publish import (
     SnapshotStage,
 )
 from .checkpoints.staged import TrainerStage, begin_trainer_checkpoint
+from .checkpoints.segments import Sealed, seal_inline_payload
+from .live.payload import payload_counts, segments_dir_of
 from .checkpoints.retention import (
     KeepNewestSnapshotPerAnchor,
     KeepNewestSnapshots,
@@ -137,6 +139,7 @@ __all__ = [
     "GROUP_STATES",
     "ROLLOUT_STATES",
     "STATE_TABLES",
+    "payload_counts",
     "Capture",
     "CallPrefix",
     "Chunk",
@@ -170,12 +173,15 @@ __all__ = [
     "Publisher",
     "Retention",
     "SnapshotStage",
+    "Sealed",
     "TrainerStage",
     "begin_trainer_checkpoint",
     "anchor_name",
     "default_retention",
     "read_manifest",
     "scan",
+    "seal_inline_payload",
+    "segments_dir_of",
     # restore
     "LATEST",
     "LedgerAudit",

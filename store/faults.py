@@ -69,6 +69,16 @@ POINTS: tuple[str, ...] = register(
     "retention.after_rmtree",
 )
 
+# Kill points of sealing payload into a segment and of removing one
+# (store/checkpoints/segments.py), in the order a save reaches them.
+SEGMENT_POINTS: tuple[str, ...] = register(
+    "segment.built",  # the segment written at its temporary name, not yet durable
+    "segment.durable",  # renamed into place, directory fsynced; no sample references it yet
+    "segment.referenced",  # the transaction pointing the samples at it committed
+    "segment.trashed",  # retention: renamed to a trash name, not yet unlinked
+    "segment.removed",
+)
+
 # Kill points of `rolloutdb upgrade` (store.revision.upgrade_file), between its steps.
 UPGRADE_POINTS: tuple[str, ...] = register("upgrade.copied", "upgrade.migrated")
 

@@ -74,6 +74,20 @@ def test_the_restore_benchmark_restores_next_to_reading_the_same_file(tmp_path):
     assert {"checksums", "integrity", "ledger", "replace"} <= r["restore_phases_s"].keys()
 
 
+def test_the_restore_benchmark_with_segments_reads_the_store_file_and_its_segment(tmp_path):
+    r = _run_bench("bench_restore.py", tmp_path, "--segments")
+    assert r["snapshot_bytes"] > r["store_file_bytes"]  # the segment is counted in what the baselines read
+    assert r["summary"]["warm"]["ratios"]["restore/read+blake3"] > 0
+
+
+def test_the_segments_benchmark_reports_bytes_and_time_per_snapshot_next_to_a_full_copy_and_cp(tmp_path):
+    r = _run_bench("bench_snapshot_segments.py", tmp_path)
+    s = r["summary"]
+    assert len(r["rows"]["segments"]) == len(r["rows"]["full_copy"]) == len(r["rows"]["cp"]) == r["args"]["intervals"]
+    assert 0 < s["segments"]["segment_bytes"] < s["full_copy"]["bytes"]
+    assert {"met", "bound"} <= s["bytes_goal"].keys() and {"met", "ratio_to_cp"} <= s["time_goal"].keys()
+
+
 def test_the_quickstart_benchmark_reports_wall_time_reward_and_store_share(tmp_path):
     out = tmp_path / "figures.json"
     proc = subprocess.run(

@@ -35,6 +35,7 @@ from rolloutdb.store import (
     listing_manifest,
     open_readonly,
     queries,
+    payload_counts,
     quick_check,
     run_readonly_query,
 )
@@ -49,7 +50,10 @@ Look inside a rolloutdb store or snapshot file without changing it.
 Without --sql, prints a summary: the schema revision (head, or old: then
 `rolloutdb upgrade PATH` migrates it, or `--out COPY` for a published snapshot file), rows per table, ledger groups per state, rollouts per state
 with abandon reasons, replay permits used of capacity, the sampler cursor and the
-mutation counter; and, when a manifest.json sits beside the file (a snapshot
+mutation counter, where the samples' payload is (inline, or sealed into payload
+segments: CHECKPOINT_DIR/payload_segments/segment_<n>.sqlite, one table `payload`
+(sample_id, token_ids, logprobs) that `sqlite3` and DuckDB's sqlite scanner read);
+and, when a manifest.json sits beside the file (a snapshot
 directory), its anchor, kind, sequence and cut time.
 
 With --sql "SELECT ...", runs exactly one reading query and prints an aligned table
@@ -201,6 +205,7 @@ def summarize(conn: sqlite3.Connection, path: Path, revision: str, status: str) 
         "SELECT abandon_reason, count(*) FROM rollouts WHERE state = 'abandoned' GROUP BY abandon_reason",
         ABANDON_REASONS,
     )
+    summary["payload"] = payload_counts(conn)
     summary["manifest"] = read_manifest_beside(path, revision, summary["notes"])
     return summary
 
@@ -270,6 +275,9 @@ def render_summary(s: dict[str, Any]) -> str:
     lines.append("ledger groups     " + _states(s["groups"]))
     abandoned = ", ".join(f"{k} {v}" for k, v in s["abandon_reasons"].items() if v)
     lines.append("rollouts          " + _states(s["rollouts"]) + (f" ({abandoned})" if abandoned else ""))
+    p = s["payload"]
+    lines.append(f"sample payload    {p['inline']} inline, {p['in_segments']} in {p['segments']} payload segment(s)"
+                 + (" (CHECKPOINT_DIR/payload_segments/)" if p["segments"] else ""))
     lines.append("rows per table")
     width = max((len(t) for t in s["row_counts"]), default=0)
     for table, n in s["row_counts"].items():

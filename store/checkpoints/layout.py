@@ -13,6 +13,8 @@
       step_<N>/                         a trainer checkpoint (the trainer's files)
         manifest.json                   kind trainer_checkpoint (rollout_snapshots/ excluded)
         rollout_snapshots/snapshot_<seq>/...
+      payload_segments/                 immutable sample payload the snapshots reference
+        segment_<n>.sqlite              (checkpoints/segments.py; not a checkpoint: never listed here)
 
 Sequence numbers count over the whole checkpoint directory, not per anchor, so the
 newest snapshot is the one with the highest sequence. They are never handed out twice:

@@ -12,6 +12,12 @@ Format 2 (written since W2-G) names its hash, ``"hash": "blake3"``, and each fil
 ``hash`` field and each entry carries ``sha256``; it stays readable and verifiable.
 Which hash checks a manifest is decided in one place, `hashing.hashing_for`.
 
+A rollout snapshot's manifest (since v1_6_a) also lists under ``segments`` the payload
+segments its store file references, entries of the same shape named by file name in
+``CHECKPOINT_DIR/payload_segments/`` (checkpoints/segments.py), with the checksum taken
+when each was sealed; verify and restore hash each one. No ``segments``: nothing
+referenced (a snapshot from before v1_6_a, payload inline).
+
 Paths in a manifest are relative, POSIX-style, and must stay inside the directory: an
 absolute path, a ``..`` component, or anything that resolves outside (through a symlink)
 is refused before a byte of it is read.
@@ -72,6 +78,10 @@ class Manifest:
     timings: dict[str, float] = field(default_factory=dict)
     format_version: int = FORMAT_VERSION
     hash: str | None = None  # None: the format's own (format 1 has only sha256)
+    # Rollout snapshots since v1_6_a: the payload segments its store file references
+    # (file names under CHECKPOINT_DIR/payload_segments/), same entry shape as `files`.
+    # Absent (empty) in older manifests: their payload is inline in the store file.
+    segments: list[FileEntry] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.hash is None and self.format_version in DEFAULT_HASH:
@@ -93,6 +103,9 @@ class Manifest:
         name = self.hashing.name
         d = asdict(self)
         d["files"] = [{"path": f.path, "size": f.size, name: f.digest} for f in self.files]
+        d["segments"] = [{"path": f.path, "size": f.size, name: f.digest} for f in self.segments]
+        if not self.segments:
+            del d["segments"]  # as before v1_6_a: nothing referenced, nothing listed
         if self.format_version == 1:
             del d["hash"]  # as rolloutdb wrote format 1: the hash is implied
         return (json.dumps(d, indent=2, sort_keys=True) + "\n").encode()
@@ -118,23 +131,36 @@ class Manifest:
             raise ManifestError(f"{where}: files must be a list")
         files = []
         for f in raw_files:
-            if not (isinstance(f, dict) and isinstance(f.get("path"), str) and _is_int(f.get("size")) and f["size"] >= 0):
-                raise ManifestError(f"{where}: malformed file entry {_show(f)}")
-            others = sorted(k for k in f if k not in ("path", "size", name))
-            if others or not _is_hex64(f.get(name)):
-                raise ManifestError(f"{where}: file entry {_show(f['path'])} needs {name} (64 hex digits) and nothing else: "
-                                    f"format_version {d['format_version']} lists each file's {name}"
-                                    + (f", not {', '.join(others)}" if others else ""))
-            check_member_name(f["path"], where)
-            files.append(FileEntry(f["path"], f["size"], f[name]))
+            files.append(_entry(f, name, d["format_version"], where))
+        raw_segments = d.get("segments", [])
+        if not isinstance(raw_segments, list):
+            raise ManifestError(f"{where}: segments must be a list")
+        segments = []
+        for f in raw_segments:
+            entry = _entry(f, name, d["format_version"], where)
+            if "/" in entry.path:
+                raise ManifestError(f"{where}: segment {_show(entry.path)} must be a file name in payload_segments/")
+            segments.append(entry)
         for key, (check, what) in _FIELD_TYPES.items():
             if key in d and not check(d[key]):
                 raise ManifestError(f"{where}: field {key} is {_show(d[key])}, expected {what}")
-        known = {k: d[k] for k in cls.__dataclass_fields__ if k in d and k != "files"}
+        known = {k: d[k] for k in cls.__dataclass_fields__ if k in d and k not in ("files", "segments")}
         try:
-            return cls(files=files, **known)
+            return cls(files=files, segments=segments, **known)
         except TypeError as e:
             raise ManifestError(f"{where}: {e}") from e
+
+
+def _entry(f: Any, name: str, format_version: int, where: str) -> FileEntry:
+    if not (isinstance(f, dict) and isinstance(f.get("path"), str) and _is_int(f.get("size")) and f["size"] >= 0):
+        raise ManifestError(f"{where}: malformed file entry {_show(f)}")
+    others = sorted(k for k in f if k not in ("path", "size", name))
+    if others or not _is_hex64(f.get(name)):
+        raise ManifestError(f"{where}: file entry {_show(f['path'])} needs {name} (64 hex digits) and nothing else: "
+                            f"format_version {format_version} lists each file's {name}"
+                            + (f", not {', '.join(others)}" if others else ""))
+    check_member_name(f["path"], where)
+    return FileEntry(f["path"], f["size"], f[name])
 
 
 def _is_hex64(v: Any) -> bool:

@@ -68,6 +68,8 @@ from .manifest import (
     read_manifest,
 )
 from .retention import Retention, RetentionReport, apply_retention, default_retention, remove_leftovers, remove_tree
+from .segments import referenced_entries, remove_unreferenced
+from ..live.payload import file_references, segments_dir_of
 
 log = logging.getLogger(__name__)
 
@@ -220,6 +222,24 @@ def _read_revision(db_path: Path) -> tuple[str | None, dict[str, int], dict[str,
         conn.close()
 
 
+def _listed_segments(root: Path, db_path: Path) -> list[FileEntry]:
+    """The payload segments the captured file references, for its manifest: their
+    checksums as recorded at sealing (never re-read). Each must be on disk with its
+    size, so a snapshot is never published referencing a segment that is gone."""
+    entries = referenced_entries(db_path)
+    directory = segments_dir_of(root)
+    for e in entries:
+        try:
+            size = os.stat(directory / e.path).st_size
+        except FileNotFoundError:
+            raise PublishError(f"{directory / e.path}: the captured store references this payload segment and it is "
+                               "missing; the snapshot is not published", path=directory / e.path) from None
+        if size != e.size:
+            raise PublishError(f"{directory / e.path}: payload segment of {size} bytes, sealed as {e.size}; the snapshot "
+                               "is not published", path=directory / e.path)
+    return entries
+
+
 class SnapshotStage:
     """A rollout snapshot being made: capture into `db_path`, then `publish()`."""
 
@@ -254,8 +274,11 @@ class Publisher:
     It records no snapshot outcome: the caller does (`Store.record_snapshot_attempt`)."""
 
     def __init__(self, checkpoint_dir: str | Path, *, retention: Retention | None = None,
-                 background_retention: bool = False):
+                 background_retention: bool = False, live_references: Callable[[], set[str]] | None = None):
         self.root = Path(checkpoint_dir)
+        # What the live store's samples reference (`Store.segment_references`): retention
+        # removes a payload segment only when it knows this (None: no segment is removed).
+        self.live_references = live_references
         self.retention = retention or default_retention()
         self.background_retention = background_retention
         self._lock = threading.RLock()
@@ -312,13 +335,45 @@ class Publisher:
         if self.background_retention:
             self._pool().submit(self._retain_in_background)
             return None
-        report = apply_retention(self.root, self.retention)
-        return report
+        return self._apply_retention()
 
     def _retain_in_background(self) -> None:
         with self._lock:
-            report = apply_retention(self.root, self.retention)
+            report = self._apply_retention()
             self._pending_warnings += report.errors
+
+    def _apply_retention(self) -> RetentionReport:
+        """Checkpoints first, then the payload segments nothing kept references."""
+        report = apply_retention(self.root, self.retention)
+        segments = self.retain_segments()
+        report.deleted += segments.deleted
+        report.errors += segments.errors
+        return report
+
+    def retain_segments(self) -> RetentionReport:
+        """Remove every payload segment that no kept snapshot lists, no snapshot being
+        published references and the live store does not reference (segments.py).
+        Without `live_references` nothing is removed: a segment the live store still
+        reads must never go. Under the save lock: no sealing runs meanwhile."""
+        report = RetentionReport()
+        if self.live_references is None or not segments_dir_of(self.root).is_dir():
+            return report
+        with self._lock:
+            try:
+                keep = set(self.live_references())
+                for snap in scan(self.root).complete_snapshots():
+                    keep |= {e.path for e in snap.manifest.segments} if snap.manifest else set()
+                for busy in self._busy:  # in progress or held: captured, not yet listed
+                    if (busy / SNAPSHOT_DB).is_file():
+                        keep |= file_references(busy / SNAPSHOT_DB)
+            except (OSError, StoreError, sqlite3.DatabaseError) as e:
+                report.errors.append(f"retention: payload segments kept this time: cannot tell what references "
+                                     f"them ({e})")
+                return report
+            removed = remove_unreferenced(self.root, keep)
+        report.deleted += removed.removed
+        report.errors += removed.errors
+        return report
 
     def _pool(self) -> ThreadPoolExecutor:
         if self._executor is None:
@@ -455,6 +510,7 @@ class Publisher:
                     if not stage.db_path.is_file():
                         raise PublishError(f"{stage.db_path}: nothing was captured into the stage", path=stage.target)
                     revision, counts, states = _read_revision(stage.db_path)
+                    segments = _listed_segments(self.root, stage.db_path)
                     record_high_water(self.root, stage.sequence)  # before anyone can delete it
                     if config_text is not None:
                         write_file(stage.tmp / CONFIG_FILE, config_text.encode() if isinstance(config_text, str) else config_text)
@@ -469,6 +525,7 @@ class Publisher:
                         group_states=getattr(capture, "group_states", None) or states,
                         config_fingerprint=config_fingerprint(config_text),
                         timings=dict(getattr(capture, "timings", None) or {}),
+                        segments=segments,
                     )
                     timings = commit_directory(stage.tmp, stage.target, manifest)
                 except OSError as e:
@@ -523,7 +580,7 @@ class Publisher:
 
     def apply_retention(self) -> RetentionReport:
         with self._lock:
-            return apply_retention(self.root, self.retention)
+            return self._apply_retention()
 
     def close(self) -> None:
         """Wait for background work. Its failures still surface at the next save."""

@@ -18,7 +18,7 @@ from typing import Any
 from sqlalchemy import Connection, func, select
 
 from ..sqlite.prepared import Prepared, _driver, in_json, json_ids
-from . import codec
+from . import codec, payload
 from .compaction import OPEN, TRAINED, decode_row
 from .pools import episode_key
 from .schema import T
@@ -112,18 +112,13 @@ def replay_groups_for_step(conn: Connection, step: int) -> list[int]:
     )
 
 
-def samples_of(conn: Connection, group_ids: Sequence[int]) -> list[Any]:
+def samples_of(conn: Connection, group_ids: Sequence[int], segments_dir: Any = None) -> list[Any]:
     """The samples of `group_ids` as rows (group_id, generation_index, prompt_id,
     token_ids, logprobs, reward, version_token_counts), by group then generation; the
-    payload columns are still encoded (`codec`)."""
-    s = _samples
-    return list(
-        conn.execute(
-            select(s.c.group_id, s.c.generation_index, s.c.prompt_id, s.c.token_ids, s.c.logprobs, s.c.reward, s.c.version_token_counts)
-            .where(s.c.group_id.in_(group_ids))
-            .order_by(s.c.group_id, s.c.generation_index)
-        ).all()
-    )
+    payload columns are still encoded (`codec`), taken inline or from the payload
+    segment each sample references under `segments_dir` (`payload.read_samples`, the
+    one reader of payload; `Store.samples_of` passes the store's own)."""
+    return payload.read_samples(conn, group_ids, segments_dir)
 
 
 _EPISODES_IN_STATE = "SELECT group_id, generation_index, attempt FROM rollouts WHERE state = ?"

@@ -175,26 +175,52 @@ class TokenChunk(Base):
     logprobs: Mapped[bytes | None] = mapped_column(LargeBinary)
 
 
+class PayloadSegment(Base):
+    """An immutable payload segment file (revision v1_6_a): finished samples' token ids
+    and logprobs, sealed once into ``CHECKPOINT_DIR/payload_segments/<file_name>`` and
+    never written again (store/live/payload.py, store/checkpoints/segments.py). A row
+    lives while a sample references it; the snapshot manifest lists the same checksum."""
+
+    __tablename__ = "payload_segments"
+    __table_args__ = ({"sqlite_autoincrement": True},)  # a segment number is never reused
+
+    segment_id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    file_name: Mapped[str] = mapped_column(String(64), unique=True)
+    blake3: Mapped[str] = mapped_column(String(64))  # of the whole file, as its manifest entry
+    bytes: Mapped[int] = mapped_column(Integer)
+    rows: Mapped[int] = mapped_column(Integer)
+    created_at: Mapped[float] = mapped_column(Float)
+
+
 class Sample(Base):
     """A finished generation. Keyed by group id but with no foreign key to the ledger:
-    without ledger dispatch the data plane still holds samples (see invariant 3)."""
+    without ledger dispatch the data plane still holds samples (see invariant 3).
+
+    Its payload (token ids, logprobs) is inline until a snapshot seals it into a payload
+    segment (revision v1_6_a): then `segment_id` names the segment and both BLOBs are
+    NULL here; the one reader of payload (`payload.read_samples`) takes either."""
 
     __tablename__ = "samples"
-    __table_args__ = (UniqueConstraint("group_id", "generation_index"),)
+    __table_args__ = (
+        UniqueConstraint("group_id", "generation_index"),
+        CheckConstraint("(segment_id IS NULL) = (token_ids IS NOT NULL)", name="payload_inline_or_segment"),
+        CheckConstraint("(token_ids IS NULL) = (logprobs IS NULL)", name="payload_together"),
+    )
 
     sample_id: Mapped[int] = mapped_column(Integer, primary_key=True)
     group_id: Mapped[int] = mapped_column(Integer)
     generation_index: Mapped[int] = mapped_column(Integer)
     prompt_id: Mapped[int] = mapped_column(Integer)
     num_tokens: Mapped[int] = mapped_column(Integer)
-    token_ids: Mapped[bytes] = mapped_column(LargeBinary)  # int32 little-endian
-    logprobs: Mapped[bytes] = mapped_column(LargeBinary)  # float32 little-endian
+    token_ids: Mapped[bytes | None] = mapped_column(LargeBinary)  # int32 little-endian; NULL once sealed
+    logprobs: Mapped[bytes | None] = mapped_column(LargeBinary)  # float32 little-endian; NULL once sealed
     reward: Mapped[float] = mapped_column(Float)
     policy_version: Mapped[int] = mapped_column(Integer)  # version the call began on
     # JSON list of [policy_version, token_count] runs (revision v1_1_a); batch age
     # weighs each token by the version that produced it.
     version_token_counts: Mapped[str] = mapped_column(Text)
     created_at: Mapped[float] = mapped_column(Float)
+    segment_id: Mapped[int | None] = mapped_column(ForeignKey("payload_segments.segment_id"), index=True)
 
 
 class ReplayGroup(Base):

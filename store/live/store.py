@@ -26,7 +26,7 @@ from pathlib import Path
 
 from sqlalchemy import Connection, delete, func, insert, select, update
 
-from . import ledger, pools
+from . import ledger, payload, pools
 from .capture import Capture, capture_snapshot
 from ..sqlite.database import BUSY_TIMEOUT_MS, Database
 from ..errors import NotAStoreError
@@ -41,7 +41,18 @@ from .schema import T
 # Compiled once and run on the sqlite3 cursor: it ends every mutation (see ledger.py).
 # snapshot_attempts rows kept: about two minutes at the quickstart's 2 s interval.
 KEEP_SNAPSHOT_ATTEMPTS = 64
+# Pages one `reclaim_free_pages` step gives back (4 MiB at 4 KiB pages); see there.
+VACUUM_STEP_PAGES = 1024
 _BUMP = Prepared(update(T["run_meta"]).values(mutation_counter=T["run_meta"].c.mutation_counter + 1))
+
+
+def _incremental_vacuum_mode(path: str | Path) -> None:
+    """Make a new store file ``auto_vacuum = INCREMENTAL`` (a VACUUM of the new, empty
+    file: ~ms), so that the payload a snapshot seals leaves the file (`reclaim_free_pages`).
+    Costs a pointer-map update per page the store allocates."""
+    with contextlib.closing(sqlite3.connect(path, isolation_level=None)) as conn:
+        conn.execute("PRAGMA auto_vacuum = INCREMENTAL")
+        conn.execute("VACUUM")
 
 
 class TransactionClock:
@@ -73,6 +84,10 @@ class Store:
         self.db = db
         self.path = db.path
         self.tx_time = TransactionClock()
+        # Where the payload segments its samples reference are (CHECKPOINT_DIR/
+        # payload_segments, `payload.segments_dir_of`): set by whoever knows the
+        # checkpoint directory (the snapshot pump); read by `samples_of`.
+        self.segments_dir: Path | None = None
 
     # ------------------------------------------------------------ lifecycle
 
@@ -96,6 +111,7 @@ class Store:
         single-row tables. `busy_timeout_ms`: how long a transaction waits for another
         process's write lock before raising `StoreBusyError`."""
         create_store_file(path)
+        _incremental_vacuum_mode(path)
         store = cls(Database(path, synchronous=synchronous, busy_timeout_ms=busy_timeout_ms))
         with store.db.atomic() as tx:
             tx.execute(
@@ -254,6 +270,39 @@ class Store:
     def capture(self, dst: str | Path, *, at_cut=None, into_copy=None) -> Capture:
         """A consistent copy of the store at one read cut (see `capture.py`)."""
         return capture_snapshot(self.path, dst, at_cut=at_cut, into_copy=into_copy)
+
+    def samples_of(self, group_ids: Sequence[int]) -> list[tuple]:
+        """The samples of `group_ids` with their payload, inline or from its segment, in
+        one read transaction (`payload.read_samples`: the one reader of payload)."""
+        with self.read() as conn:
+            return payload.read_samples(conn, group_ids, self.segments_dir)
+
+    def segment_references(self) -> set[str]:
+        """The file names of the payload segments this store's samples reference."""
+        with self.read() as conn:
+            return {r.file_name for r in payload.referenced_segments(conn)}
+
+    def reclaim_free_pages(self) -> int:
+        """Give the file's free pages back (``PRAGMA incremental_vacuum``) in a store
+        created with ``auto_vacuum = INCREMENTAL`` (every store `create` makes); returns
+        the pages freed, 0 in a store without it (an upgraded file: the capture's own
+        VACUUM of the copy keeps its snapshots small, capture.py). Called after payload
+        is sealed into a segment: the backup API copies free pages too, so without this
+        every snapshot would copy the sealed payload's old pages again. Its own
+        connection and write transaction (``executescript`` steps the pragma to the end;
+        sqlite3's ``execute`` frees one page per step). Cost: moving the in-use pages
+        that sit after the first free page; sealing frees the interval's payload, which
+        was appended last, so few move (measured in bench/bench_snapshot_segments.py)."""
+        with contextlib.closing(sqlite3.connect(self.path, isolation_level=None)) as conn:
+            conn.execute(f"PRAGMA busy_timeout = {self.db.busy_timeout_ms}")
+            if conn.execute("PRAGMA auto_vacuum").fetchone()[0] != 2:
+                return 0
+            (free,) = conn.execute("PRAGMA freelist_count").fetchone()
+            # In steps of VACUUM_STEP_PAGES, each its own write transaction, so the pumps'
+            # transactions wait for one step at most, not for the whole interval's pages.
+            for _ in range(-(-free // VACUUM_STEP_PAGES)):
+                conn.executescript(f"PRAGMA incremental_vacuum({VACUUM_STEP_PAGES})")
+            return free
 
     def check_invariants(self) -> InvariantReport:
         with contextlib.closing(sqlite3.connect(self.path)) as conn:

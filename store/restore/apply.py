@@ -7,7 +7,11 @@ checks and the plan it returns are in `plan.py`, restart normalization in `norma
 the overlapped copy and integrity check in `copying.py`. In this order:
 
 1. manifest and checksums: every file the manifest lists, hashed; the store file is
-   hashed as it is copied beside the live store (the hash covers the copy's bytes);
+   hashed as it is copied beside the live store (the hash covers the copy's bytes); the
+   payload segments the manifest lists (revision v1_6_a) are hashed where they are, on
+   a helper thread while phases 2-8 run, and never copied: the restored store
+   references them (their verdict is awaited before phase 9, so a damaged segment still
+   refuses the restore with nothing replaced);
 2. schema: an older revision is upgraded on the copy (Alembic), a newer one refused
    with what to do; the snapshot directory itself is only ever read;
 3. ``PRAGMA integrity_check`` of the snapshot's store file, run on its own thread while
@@ -160,9 +164,10 @@ def restore_snapshot(
     # Starts now, beside the copy; its verdict is read after the checksums and the
     # schema, so refusals come in the same order as if it ran after them.
     source_check = SourceIntegrityCheck(source) if source.is_file() else None
+    segment_check = None
     try:
         with phases("checksums"):
-            verify_and_copy(snapshot_dir, manifest, copy)
+            segment_check = verify_and_copy(snapshot_dir, manifest, copy)
         with phases("schema"):
             revision, upgraded_from = bring_to_head(copy, source, manifest, source_check)
         with phases("integrity"):
@@ -198,6 +203,8 @@ def restore_snapshot(
                 refuse_on_invariants(conn, source, "after restart normalization")
             with phases("spare_and_cursor"):
                 counts["spare_prompts"] = check_spare_and_cursor(conn, source)
+        with phases("segments"):  # hashed on their own thread since phase 1: wait for the verdict
+            segment_check.result()
         with phases("replace"):
             _replace_live(copy, live)
     except OSError as e:  # a failing disk: one line, like every other refusal

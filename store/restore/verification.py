@@ -35,6 +35,7 @@ from ..checkpoints.manifest import (
     read_manifest,
     verify_files,
 )
+from ..checkpoints.segments import unlisted_references, verify_segments
 from ..sqlite.identity import identify
 from ..sqlite.integrity import integrity_problems
 from ..sqlite.readonly import listing_manifest, open_readonly
@@ -170,6 +171,32 @@ def verify_snapshot_dir(path: str | Path) -> Report:
     elif not any(p.startswith(str(db)) for p in file_problems):
         # A file already known damaged by its checksum is not opened again.
         report.extend(verify_store_file(db, manifest=manifest, beside=False))
+        report.extend(_verify_snapshot_segments(path, db, manifest))
+    return report
+
+
+def _verify_snapshot_segments(path: Path, db: Path, manifest: Manifest) -> Report:
+    """The payload segments a snapshot lists, each read and hashed (a snapshot verifies on
+    its own: its files and its segments), and every segment its store file references
+    listed. Segments live in CHECKPOINT_DIR/payload_segments/, two levels above the
+    snapshot's anchor directory."""
+    report = Report()
+    where = str(path / MANIFEST_NAME)
+    try:
+        unlisted = unlisted_references(db, manifest.segments)
+    except (NotAStoreError, sqlite3.DatabaseError) as e:
+        report.problems.append(f"{db}: could not read its payload segment references: {e}")
+        return report
+    report.problems += [f"{db}: references payload segment {n}, which its manifest does not list" for n in unlisted]
+    if not manifest.segments:
+        return report
+    if path.parent.name != SNAPSHOTS_DIR:
+        report.problems.append(f"{where}: lists {len(manifest.segments)} payload segment(s), found in "
+                               "CHECKPOINT_DIR/payload_segments/; verify the snapshot where it was published")
+        return report
+    checkpoint_dir = path.parents[2]
+    report.problems += verify_segments(checkpoint_dir, manifest.segments, manifest.hashing, where)
+    report.checked += [str(checkpoint_dir / "payload_segments" / e.path) for e in manifest.segments]
     return report
 
 

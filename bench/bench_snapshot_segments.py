@@ -1,0 +1,261 @@
+"""Bytes written and time per rollout snapshot with a large payload in flight: payload
+segments (W2-G item 2) against today's full copy and against `cp` of the new bytes, in
+one run.
+
+    python bench/bench_snapshot_segments.py                 # 1 GiB in flight, ~10 MiB new per interval
+    python bench/bench_snapshot_segments.py --quick         # seconds (smoke test)
+
+A live store is filled through the store API (`bench/rollout_payload.py`): `--groups`
+dispatched groups, `--payload-gb` of finished samples (`--sample-tokens` token ids +
+logprobs, 8 bytes a token) in flight, the other generations running. The file is copied
+once so both phases start from the same bytes. Then `--intervals` times, per phase:
+`--new-mb` of new payload is finished (running attempts finished through
+`ledger.finish_attempts`, as the rollout pump does), and one snapshot is taken:
+
+* segments: what the snapshot pump does now (controller/snapshot_pump.py step 2b):
+  `seal_inline_payload` (the new payload into one new segment, written once and made
+  durable, samples pointed at it), then the cut (`store.capture`) and publication
+  (`Publisher.publish_rollout_snapshot`: fsync + BLAKE3 of the snapshot's files, the
+  manifest listing the segments). The first snapshot seals the whole payload in flight
+  once (an upgraded store's first snapshot): reported apart;
+* full copy: the same capture and publication of a store whose payload stays inline
+  (what every snapshot did before v1_6_a);
+* cp: ``cp`` of exactly the files the segments phase's snapshot wrote (its new segment
+  and its snapshot directory) into a scratch directory, then fsync of each and of the
+  directory: the floor for writing those bytes durably.
+
+Bytes written = the sizes of the new files (the new segment + the snapshot directory);
+also the process's `write_bytes` from /proc/self/io (bytes sent to the block layer,
+which counts the page cache's writeback of the capture's intermediate pages) less its
+`cancelled_write_bytes`. Goals (issue 16 item 7): bytes <= 2x the new payload + the
+metadata file; time within 2x of `cp` of what it writes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).parent))
+import benchlib  # noqa: E402
+from benchlib import say  # noqa: E402
+from rollout_payload import Layout, populate  # noqa: E402
+
+from rolloutdb.store import (
+    FinishedGeneration,
+    Publisher,
+    Reservation,
+    Retention,
+    Store,
+    ledger,
+    seal_inline_payload,
+    segments_dir_of,
+)
+from rolloutdb.store.checkpoints.retention import KeepNewestSnapshots
+
+BYTES_GOAL = 2.0  # x (new payload) + the metadata file
+TIME_GOAL = 2.0  # x cp of what it writes
+
+
+def io_counters() -> dict[str, int]:
+    out = {}
+    with open("/proc/self/io") as f:
+        for line in f:
+            k, v = line.split(":")
+            out[k.strip()] = int(v)
+    return out
+
+
+def tree_bytes(paths: list[Path]) -> int:
+    total = 0
+    for p in paths:
+        if p.is_file():
+            total += p.stat().st_size
+        else:
+            total += sum(q.stat().st_size for q in p.rglob("*") if q.is_file())
+    return total
+
+
+class Phase:
+    def __init__(self, name: str, live: Path, ckpt: Path, *, seal: bool, tokens: int):
+        self.name, self.seal = name, seal
+        self.store = Store.open(live, synchronous="NORMAL")
+        self.store.segments_dir = segments_dir_of(ckpt)
+        self.ckpt = ckpt
+        self.pub = Publisher(ckpt, retention=Retention(KeepNewestSnapshots(2)),
+                             live_references=self.store.segment_references if seal else None)
+        self.pub.publish_bootstrap(lambda d: (d / "weights.bin").write_bytes(b"\0" * 4096))
+        rng = np.random.default_rng(1)
+        self.sample = FinishedGeneration(rng.integers(0, 50_000, tokens, dtype=np.int32),
+                                         -rng.random(tokens, dtype=np.float32), 1.0, [(0, tokens)])
+        self.rows: list[dict] = []
+
+    def finish_new(self, count: int) -> int:
+        """Finish `count` running attempts (the bench reads their ids with SQL: set-up)."""
+        with self.store.read() as conn:
+            ids = [r[0] for r in conn.exec_driver_sql(
+                f"SELECT attempt_id FROM rollouts WHERE state = 'running' ORDER BY attempt_id LIMIT {count}").all()]
+        with self.store.atomic() as tx:
+            ledger.finish_attempts(tx, [(a, self.sample) for a in ids])
+        return len(ids)
+
+    def snapshot(self) -> dict:
+        seg_dir = segments_dir_of(self.ckpt)
+        before = set(seg_dir.iterdir()) if seg_dir.is_dir() else set()
+        os.sync()
+        io0 = io_counters()
+        t0 = time.perf_counter()
+        with self.pub.lock:
+            sealed = seal_inline_payload(self.store, self.ckpt) if self.seal else None
+            t_seal = time.perf_counter()
+            published = self.pub.publish_rollout_snapshot("bootstrap", lambda p: self.store.capture(p), "bench: 1\n")
+        wall = time.perf_counter() - t0
+        os.sync()  # so write_bytes counts what this snapshot made the disk write
+        io1 = io_counters()
+        new_segments = sorted(set(seg_dir.iterdir()) - before) if seg_dir.is_dir() else []
+        snap_files = [p for p in published.path.rglob("*") if p.is_file()]
+        return {
+            "wall_s": wall,
+            "seal_s": t_seal - t0,
+            "segment_bytes": tree_bytes(new_segments),
+            "snapshot_dir_bytes": tree_bytes([published.path]),
+            "store_file_bytes": (published.path / "rollout_state.sqlite").stat().st_size,
+            "disk_write_bytes": io1["write_bytes"] - io0["write_bytes"] - (io1["cancelled_write_bytes"]
+                                                                          - io0["cancelled_write_bytes"]),
+            "wchar": io1["wchar"] - io0["wchar"],
+            "files": [str(p) for p in new_segments + snap_files],
+            "sealed_rows": sealed.rows if sealed else 0,
+        }
+
+    def close(self) -> None:
+        self.pub.close()
+        self.store.close()
+
+
+def cp_floor(files: list[str], scratch: Path) -> float:
+    shutil.rmtree(scratch, ignore_errors=True)
+    scratch.mkdir()
+    os.sync()
+    t0 = time.perf_counter()
+    subprocess.run(["cp", *files, str(scratch)], check=True)
+    for p in scratch.iterdir():
+        fd = os.open(p, os.O_RDONLY)
+        os.fsync(fd)
+        os.close(fd)
+    fd = os.open(scratch, os.O_RDONLY | os.O_DIRECTORY)
+    os.fsync(fd)
+    os.close(fd)
+    return time.perf_counter() - t0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--payload-gb", type=float, default=1.0)
+    ap.add_argument("--groups", type=int, default=10_000)
+    ap.add_argument("--generations", type=int, default=8)
+    ap.add_argument("--sample-tokens", type=int, default=16384)
+    ap.add_argument("--new-mb", type=float, default=10.0, help="new payload per interval (MiB)")
+    ap.add_argument("--intervals", type=int, default=5)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--dir", type=Path, default=None)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    if args.quick:
+        args.payload_gb, args.groups, args.sample_tokens, args.new_mb, args.intervals = 0.005, 300, 1024, 0.1, 2
+    work = Path(tempfile.mkdtemp(prefix="bench_segments_", dir=args.dir))
+    result: dict = {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+                    "machine": benchlib.machine_line()}
+    try:
+        say(result["machine"])
+        t0 = time.perf_counter()
+        base = work / "base.sqlite"
+        store = Store.create(base, synchronous="OFF", replay_capacity=1024)
+        layout = Layout(in_flight=args.groups, num_generations=args.generations,
+                        payload_bytes=int(args.payload_gb * 2**30), sample_tokens=args.sample_tokens,
+                        finished_per_group=args.generations // 2)
+        counts = populate(store, layout, lambda s: Reservation(s, 0, s))
+        store.close()
+        say(f"built {counts['payload_bytes'] / 2**30:.3f} GiB in flight, {counts['samples']} samples, "
+            f"{args.groups} groups in {time.perf_counter() - t0:.0f} s")
+        per_sample = args.sample_tokens * 8
+        new_samples = max(1, int(args.new_mb * 2**20 // per_sample))
+        new_bytes = new_samples * per_sample
+        phases = {}
+        for name, seal in (("segments", True), ("full_copy", False)):
+            d = work / name
+            d.mkdir()
+            shutil.copyfile(base, d / "live.sqlite")
+            phases[name] = Phase(name, d / "live.sqlite", d / "checkpoints", seal=seal, tokens=args.sample_tokens)
+        base.unlink()
+        first = phases["segments"].snapshot()  # seals the whole payload in flight once
+        result["first_segments_snapshot"] = {k: v for k, v in first.items() if k != "files"}
+        say(f"first snapshot with segments (seals {first['sealed_rows']} samples once): {first['wall_s']:.2f} s, "
+            f"segment {first['segment_bytes'] / 2**20:.0f} MiB, snapshot dir {first['snapshot_dir_bytes'] / 2**20:.2f} MiB")
+        phases["full_copy"].snapshot()  # the same starting point: one snapshot taken
+        rows: dict[str, list[dict]] = {"segments": [], "full_copy": [], "cp": []}
+        for i in range(args.intervals):
+            order = ["segments", "full_copy"] if i % 2 == 0 else ["full_copy", "segments"]
+            for name in order:
+                ph = phases[name]
+                ph.finish_new(new_samples)
+                r = ph.snapshot()
+                rows[name].append(r)
+                if name == "segments":
+                    rows["cp"].append({"wall_s": cp_floor(r["files"], work / "cp"),
+                                       "bytes": r["segment_bytes"] + r["snapshot_dir_bytes"]})
+            s, f, c = rows["segments"][-1], rows["full_copy"][-1], rows["cp"][-1]
+            say(f"  interval {i + 1}: segments {s['wall_s']:.3f} s {(s['segment_bytes'] + s['snapshot_dir_bytes']) / 2**20:.2f} MiB; "
+                f"full copy {f['wall_s']:.3f} s {f['snapshot_dir_bytes'] / 2**20:.1f} MiB; cp {c['wall_s']:.3f} s")
+        for ph in phases.values():
+            ph.close()
+        med = lambda rs, k: statistics.median(r[k] for r in rs)  # noqa: E731
+        seg_written = med(rows["segments"], "segment_bytes") + med(rows["segments"], "snapshot_dir_bytes")
+        store_file = med(rows["segments"], "store_file_bytes")
+        summary = {
+            "new_payload_bytes": new_bytes,
+            "segments": {"wall_s": med(rows["segments"], "wall_s"), "seal_s": med(rows["segments"], "seal_s"),
+                         "bytes": seg_written, "segment_bytes": med(rows["segments"], "segment_bytes"),
+                         "snapshot_dir_bytes": med(rows["segments"], "snapshot_dir_bytes"), "store_file_bytes": store_file,
+                         "disk_write_bytes": med(rows["segments"], "disk_write_bytes")},
+            "full_copy": {"wall_s": med(rows["full_copy"], "wall_s"), "bytes": med(rows["full_copy"], "snapshot_dir_bytes"),
+                          "disk_write_bytes": med(rows["full_copy"], "disk_write_bytes")},
+            "cp": {"wall_s": med(rows["cp"], "wall_s"), "bytes": med(rows["cp"], "bytes")},
+        }
+        bound = BYTES_GOAL * new_bytes + store_file
+        summary["bytes_goal"] = {"bound": bound, "met": seg_written <= bound}
+        summary["time_goal"] = {"ratio_to_cp": summary["segments"]["wall_s"] / summary["cp"]["wall_s"]}
+        summary["time_goal"]["met"] = summary["time_goal"]["ratio_to_cp"] <= TIME_GOAL
+        result["rows"] = {k: [{kk: vv for kk, vv in r.items() if kk != "files"} for r in v] for k, v in rows.items()}
+        result["summary"] = summary
+        mib = 2**20
+        say(f"\nmedian of {args.intervals} intervals, {new_bytes / mib:.1f} MiB new payload each, "
+            f"{counts['payload_bytes'] / 2**30:.2f} GiB in flight:")
+        say(f"  segments : {summary['segments']['wall_s']:.3f} s (seal {summary['segments']['seal_s']:.3f} s), "
+            f"{seg_written / mib:.2f} MiB written (segment {summary['segments']['segment_bytes'] / mib:.2f} + snapshot dir "
+            f"{summary['segments']['snapshot_dir_bytes'] / mib:.2f}), disk write_bytes {summary['segments']['disk_write_bytes'] / mib:.1f} MiB")
+        say(f"  full copy: {summary['full_copy']['wall_s']:.3f} s, {summary['full_copy']['bytes'] / mib:.1f} MiB written, "
+            f"disk write_bytes {summary['full_copy']['disk_write_bytes'] / mib:.1f} MiB")
+        say(f"  cp       : {summary['cp']['wall_s']:.3f} s for the same {summary['cp']['bytes'] / mib:.2f} MiB")
+        say(f"  bytes: {seg_written / mib:.2f} MiB <= 2 x {new_bytes / mib:.2f} + store file {store_file / mib:.2f} = "
+            f"{bound / mib:.2f} MiB: {'met' if summary['bytes_goal']['met'] else 'MISSED'}; "
+            f"full copy / segments {summary['full_copy']['bytes'] / seg_written:.0f}x")
+        say(f"  time: {summary['time_goal']['ratio_to_cp']:.2f}x cp (goal <= {TIME_GOAL:.0f}x: "
+            f"{'met' if summary['time_goal']['met'] else 'MISSED'}); full copy / segments "
+            f"{summary['full_copy']['wall_s'] / summary['segments']['wall_s']:.1f}x")
+        benchlib.write_json(args.json, result)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,270 @@
+"""Payload segments on disk: sealing the live store's inline payload into an immutable
+segment, checking the segments a snapshot lists, and removing the ones nothing needs.
+
+    CHECKPOINT_DIR/
+      payload_segments/
+        segment_<n>.sqlite      one table `payload` (store/live/payload.py says why SQLite)
+        .segment_<n>.sqlite.seal.<pid>.tmp     being written (a crash leaves it; next save removes it)
+        .segment_<n>.sqlite.<pid>.trash        being removed (idem)
+
+Sealing (`seal_inline_payload`), called by the snapshot pump before its cut, under the
+save lock, in this order:
+
+1. read the samples whose payload is still inline (a read transaction, outside any cut:
+   a finished sample never changes, it can only be deleted when its group is trained);
+2. write them into a new segment file through the one file commit (`fsio.write_file_atomic`:
+   temporary name, fsync, rename, fsync the directory), hashing it (BLAKE3, the hash of
+   manifest format 2) before the rename. A segment is never opened for writing again;
+3. write transactions record it in ``payload_segments`` and point those samples at it,
+   dropping their inline BLOBs (`payload.record_segment`, `payload.point_at_segment`),
+   a few MiB of payload per transaction (`POINT_STEP_BYTES`: the pumps wait for one
+   step at most);
+4. the pages the dropped BLOBs leave are given back (`Store.reclaim_free_pages`).
+
+So a reference is never committed before its segment is durable. A crash before 3
+leaves a segment no store file references (or a temporary file); the next save removes
+it (`remove_unreferenced`), and a restore never looks at it. A crash during 3 leaves
+some samples pointed and the rest inline (each sample is one or the other: two CHECK
+constraints); the next seal writes the rest into a new segment. The snapshot taken right
+after captures a store file without that payload; its manifest lists the segments the
+file references with the checksum recorded at sealing (`referenced_entries`), so a
+snapshot costs its new payload once plus its metadata file, not the payload in flight.
+
+Removal: a segment goes only when neither a kept snapshot's manifest, nor a snapshot
+being published (held or in progress: `pinned`), nor the live store references it, and
+only when the caller can say what the live store references (a Publisher without
+`live_references` removes no segment). The removal renames to a trash name, fsyncs the
+directory, then unlinks: as retention removes a snapshot directory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+import sqlite3
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from .. import faults
+from ..fsio import TEMP_SUFFIX, TRASH_SUFFIX, fsync_dir, rename, trash_path_beside, write_file_atomic
+from ..live.payload import (
+    SEGMENT_DDL,
+    SEGMENT_FORMAT,
+    SEGMENT_TABLE,
+    SEGMENTS_DIR,
+    file_references,
+    inline_payloads,
+    next_segment_id,
+    point_at_segment,
+    record_segment,
+    referenced_segments,
+    segment_file_name,
+    segments_dir_of,
+)
+from ..sqlite.readonly import open_readonly
+from .hashing import BLAKE3, Hashing
+from .manifest import FileEntry
+
+log = logging.getLogger(__name__)
+
+_NAME = re.compile(r"^segment_(\d+)\.sqlite$")
+# Segment pages: SQLite's default 4 KiB. A row larger than a page keeps only a small
+# local part on its leaf page and fills whole overflow pages with the rest, so the waste
+# stays under one leaf slot per row. Measured with 1024-token samples (8 KiB a row):
+# 16 KiB pages held one row per page (a row fits locally, two do not), 2.0x the payload;
+# 4 KiB pages 1.0x.
+PAGE_SIZE = 4096
+# Payload pointed at its segment per write transaction. Dropping the inline BLOBs frees
+# their overflow pages (~1 per 4 KiB); 10 MiB in one transaction held the write lock
+# 40-115 ms (bench/bench_snapshot_segments.py profile), so the pumps wait for one step
+# of this size at most.
+POINT_STEP_BYTES = 2 * 1024 * 1024
+
+
+def _steps(rows: list[tuple[int, bytes, bytes]], limit: int) -> list[list[int]]:
+    """Sample ids in runs of about `limit` bytes of payload (at least one sample each)."""
+    out: list[list[int]] = [[]]
+    size = 0
+    for sid, tok, lp in rows:
+        if out[-1] and size + len(tok) + len(lp) > limit:
+            out.append([])
+            size = 0
+        out[-1].append(sid)
+        size += len(tok) + len(lp)
+    return out
+
+
+@dataclass
+class Sealed:
+    """One sealing: the new segment and what it took."""
+
+    file_name: str
+    path: Path
+    rows: int  # samples written into the segment
+    pointed: int  # of them, still in the store when the reference was committed
+    bytes: int
+    digest: str
+    timings: dict[str, float]
+
+
+def segment_number(name: str) -> int | None:
+    """n of `segment_<n>.sqlite`, also of its temporary or trash names; else None."""
+    if name.startswith(".") and (name.endswith(TEMP_SUFFIX) or name.endswith(TRASH_SUFFIX)):
+        name = name[1:].split(".sqlite", 1)[0] + ".sqlite"
+    m = _NAME.match(name)
+    return int(m.group(1)) if m else None
+
+
+def _highest_on_disk(directory: Path) -> int:
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return 0
+    return max([n for n in map(segment_number, names) if n is not None] + [0])
+
+
+def _build(rows: list[tuple[int, bytes, bytes]], hashing: Hashing, out: dict):
+    def build(tmp: Path) -> None:
+        with contextlib.closing(sqlite3.connect(tmp, isolation_level=None)) as conn:
+            # No journal, no fsync: the file is fsynced once by the commit that publishes
+            # it, and a crash before that leaves only a temporary file.
+            conn.execute("PRAGMA journal_mode = OFF")
+            conn.execute("PRAGMA synchronous = OFF")
+            conn.execute(f"PRAGMA page_size = {PAGE_SIZE}")
+            conn.execute(f"PRAGMA user_version = {SEGMENT_FORMAT}")
+            conn.execute("BEGIN")
+            conn.execute(SEGMENT_DDL)
+            conn.executemany(f"INSERT INTO {SEGMENT_TABLE} (sample_id, token_ids, logprobs) VALUES (?, ?, ?)", rows)
+            conn.execute("COMMIT")
+        faults.point("segment.built")
+        out["size"], out["digest"] = hashing.file(tmp)
+
+    return build
+
+
+def seal_inline_payload(store, checkpoint_dir: str | Path, *, hashing: Hashing = BLAKE3) -> Sealed | None:
+    """Move the live store's inline payload into one new segment (module docstring,
+    steps 1-3). None when no payload is inline. The caller holds the save lock (no
+    retention or other sealing runs meanwhile). Raises OSError on a failing disk (the
+    samples keep their inline payload; the temporary file is removed)."""
+    t0 = time.perf_counter()
+    with store.read() as conn:
+        rows = inline_payloads(conn)
+        from_store = next_segment_id(conn)
+    if not rows:
+        return None
+    directory = segments_dir_of(checkpoint_dir)
+    if not directory.is_dir():
+        directory.mkdir(parents=True, exist_ok=True)
+        fsync_dir(directory.parent)
+    # Above the store's sequence and above every name on disk: a restore to an older
+    # snapshot rewinds the store's sequence, while the newer branch's segments may still be
+    # there (until retention removes them); a name is never reused for other bytes.
+    number = max(from_store, _highest_on_disk(directory) + 1)
+    name = segment_file_name(number)
+    path = directory / name
+    t_read = time.perf_counter()
+    out: dict = {}
+    write_file_atomic(path, _build(rows, hashing, out), tag="seal")
+    faults.point("segment.durable")
+    t_written = time.perf_counter()
+    pointed = 0
+    for k, step in enumerate(_steps(rows, POINT_STEP_BYTES)):
+        with store.atomic() as tx:
+            if k == 0:
+                record_segment(tx, number, name, out["digest"], out["size"], len(rows))
+            pointed += point_at_segment(tx, number, step)
+    faults.point("segment.referenced")
+    t_referenced = time.perf_counter()
+    store.reclaim_free_pages()  # the sealed payload's pages leave the live file (and every later copy of it)
+    return Sealed(name, path, len(rows), pointed, out["size"], out["digest"], {
+        "seal_read": t_read - t0, "seal_write": t_written - t_read, "seal_reference": t_referenced - t_written,
+        "seal_vacuum": time.perf_counter() - t_referenced})
+
+
+# --------------------------------------------------------------------------- manifests
+
+
+def referenced_entries(db_path: str | Path) -> list[FileEntry]:
+    """The segments a captured store file references, as manifest entries (file name,
+    size, BLAKE3 recorded when the segment was sealed): no segment is read again."""
+    with contextlib.closing(open_readonly(db_path)) as conn:
+        return [FileEntry(r.file_name, r.bytes, r.blake3) for r in referenced_segments(conn)]
+
+
+def verify_segments(checkpoint_dir: str | Path, entries: Iterable[FileEntry], hashing: Hashing,
+                    where: str) -> list[str]:
+    """Every listed segment against its size and checksum (a full read). One line per
+    problem, naming the segment; empty when sound."""
+    directory = segments_dir_of(checkpoint_dir)
+    problems = []
+    for e in entries:
+        if segment_number(e.path) is None or e.path.startswith("."):
+            problems.append(f"{where}: lists segment {e.path!r}, not a segment file name")
+            continue
+        path = directory / e.path
+        if not path.is_file():
+            problems.append(f"{path}: missing (the snapshot's manifest lists this payload segment)")
+            continue
+        size, digest = hashing.file(path)
+        if size != e.size:
+            problems.append(f"{path}: payload segment of size {size} bytes, manifest says {e.size}")
+        elif digest != e.digest:
+            problems.append(f"{path}: payload segment's {hashing.name} differs from the manifest "
+                            "(the segment was changed or damaged)")
+    return problems
+
+
+def unlisted_references(db_path: str | Path, entries: Iterable[FileEntry]) -> list[str]:
+    """Segments the store file references that its manifest does not list."""
+    listed = {e.path for e in entries}
+    return sorted(file_references(db_path) - listed)
+
+
+# --------------------------------------------------------------------------- removal
+
+
+@dataclass
+class SegmentReport:
+    removed: list[Path]
+    errors: list[str]
+
+
+def remove_unreferenced(checkpoint_dir: str | Path, keep: set[str]) -> SegmentReport:
+    """Remove every segment not in `keep`, and leftovers (temporary and trash files of
+    an earlier crash). Renamed to a trash name, the directory fsynced, then unlinked.
+    Failures are reported, never raised (the next save retries)."""
+    directory = segments_dir_of(checkpoint_dir)
+    report = SegmentReport([], [])
+    try:
+        names = sorted(os.listdir(directory))
+    except FileNotFoundError:
+        return report
+    for name in names:
+        path = directory / name
+        number = segment_number(name)
+        if number is None or name in keep:
+            continue
+        try:
+            if not name.startswith("."):
+                trash = trash_path_beside(path)
+                rename(path, trash)
+                fsync_dir(directory)
+                faults.point("segment.trashed")
+                path = trash
+            path.unlink(missing_ok=True)
+            faults.point("segment.removed")
+            report.removed.append(directory / name)
+        except OSError as e:
+            msg = f"retention: could not remove segment {directory / name} ({e.strerror or e}); will retry at the next save"
+            log.warning(msg)
+            report.errors.append(msg)
+    return report
+
+
+__all__ = ["SEGMENTS_DIR", "Sealed", "SegmentReport", "referenced_entries", "remove_unreferenced",
+           "seal_inline_payload", "segment_number", "unlisted_references", "verify_segments"]
