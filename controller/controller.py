@@ -28,7 +28,7 @@ from rolloutdb.controller.sampler import PromptOrder, StalenessBound
 from rolloutdb.controller.snapshot_pump import SnapshotPump
 from rolloutdb.controller.train_pump import TrainPump
 from rolloutdb.controller.trainer_checkpoints import TrainerCheckpoints
-from rolloutdb.store import Store, faults, open_tracer
+from rolloutdb.store import Store, faults, open_tracer, segments_dir_of
 
 
 @dataclass
@@ -105,6 +105,9 @@ class Controller:
                 self.restored_cut = done.restore_plan.cut_time
         else:
             self.store = self.create_store()
+        # Where the samples' sealed payload is read from, whether or not this run takes
+        # snapshots (a store resumed with rollout_checkpointing off still references them).
+        self.store.segments_dir = segments_dir_of(self.dirs.checkpoints)
         if done is not None:
             resuming.announce(self, done)
         self.agents = build.build_agents(cfg, self.engine, config_path=self.dirs.config, policy_dir=policy_dir,

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from rolloutdb.config import ConfigError, load_config
 from rolloutdb.controller.run_dir import RunDir
-from rolloutdb.store import LedgerAudit, NotAStoreError, audit_ledger, ledger
+from rolloutdb.store import LedgerAudit, NotAStoreError, audit_ledger, ledger, store_segment_problems
 
 
 @dataclass
@@ -41,5 +41,8 @@ def verify_run(run_dir: str | Path, *, algorithm_reasons: frozenset[str] = ledge
     dirs = RunDir(Path(run_dir))
     groups_per_step = run_groups_per_step(dirs.config)
     audit = audit_ledger(dirs.store, groups_per_step=groups_per_step, algorithm_reasons=algorithm_reasons)
+    # The payload the live store keeps in segments (W2-G): each one it references, read whole
+    # and checked against the size and BLAKE3 recorded when it was sealed.
+    audit.problems.extend(store_segment_problems(dirs.store, dirs.checkpoints))
     fields = {f.name: getattr(audit, f.name) for f in dataclasses.fields(audit)}
     return RunVerdict(**fields, run_dir=dirs.root)

@@ -65,7 +65,7 @@ from .checkpoints.publish import (
     SnapshotStage,
 )
 from .checkpoints.staged import TrainerStage, begin_trainer_checkpoint
-from .checkpoints.segments import Sealed, seal_inline_payload
+from .checkpoints.segments import Sealed, seal_inline_payload, store_segment_problems
 from .live.payload import payload_counts, segments_dir_of
 from .checkpoints.retention import (
     KeepNewestSnapshotPerAnchor,
@@ -182,6 +182,7 @@ __all__ = [
     "scan",
     "seal_inline_payload",
     "segments_dir_of",
+    "store_segment_problems",
     # restore
     "LATEST",
     "LedgerAudit",

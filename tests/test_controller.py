@@ -146,3 +146,14 @@ def test_a_policy_whose_groups_are_all_flat_still_finishes_the_run(tmp_path):
     conn = sqlite3.connect(run_dir / "rollout_state.sqlite")
     discarded = settled.discarded_for(conn, "zero_reward_variance")
     assert discarded >= 6
+
+
+def test_a_run_without_rollout_snapshots_still_knows_where_its_store_reads_sealed_payload(tmp_path):
+    # The snapshot pump seals payload into CHECKPOINT_DIR/payload_segments; a run resumed
+    # with rollout_checkpointing off has no snapshot pump but may hold samples sealed
+    # before the stop: its store must still be pointed at the segments (else SegmentMissing).
+    run_dir = tmp_path / "run"
+    ctl = Controller(_config(rollout_checkpointing={"enabled": False}, algorithm={"total_steps": 1}), run_dir)
+    ctl.run()
+    assert ctl.snapshotter is None
+    assert ctl.store.segments_dir == run_dir / "checkpoints" / "payload_segments"

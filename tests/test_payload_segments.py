@@ -511,3 +511,28 @@ def test_a_segment_only_a_snapshot_being_published_references_is_kept_until_it_i
         assert verify_path(published.path).ok
     finally:
         r.close()
+
+
+def test_verify_of_a_run_directory_reads_every_segment_its_live_store_references(run):
+    """`rolloutdb verify RUN_DIR` checks the live store's segments too (not only a
+    snapshot's): a byte flipped in one after the run is named, with exit 1."""
+    run.finish_groups(2, tokens=20)
+    sealed, _ = run.snapshot()
+    run.close()
+    run_dir = run.live.parent
+    (run_dir / "config.yaml").write_text("algorithm:\n  groups_per_step: 2\n")
+
+    def verify() -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "rolloutdb", "verify", str(run_dir)], capture_output=True,
+                              text=True, timeout=120)
+
+    intact = verify()
+    assert intact.returncode == 0 and sealed.file_name not in intact.stdout + intact.stderr, intact.stderr
+    data = bytearray(sealed.path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    sealed.path.chmod(0o644)
+    sealed.path.write_bytes(bytes(data))
+    damaged = verify()
+    assert damaged.returncode == 1, damaged.stdout + damaged.stderr
+    assert sealed.file_name in damaged.stderr and "blake3 differs from" in damaged.stderr, damaged.stderr
+    assert "payload_segments" in damaged.stderr, damaged.stderr  # who recorded the checksum: the store

@@ -27,7 +27,9 @@ Verify what PATH is:
                              every snapshot under it;
   a checkpoint directory     every trainer checkpoint and snapshot in it;
   a run directory            (holding rollout_state.sqlite and config.yaml) exactly-once
-                             over every stop: prints trained=N discarded=M duplicated=D lost=L.
+                             over every stop: prints trained=N discarded=M duplicated=D lost=L;
+                             and every payload segment the live store references, against
+                             the size and BLAKE3 it recorded when sealing it.
 Exit 0 when sound. Otherwise exit 1 and print one line per problem starting with
 "error:" (exit 2 when PATH itself is unusable). Nothing on disk is changed: files are
 opened read-only and no -wal/-shm files are created.

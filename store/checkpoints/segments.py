@@ -197,9 +197,9 @@ def referenced_entries(db_path: str | Path) -> list[FileEntry]:
 
 
 def verify_segments(checkpoint_dir: str | Path, entries: Iterable[FileEntry], hashing: Hashing,
-                    where: str) -> list[str]:
+                    where: str, lister: str = "the manifest") -> list[str]:
     """Every listed segment against its size and checksum (a full read). One line per
-    problem, naming the segment; empty when sound."""
+    problem, naming the segment and who listed it (`lister`); empty when sound."""
     directory = segments_dir_of(checkpoint_dir)
     problems = []
     for e in entries:
@@ -208,15 +208,23 @@ def verify_segments(checkpoint_dir: str | Path, entries: Iterable[FileEntry], ha
             continue
         path = directory / e.path
         if not path.is_file():
-            problems.append(f"{path}: missing (the snapshot's manifest lists this payload segment)")
+            problems.append(f"{path}: missing ({lister} lists this payload segment)")
             continue
         size, digest = hashing.file(path)
         if size != e.size:
-            problems.append(f"{path}: payload segment of size {size} bytes, manifest says {e.size}")
+            problems.append(f"{path}: payload segment of size {size} bytes, {lister} says {e.size}")
         elif digest != e.digest:
-            problems.append(f"{path}: payload segment's {hashing.name} differs from the manifest "
+            problems.append(f"{path}: payload segment's {hashing.name} differs from {lister} "
                             "(the segment was changed or damaged)")
     return problems
+
+
+def store_segment_problems(store_path: str | Path, checkpoint_dir: str | Path) -> list[str]:
+    """Every segment a store file references (a live store: `rolloutdb verify RUN_DIR`)
+    against the size and BLAKE3 recorded when it was sealed: a full read of each. One
+    line per problem, naming the segment; empty when sound or when nothing is sealed."""
+    return verify_segments(checkpoint_dir, referenced_entries(store_path), BLAKE3, where=str(store_path),
+                           lister=f"{store_path}'s payload_segments")
 
 
 def unlisted_references(db_path: str | Path, entries: Iterable[FileEntry]) -> list[str]:
