@@ -56,10 +56,17 @@ no code starts:
 - `ray-engine-pool`: with `cluster.backend: ray`, completes the callers' futures from the
   engine workers' answers and replaces a lost worker (`gpu_capture/ray_workers.py`);
   Ray's own threads only queue the answers for it. Takes only the pool's lock (a leaf).
+- `ray-env-pool`: with `cluster.environment_workers` > 0, the same for the environment
+  workers' step answers (`controller/ray_environments.py`): completes the steps' futures
+  (the rollout pump takes them from its completion queue) and replaces a lost worker.
+  Takes only its pool's lock (a leaf).
 - `rolloutdb-agent-start_<n>`: at setup, starts the agent server processes the
   controller owns, in parallel (a pool that ends with setup).
 - `rolloutdb-restore-hash`: during a restore, a one-thread pool that hashes each copied
   range while the next one is read (`copy_hashing`).
+- `rolloutdb-restore-segments`: during a restore, hashes the payload segments the snapshot
+  lists, in place (never copied), while the store file is restored; the restore waits for
+  its verdict before it replaces the live store (`store/restore/plan.py`).
 
 Lock order (a thread holding one may take only those to its right; nobody takes one to
 the left of a lock it holds):

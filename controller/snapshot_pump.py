@@ -218,7 +218,7 @@ class SnapshotPump:
             with self.publisher.lock:
                 seal_inline_payload(self.p.store, self.publisher.root)
         except Exception as e:  # noqa: BLE001 - the payload stays inline and is sealed later
-            log.warning("rolloutdb: sealing payload failed (%s: %s); the next snapshot retries", type(e).__name__, e)
+            log.warning("rolloutdb: sealing payload failed (%s); the next snapshot retries", _one_line(e))
 
     def wake(self, *, force: bool = False) -> None:
         """Take an attempt now."""
@@ -370,7 +370,7 @@ class SnapshotPump:
             try:
                 sealed = seal_inline_payload(self.p.store, self.publisher.root)
             except Exception as e:  # noqa: BLE001 - a full disk fails this attempt, not the run; the payload stays inline
-                return AttemptResult("failed", anchor, timings=timings, error=f"sealing payload: {type(e).__name__}: {e}")
+                return AttemptResult("failed", anchor, timings=timings, error=f"sealing payload: {_one_line(e)}")
             if sealed is not None:
                 timings.update(sealed.timings, seal=time.perf_counter() - t_seal)
 
@@ -599,3 +599,10 @@ class SnapshotPump:
         # continue (`continue_from`), which a retire would remove before they start.
         with self.p.store.read() as conn:
             return queries.episode_keys(conn, "abandoned", except_reason="restart")
+
+
+def _one_line(e: BaseException) -> str:
+    """`Type: message` on one line: SQLAlchemy's errors append a "(Background on this
+    error at: ...)" line, and an attempt's error goes into one metrics line and one row."""
+    text = str(e).splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"

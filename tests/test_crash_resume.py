@@ -34,6 +34,9 @@ def test_killing_the_main_job_at_fault_points_and_random_moments_loses_nothing(t
             if p not in ("resume.after_restore", "pump.after_turn_commit") and p not in controller_points.ASYNC_POINTS
             and p not in controller_points.ENV_POINTS]
     plan.insert(3, ("resume.after_restore", None))  # kills a resume in the middle of the chain
+    # Sealing payload into a segment (W2-G): killed after the segment is durable and before
+    # any sample points at it, so the chain's later saves must remove it and restores ignore it.
+    plan.insert(6, ("segment.durable@2", None))
     plan += [(None, rng.uniform(0.2, 2.5)) for _ in range(3)]
     result = run_chain(tmp_path / "run", plan)
     assert not result.problems, result.problems
@@ -110,7 +113,12 @@ def test_hundreds_of_kills_over_many_chains_never_lose_or_duplicate_a_prompt(tmp
     RELIABILITY.md."""
     started = time.time()
     total_kills, chains, restored, kept = 0, 0, 0, 0
-    points = list(controller_points.POINTS) + list(faults.POINTS)
+    # Sealing's points fire at every snapshot with new payload; retention's removal of a
+    # segment (segment.trashed, .removed) only once a snapshot holding one retires, which a
+    # chain may not reach (a point that never fires ends the plan early): those two are
+    # killed by tests/test_payload_segments.py's child processes and by the segment chain below.
+    points = list(controller_points.POINTS) + list(faults.POINTS) + ["segment.built", "segment.durable",
+                                                                     "segment.referenced"]
     seed = 0
     while total_kills < 200:
         rng = random.Random(seed)
@@ -133,3 +141,27 @@ def test_hundreds_of_kills_over_many_chains_never_lose_or_duplicate_a_prompt(tmp
               f"{result.episodes_restored} episodes restored, kept {result.kept_per_stop}", flush=True)
     print(f"\nlong tier ({config.name}): {total_kills} kills over {chains} chains in {time.time() - started:.0f} s; "
           f"{restored} episodes restored at their committed turn, {kept} tokens kept")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("config", [GROUP_LEVEL, TURN_LEVEL, PREFIX_LEVEL], ids=lambda c: c.name)
+def test_a_chain_killed_at_every_segment_point_loses_nothing_and_leaves_no_dangling_reference(tmp_path,
+                                                                                            config: HarnessConfig):
+    """Payload segments under SIGKILL in the real controller: sealing (a segment built,
+    durable but unreferenced, referenced) and retention's removal of one (trashed,
+    removed), among random kills; every check of the chain after each kill (`verify`, the
+    snapshot chain, no segment referenced and missing) and the twin at the end. About 150 s
+    per configuration on 2 cores. Every planned point must land: a point that never fired
+    would let the run end and the rest of the plan kill nothing."""
+    if config is GROUP_LEVEL:  # 5 short steps: a third seal, or a retired segment, may never come
+        plan = [("segment.durable@1", None), ("segment.referenced@1", None), (None, 1.0), ("segment.built@1", None),
+                (None, 2.0)]
+    else:
+        plan = [("segment.durable@2", None), ("segment.referenced@1", None), (None, 1.0), ("segment.built@3", None),
+                ("segment.referenced@3", None), ("segment.trashed@1", None), (None, 2.0), ("segment.removed@1", None)]
+    result = run_chain(tmp_path / "run", plan, config=config)
+    assert not result.problems, result.problems
+    assert result.finished
+    planned = [p for p, _ in plan if p is not None]
+    assert [k for k in result.killed_at if k.startswith("segment.")] == planned, result.killed_at

@@ -215,15 +215,18 @@ def test_a_full_disk_during_sqlites_own_snapshot_copy_fails_the_attempt_and_lose
         assert failed["errno"] == {"tmpfs": errno.ENOSPC, "rlimit_fsize": errno.EIO}[mode], failed
         assert ("ENOSPC" if mode == "tmpfs" else "EIO") in failed["message"]
         assert "snapshot_2" in failed["message"]
-        # Through the snapshot pump, as the controller takes it: a failed attempt on the
-        # next number, and one outcome row per pump attempt in the live store (a second
-        # connection), written while the disk is still full, matching the metrics line.
-        assert (pump_failed["outcome"], pump_failed["sequence"]) == ("failed", 3), pump_failed
-        assert pump_failed["line"] == ["failed", 3, pump_failed["error"]]
+        # Through the snapshot pump, as the controller takes it: the pump seals the store's
+        # inline payload into a segment before its cut (W2-G), and that write is the first
+        # the full disk fails, before a number is handed out. One outcome row per pump
+        # attempt in the live store (a second connection), written while the disk is still
+        # full, matching the metrics line; the error is one line.
+        assert (pump_failed["outcome"], pump_failed["sequence"]) == ("failed", None), pump_failed
+        assert pump_failed["line"] == ["failed", None, pump_failed["error"]]
         with contextlib.closing(sqlite3.connect(f"file:{live}?mode=ro", uri=True)) as conn:
             rows = conn.execute("SELECT outcome, snapshot_seq, error FROM snapshot_attempts ORDER BY attempt_seq").fetchall()
-        assert rows == [("published", 1, None), ("failed", 3, pump_failed["error"])]
-        assert pump_failed["error"].startswith("OperationalError: "), pump_failed
+        assert rows == [("published", 1, None), ("failed", None, pump_failed["error"])]
+        assert pump_failed["error"].startswith("sealing payload: OperationalError: "), pump_failed
+        assert "\n" not in pump_failed["error"], pump_failed
         # The previous snapshot is intact and still what a resume restores, decided from
         # the manifests on disk and by the selection code alike.
         assert {p.name: p.read_bytes() for p in first.iterdir()} == first_bytes
@@ -240,7 +243,7 @@ def test_a_full_disk_during_sqlites_own_snapshot_copy_fails_the_attempt_and_lose
             filler.unlink()
         child.say("again")
         again = child.read()
-        assert again["outcome"] == "published" and again["sequence"] > 3, again
+        assert again["outcome"] == "published" and again["sequence"] > 2, again
         target = first.parent / f"snapshot_{again['sequence']}"
         assert newest_usable_snapshot(ckpt) == (again["sequence"], str(target))
         assert select_for_restore(ckpt).snapshot.path == target

@@ -536,3 +536,26 @@ def test_verify_of_a_run_directory_reads_every_segment_its_live_store_references
     assert damaged.returncode == 1, damaged.stdout + damaged.stderr
     assert sealed.file_name in damaged.stderr and "blake3 differs from" in damaged.stderr, damaged.stderr
     assert "payload_segments" in damaged.stderr, damaged.stderr  # who recorded the checksum: the store
+
+
+def test_a_sample_trained_while_a_seal_runs_never_lends_its_id_to_a_newer_sample_the_seal_then_points(run,
+                                                                                                    second_connection):
+    """Sealing reads the inline payload, writes the segment (seconds for a big one), then
+    points the ids it read at it. The newest group trained in between (its samples
+    deleted) and a new sample finished: the new one must not take a read id (AUTOINCREMENT)
+    and so keep its own payload inline, not be pointed at the trained one's."""
+    from rolloutdb.store.live.payload import inline_payloads, point_at_segment, record_segment
+
+    groups = run.finish_groups(2, tokens=8)
+    with run.store.read() as conn:
+        read_ids = [r[0] for r in inline_payloads(conn)]
+    run.store.mark_trained([groups[-1]], step=1)  # the newest samples leave
+    (newer,) = run.finish_groups(1, tokens=5)
+    with run.store.atomic() as tx:
+        record_segment(tx, 1, "segment_1.sqlite", "0" * 64, 0, len(read_ids))
+        point_at_segment(tx, 1, read_ids)
+    conn = second_connection(run.live)
+    rows = conn.execute("SELECT sample_id, segment_id, length(token_ids) FROM samples WHERE group_id = ? "
+                        "ORDER BY generation_index", (newer,)).fetchall()
+    assert [r[1:] for r in rows] == [(None, 5 * 4), (None, 5 * 4)], rows  # inline, its own 5 int32 tokens
+    assert not {r[0] for r in rows} & set(read_ids), (rows, read_ids)

@@ -15,7 +15,7 @@ it; the snapshot's store file then holds the references, not the payload.
   again), ``file_name`` (unique), ``blake3`` (of the whole file, as the manifests list
   it), ``bytes``, ``rows``, ``created_at``.
 * ``samples.segment_id``: nullable, references ``payload_segments``; ``token_ids`` and
-  ``logprobs`` become nullable. Either the payload is inline (``segment_id`` NULL, both
+  ``logprobs`` become nullable; ``sample_id`` becomes AUTOINCREMENT (never reused). Either the payload is inline (``segment_id`` NULL, both
   BLOBs set) or it is in the segment (both NULL): two CHECK constraints.
 
 No data moves: an upgraded file keeps its payload inline, and its next snapshot seals it.
@@ -65,7 +65,9 @@ def upgrade() -> None:
         sa.UniqueConstraint("file_name", name="uq_payload_segments_file_name"),
         sqlite_autoincrement=True,
     )
-    with op.batch_alter_table("samples", copy_from=_SAMPLES_V1_4_A) as batch:
+    # AUTOINCREMENT: a sample id is never handed out again, so the ids a seal read still
+    # name the same samples when it points them at the segment (schema.Sample).
+    with op.batch_alter_table("samples", copy_from=_SAMPLES_V1_4_A, table_kwargs={"sqlite_autoincrement": True}) as batch:
         batch.alter_column("token_ids", existing_type=sa.LargeBinary, nullable=True)
         batch.alter_column("logprobs", existing_type=sa.LargeBinary, nullable=True)
         batch.add_column(sa.Column("segment_id", sa.Integer, nullable=True))

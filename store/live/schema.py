@@ -205,6 +205,10 @@ class Sample(Base):
         UniqueConstraint("group_id", "generation_index"),
         CheckConstraint("(segment_id IS NULL) = (token_ids IS NOT NULL)", name="payload_inline_or_segment"),
         CheckConstraint("(token_ids IS NULL) = (logprobs IS NULL)", name="payload_together"),
+        # A sample id is never handed out again (v1_6_a): sealing reads the inline payload,
+        # writes the segment, then points the ids it read at it; a trained sample deleted
+        # meanwhile must not lend its id to a new sample, which would be pointed at another's payload.
+        {"sqlite_autoincrement": True},
     )
 
     sample_id: Mapped[int] = mapped_column(Integer, primary_key=True)
