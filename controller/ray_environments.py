@@ -45,7 +45,7 @@ from typing import Any
 from rolloutdb.config import Config
 from rolloutdb.controller.env_steps import EnvironmentWorkerLost
 from rolloutdb.controller.episodes import StepOutcome, step_environment
-from rolloutdb.gpu_capture.ray_workers import MAX_DEATHS_IN_A_ROW, NAMESPACE, import_ray
+from rolloutdb.gpu_capture.ray_workers import NAMESPACE, WorkerSlots, import_ray
 
 
 class EnvironmentWorker:
@@ -75,9 +75,11 @@ class _Slot:
     broken: str | None = None  # why the slot was given up
 
 
-class EnvironmentWorkerPool:
+class EnvironmentWorkerPool(WorkerSlots):
     """`workers` environment actors for the run `config` (policy tokenizer from
     `policy_dir`), each reserving `worker_cpus` CPUs. See the module docstring."""
+
+    _kind = "environment worker"
 
     def __init__(self, config: Config, policy_dir: str | Path, *, workers: int, worker_cpus: float = 1.0,
                  name: str | None = None):
@@ -118,28 +120,6 @@ class EnvironmentWorkerPool:
         """A new actor in `slot`, named so an operator (or a test) can find it."""
         slot.actor = self._actor_class.options(name=f"{self._name}-w{slot.index}.{slot.generation}",
                                                **self._options).remote(self._config, self._policy_dir)
-
-    def _lost(self, slot: _Slot, actor: Any, error: BaseException) -> None:
-        """`actor` (which ran in `slot`) is gone: replace it, once, unless the slot keeps dying."""
-        with self._lock:
-            if slot.actor is not actor or self._closed:
-                return  # already replaced
-            slot.deaths += 1
-            slot.generation += 1
-            self.replacements += 1
-            if slot.deaths > MAX_DEATHS_IN_A_ROW:
-                slot.broken = f"environment worker {slot.index} died {slot.deaths} times in a row; the last: {error}"
-                slot.actor = None
-                return
-            self._start(slot)
-
-    def workers(self) -> list[Any]:
-        """The live actors, slot by slot (None for a slot given up)."""
-        with self._lock:
-            return [s.actor for s in self._slots]
-
-    def worker_pids(self) -> list[int]:
-        return [d["pid"] for d in self._ray.get([a.describe.remote() for a in self.workers() if a is not None])]
 
     def load_per_worker(self) -> list[int]:
         with self._lock:

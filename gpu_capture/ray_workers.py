@@ -198,13 +198,54 @@ class _Slot:
         return acks
 
 
-class RayEnginePool:
+class WorkerSlots:
+    """What both Ray pools (engine workers here, environment workers in
+    controller/ray_environments.py) share about their slots: a dead actor is replaced
+    once, a slot that keeps dying is given up, and the live actors are listed. A pool
+    sets `_lock`, `_slots`, `_closed`, `replacements`, `_ray`, `_kind` and `_start(slot)`."""
+
+    _kind = "worker"
+    _lock: threading.Lock
+    _slots: list[Any]
+    _closed: bool
+    replacements: int
+    _ray: Any
+
+    def _start(self, slot: Any) -> None:
+        raise NotImplementedError
+
+    def _lost(self, slot: Any, actor: Any, error: BaseException) -> None:
+        """`actor` (which ran in `slot`) is gone: replace it, once, unless the slot keeps dying."""
+        with self._lock:
+            if slot.actor is not actor or self._closed:
+                return  # already replaced
+            slot.deaths += 1
+            slot.generation += 1
+            self.replacements += 1
+            if slot.deaths > MAX_DEATHS_IN_A_ROW:
+                slot.broken = f"{self._kind} {slot.index} died {slot.deaths} times in a row; the last: {error}"
+                slot.actor = None
+                return
+            self._start(slot)
+
+    def workers(self) -> list[Any]:
+        """The live actors, slot by slot (None for a slot given up)."""
+        with self._lock:
+            return [s.actor for s in self._slots]
+
+    def worker_pids(self) -> list[int]:
+        return [d["pid"] for d in self._ray.get([a.describe.remote() for a in self.workers() if a is not None])]
+
+
+class RayEnginePool(WorkerSlots):
     """GenerationEngine and PrefixCapture over `workers` Ray actors, each running
     `factory()` (a picklable callable that builds one engine). `address`: None starts a
     local cluster (`ray.init`, `num_cpus` CPUs, Ray's files under `temp_dir` or
     $RAY_TMPDIR) unless Ray is already initialised in this process; else the address of
     a running cluster to join. Each worker reserves `worker_cpus` CPUs and `worker_gpus`
     GPUs. See the module docstring for routing, the cut and faults."""
+
+    _kind = "engine worker"
 
     def __init__(self, factory: Callable[[], Any], *, workers: int = 1, address: str | None = None,
                  num_cpus: int | None = None, worker_cpus: float = 1.0, worker_gpus: float = 0.0,
@@ -271,28 +312,6 @@ class RayEnginePool:
         slot.actor = self._actor_class.options(name=name, **self._options).remote(
             self._factory, self._weights, self._version)
         slot.acks = []
-
-    def _lost(self, slot: _Slot, actor: Any, error: BaseException) -> None:
-        """`actor` (which ran in `slot`) is gone: replace it, once, unless the slot keeps dying."""
-        with self._lock:
-            if slot.actor is not actor or self._closed:
-                return  # already replaced
-            slot.deaths += 1
-            slot.generation += 1
-            self.replacements += 1
-            if slot.deaths > MAX_DEATHS_IN_A_ROW:
-                slot.broken = f"engine worker {slot.index} died {slot.deaths} times in a row; the last: {error}"
-                slot.actor = None
-                return
-            self._start(slot)
-
-    def workers(self) -> list[Any]:
-        """The live actors, slot by slot (None for a slot given up)."""
-        with self._lock:
-            return [s.actor for s in self._slots]
-
-    def worker_pids(self) -> list[int]:
-        return [d["pid"] for d in self._ray.get([a.describe.remote() for a in self.workers() if a is not None])]
 
     def load_per_worker(self) -> list[int]:
         """Calls in progress on each slot's worker (what routing compares)."""
