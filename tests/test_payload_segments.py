@@ -465,8 +465,8 @@ def test_the_snapshot_pump_seals_the_payload_before_its_cut_so_its_snapshot_hold
 def test_a_cut_the_train_pump_waits_for_never_waits_for_a_seal_and_the_pump_seals_right_after(pump, tmp_path):
     snapshotter, store, g, thread = pump
     thread.start()
-    assert snapshotter.anchor_new_checkpoint(0, timeout=20) is True
-    deadline = time.monotonic() + 20
+    assert snapshotter.anchor_new_checkpoint(0, timeout=120) is True
+    deadline = time.monotonic() + 120
     while not (snapshotter.results and store.segment_references()):  # sealed by the loop after the attempt
         assert time.monotonic() < deadline, "the pump never sealed the payload after the attempt"
         time.sleep(0.02)

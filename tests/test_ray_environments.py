@@ -33,7 +33,7 @@ def cluster():
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _temp_dir=temp)
     yield temp
     ray.shutdown()
-    deadline = time.monotonic() + 20
+    deadline = time.monotonic() + 60
     while ray_processes(temp) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not ray_processes(temp)

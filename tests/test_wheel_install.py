@@ -56,8 +56,16 @@ def install_wheel(tmp: Path, pyproject_text: str | None = None) -> Path:
     # build-system.requires names (the environment's own setuptools may be older).
     run(sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp / "dist"), str(src), cwd=tmp)
     (wheel,) = (tmp / "dist").glob("rolloutdb-*.whl")
-    run(sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(tmp / "venv"), cwd=tmp)
+    run(sys.executable, "-m", "venv", "--without-pip", str(tmp / "venv"), cwd=tmp)
     python = tmp / "venv" / "bin" / "python"
+    # The dependencies come from the interpreter running the tests. `--system-site-packages`
+    # would give the *base* interpreter's packages, not this venv's, when the tests run in a
+    # venv (as a user runs them): then nothing imports. A path file lists this interpreter's
+    # site directories instead, after the new venv's own, so rolloutdb comes from the wheel.
+    # Lines of a .pth are added to sys.path without running that directory's own .pth files,
+    # so an editable install of the source tree stays out of the new venv.
+    (site,) = (tmp / "venv" / "lib").glob("python3*/site-packages")
+    (site / "_test_deps.pth").write_text("\n".join(p for p in sys.path if p.endswith("site-packages")) + "\n")
     run(sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "-q", str(wheel), cwd=tmp)
     return python
 
