@@ -15,7 +15,8 @@ from pathlib import Path
 
 from rolloutdb.config import ConfigError, load_config
 from rolloutdb.controller.run_dir import RunDir
-from rolloutdb.store import LedgerAudit, NotAStoreError, audit_ledger, ledger, store_segment_problems
+from rolloutdb.store import (LedgerAudit, NotAStoreError, RecordDamaged, audit_ledger, ledger,
+                             store_segment_problems)
 
 
 @dataclass
@@ -40,7 +41,10 @@ def verify_run(run_dir: str | Path, *, algorithm_reasons: frozenset[str] = ledge
     side files created). `algorithm_reasons`: the discard reasons that settle a group."""
     dirs = RunDir(Path(run_dir))
     groups_per_step = run_groups_per_step(dirs.config)
-    audit = audit_ledger(dirs.store, groups_per_step=groups_per_step, algorithm_reasons=algorithm_reasons)
+    try:
+        audit = audit_ledger(dirs.store, groups_per_step=groups_per_step, algorithm_reasons=algorithm_reasons)
+    except RecordDamaged as e:  # a forged settled record: nothing can be counted over it
+        raise NotAStoreError(f"{dirs.store}: {e}") from None
     # The payload the live store keeps in segments (W2-G): each one it references, read whole
     # and checked against the size and BLAKE3 recorded when it was sealed.
     audit.problems.extend(store_segment_problems(dirs.store, dirs.checkpoints))

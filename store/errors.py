@@ -38,6 +38,13 @@ class ReadOnlyViolation(StoreError):
     """A statement given to a read-only tool would change the file."""
 
 
+class RecordDamaged(StoreError):
+    """A row the store decodes itself (the settled record: `settled_steps`,
+    `discard_reasons`, `settled_prompts`) holds a value of the wrong type or size: the
+    file is damaged or forged. The message names the table and the row; a caller that
+    knows the file prefixes its path."""
+
+
 # --------------------------------------------------------------------------- restore
 
 

@@ -30,6 +30,7 @@ from rolloutdb.store import (
     STATE_TABLES,
     NotAStoreError,
     QueryTimeout,
+    RecordDamaged,
     head_revision,
     identify,
     listing_manifest,
@@ -131,6 +132,8 @@ def run(args: argparse.Namespace) -> int:
     except sqlite3.DatabaseError as e:
         raise NotAStoreError(f"{path}: unreadable SQLite file ({' '.join(str(e).split())}); "
                              "run `rolloutdb verify` or restore another snapshot") from e
+    except RecordDamaged as e:  # the settled record's decoder names the table and row
+        raise NotAStoreError(f"{path}: {e}") from None
     finally:
         conn.close()
     return 0

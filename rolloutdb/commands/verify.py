@@ -22,14 +22,19 @@ Verify what PATH is:
                              file has (older is fine and said so; unknown is an error;
                              head: {head}), the four invariants, and the checksums of
                              every file when a manifest.json sits beside it;
-  a snapshot directory       every file against its manifest.json, then the file checks;
+  a snapshot directory       every file against its manifest.json, then the file checks,
+                             every payload segment it lists (size, checksum), and every
+                             sample's payload in the segment its store file names;
   a trainer checkpoint       (bootstrap/, step_<N>/) its files against its manifest, and
                              every snapshot under it;
   a checkpoint directory     every trainer checkpoint and snapshot in it;
   a run directory            (holding rollout_state.sqlite and config.yaml) exactly-once
                              over every stop: prints trained=N discarded=M duplicated=D lost=L;
                              and every payload segment the live store references, against
-                             the size and BLAKE3 it recorded when sealing it.
+                             the size and BLAKE3 it recorded when sealing it, each sample's
+                             payload in the segment named. A segment (or payload_segments/)
+                             resolving outside the checkpoint directory is refused, as a
+                             manifest's file is.
 Exit 0 when sound. Otherwise exit 1 and print one line per problem starting with
 "error:" (exit 2 when PATH itself is unusable). Nothing on disk is changed: files are
 opened read-only and no -wal/-shm files are created.

@@ -68,7 +68,7 @@ from .manifest import (
     read_manifest,
 )
 from .retention import Retention, RetentionReport, apply_retention, default_retention, remove_leftovers, remove_tree
-from .segments import referenced_entries, remove_unreferenced
+from .segments import copy_problems, referenced_entries, remove_unreferenced, segment_path
 from ..live.payload import file_references, segments_dir_of
 
 log = logging.getLogger(__name__)
@@ -230,7 +230,9 @@ def _listed_segments(root: Path, db_path: Path) -> list[FileEntry]:
     directory = segments_dir_of(root)
     for e in entries:
         try:
-            size = os.stat(directory / e.path).st_size
+            size = os.stat(segment_path(root, e.path, str(db_path))).st_size
+        except ManifestError as err:  # a symlink out of the checkpoint directory: as verify refuses it
+            raise PublishError(f"{err}; the snapshot is not published", path=directory / e.path) from None
         except FileNotFoundError:
             raise PublishError(f"{directory / e.path}: the captured store references this payload segment and it is "
                                "missing; the snapshot is not published", path=directory / e.path) from None
@@ -238,6 +240,10 @@ def _listed_segments(root: Path, db_path: Path) -> list[FileEntry]:
             raise PublishError(f"{directory / e.path}: payload segment of {size} bytes, sealed as {e.size}; the snapshot "
                                "is not published", path=directory / e.path)
     return entries
+
+
+class CopyRefused(PublishError):
+    """The captured copy fails `segments.copy_problems`: not published, earlier ones stand."""
 
 
 class SnapshotStage:
@@ -511,6 +517,11 @@ class Publisher:
                         raise PublishError(f"{stage.db_path}: nothing was captured into the stage", path=stage.target)
                     revision, counts, states = _read_revision(stage.db_path)
                     segments = _listed_segments(self.root, stage.db_path)
+                    t_check = time.perf_counter()
+                    for problem in copy_problems(self.root, stage.db_path)[:1]:  # what verify would refuse
+                        raise CopyRefused(f"{stage.target}: the captured copy fails its checks: {problem}; the snapshot "
+                                          "is not published (earlier snapshots are intact)", path=stage.target)
+                    timings = {"check_copy": time.perf_counter() - t_check}
                     record_high_water(self.root, stage.sequence)  # before anyone can delete it
                     if config_text is not None:
                         write_file(stage.tmp / CONFIG_FILE, config_text.encode() if isinstance(config_text, str) else config_text)
@@ -527,7 +538,7 @@ class Publisher:
                         timings=dict(getattr(capture, "timings", None) or {}),
                         segments=segments,
                     )
-                    timings = commit_directory(stage.tmp, stage.target, manifest)
+                    timings.update(commit_directory(stage.tmp, stage.target, manifest))
                 except OSError as e:
                     raise _fail("rollout snapshot", stage.target, e) from e
                 except NotAStoreError as e:
@@ -590,6 +601,6 @@ class Publisher:
 
 
 __all__ = [
-    "BOOTSTRAP", "AnchorNotDurable", "BackgroundWorkError", "PublishError", "Published", "Publisher",
+    "BOOTSTRAP", "AnchorNotDurable", "BackgroundWorkError", "CopyRefused", "PublishError", "Published", "Publisher",
     "SnapshotStage", "commit_directory", "record_high_water", "rename_into_place", "seal_directory",
 ]

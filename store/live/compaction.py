@@ -43,7 +43,7 @@ from dataclasses import dataclass
 
 from sqlalchemy import Connection, delete, select
 
-from ..errors import IllegalTransition
+from ..errors import IllegalTransition, RecordDamaged
 from ..sqlite.prepared import Prepared, _driver, in_json, json_ids
 from .schema import T
 
@@ -56,17 +56,54 @@ OPEN = 0  # code of a position not settled in a `settled_steps` row
 TRAINED = -1  # in memory only: a position trained at its row's step (not in the blob)
 
 
-def _varints(blob: bytes) -> list[int]:
-    out, value, shift = [], 0, 0
+# A position, a length or a reason code fits in SQLite's 64-bit integer: 10 bytes of
+# LEB128. A longer varint is damage or forgery, refused before Python builds (in time
+# quadratic in its length) an integer too long to print.
+MAX_VARINT_BYTES = 10
+
+
+def _where(seq_start: object) -> str:
+    return f"settled_steps row seq_start={seq_start if isinstance(seq_start, int) else type(seq_start).__name__}"
+
+
+def _varints(blob: bytes, where: str = "settled_steps") -> list[int]:
+    out, value, shift, size = [], 0, 0, 0
     for byte in blob:
+        size += 1
+        if size > MAX_VARINT_BYTES:
+            raise RecordDamaged(f"{where}: others holds a varint longer than {MAX_VARINT_BYTES} bytes; "
+                                "the record is damaged: restore another snapshot")
         value |= (byte & 0x7F) << shift
         shift += 7
         if not byte & 0x80:
             out.append(value)
-            value, shift = 0, 0
+            value, shift, size = 0, 0, 0
     if shift or len(out) % 3:
-        raise ValueError(f"settled_steps.others: truncated blob {blob.hex()}")
+        raise RecordDamaged(f"{where}: others is a truncated blob ({len(blob)} bytes); "
+                            "the record is damaged: restore another snapshot")
     return out
+
+
+def _sql_type(value: object) -> str:
+    return {int: "INTEGER", float: "REAL", str: "TEXT", bytes: "BLOB"}.get(type(value), type(value).__name__)
+
+
+def check_types(where: str, row: Sequence[object], columns: Sequence[tuple[str, str]]) -> None:
+    """Refuse a row whose columns are not of the declared SQLite types (SQLite stores
+    any type in any column: a forged file can hold TEXT where a BLOB belongs). Each of
+    `columns` is (name, expected): "int", "int?" (or NULL), "text", "text?", "blob?"."""
+    for value, (name, expected) in zip(row, columns):
+        kind = expected.rstrip("?")
+        if value is None and expected.endswith("?"):
+            continue
+        ok = {"int": type(value) is int, "text": type(value) is str, "blob": type(value) is bytes}[kind]
+        if not ok:
+            want = {"int": "INTEGER", "text": "TEXT", "blob": "BLOB"}[kind] + (" or NULL" if expected.endswith("?") else "")
+            raise RecordDamaged(f"{where}: {name} is {_sql_type(value) if value is not None else 'NULL'}, "
+                                f"expected {want}; the record is damaged: restore another snapshot")
+
+
+_STEP_COLUMNS = (("seq_start", "int"), ("seq_end", "int"), ("others", "blob?"))
 
 
 def decode_row(seq_start: int, seq_end: int, others: bytes | None) -> list[tuple[int, int, int]]:
@@ -74,10 +111,13 @@ def decode_row(seq_start: int, seq_end: int, others: bytes | None) -> list[tuple
     [seq_start, seq_end) in order: code TRAINED, OPEN or a discard reason's code. The
     only decoder of the blob: `queries.settled_runs` (the one reader of the record)
     expands rows through it, and the writer below rewrites a row through it and
-    `encode_row`."""
+    `encode_row`. Raises RecordDamaged naming the row when a column is not of its type
+    or the blob is not a sequence of (gap, length, code) varints."""
+    where = _where(seq_start)
+    check_types(where, (seq_start, seq_end, others), _STEP_COLUMNS)
     runs: list[tuple[int, int, int]] = []
     at = seq_start
-    values = _varints(others or b"")
+    values = _varints(others or b"", where)
     for i in range(0, len(values), 3):
         gap, length, code = values[i:i + 3]
         if gap:

@@ -147,6 +147,19 @@ def referenced_segments(conn: Connection | sqlite3.Connection) -> list[SegmentRe
     return [SegmentRef(*r) for r in conn.exec_driver_sql(sql).all()]
 
 
+def sample_references(conn: sqlite3.Connection) -> dict[str, list[int]]:
+    """Segment file name -> the ids of the samples that point at it (sorted): what a
+    store file says each segment must hold. Empty for a file from before v1_6_a."""
+    tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    if "payload_segments" not in tables:
+        return {}
+    out: dict[str, list[int]] = {}
+    for name, sid in conn.execute("SELECT p.file_name, s.sample_id FROM samples s JOIN payload_segments p "
+                                  "ON p.segment_id = s.segment_id ORDER BY p.file_name, s.sample_id"):
+        out.setdefault(name, []).append(sid)
+    return out
+
+
 def file_references(path: str | Path) -> set[str]:
     """The segment file names a store file (live or a snapshot's) references, read
     through `open_readonly` (a live store with a WAL is read from a private copy)."""

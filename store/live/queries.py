@@ -19,7 +19,7 @@ from sqlalchemy import Connection, func, select
 
 from ..sqlite.prepared import Prepared, _driver, in_json, json_ids
 from . import codec, payload
-from .compaction import OPEN, TRAINED, decode_row
+from .compaction import OPEN, TRAINED, check_types, decode_row
 from .pools import episode_key
 from .schema import T
 
@@ -262,19 +262,34 @@ def settled_runs(conn: Connection | sqlite3.Connection) -> list[SettledRun]:
     raw = conn if isinstance(conn, sqlite3.Connection) else _driver(conn)
     out: list[SettledRun] = []
     if _table(raw, "settled_steps"):
-        reasons = dict(raw.execute("SELECT code, reason FROM discard_reasons").fetchall())
+        reasons = {}
+        for row in raw.execute("SELECT code, reason FROM discard_reasons"):
+            check_types(f"discard_reasons row code={row[0]!r:.40}", row, _REASON_COLUMNS)
+            reasons[row[0]] = row[1]
         for start, end, trained, target, others in raw.execute(
                 "SELECT seq_start, seq_end, trained_step, target_step, others FROM settled_steps"):
-            for a, b, code in decode_row(start, end, others):
+            runs = decode_row(start, end, others)  # refuses a row of the wrong types, naming it
+            check_types(f"settled_steps row seq_start={start}", (trained, target), _STAMP_COLUMNS)
+            for a, b, code in runs:
                 if code == TRAINED:
                     out.append(SettledRun(a, b, "trained", trained, target, None))
                 elif code != OPEN:
                     out.append(SettledRun(a, b, "discarded", None, None, reasons.get(code, f"unknown code {code}")))
     elif _table(raw, "settled_ranges"):
-        out = [SettledRun(*r) for r in raw.execute(
-            "SELECT seq_start, seq_end, outcome, trained_step, target_step, discard_reason FROM settled_ranges")]
+        for row in raw.execute("SELECT seq_start, seq_end, outcome, trained_step, target_step, discard_reason "
+                               "FROM settled_ranges"):
+            check_types(f"settled_ranges row seq_start={row[0]!r:.40}", row, _RANGE_COLUMNS)
+            out.append(SettledRun(*row))
     out.sort(key=lambda r: (r.start, r.end))
     return out
+
+
+# The declared types of the settled record's other columns (SQLite keeps any type in any
+# column: a forged file is refused naming the row, not failed in arithmetic later).
+_REASON_COLUMNS = (("code", "int"), ("reason", "text"))
+_STAMP_COLUMNS = (("trained_step", "int?"), ("target_step", "int?"))
+_RANGE_COLUMNS = (("seq_start", "int"), ("seq_end", "int"), ("outcome", "text"), ("trained_step", "int?"),
+                  ("target_step", "int?"), ("discard_reason", "text?"))
 
 
 def settled_counts(conn: Connection | sqlite3.Connection) -> dict[str, int]:

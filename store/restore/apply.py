@@ -64,7 +64,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from ..checkpoints.layout import ENV_EXPORT, SNAPSHOT_DB, anchor_step
-from ..errors import RestoreError, SnapshotDamaged
+from ..errors import RecordDamaged, RestoreError, SnapshotDamaged
 from ..fsio import SQLITE_SIDE_SUFFIXES, remove_sqlite_file, replace_file, temp_path_beside
 from ..live import pools
 from ..live.store import Store
@@ -207,6 +207,8 @@ def restore_snapshot(
             segment_check.result()
         with phases("replace"):
             _replace_live(copy, live)
+    except RecordDamaged as e:  # a forged settled record, found by its one decoder: another snapshot may be sound
+        raise SnapshotDamaged(f"{source}: {e}", source) from None
     except OSError as e:  # a failing disk: one line, like every other refusal
         name = errno_mod.errorcode.get(e.errno or 0, "EIO")
         raise RestoreError(f"{live}: restore failed in phase {phases.current}: {e.strerror or e} [{name}]; the snapshot "

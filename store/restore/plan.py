@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..checkpoints.layout import SNAPSHOT_DB, SNAPSHOTS_DIR
-from ..checkpoints.segments import unlisted_references, verify_segments
+from ..checkpoints.segments import missing_payload, read_sample_references, unlisted_references, verify_segments
 from ..checkpoints.manifest import (
     KIND_SNAPSHOT,
     Manifest,
@@ -156,17 +156,20 @@ class SegmentCheck:
     `result()` waits and raises SnapshotDamaged naming the first damaged segment. A
     restore refused earlier leaves the thread to finish its reads (it writes nothing)."""
 
-    def __init__(self, snapshot_dir: Path, manifest: Manifest):
+    def __init__(self, snapshot_dir: Path, manifest: Manifest, references: dict[str, list[int]] | None = None):
         self.snapshot_dir = snapshot_dir
         self.problems: list[str] | None = None
         self.error: BaseException | None = None
         self._thread: threading.Thread | None = None
         if manifest.segments:
             where = str(snapshot_dir / "manifest.json")
+            checkpoint_dir = snapshot_dir.parents[2]
 
             def run() -> None:
                 try:
-                    self.problems = verify_segments(snapshot_dir.parents[2], manifest.segments, manifest.hashing, where)
+                    self.problems = verify_segments(checkpoint_dir, manifest.segments, manifest.hashing, where)
+                    if not self.problems:  # `verify`'s check: each sample's payload in the segment named
+                        self.problems = missing_payload(checkpoint_dir, references or {}, str(snapshot_dir / SNAPSHOT_DB))
                 except BaseException as e:  # noqa: BLE001 - re-raised by result()
                     self.error = e
 
@@ -192,6 +195,7 @@ def verify_listed_segments(snapshot_dir: Path, manifest: Manifest, copy: Path) -
     where = str(snapshot_dir / "manifest.json")
     try:
         unlisted = unlisted_references(copy, manifest.segments)
+        references = read_sample_references(copy)  # read here: the copy changes once the thread runs
     except (NotAStoreError, sqlite3.DatabaseError) as e:
         raise SnapshotDamaged(f"{snapshot_dir / SNAPSHOT_DB}: unreadable payload references ({e}); "
                               "restore another snapshot", snapshot_dir / SNAPSHOT_DB) from None
@@ -202,7 +206,7 @@ def verify_listed_segments(snapshot_dir: Path, manifest: Manifest, copy: Path) -
         raise SnapshotDamaged(f"{where}: lists payload segments, which are found only where the snapshot was "
                               "published (CHECKPOINT_DIR/<anchor>/rollout_snapshots/); restore it from there",
                               snapshot_dir)
-    return SegmentCheck(snapshot_dir, manifest)
+    return SegmentCheck(snapshot_dir, manifest, references)
 
 
 def check_integrity(copy: Path, source: Path, rows: list[str] | None = None) -> None:
@@ -272,8 +276,9 @@ def check_run_meta(conn: sqlite3.Connection, source: Path, *, config_fingerprint
                           "restore a snapshot of this run (`rolloutdb snapshots RUN_DIR/checkpoints`)", ["run_id"])
     try:
         saved_forest = json.loads(forest_text)
-    except json.JSONDecodeError:
-        raise SnapshotDamaged(f"{source}: run_meta.forest_training is not JSON; restore another snapshot", source) from None
+    except (ValueError, RecursionError):  # also an integer of more digits than Python converts (4300)
+        raise SnapshotDamaged(f"{source}: run_meta.forest_training is not JSON rolloutdb wrote; restore another snapshot",
+                              source) from None
     differences, fields = [], []
     if cfg != config_fingerprint:
         fields.append("config_fingerprint")

@@ -13,7 +13,7 @@ import sqlite3
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import NotAStoreError, SchemaTooNewError
+from ..errors import NotAStoreError, RecordDamaged, SchemaTooNewError
 from ..live.invariants import check_invariants
 from ..checkpoints.layout import (
     BAD_MANIFEST,
@@ -35,7 +35,7 @@ from ..checkpoints.manifest import (
     read_manifest,
     verify_files,
 )
-from ..checkpoints.segments import unlisted_references, verify_segments
+from ..checkpoints.segments import missing_payload, read_sample_references, unlisted_references, verify_segments
 from ..sqlite.identity import identify
 from ..sqlite.integrity import integrity_problems
 from ..sqlite.readonly import listing_manifest, open_readonly
@@ -136,6 +136,9 @@ def _check_open_file(path: Path, conn: sqlite3.Connection, report: Report) -> No
     except sqlite3.DatabaseError as e:
         report.problems.append(f"{path}: could not check invariants: {e}")
         return
+    except RecordDamaged as e:  # the settled record's decoder names the table and row
+        report.problems.append(f"{path}: {e}")
+        return
     report.problems += [f"{path}: {p}" for p in inv.problems]
 
 
@@ -196,6 +199,8 @@ def _verify_snapshot_segments(path: Path, db: Path, manifest: Manifest) -> Repor
         return report
     checkpoint_dir = path.parents[2]
     report.problems += verify_segments(checkpoint_dir, manifest.segments, manifest.hashing, where)
+    if not report.problems:  # every sample's payload in the segment its store file names
+        report.problems += missing_payload(checkpoint_dir, read_sample_references(db), str(db))
     report.checked += [str(checkpoint_dir / "payload_segments" / e.path) for e in manifest.segments]
     return report
 
