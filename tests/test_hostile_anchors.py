@@ -125,6 +125,48 @@ def _assert_finished_healthy(run_dir: Path) -> None:
     assert result.returncode == 0 and "duplicated=0 lost=0" in result.stdout, result.stdout + result.stderr
 
 
+# ------------------------------------------------------------------ an anchor that cannot be loaded
+
+
+@pytest.mark.parametrize("damage", [_truncated, _renamed, _broadcastable_shape],
+                         ids=["truncated", "renamed weight", "weight of a broadcastable shape"])
+def test_an_anchor_the_trainer_cannot_load_is_passed_over_and_the_run_finishes_from_the_previous_pair(run_copy, damage):
+    _forge(run_copy, NEWEST, damage)
+    assert select_for_restore(run_copy / "checkpoints").anchor.anchor == NEWEST  # every checksum verifies
+    result = train(run_copy, "--resume")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"resumed from {NEWEST}/" not in result.stderr
+    assert f"resumed from {PREVIOUS}/" in result.stderr, result.stderr
+    announced = [line for line in result.stderr.splitlines() if "passed over" in line and NEWEST in line]
+    assert len(announced) == 1 and "cannot load" in announced[0], result.stderr
+    assert not [line for line in result.stderr.splitlines() if line.startswith("error:")], result.stderr
+    (restore,) = metrics(run_copy, "restore")
+    assert restore["anchor"] == PREVIOUS
+    assert any(NEWEST in p and "cannot load" in p for p in restore["passed_over"]), restore["passed_over"]
+    _assert_finished_healthy(run_copy)
+
+
+def test_a_snapshot_named_whose_anchor_cannot_be_loaded_is_refused_in_one_line_and_changes_nothing(run_copy):
+    path = _forge(run_copy, NEWEST, _truncated)
+    snapshot = max((path / "rollout_snapshots").glob("snapshot_*"), key=lambda p: int(p.name.split("_")[1]))
+    before = digest(run_copy)
+    result = train(run_copy, "--resume", str(snapshot))
+    line = _one_refusal(result, NEWEST, "cannot load", "SafetensorError")
+    assert "--resume latest" in line
+    assert digest(run_copy) == before
+
+
+def test_when_no_anchor_can_be_loaded_the_resume_is_refused_in_one_line_naming_each_and_changes_nothing(run_copy):
+    anchors = [a.anchor for a in scan(run_copy / "checkpoints").complete_anchors()]
+    for anchor in anchors:
+        _forge(run_copy, anchor, _truncated)
+    before = digest(run_copy)
+    result = train(run_copy, "--resume")
+    line = _one_refusal(result, "cannot load", "--start-over", *anchors)
+    assert "unexpected" not in line
+    assert digest(run_copy) == before
+
+
 # ------------------------------------------------------------------ a full disk under the trainer's writes
 
 # policy.hidden_size=256: the step checkpoint's optimizer file is ~10.6 MB and its weights
@@ -209,3 +251,22 @@ def test_a_full_disk_under_safetensors_is_a_publish_error_naming_enospc_and_the_
     assert not [p for p in ckpt.iterdir() if p.name.startswith(".")]  # the temporary directory is gone
     assert {p.name: p.read_bytes() for p in (ckpt / "bootstrap").iterdir()} == bootstrap
 
+
+def test_optimizer_moments_of_another_shape_are_refused_at_load_not_at_the_first_step(tmp_path):
+    """torch's Optimizer.load_state_dict takes moments of any shape; the trainer checks
+    them against their parameters, so such an anchor fails at load (and is passed over)."""
+    policy = build_tiny_policy(tmp_path / "policy", seed=0, hidden_size=32, num_layers=1, num_heads=4,
+                               intermediate_size=64, alphabet=TASK_ALPHABET)
+    trainer = GRPOTrainer(policy, GRPOConfig(seed=0))
+    prompt = [1, 5, 6]
+    trainer.train_step([TrainGroup(0, 0, [Completion(prompt, t, trainer.logprobs_of(prompt, t), [0] * 3, r)
+                                          for t, r in (([5, 6, 2], 1.0), ([7, 7, 2], 0.0))])])
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    trainer.save_checkpoint(ckpt)
+    tensors = load_file(ckpt / "trainer_state.safetensors")
+    name = next(k for k in tensors if k.endswith(".exp_avg") and tensors[k].dim() == 2)
+    tensors[name] = tensors[name][0].clone()  # broadcastable: the first step would not even notice at once
+    save_file(tensors, ckpt / "trainer_state.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=rf"optimizer state {name.split('.')[2]}\.exp_avg has shape"):
+        GRPOTrainer(policy, GRPOConfig(seed=0)).load_checkpoint(ckpt)
