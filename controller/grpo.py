@@ -349,6 +349,16 @@ class GRPOTrainer:
             if key.startswith(prefix):
                 idx, name = key[len(prefix):].split(".", 1)
                 state.setdefault(int(idx), {})[name] = value
+        # torch's load_state_dict takes moments of any shape; the first step would fail on them
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        for index, entry in state.items():
+            if not 0 <= index < len(params):
+                raise ValueError(f"checkpoint {directory} has optimizer state for parameter {index}; "
+                                 f"the model has {len(params)}")
+            for key, value in entry.items():
+                if torch.is_tensor(value) and value.dim() and value.shape != params[index].shape:
+                    raise ValueError(f"checkpoint {directory}: optimizer state {index}.{key} has shape "
+                                     f"{tuple(value.shape)}, its parameter's is {tuple(params[index].shape)}")
         groups = doc["optimizer"]["param_groups"]
         for g in groups:
             if "betas" in g:
@@ -382,7 +392,9 @@ def _dedup_shared(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def _load_weights(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor]) -> None:
     """Copy saved tensors into the live parameters (the optimizer keeps pointing at
-    them); a name missing from the file is only allowed for a tied alias."""
+    them); a name missing from the file is only allowed for a tied alias, and every
+    shape must be the model's (`copy_` would broadcast a (64,) tensor into a (128, 64)
+    weight without a word)."""
     live = model.state_dict()
     by_ptr: dict[int, str] = {}
     for name, t in live.items():
@@ -394,6 +406,9 @@ def _load_weights(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor]) -
                 if by_ptr[t.data_ptr()] != name and by_ptr[t.data_ptr()] in tensors:
                     continue  # tied to a tensor already loaded
                 raise KeyError(f"checkpoint lacks weight {name}")
+            if src.shape != t.shape:
+                raise ValueError(f"checkpoint weight {name} has shape {tuple(src.shape)}, "
+                                 f"the model's is {tuple(t.shape)}")
             t.copy_(src)
     extra = sorted(set(tensors) - set(live))
     if extra:

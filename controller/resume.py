@@ -9,7 +9,8 @@ redo first.
 2. `restore_run`: the weights first (the anchor's trainer checkpoint, pushed to the
    engine), then the store (`rolloutdb.store.restore`: schema, integrity, run settings,
    replay, ledger with restart normalization, spare pool, cursor check). With `latest`,
-   a pair that fails is passed over for the next sound one. The live store is the first
+   a pair that fails (its store, or an anchor the trainer cannot load) is passed over
+   for the next sound one. The live store is the first
    thing written; a refusal before it leaves the run directory as it was.
 3. `announce`, once the logs are open: every snapshot or anchor passed over and why,
    the anchors of the cut-off branch removed, on stderr and in the metrics.
@@ -35,6 +36,7 @@ from rolloutdb.controller.run_dir import RunDir
 from rolloutdb.controller.tracing import RolloutTrace
 from rolloutdb.store import (
     BOOTSTRAP,
+    AnchorDamaged,
     LATEST,
     NoRestorableSnapshot,
     NothingToRestore,
@@ -57,6 +59,7 @@ if TYPE_CHECKING:
     from sqlalchemy import Row
 
 RESTORE, START_OVER, START_OVER_EMPTY = "restore", "start_over", "start_over_empty"
+MAX_DETAIL = 300  # characters of a loading error quoted in its one line
 
 
 class ResumeError(ValueError):
@@ -141,7 +144,7 @@ def restore_run(ctl) -> Restored:
         return Restored(plan, t0=t0)
 
     def load_weights(selection: Selection) -> None:
-        ctl.trainer.load_checkpoint(selection.anchor.path)  # its files were checked against its manifest
+        load_anchor(ctl.trainer, selection.anchor.path)  # its files were checked against its manifest
         ctl.engine.load_weights(ctl.trainer.export_weights(), ctl.trainer.step)
 
     check_server_modes(ctl.config, plan.selection.snapshot.path if plan.selection else None)
@@ -162,6 +165,24 @@ def restore_run(ctl) -> Restored:
         for g in sorted(restore_plan.redispatch + restore_plan.to_finalize, key=lambda g: g.sample_seq)
     ]
     return Restored(plan, store, groups, restore_plan, dropped, t0=t0)
+
+
+def load_anchor(trainer, path: Path) -> None:
+    """`trainer.load_checkpoint(path)`; a failure to load is the anchor's: its files
+    match their manifest, but the trainer that wrote them wrote them bad (a truncated
+    safetensors file sealed as it was, weights of another shape), so no resume can start
+    from it. Raised as `AnchorDamaged`, one line: `select_and_restore` passes over the
+    anchor's snapshots for the next sound pair (with `latest`) or refuses the snapshot
+    named. A trainer left half-loaded is loaded again whole from the next anchor (every
+    weight, the optimizer's state, the RNG and the step are replaced)."""
+    try:
+        trainer.load_checkpoint(path)
+    except MemoryError:
+        raise  # the machine's, not the anchor's: every other anchor would fail the same
+    except Exception as e:  # noqa: BLE001 - whatever the trainer raises, the anchor cannot be loaded
+        detail = " ".join(str(e).split())[:MAX_DETAIL]
+        raise AnchorDamaged(f"{path}: the trainer cannot load this checkpoint although its files match their "
+                            f"manifest ({type(e).__name__}: {detail}); it was written bad", path) from e
 
 
 def check_server_modes(config, snapshot_dir: Path | None) -> None:

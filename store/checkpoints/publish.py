@@ -29,6 +29,7 @@ from __future__ import annotations
 import errno as errno_mod
 import logging
 import os
+import re
 import sqlite3
 import threading
 import time
@@ -107,19 +108,32 @@ class Published:
     background_errors: list[str] = field(default_factory=list)
 
 
+# A Rust library's I/O error (safetensors writing the trainer's tensors) reaches Python
+# as the library's own exception with the errno only in its text: "I/O error: No space
+# left on device (os error 28)" (safetensors 0.4+), "Os { code: 28, ... }" (older).
+_RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)|Os \{ code: (\d+)")
+
+
 def _as_os_error(e: BaseException) -> OSError | None:
     """SQLite's own writes (the backup API filling the snapshot file) fail as sqlite3
     errors, not OSError: SQLITE_FULL is a full disk (ENOSPC); any other SQLITE_IOERR
     (EFBIG past RLIMIT_FSIZE, EIO) reaches us without its errno, so EIO. Other SQLite
-    errors are not the disk's: None."""
+    errors are not the disk's: None. A library's error that carries an OS error in its
+    text (safetensors' SafetensorError) is that OS error."""
     if isinstance(e, OSError):
         return e
-    code = getattr(e, "sqlite_errorcode", 0) & 0xFF
-    if code == sqlite3.SQLITE_FULL:
-        return OSError(errno_mod.ENOSPC, f"{e} (SQLite)")
-    if code == sqlite3.SQLITE_IOERR:
-        return OSError(errno_mod.EIO, f"{e} (SQLite)")
-    return None
+    if isinstance(e, sqlite3.Error):
+        code = (getattr(e, "sqlite_errorcode", 0) or 0) & 0xFF
+        if code == sqlite3.SQLITE_FULL:
+            return OSError(errno_mod.ENOSPC, f"{e} (SQLite)")
+        if code == sqlite3.SQLITE_IOERR:
+            return OSError(errno_mod.EIO, f"{e} (SQLite)")
+        return None
+    found = _RUST_OS_ERROR.search(str(e)) if isinstance(e, Exception) else None
+    if found is None:
+        return None
+    number = int(found.group(1) or found.group(2))
+    return OSError(number, f"{os.strerror(number)} ({type(e).__name__})")
 
 
 def _fail(what: str, target: Path, e: OSError) -> PublishError:
@@ -406,12 +420,12 @@ class Publisher:
                     write_fn(tmp)
                 manifest = Manifest(kind=KIND_TRAINER, anchor=anchor, files=[], step=step)
                 timings = commit_directory(tmp, target, manifest, skip_dirs=(SNAPSHOTS_DIR,))
-            except OSError as e:
+            except BaseException as e:
                 _discard_tmp(tmp) if tmp else None
-                raise _fail("trainer checkpoint", target, e) from e
-            except BaseException:
-                _discard_tmp(tmp) if tmp else None
-                raise
+                cause = _as_os_error(e)  # the trainer's own writes too (safetensors)
+                if cause is None:
+                    raise
+                raise _fail("trainer checkpoint", target, cause) from e
             finally:
                 self._busy.discard(tmp)
             timings["total"] = time.perf_counter() - t0

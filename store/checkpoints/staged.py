@@ -32,6 +32,7 @@ from .publish import (
     PublishError,
     Publisher,
     SnapshotStage,
+    _as_os_error,
     _discard_tmp,
     _fail,
     rename_into_place,
@@ -117,8 +118,9 @@ def finish_trainer_checkpoint(pub: Publisher, stage: TrainerStage, blocking: boo
     if stage.error is not None:
         abort_trainer_checkpoint(pub, stage)
         e = stage.error
-        if isinstance(e, OSError):
-            raise _fail("trainer checkpoint (background write)", stage.target, e) from e
+        cause = _as_os_error(e)  # a full disk under safetensors' write too
+        if cause is not None:
+            raise _fail("trainer checkpoint (background write)", stage.target, cause) from e
         raise PublishError(f"{stage.target}: the background write failed ({type(e).__name__}: {e}); "
                            "earlier checkpoints are intact", path=stage.target) from e
     if not pub.lock.acquire(blocking=blocking):

@@ -140,33 +140,46 @@ def select_and_restore(
     With "latest", the newest candidate is tried without a separate verification pass
     (restore checks every checksum itself); if it turns out damaged or inconsistent, the
     newest snapshot that verifies is chosen instead (its anchor is loaded again), and so
-    on. `plan.passed_over` names every snapshot or anchor passed over, and why."""
+    on. An anchor whose files match their manifest but that the trainer cannot load (a
+    trainer that wrote a truncated or foreign file before it was sealed) is unsound too:
+    `before_restore` raises `AnchorDamaged` for it, and every snapshot of that anchor is
+    passed over. `plan.passed_over` names every snapshot or anchor passed over, and why."""
     latest = str(resume) == LATEST
     selection = selection or choose_snapshot(checkpoint_dir, resume, run_id=run_id)
     passed_over = list(selection.passed_over)
     tried: list[Path] = []
     while True:
-        if before_restore is not None:
-            before_restore(selection)
         try:
-            plan = restore_snapshot(selection.snapshot.path, live_store_path, run_id=run_id, **restore_kwargs)
-        except (SnapshotDamaged, SnapshotInconsistent) as e:
+            if before_restore is not None:
+                before_restore(selection)
+        except AnchorDamaged as e:
             if not latest:
-                raise
-            passed_over.append(f"{selection.snapshot.path.name} ({selection.snapshot.anchor}): {e}")
-            tried.append(selection.snapshot.path)
+                raise AnchorDamaged(f"{e}; nothing was restored: pass another snapshot or --resume latest",
+                                    e.path) from e
+            anchor = selection.anchor.anchor
+            passed_over.append(f"{anchor} and its snapshot(s): {e}")
+            tried += [s.path for s in scan(checkpoint_dir).snapshots if s.anchor == anchor]
+        else:
             try:
-                selection = select_for_restore(checkpoint_dir, verify=True, run_id=run_id, exclude=tried)
-            except NoRestorableSnapshot as none:
-                reasons = passed_over + none.reasons
-                raise NoRestorableSnapshot(f"{checkpoint_dir}: no rollout snapshot can be restored: "
-                                           + "; ".join(reasons[:8]) + ". Refusing to start fresh", reasons) from None
-            if selection is None:  # cannot happen: the one tried is still listed
-                raise
-            passed_over += [r for r in selection.passed_over if r not in passed_over]
-            continue
-        plan.passed_over = passed_over
-        return plan
+                plan = restore_snapshot(selection.snapshot.path, live_store_path, run_id=run_id, **restore_kwargs)
+            except (SnapshotDamaged, SnapshotInconsistent) as e:
+                if not latest:
+                    raise
+                passed_over.append(f"{selection.snapshot.path.name} ({selection.snapshot.anchor}): {e}")
+                tried.append(selection.snapshot.path)
+            else:
+                plan.passed_over = passed_over
+                return plan
+        try:  # the next sound pair
+            selection = select_for_restore(checkpoint_dir, verify=True, run_id=run_id, exclude=tried)
+        except NoRestorableSnapshot as none:
+            reasons = passed_over + none.reasons
+            raise NoRestorableSnapshot(f"{checkpoint_dir}: no rollout snapshot can be restored: "
+                                       + "; ".join(reasons[:8]) + ". Refusing to start fresh", reasons) from None
+        if selection is None:  # cannot happen: the ones tried are still listed
+            raise NoRestorableSnapshot(f"{checkpoint_dir}: no rollout snapshot can be restored: "
+                                       + "; ".join(passed_over[:8]), passed_over)
+        passed_over += [r for r in selection.passed_over if r not in passed_over]
 
 
 # --------------------------------------------------------------------------- the live store
