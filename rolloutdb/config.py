@@ -503,7 +503,7 @@ class Config(Section):
         keyed: dict[str, dict[str, Any]] = {}
         for key, value in fingerprinted(self).items():
             section, name = key.split(".", 1)
-            keyed.setdefault(section, {})[name] = value
+            keyed.setdefault(section, {})[name] = _canonical(value)
         return hashlib.sha256(json.dumps(keyed, sort_keys=True, default=repr).encode()).hexdigest()[:16]
 
     def to_yaml(self) -> str:
@@ -620,6 +620,16 @@ def leaf_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
                 and issubclass(args[0], BaseModel):
             keys += leaf_keys(args[0], key + "[].")
     return keys
+
+
+def _canonical(value: Any) -> Any:
+    """`value` as JSON can sort: a plugin's options are any YAML, whose mappings may mix
+    integer and string keys (json.dumps(sort_keys=True) cannot order those)."""
+    if isinstance(value, dict):
+        return {k if isinstance(k, str) else f"{type(k).__name__}:{k!r}": _canonical(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_canonical(v) for v in value]
+    return value
 
 
 def _at(dumped: dict[str, Any], key: str) -> Any:

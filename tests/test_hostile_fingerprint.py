@@ -23,6 +23,7 @@ import pytest
 
 from rolloutdb.config import (
     CHECKED_AT_RESUME, IN_USE_WHEN, RESUMABLE_KEYS, Config, ConfigError, config_from_dict, fingerprinted, leaf_keys,
+    load_config,
 )
 
 KEYS = leaf_keys(Config)
@@ -165,6 +166,17 @@ def test_the_declared_lists_name_only_keys_the_config_has_each_once_with_a_reaso
     assert not set(RESUMABLE_KEYS) & set(CHECKED_AT_RESUME)
     assert all(reason.strip() for reason in [*RESUMABLE_KEYS.values(), *CHECKED_AT_RESUME.values()])
     assert len(KEYS) == len(set(KEYS)) > 60  # the walk reached every section
+
+
+def test_a_plugins_options_of_any_yaml_shape_are_fingerprinted(tmp_path):
+    # YAML mappings may mix integer and string keys, and hold dates: still one fingerprint,
+    # and a changed value moves it.
+    path = tmp_path / "c.yaml"
+    text = "environment:\n  factory: envs:make\n  options:\n    table: {1: a, b: 2}\n    since: 2026-01-01\n"
+    path.write_text(text)
+    with_options = load_config(path).fingerprint()
+    path.write_text(text.replace("1: a", "1: c"))
+    assert load_config(path).fingerprint() != with_options
 
 
 # --------------------------------------------------------------------------- checked at resume
