@@ -204,7 +204,7 @@ def test_a_library_run_holds_the_run_lock_until_it_ends_so_a_second_controller_a
                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         # Past setup and into training: the pumps run, snapshots and checkpoints are taken.
-        wait_for(lambda: len(metrics(run_dir, "train_step")) >= 2, deadline_s=300, what="two train steps",
+        wait_for(lambda: len(metrics(run_dir, "train_step")) >= 2, deadline_s=600, what="two train steps",
                  proc=first)
         config = load_config(EXAMPLE, OVERRIDES + LONG)
         with pytest.raises(RunDirInUse, match=f"pid {first.pid}"):
