@@ -17,7 +17,8 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from collections.abc import Sequence
+import typing
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -497,36 +498,143 @@ class Config(Section):
         return self.rollout_recovery.target_level != "none"
 
     def fingerprint(self) -> str:
-        """Hash of what a restore must match: the settings that shape rollout state."""
-        keyed = {k: getattr(self, k).model_dump() for k in ("algorithm", "policy", "generation", "environment")}
-        keyed["algorithm"].pop("total_steps")  # a resumed run may train for longer
-        # Same loss either way; a restore checks it on its own with a message naming both
-        # settings (controller/resume.py check_packing), and older runs keep their fingerprint.
-        keyed["algorithm"].pop("shared_prefix_packing")
-        keyed["generation"].pop("max_inflight_calls")  # how much runs at once, not what it makes
-        for penalty in ("presence_penalty", "frequency_penalty"):  # unset: older runs keep theirs
-            if not keyed["generation"][penalty]:
-                keyed["generation"].pop(penalty)
-        keyed["run"] = {"seed": self.run.seed}
-        # Only what changes the prompts' tokens; the file's content is the dataset
-        # fingerprint. Absent for the digit task, so older runs keep their fingerprint.
-        keyed["environment"].pop("factory"); keyed["environment"].pop("options")
-        # Servers: what shapes the episodes (which server a prompt meets, its task) is
-        # fingerprinted; how they are reached is not, and modes get their own check at
-        # restore (a message naming the server). No servers: older runs keep theirs.
-        servers = keyed["environment"].pop("servers")
-        if servers:
-            keyed["environment"]["servers"] = [
-                [s["name"], self.environment.kind_of(srv), self.environment.turns_of(srv)]
-                for s, srv in zip(servers, self.environment.servers)]
-        if self.environment.task == "digits":  # keys of the long-tail task only: older runs keep theirs
-            keyed["environment"].pop("max_digits"); keyed["environment"].pop("tail_alpha")
-        if self.dataset.path is not None:
-            keyed["dataset"] = {"chat_template": self.dataset.chat_template}
-        return hashlib.sha256(json.dumps(keyed, sort_keys=True).encode()).hexdigest()[:16]
+        """Hash of what a restore must match: every setting but RESUMABLE_KEYS and
+        CHECKED_AT_RESUME (`fingerprinted`)."""
+        keyed: dict[str, dict[str, Any]] = {}
+        for key, value in fingerprinted(self).items():
+            section, name = key.split(".", 1)
+            keyed.setdefault(section, {})[name] = _canonical(value)
+        return hashlib.sha256(json.dumps(keyed, sort_keys=True, default=repr).encode()).hexdigest()[:16]
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(), sort_keys=False)
+
+
+# --------------------------------------------------------------------------- the fingerprint
+# A resume restores a snapshot only into a run whose config has the snapshot's
+# fingerprint (store/restore/plan.py check_run_meta): every setting that could change the
+# rollouts is frozen for the run's life. These are the exceptions, each with why a changed
+# value leaves the rollouts as they were. Keys are dotted YAML paths; `servers[]` is each
+# agent server's. tests/test_hostile_fingerprint.py walks the model and checks every other
+# key moves the fingerprint (or is refused by the check named below).
+RESUMABLE_KEYS: dict[str, str] = {
+    "run.name": "names the run directory only",
+    "algorithm.total_steps": "a resumed run may train for longer",
+    "generation.max_inflight_calls": "how much runs at once, not what each call makes (calls are seeded)",
+    "environment.servers[].url": "how a server is reached, not what it runs",
+    "environment.servers[].lease_s": "how long a prepared server waits for the controller",
+    "environment.servers[].start_timeout_s": "how long the controller waits for a server to start",
+    "environment.servers[].episode_timeout_s": "a deadline for a hung episode, not what an episode does",
+    "checkpointing.enabled": "when state is saved, not what the run makes",
+    "checkpointing.async": "how a trainer checkpoint is written",
+    "checkpointing.interval_steps": "when state is saved",
+    "checkpointing.keep_last": "how much saved state is kept",
+    "checkpointing.resume": "whether this start resumes",
+    "rollout_recovery.target_level": "what a stop keeps of the work in flight, not what the rollouts are (none "
+                                     "against a ledger level is refused by the restore's ledger_dispatch check)",
+    "rollout_recovery.commit_window_ms": "when finished calls reach the store, not what they hold",
+    "rollout_recovery.commit_max_events": "when finished calls reach the store",
+    "rollout_checkpointing.enabled": "when rollout state is saved",
+    "rollout_checkpointing.interval_s": "when rollout state is saved",
+    "rollout_checkpointing.keep_last": "how many snapshots are kept",
+    "trace.enabled": "what is recorded about the run",
+    "logging.progress": "what is shown",
+    "logging.plot": "what is written about the run",
+    "logging.backends": "where metrics go",
+    "cluster.backend": "where the same calls and steps run (each call is seeded by its key)",
+    "cluster.torch_threads": "how fast, on the same model and data",
+    "cluster.engine_workers": "where the same calls run",
+    "cluster.address": "which Ray cluster",
+    "cluster.ray_num_cpus": "the local Ray cluster's size",
+    "cluster.worker_gpus": "what each engine worker reserves",
+    "cluster.environment_workers": "where the same environment steps run",
+}
+
+# Settings that shape the rollouts but are left out of the fingerprint because a check of
+# their own refuses a change at resume and names the key (a fingerprint cannot say which
+# key differs), or because what they select is fingerprinted itself.
+CHECKED_AT_RESUME: dict[str, str] = {
+    "algorithm.shared_prefix_packing": "controller/resume.py check_packing",
+    "environment.servers[].mode": "controller/resume.py check_server_modes",
+    "dataset.path": "the dataset fingerprint (the file's content: a moved file may resume)",
+    "dataset.prompt_field": "the dataset fingerprint (the field selection)",
+    "dataset.reward_fields": "the dataset fingerprint (the field selection)",
+}
+
+# The keys runs were first fingerprinted with: hashed at any value. Every other frozen key
+# is hashed only when it is not at its default, so a run started before the key existed
+# (or was frozen) keeps its fingerprint, and setting or changing the key still moves it.
+_HASHED_AT_ANY_VALUE = frozenset({
+    "run.seed",
+    *(f"algorithm.{k}" for k in ("name", "groups_per_step", "group_size", "max_staleness", "learning_rate",
+                                 "clip_eps", "replay_capacity", "discard_zero_variance", "max_flat_groups_in_a_row",
+                                 "entropy_coef")),
+    *(f"policy.{k}" for k in ("model_dir", "hidden_size", "num_layers", "num_heads")),
+    *(f"generation.{k}" for k in ("backend", "max_tokens", "min_tokens", "temperature", "top_p", "stop",
+                                  "max_batch_size")),
+    *(f"environment.{k}" for k in ("task", "kind", "n_digits", "turns", "dataset_size")),
+})
+# Frozen keys a config reads only in some configurations: hashed there, ignored elsewhere.
+IN_USE_WHEN: dict[str, Callable[[Config], bool]] = {
+    "environment.max_digits": lambda c: c.environment.task != "digits",
+    "environment.tail_alpha": lambda c: c.environment.task != "digits",
+    "dataset.chat_template": lambda c: c.dataset.path is not None,
+}
+
+
+def fingerprinted(config: Config) -> dict[str, Any]:
+    """The frozen settings of `config` that its fingerprint hashes, by dotted key."""
+    dumped = config.model_dump()
+    defaults = Config().model_dump()
+    out: dict[str, Any] = {}
+    for key in leaf_keys(Config):
+        if key in RESUMABLE_KEYS or key in CHECKED_AT_RESUME or key.startswith("environment.servers"):
+            continue  # servers: below
+        value, default = _at(dumped, key), _at(defaults, key)
+        if key in IN_USE_WHEN:
+            if IN_USE_WHEN[key](config):
+                out[key] = value
+        elif key in _HASHED_AT_ANY_VALUE or value != default:
+            out[key] = value
+    # Servers: what shapes the episodes (which server a prompt meets, its task), with
+    # kind and turns as they resolve (null: the environment's).
+    if config.environment.servers:
+        out["environment.servers"] = [[s.name, config.environment.kind_of(s), config.environment.turns_of(s)]
+                                      for s in config.environment.servers]
+    return out
+
+
+def leaf_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
+    """Every settable key under `model`, dotted as in YAML (`servers[].name` for each
+    agent server's). A list of sections is one key too (`environment.servers`)."""
+    keys = []
+    for name, field in model.model_fields.items():
+        key = prefix + (field.alias or name)
+        annotation = field.annotation
+        args = typing.get_args(annotation)
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            keys += leaf_keys(annotation, key + ".")
+            continue
+        keys.append(key)
+        if typing.get_origin(annotation) is list and args and isinstance(args[0], type) \
+                and issubclass(args[0], BaseModel):
+            keys += leaf_keys(args[0], key + "[].")
+    return keys
+
+
+def _canonical(value: Any) -> Any:
+    """`value` as JSON can sort: a plugin's options are any YAML, whose mappings may mix
+    integer and string keys (json.dumps(sort_keys=True) cannot order those)."""
+    if isinstance(value, dict):
+        return {k if isinstance(k, str) else f"{type(k).__name__}:{k!r}": _canonical(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_canonical(v) for v in value]
+    return value
+
+
+def _at(dumped: dict[str, Any], key: str) -> Any:
+    section, name = key.split(".", 1)
+    return dumped[section][name]
 
 
 def _first_error(e: ValidationError) -> str:

@@ -2,7 +2,7 @@
 temporary copy of the repository, run the tests that exist to catch it, and report
 which were caught.
 
-    python tests/mutation/run_mutations.py [--only NAME ...] [--keep] [--markdown]
+    python tests/mutation/run_mutations.py [--only NAME ...] [--list] [--workers N] [--keep] [--markdown]
 
 Never edits the tree it is run from: the working tree (tracked and untracked files, not
 the ignored ones such as .venv) is copied to a temporary directory, and the copy is made
@@ -10,8 +10,9 @@ importable as `rolloutdb` by symlinks inside its rolloutdb/ (store -> ../store, 
 as pyproject's package-dir maps them) and PYTHONPATH: a package found on sys.path comes
 before the editable install's finder, so the copy wins (checked before any mutant runs). Each mutant edits the copy, runs its test files one by one (`-x`, so a
 catch stops early) and is undone before the next. A mutant whose text no longer matches
-the code is reported as `stale`, never silently skipped. Not collected by pytest (the
-file name does not start with test_); it takes about 12 minutes on two cores.
+the code (stale: it would test nothing) fails the run before any test runs, with exit 2;
+`--list` lists the mutants and checks them all. Not collected by pytest (the file name
+does not start with test_); it takes about 12 minutes on two cores.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ MUTANTS = [
         "exactly once across stops: a resume redoes the groups in flight",
         "controller/rollout_pump.py",
         [("""            self.p.dispatcher.redispatch(tx, group, generations, policy_version=policy_version)
-            run = self._groups.setdefault(group.group_id, _GroupRun(group))
+            run = self._groups.setdefault(group.group_id, GroupRun(group))
             run.outstanding.update(generations)
             started += [self._live(group, i) for i in generations]""",
           """            self.p.dispatcher.discard(tx, [group], reason="restart")  # MUTANT: drop it, refill its step
@@ -61,7 +62,7 @@ MUTANTS = [
         "exactly once across stops (the same bug, disguised with the algorithm's reason)",
         "controller/rollout_pump.py",
         [("""            self.p.dispatcher.redispatch(tx, group, generations, policy_version=policy_version)
-            run = self._groups.setdefault(group.group_id, _GroupRun(group))
+            run = self._groups.setdefault(group.group_id, GroupRun(group))
             run.outstanding.update(generations)
             started += [self._live(group, i) for i in generations]""",
           """            self.p.dispatcher.discard(tx, [group], reason=ZERO_VARIANCE)  # MUTANT: the algorithm's reason
@@ -121,7 +122,7 @@ MUTANTS = [
         "verify_run_ignores_duplicates",
         "verify RUN_DIR: duplicated=0 means no prompt was handed out twice",
         "store/restore/choice.py",
-        [("        v.duplicated = sum(n - 1 for _, _, n in dupes)\n        if dupes:",
+        [("        v.duplicated = prompts.duplicated\n        if prompts.twice:",
           "        v.duplicated = 0  # MUTANT\n        if False:")],
         ["tests/test_verify_run_lost_work.py", "tests/test_restore.py"],
     ),
@@ -129,7 +130,7 @@ MUTANTS = [
         "verify_run_accepts_any_discard_reason",
         "verify RUN_DIR: a group discarded for anything but zero reward variance is lost",
         "store/restore/choice.py",
-        [("    if not rows:\n        return\n    v.discarded_not_owned", "    if True:  # MUTANT\n        return\n    v.discarded_not_owned")],
+        [("    if not total:\n        return\n    v.discarded_not_owned", "    if True:  # MUTANT\n        return\n    v.discarded_not_owned")],
         ["tests/test_verify_run_lost_work.py", "tests/test_crash_resume.py"],
     ),
     Mutant(
@@ -160,6 +161,81 @@ MUTANTS = [
         ["tests/test_full_disk.py", "tests/test_fault_injection.py"],
     ),
 ]
+
+
+# --------------------------------------------------------------------------- issue 26 item 11 (proofs1)
+# A checksum covers the whole file, restore and verify check every segment, every setting
+# that changes the rollouts moves the config fingerprint, the run lock is held for the
+# whole run on the library path.
+PROOFS = "tests/test_hostile_proofs.py::"
+FINGERPRINT = "tests/test_hostile_fingerprint.py::"
+MUTANTS += [
+    Mutant(
+        "hash_reads_the_first_chunk_only",
+        "a checksum covers the whole file (verify, publish, segments: Hashing.file)",
+        "store/checkpoints/hashing.py",
+        [("            while n := f.readinto(view):\n                digest.update(view[:n])",
+          "            n = f.readinto(view)  # MUTANT: one read\n            digest.update(view[:n])")],
+        [PROOFS + "test_a_byte_damaged_past_the_first_read_of_a_snapshot_store_file_fails_verify_and_restore",
+         PROOFS + "test_a_byte_damaged_past_the_first_read_of_a_payload_segment_fails_verify_and_restore"],
+    ),
+    Mutant(
+        "hash_skips_the_last_partial_chunk",
+        "a checksum covers the whole file, its last partial read too",
+        "store/checkpoints/hashing.py",
+        [("            while n := f.readinto(view):", "            while (n := f.readinto(view)) == CHUNK:  # MUTANT")],
+        [PROOFS + "test_a_byte_damaged_past_the_first_read_of_a_snapshot_store_file_fails_verify_and_restore"],
+    ),
+    Mutant(
+        "restore_copy_hashes_the_first_read_of_each_step_only",
+        "a restore's checksum covers the whole store file it copies",
+        "store/restore/copying.py",
+        [("        digest.update(view[:n])\n        offset += n", "        digest.update(view[:n])\n        offset = end  # MUTANT")],
+        [PROOFS + "test_a_byte_damaged_past_the_first_read_of_a_snapshot_store_file_fails_verify_and_restore"],
+    ),
+    Mutant(
+        "restore_copy_hashes_the_first_step_only",
+        "a restore's checksum covers a store file longer than one copy step",
+        "store/restore/copying.py",
+        [("                hashed_step = pool.submit(_hash_range, digest, fout.fileno(), size, n)",
+          "                hashed_step = pool.submit(_hash_range, digest, fout.fileno(), size, n) if size == 0 else None")],
+        [PROOFS + "test_the_restore_copy_and_the_file_hash_digest_every_byte_of_a_file_longer_than_one_copy_step"],
+    ),
+    Mutant(
+        "segments_check_the_first_one_only",
+        "restore and verify check every segment a snapshot (or the live store) lists",
+        "store/checkpoints/segments.py",
+        [("    problems = []\n    for e in entries:\n", "    problems = []\n    for e in list(entries)[:1]:  # MUTANT\n")],
+        [PROOFS + "test_a_damaged_later_segment_of_several_fails_verify_restore_and_the_run_audit"],
+    ),
+    Mutant(
+        "fingerprint_drops_a_key",
+        "every setting that changes the rollouts moves the config fingerprint",
+        "rolloutdb/config.py",
+        [("            continue  # servers: below\n",
+          "            continue  # servers: below\n        if key == \"generation.top_p\":\n            continue  # MUTANT\n")],
+        [FINGERPRINT + "test_every_setting_not_declared_resumable_moves_the_config_fingerprint"],
+    ),
+    Mutant(
+        "fingerprint_ignores_the_plugins",
+        "a changed reward function, environment or trainer factory is refused at resume",
+        "rolloutdb/config.py",
+        [("        if key in RESUMABLE_KEYS or key in CHECKED_AT_RESUME or key.startswith(\"environment.servers\"):",
+          "        if key in RESUMABLE_KEYS or key in CHECKED_AT_RESUME or key.startswith(\"environment.servers\") \\\n"
+          "                or key.endswith((\".factory\", \".options\", \".function\")):  # MUTANT")],
+        [FINGERPRINT + "test_every_setting_not_declared_resumable_moves_the_config_fingerprint"],
+    ),
+    Mutant(
+        "run_lock_released_after_setup",
+        "the run lock is held for the whole run on the library path (Controller(...).run())",
+        "controller/controller.py",
+        [("                    self.lock.undo()  # a refusal: leave even the lock file as it was\n                raise\n",
+          "                    self.lock.undo()  # a refusal: leave even the lock file as it was\n                raise\n"
+          "            if own_lock:\n                self.lock.release()  # MUTANT\n")],
+        [PROOFS + "test_a_library_run_holds_the_run_lock_until_it_ends_so_a_second_controller_and_the_cli_are_refused"],
+    ),
+]
+# --------------------------------------------------------------------------- end of proofs1's block
 
 
 def copy_tree(dst: Path) -> None:
@@ -193,8 +269,10 @@ def check_import(dst: Path) -> None:
         raise SystemExit(f"the copy does not import as rolloutdb: {out.stdout} {out.stderr[-1000:]}")
 
 
-def run_tests(dst: Path, test: str) -> str:
+def run_tests(dst: Path, test: str, workers: str | None = None) -> str:
     cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", test]
+    if workers is not None:
+        cmd += ["-n", workers]  # after pyproject's addopts: this one counts
     t0 = time.monotonic()
     try:
         out = subprocess.run(cmd, cwd=dst, env=env_for(dst), capture_output=True, text=True, timeout=TEST_TIMEOUT_S)
@@ -209,16 +287,32 @@ def run_tests(dst: Path, test: str) -> str:
     return f"error rc={out.returncode}: {(out.stdout + out.stderr).strip().splitlines()[-1:]}"
 
 
-def apply(dst: Path, m: Mutant) -> str | None:
-    path = dst / m.path
-    text = path.read_text()
+class StaleMutant(Exception):
+    pass
+
+
+def mutated(root: Path, m: Mutant) -> str:
+    """The text of `m.path` under `root` with the mutant's edits; StaleMutant when a
+    text to replace does not occur exactly once (the code moved on: the mutant would
+    test nothing)."""
+    text = (root / m.path).read_text()
     for old, new in m.edits:
         n = text.count(old)
         if n != 1:
-            return f"stale: the text to replace occurs {n} times in {m.path}"
+            raise StaleMutant(f"stale mutant {m.name}: its text to replace occurs {n} times in {m.path} "
+                              f"(expected once): {old.strip().splitlines()[0][:80]!r}")
         text = text.replace(old, new)
-    path.write_text(text)
-    return None
+    return text
+
+
+def stale_mutants(mutants: list[Mutant], root: Path = REPO) -> list[str]:
+    problems = []
+    for m in mutants:
+        try:
+            mutated(root, m)
+        except StaleMutant as e:
+            problems.append(str(e))
+    return problems
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -226,18 +320,38 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", nargs="*", help="mutant names to run (default: all)")
     ap.add_argument("--keep", action="store_true", help="keep the temporary copy")
     ap.add_argument("--markdown", action="store_true", help="print the result as a markdown table")
+    ap.add_argument("--workers", help="pytest-xdist workers per test run, 0 for none (default: pyproject's addopts)")
+    ap.add_argument("--list", action="store_true", help="list the mutants (and check that none is stale), run nothing")
     a = ap.parse_args(argv)
+    unknown = sorted(set(a.only or ()) - {m.name for m in MUTANTS})
+    if unknown:
+        print(f"error: no mutant named {', '.join(unknown)} (--list lists them)", file=sys.stderr)
+        return 2
     mutants = [m for m in MUTANTS if not a.only or m.name in a.only]
+    # A stale mutant tests nothing: every one is checked before anything runs, and any
+    # stale one fails the whole run (exit 2), never a silent skip.
+    stale = stale_mutants(MUTANTS if a.list else mutants)
+    if a.list:
+        for m in MUTANTS:
+            print(f"{m.name:52} {m.path:36} {' '.join(t.removeprefix('tests/') for t in m.tests)}")
+    if stale:
+        for line in stale:
+            print(f"error: {line}", file=sys.stderr)
+        print(f"error: {len(stale)} stale mutant(s): update their search text to the code as it is now",
+              file=sys.stderr)
+        return 2
+    if a.list:
+        return 0
     dst = Path(tempfile.mkdtemp(prefix="rolloutdb-mutants-"))
     try:
         copy_tree(dst)
         check_import(dst)
         for m in mutants:
             original = (dst / m.path).read_text()
-            stale = apply(dst, m)
+            (dst / m.path).write_text(mutated(dst, m))  # not stale: checked above
             try:
                 for test in m.tests:
-                    m.results[test] = stale or run_tests(dst, test)
+                    m.results[test] = run_tests(dst, test, a.workers)
                     print(f"{m.name}: {test}: {m.results[test]}", file=sys.stderr, flush=True)
             finally:
                 (dst / m.path).write_text(original)
