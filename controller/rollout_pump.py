@@ -215,8 +215,8 @@ class RolloutPump(CallFlow):
     def _may_start(self) -> bool:
         """Whether a commit now would start something (in memory, no store read: the
         loop asks this on every turn)."""
-        if self._restored:
-            return self._room() > 0
+        if self._restored:  # the next restored group, once there is room for all of it
+            return self._room() >= len(self._restored[0][1])
         if self._waiting_replay or self._room() < self.group_size:
             return False
         last_step = self.p.bound.last_admissible_step(self.p.read_progress().policy_version)
@@ -345,15 +345,17 @@ class RolloutPump(CallFlow):
         return [self._live(live.group, live.index) for live, _ in lost]
 
     def _dispatch_restored(self, tx, policy_version: int) -> tuple[list[LiveEpisode], list[GroupHandle]]:
-        """New attempts for the restored groups' unfinished generations, as many as
-        there is room for; groups with every generation finished go straight to
+        """New attempts for the restored groups' unfinished generations, whole groups
+        in their order, as many as there is room for (`_room`: calls still in flight
+        count, so a commit of a batch while others run never passes
+        max_inflight_calls); groups with every generation finished go straight to
         completion (they only wait to be sealed)."""
         started: list[LiveEpisode] = []
         finalize: list[GroupHandle] = []
         room = self._room()
         while self._restored:
             group, generations = self._restored[0]
-            if generations and started and len(started) + len(generations) > room:
+            if len(started) + len(generations) > room:
                 break
             self._restored.pop(0)
             if not generations:

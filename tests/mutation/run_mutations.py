@@ -160,6 +160,56 @@ MUTANTS = [
           "        except OSError as e:  # MUTANT: SQLite's own write errors escape untyped\n            cause = _as_os_error(e)")],
         ["tests/test_full_disk.py", "tests/test_fault_injection.py"],
     ),
+    # ---- the rollout pump's and the prefix cut's promises (tests/test_hostile_proofs_pump.py)
+    Mutant(
+        "cut_drops_the_last_decoded_token",
+        "prefix level: a cut saves exactly what the engine decoded",
+        "controller/snapshot_pump.py",
+        [("""            at.prefixes.append(CallPrefix(attempt_id, call.token_ids, call.logprobs if complete else None,
+                                          call.token_versions, call.max_tokens, call.min_tokens))""",
+          """            keep = max(1, len(call.token_ids) - 1)  # MUTANT: the newest token is lost
+            at.prefixes.append(CallPrefix(attempt_id, call.token_ids[:keep], call.logprobs[:keep] if complete else None,
+                                          call.token_versions[:keep], call.max_tokens, call.min_tokens))""")],
+        ["tests/test_hostile_proofs_pump.py::"
+         "test_a_cut_saves_exactly_the_tokens_logprobs_and_versions_the_engine_had_decoded_for_each_call"],
+    ),
+    Mutant(
+        "trace_skips_the_last_finish_of_a_batch",
+        "trace: the trace holds every committed finish",
+        "controller/rollout_pump.py",
+        [("        trace.finished([(live.group, live.index) for live, _ in pending.finished],",
+          "        trace.finished([(live.group, live.index) for live, _ in pending.finished][:-1],  # MUTANT")],
+        ["tests/test_hostile_proofs_pump.py::test_the_trace_holds_exactly_the_finishes_and_seals_a_real_pump_committed"],
+    ),
+    Mutant(
+        "cut_saves_prefixes_of_ended_attempts",
+        "prefix level: a cut saves prefixes only of attempts the ledger runs at the cut",
+        "controller/snapshot_pump.py",
+        [("""        running = {key: attempt_id for key, (attempt_id, state) in known.items() if state == "running"}""",
+          """        running = {key: attempt_id for key, (attempt_id, state) in known.items()}  # MUTANT: no filter""")],
+        ["tests/test_hostile_proofs_pump.py::test_a_cut_saves_no_prefix_of_a_call_the_engine_still_runs_whose_"
+         "attempt_the_ledger_finished_or_abandoned"],
+    ),
+    Mutant(
+        "restored_groups_ignore_max_inflight_calls",
+        "a resume hands out the restored groups first and within generation.max_inflight_calls",
+        "controller/rollout_pump.py",
+        [("        room = self._room()\n        while self._restored:",
+          "        room = 10**9  # MUTANT: every restored group at once\n        while self._restored:")],
+        ["tests/test_hostile_proofs_pump.py::"
+         "test_a_resume_hands_out_the_restored_groups_first_and_never_more_calls_than_max_inflight_calls"],
+    ),
+    Mutant(
+        "trace_skips_the_finish_of_a_restored_generation",
+        "trace: a finish event for every generation of every sealed group",
+        "controller/tracing.py",
+        [("        for (g, i), res in zip(owners, results):\n            counts: dict[int, int] = {}",
+          "        for (g, i), res in zip(owners, results):\n            if g.attempt_numbers.get(i, 0) > 0:\n"
+          "                continue  # MUTANT: a redone generation's finish is not traced\n"
+          "            counts: dict[int, int] = {}")],
+        ["tests/test_hostile_proofs_pump.py::"
+         "test_the_trace_holds_a_finish_event_for_every_generation_of_every_sealed_group_across_a_resume"],
+    ),
 ]
 
 
