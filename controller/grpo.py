@@ -42,7 +42,7 @@ import torch
 from safetensors.torch import load_file
 
 from rolloutdb.controller.packing import PackedBatch, additive_mask, micro_batches, pack, pack_shared_prefix
-from rolloutdb.controller.protocols import CheckpointState, Completion, TrainGroup
+from rolloutdb.controller.protocols import CheckpointState, Completion, NonFiniteTraining, TrainGroup
 from rolloutdb.controller.trainer_checkpoints import write_checkpoint_state
 
 CHECKPOINT_FORMAT = 1
@@ -50,6 +50,8 @@ WEIGHTS_FILE = "model.safetensors"
 STATE_TENSORS_FILE = "trainer_state.safetensors"
 STATE_JSON_FILE = "trainer_state.json"
 REFERENCE_FILE = "reference.safetensors"
+NON_FINITE_ADVICE = ("lower the learning rate (algorithm.learning_rate, or the trainer factory's option), "
+                     "and check the rewards and the model's weights")
 # Files of the source model directory that make a checkpoint a loadable model directory.
 MODEL_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json",
                     "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
@@ -233,11 +235,24 @@ class GRPOTrainer:
             loss_sum += float(part.detach())
             clipped_sum += float((was_clipped.float() * mask).sum())
             ratio_sum += float((torch.exp(new.detach() - old) * mask).sum())
-        grad_norm = 0.0
+        # Nothing non-finite reaches the weights: the loss and the gradient are checked
+        # before the optimizer step, the weights it made before anyone sees them (refit,
+        # checkpoint). The weight check is one pass over the parameters per step.
+        step = self._step + 1
+        if not math.isfinite(loss_sum):
+            raise NonFiniteTraining(step, "the loss", loss_sum, NON_FINITE_ADVICE)
+        params = [p for p in self.model.parameters() if p.grad is not None]
         if cfg.max_grad_norm is not None:
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(),
-                                                             cfg.max_grad_norm))
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm))
+        else:
+            grad_norm = float(torch.nn.utils.get_total_norm([p.grad for p in params]))
+        if not math.isfinite(grad_norm):
+            raise NonFiniteTraining(step, "the gradient's norm", grad_norm, NON_FINITE_ADVICE)
         self.optimizer.step()
+        for name, weight in self.model.named_parameters():
+            if not bool(torch.isfinite(weight).all()):
+                value = float(weight.detach()[~torch.isfinite(weight.detach())].flatten()[0])
+                raise NonFiniteTraining(step, f"weight {name} after the optimizer step", value, NON_FINITE_ADVICE)
         self._step += 1
         n_tok = float(total_tokens)
         rewards = [c.reward for c in completions]

@@ -30,6 +30,20 @@ class TrainGroup:
     completions: list[Completion]
 
 
+class NonFiniteTraining(ValueError):
+    """A step met a non-finite number (a sample's logprob, the loss, the gradient, the
+    weights an optimizer step made) and stops the run: nothing of that step is committed,
+    refit or checkpointed, so no published checkpoint holds NaN weights. A trainer raises
+    it too; the message is one line naming the step and the value."""
+
+    def __init__(self, step: int, what: str, value: float, advice: str):
+        super().__init__(f"step {step}: {what} is {value}, so the run stops before that step is committed, "
+                         f"refit or checkpointed; {advice}")
+        self.step = step
+        self.what = what
+        self.value = value
+
+
 @runtime_checkable
 class Trainer(Protocol):
     """Trains the policy on batches of finished groups."""

@@ -8,13 +8,14 @@ updates old. Environment tokens (version -1) are not the policy's and do not cou
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 
 import numpy as np
 from rolloutdb.controller.episodes import ENV_TOKEN_VERSION
 from rolloutdb.controller.runtime import RolloutParts
-from rolloutdb.controller.protocols import Completion, TrainGroup
+from rolloutdb.controller.protocols import Completion, NonFiniteTraining, TrainGroup
 from rolloutdb.controller.tracing import RolloutTrace
 from rolloutdb.store import faults, codec, queries
 
@@ -60,7 +61,7 @@ class TrainPump:
             self.p.runtime.wait(POLL_S)
         return None
 
-    def _load_groups(self, group_ids: list[int]) -> tuple[list[TrainGroup], dict]:
+    def _load_groups(self, step: int, group_ids: list[int]) -> tuple[list[TrainGroup], dict]:
         rows = self.p.store.samples_of(group_ids)  # payload inline or from its segment
         groups: dict[int, TrainGroup] = {}
         runs_all, rewards, dispatch_versions = [], [], []
@@ -68,12 +69,19 @@ class TrainPump:
         for gid, _i, pid, tok, lp, reward, vtc in rows:
             runs = codec.decode_version_counts(vtc)
             versions = [v for v, n in runs for _ in range(n)]
+            logprobs = codec.decode_logprobs(lp)
+            if not np.isfinite(logprobs).all():
+                at = int(np.flatnonzero(~np.isfinite(logprobs))[0])
+                raise NonFiniteTraining(step, f"the logprob the engine reported for token {at} of a sample of group "
+                                        f"{gid} (policy version {versions[at] if at < len(versions) else '?'})",
+                                        float(logprobs[at]), "the weights of that version give non-finite logits: "
+                                        "lower the learning rate and check the model's weights")
             if pid not in prompts:
                 prompts[pid] = list(self.p.env.start(pid)[0])  # start() is deterministic
             completion = Completion(
                 prompt_ids=prompts[pid],
                 token_ids=codec.decode_tokens(tok).tolist(),
-                logprobs=codec.decode_logprobs(lp).tolist(),
+                logprobs=logprobs.tolist(),
                 token_versions=versions,
                 reward=float(reward),
                 loss_mask=[0 if v == ENV_TOKEN_VERSION else 1 for v in versions],
@@ -92,9 +100,14 @@ class TrainPump:
         if ids is None:
             return
         t0 = time.time()
-        groups, stats = self._load_groups(ids)
+        groups, stats = self._load_groups(step, ids)
         with self.p.runtime.commit_lock:  # the optimizer commit: no snapshot cut inside
             metrics = self.p.trainer.train_step(groups)
+            # Any trainer's: a non-finite metric is never committed, refit or checkpointed.
+            broken = next(((k, v) for k, v in metrics.items() if not math.isfinite(float(v))), None)
+            if broken is not None:
+                raise NonFiniteTraining(step, f"the trainer's {broken[0]}", float(broken[1]),
+                                        "lower the learning rate and check the rewards and the model's weights")
             with self.p.store.atomic() as tx:
                 self.p.dispatcher.trained(tx, ids, step=step)
         faults.point("train.after_commit")

@@ -34,6 +34,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
+from rolloutdb import sampling_limits as limits
+
 
 class WorkerLost(RuntimeError):
     """A remote piece of work (a model call, an environment step) failed because the
@@ -197,10 +199,10 @@ def check_request(request: GenerationRequest, vocab_size: int, max_model_len: in
         problems.append("prompt_ids is empty")
     if any(not 0 <= t < vocab_size for t in prompt + prefix):
         problems.append(f"token ids must be in [0, {vocab_size})")
-    if p.max_tokens < 1 or not 0 <= p.min_tokens <= p.max_tokens:
-        problems.append("need max_tokens >= 1 and 0 <= min_tokens <= max_tokens")
-    if p.temperature < 0 or not 0 < p.top_p <= 1:
-        problems.append("need temperature >= 0 and 0 < top_p <= 1")
+    # The config's and the policy endpoint's bounds: rolloutdb/sampling_limits.py.
+    problems += [f"{name} {problem}" for name, problem in limits.sampling_problems(
+        temperature=p.temperature, top_p=p.top_p, presence_penalty=p.presence_penalty,
+        frequency_penalty=p.frequency_penalty, max_tokens=p.max_tokens, min_tokens=p.min_tokens)]
     if any(not s for s in p.stop):
         problems.append("stop strings must be non-empty")
     if len(prompt) + len(prefix) > max_model_len:

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
+from rolloutdb import sampling_limits as limits
 from rolloutdb.store import refuse_special_file
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import ErrorDetails
@@ -160,23 +161,33 @@ def tiny_policy_heads(policy: PolicySection, backend: str) -> int | None:
 class GenerationSection(Section):
     # "vllm": gpu_capture/vllm_engine.py; refused below where vLLM is not installed.
     backend: Literal["reference", "vllm"] = "reference"
-    max_tokens: int = Field(8, ge=1, le=1_000_000)
-    min_tokens: int = Field(0, ge=0, le=1_000_000)
-    temperature: float = Field(1.0, ge=0, le=100)
+    # Bounds: rolloutdb/sampling_limits.py, shared with the policy endpoint and the engines.
+    max_tokens: int = Field(8, ge=1, le=limits.MAX_TOKENS)
+    min_tokens: int = Field(0, ge=0, le=limits.MAX_TOKENS)
+    temperature: float = Field(1.0, ge=0, le=limits.MAX_TEMPERATURE, description="0: greedy; else at least "
+                               f"{limits.MIN_TEMPERATURE} (below it the logits / temperature can overflow float32).")
     top_p: float = Field(1.0, gt=0, le=1)
     stop: list[str] = Field(default_factory=list)
     # OpenAI / vLLM semantics and range: logits -= frequency * count + presence * [count > 0],
     # counted over the call's output so far (a continued call's prefix included).
-    presence_penalty: float = Field(0.0, ge=-2, le=2, description="Subtracted once from the logit of every token "
-                                    "already in the call's output.")
-    frequency_penalty: float = Field(0.0, ge=-2, le=2, description="Subtracted from a token's logit once per time "
-                                     "it is already in the call's output.")
+    presence_penalty: float = Field(0.0, ge=-limits.MAX_PENALTY, le=limits.MAX_PENALTY, description="Subtracted once "
+                                    "from the logit of every token already in the call's output.")
+    frequency_penalty: float = Field(0.0, ge=-limits.MAX_PENALTY, le=limits.MAX_PENALTY, description="Subtracted from "
+                                     "a token's logit once per time it is already in the call's output.")
     max_batch_size: int = Field(64, ge=1, le=4096, description="Calls the engine decodes at once (KV-cache slots).")
     # More than max_batch_size: calls waiting in the engine's queue take a freed slot at the
     # next decode step; with exactly max_batch_size a slot stayed empty until the next
     # commit dispatched a whole group (occupancy 52%, bench_streaming.py).
     max_inflight_calls: int = Field(128, ge=1, le=1_000_000, description="Model calls the rollout pump keeps in "
                                     "flight; a new episode starts as soon as one ends (within the staleness bound).")
+
+    @field_validator("temperature")
+    @classmethod
+    def _temperature_stays_finite(cls, value: float) -> float:
+        problem = limits.temperature_problem(value)
+        if problem:
+            raise ValueError(problem)
+        return value
 
     @model_validator(mode="after")
     def _limits(self):

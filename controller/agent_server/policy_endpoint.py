@@ -24,6 +24,7 @@ dropped and the call decodes from its start (the turn path), with the reason rep
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -41,6 +42,7 @@ from rolloutdb.controller.agent_server.wire import (
     completion_response,
     episode_key,
     error_middleware,
+    json_response,
     prompt_ids,
     read_json,
     sampling_params,
@@ -121,7 +123,7 @@ class PolicyEndpoint:
             self._runner = None
 
     async def _health(self, request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok", "model": self.model,
+        return json_response({"status": "ok", "model": self.model,
                                   "policy_version": int(getattr(self.engine, "policy_version", 0)),
                                   "calls": self.calls})
 
@@ -163,10 +165,16 @@ class PolicyEndpoint:
             except Exception:  # noqa: BLE001 - a closed engine aborted it already
                 pass
             raise
+        bad_logprob = next((lp for lp in result.logprobs if not math.isfinite(lp)), None)
+        if bad_logprob is not None:
+            # Within the sampling bounds only broken weights get here; the train pump
+            # stops the run on them too (a sample's logprob must be finite).
+            raise HttpError(500, f"the engine reported logprob {bad_logprob} for call {rid}: the policy's weights "
+                                 "give non-finite logits")
         self.calls += 1
         if saved is not None and self.on_splice is not None:
             self.on_splice(key, turn, len(saved[1].token_ids), result if dropped is None else None, dropped)
         if self.on_call is not None:
             self.on_call(owner, turn, result, prefix_tokens)
-        return web.json_response(completion_response(result, model=self.model, prompt_tokens=len(prompt),
+        return json_response(completion_response(result, model=self.model, prompt_tokens=len(prompt),
                                                      created=int(time.time())))

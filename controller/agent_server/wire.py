@@ -18,6 +18,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from rolloutdb import sampling_limits as limits
 from rolloutdb.gpu_capture.protocol import GenerationResult, SamplingParams
 
 PROTOCOL = 1
@@ -112,28 +113,44 @@ def key_list(body: Mapping[str, Any], name: str = "keys") -> list[str]:
 # ---------------------------------------------------------------- model calls
 
 
+# OpenAI / vLLM sampling fields the engines do not implement, with the value that means
+# "off": a client's default passes, anything else is refused rather than silently ignored.
+UNSUPPORTED_SAMPLING = {"top_k": (-1, 0), "min_p": (0,), "repetition_penalty": (1,), "best_of": (1,),
+                        "logit_bias": ({},), "use_beam_search": (False,)}
+
+
 def sampling_params(body: Mapping[str, Any]) -> SamplingParams:
     """The OpenAI completion fields the engine understands. `n` must be 1 (GRPO's group
-    is n episodes, each its own attempt), `logprobs` is always on."""
+    is n episodes, each its own attempt), `logprobs` is always on. The bounds are
+    `rolloutdb/sampling_limits.py`'s, the config's and the engines' too."""
     n = want_int(body, "n", 1, 1, 1)
     del n
-    max_tokens = want_int(body, "max_tokens", 1, 1_000_000, 16)
+    max_tokens = want_int(body, "max_tokens", 1, limits.MAX_TOKENS, 16)
     stop = want(body, "stop", (list, str), [])
     stop = [stop] if isinstance(stop, str) else stop
     if not all(isinstance(s, str) and s for s in stop):
         raise bad("field 'stop' must be a non-empty string or a list of non-empty strings")
+    for name, off in UNSUPPORTED_SAMPLING.items():
+        value = body.get(name)
+        if value is not None and not any(value == v and isinstance(value, bool) == isinstance(v, bool) for v in off):
+            raise bad(f"field {name!r} is not supported (the engines sample with temperature, top_p and the "
+                      f"presence / frequency penalties); leave it out")
     params = SamplingParams(
         max_tokens=max_tokens,
         min_tokens=want_int(body, "min_tokens", 0, max_tokens, 0),
         temperature=want(body, "temperature", float, 1.0),
         top_p=want(body, "top_p", float, 1.0),
-        seed=want_int(body, "seed", 0, 2**63 - 1, None),
+        seed=want_int(body, "seed", 0, limits.MAX_SEED, None),
         stop=tuple(stop),
         presence_penalty=want(body, "presence_penalty", float, 0.0),
         frequency_penalty=want(body, "frequency_penalty", float, 0.0),
     )
-    if params.temperature < 0 or not 0 < params.top_p <= 1:
-        raise bad("need temperature >= 0 and 0 < top_p <= 1")
+    problems = limits.sampling_problems(
+        temperature=params.temperature, top_p=params.top_p, presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty, max_tokens=params.max_tokens, min_tokens=params.min_tokens)
+    if problems:
+        name, problem = problems[0]
+        raise bad(f"field {name!r}: {problem}")
     return params
 
 
@@ -229,6 +246,18 @@ def agent_states(body: Mapping[str, Any], name: str = "episodes") -> dict[str, d
 # ---------------------------------------------------------------- aiohttp glue
 
 
+def json_response(data: Any, status: int = 200):
+    """aiohttp's json_response, but strict JSON: a NaN or an infinity raises instead of
+    going out as the bare `NaN` no JSON parser reads (the caller checks its floats)."""
+    from aiohttp import web
+
+    return web.json_response(data, status=status, dumps=_strict_dumps)
+
+
+def _strict_dumps(data: Any) -> str:
+    return json.dumps(data, allow_nan=False)
+
+
 def error_middleware():
     """aiohttp middleware: `HttpError` and aiohttp's own errors become one-line JSON;
     anything else a 500 with the exception's first line (the traceback goes to the
@@ -240,7 +269,7 @@ def error_middleware():
         try:
             return await handler(request)
         except HttpError as e:
-            return web.json_response({"error": e.message}, status=e.status)
+            return json_response({"error": e.message}, status=e.status)
         except web.HTTPException as e:
             if e.status < 400:
                 raise
@@ -252,11 +281,11 @@ def error_middleware():
                 reason = f"method not allowed: {what}"
             elif e.status == 413:
                 reason = f"request body larger than {MAX_BODY_BYTES} bytes"
-            return web.json_response({"error": str(reason).splitlines()[0]}, status=e.status)
+            return json_response({"error": str(reason).splitlines()[0]}, status=e.status)
         except Exception as e:  # noqa: BLE001 - never a traceback to the client
             log.exception("request %s %s failed", request.method, request.path)
             first = (str(e).splitlines() or [""])[0]
-            return web.json_response({"error": f"internal error: {type(e).__name__}: {first}"}, status=500)
+            return json_response({"error": f"internal error: {type(e).__name__}: {first}"}, status=500)
 
     return middleware
 
