@@ -142,15 +142,16 @@ class RunLock:
         self._previous = previous  # the file's bytes before we took it; None: we created it
 
     @classmethod
-    def acquire(cls, path: Path) -> RunLock:
+    def acquire(cls, path: Path, *, then: str = "resume") -> RunLock:
+        """`then`: what the refusal tells the user to do once the holder is gone."""
         try:
-            return cls._acquire(path)
+            return cls._acquire(path, then)
         except OSError as e:  # a directory, a special file or no permission under the name
             raise ValueError(f"{path}: cannot take the run lock ({e.strerror or e}); "
                              f"{path.name} must be a regular file this user can write") from None
 
     @classmethod
-    def _acquire(cls, path: Path) -> RunLock:
+    def _acquire(cls, path: Path, then: str) -> RunLock:
         flags = os.O_RDWR | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOFOLLOW  # never hang on a FIFO, never follow a link
         for _ in range(3):
             try:
@@ -170,7 +171,7 @@ class RunLock:
                 os.close(fd)
                 who = f"pid {holder}" if holder else "pid unknown"
                 raise RunDirInUse(f"{path.parent}: another rolloutdb process ({who}) is using this run directory; "
-                                  "wait for it to finish or stop it, then resume") from None
+                                  f"wait for it to finish or stop it, then {then}") from None
             # Locked, but maybe a file that an `undo` unlinked after we opened it: only the
             # file at the path counts.
             try:

@@ -67,7 +67,7 @@ from .checkpoints.publish import (
 )
 from .checkpoints.staged import TrainerStage, begin_trainer_checkpoint
 from .checkpoints.segments import Sealed, seal_inline_payload, store_segment_problems
-from .live.payload import payload_counts, segments_dir_of
+from .live.payload import payload_counts, segment_summary, segments_dir_of
 from .checkpoints.retention import (
     KeepNewestSnapshotPerAnchor,
     KeepNewestSnapshots,
@@ -183,6 +183,7 @@ __all__ = [
     "read_manifest",
     "scan",
     "seal_inline_payload",
+    "segment_summary",
     "segments_dir_of",
     "store_segment_problems",
     # restore

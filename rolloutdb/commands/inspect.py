@@ -39,6 +39,7 @@ from rolloutdb.store import (
     payload_counts,
     quick_check,
     run_readonly_query,
+    segment_summary,
 )
 from rolloutdb.timefmt import ago, iso_utc
 
@@ -55,7 +56,8 @@ mutation counter, where the samples' payload is (inline, or sealed into payload
 segments: CHECKPOINT_DIR/payload_segments/segment_<n>.sqlite, one table `payload`
 (sample_id, token_ids, logprobs) that `sqlite3` and DuckDB's sqlite scanner read);
 and, when a manifest.json sits beside the file (a snapshot
-directory), its anchor, kind, sequence and cut time.
+directory), its anchor, kind, sequence and cut time. A payload segment file is
+summarised too: its samples, their id range, tokens and bytes (--sql reads its table).
 
 With --sql "SELECT ...", runs exactly one reading query and prints an aligned table
 (NULL as NULL, BLOBs as <blob N bytes>; select hex(col) to see the bytes). Statements
@@ -119,14 +121,22 @@ def run(args: argparse.Namespace) -> int:
     try:
         if not args.no_check:
             quick_check(conn, path)
-        revision, status = identify(conn, path)  # one alembic_version row, known, its schema
+        segment = segment_summary(conn)
+        if segment is None:
+            revision, status = identify(conn, path)  # one alembic_version row, known, its schema
+        else:
+            revision = None
         if args.sql is not None:
             try:
                 columns, rows = run_readonly_query(conn, args.sql, timeout_s=args.timeout)
             except QueryTimeout as e:
                 raise QueryTimeout(f"{e}; pass a larger --timeout SECONDS if the query needs longer") from None
             _print_query(path, revision, columns, rows, as_json=args.json)
+        elif segment is not None:
+            segment = {"path": str(path), "size_bytes": path.stat().st_size, **segment}
+            print(json.dumps(segment, indent=2) if args.json else render_segment(segment))
         else:
+            assert revision is not None
             summary = summarize(conn, path, revision, status)
             print(json.dumps(_json_view(summary), indent=2, default=str) if args.json else render_summary(summary))
     except sqlite3.DatabaseError as e:
@@ -289,6 +299,18 @@ def render_summary(s: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def render_segment(s: dict[str, Any]) -> str:
+    ids = f", ids {s['first_sample_id']}..{s['last_sample_id']}" if s["samples"] else ""
+    return "\n".join([
+        f"file              {s['path']} ({_size(s['size_bytes'])})",
+        f"kind              payload segment (format {s['format']}): finished samples' payload, written once",
+        f"samples           {s['samples']} samples{ids}",
+        f"payload           {s['tokens']} tokens, {_size(s['payload_bytes'])} (token ids int32, logprobs float32)",
+        "note: the store that references it records its size and BLAKE3; `rolloutdb verify` of the snapshot or "
+        "run directory checks it",
+    ])
+
+
 def _states(counts: dict[str, int]) -> str:
     return ", ".join(f"{k} {v}" for k, v in counts.items())
 
@@ -339,7 +361,7 @@ def format_table(columns: list[str], rows: list[tuple]) -> str:
     return "\n".join(out)
 
 
-def _print_query(path: Path, revision: str, columns: list[str], rows: list[tuple], *, as_json: bool) -> None:
+def _print_query(path: Path, revision: str | None, columns: list[str], rows: list[tuple], *, as_json: bool) -> None:
     if as_json:
         doc = {
             "path": str(path),

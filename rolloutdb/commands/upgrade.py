@@ -9,7 +9,11 @@ file keeps its bytes and no side files are left behind.
 from __future__ import annotations
 
 import argparse
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
 
+from rolloutdb.controller.run_dir import RunDir, RunLock
 from rolloutdb.store import NotAStoreError, StoreError, head_revision, upgrade_file
 
 DESCRIPTION = """\
@@ -25,9 +29,13 @@ itself). Leftovers of an upgrade that was killed are removed by the next upgrade
 Refused, with one line starting with "error:": a missing path, a directory, a file that
 is not SQLite, a truncated or damaged file (integrity_check), a file whose alembic_version
 is not exactly one known revision or whose schema is not that revision's, and a file of a
-published snapshot. Stop the run that uses the file first: a file another process has
-open is refused, naming its pid (an idle connection in rollback-journal mode cannot be
-seen; live stores use WAL, where every connection can).
+published snapshot, a read-only file or directory, and an --out name that is one of
+PATH's own -wal/-shm/-journal files. Stop the run that uses the file first: a file another
+process has open is refused, naming its pid (an idle connection in rollback-journal mode
+cannot be seen; live stores use WAL, where every connection can). A run's live store
+(RUN_DIR/rollout_state.sqlite) is upgraded under the run's lock, so the run cannot start
+meanwhile; any other writer that opens the file during the upgrade waits, and the upgrade
+then refuses, changing nothing.
 """
 
 
@@ -45,7 +53,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        old, new = upgrade_file(args.path, args.out)
+        old, new = upgrade_file(args.path, args.out, hold=run_lock_of_live_store)
     except StoreError as e:
         # One line, whatever SQLite put in the message.
         raise type(e)(" ".join(str(e).split())) from e
@@ -60,3 +68,19 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(f"{args.path}: upgraded {old} -> {new}")
     return 0
+
+
+@contextlib.contextmanager
+def run_lock_of_live_store(target: Path) -> Iterator[None]:
+    """The run's lock while `target` is a run directory's live store: `rolloutdb train`
+    takes it before it opens the store, so a run cannot start (or resume) and commit into
+    a file that the upgrade is about to replace. The lock file is left as it was."""
+    run_dir = RunDir(target.parent)
+    if target != run_dir.store or not run_dir.is_run_dir():
+        yield
+        return
+    lock = RunLock.acquire(run_dir.lock_file, then=f"upgrade {target}")
+    try:
+        yield
+    finally:
+        lock.undo()

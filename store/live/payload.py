@@ -44,6 +44,7 @@ from sqlalchemy import Connection, delete, insert, select, update
 
 from ..errors import StoreError
 from ..sqlite.readonly import open_readonly
+from .codec import TOKEN_DTYPE
 from .schema import T
 
 SEGMENTS_DIR = "payload_segments"  # under the checkpoint directory
@@ -228,3 +229,21 @@ def payload_counts(conn: sqlite3.Connection) -> dict[str, int]:
     inline, sealed, segs = conn.execute(
         "SELECT count(*) - count(segment_id), count(segment_id), count(DISTINCT segment_id) FROM samples").fetchone()
     return {"inline": inline, "in_segments": sealed, "segments": segs}
+
+
+def segment_summary(conn: sqlite3.Connection) -> dict[str, Any] | None:
+    """What a payload segment file holds (for `inspect`), or None when `conn` is not one:
+    a file with the segment's one table and no alembic_version (a store has one)."""
+    tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    if tables != {SEGMENT_TABLE}:
+        return None
+    columns = [r[1] for r in conn.execute(f"PRAGMA table_info({SEGMENT_TABLE})")]
+    if columns != ["sample_id", "token_ids", "logprobs"]:
+        return None
+    (form,) = conn.execute("PRAGMA user_version").fetchone()
+    n, first, last, token_bytes, logprob_bytes = conn.execute(
+        f"SELECT count(*), min(sample_id), max(sample_id), total(length(token_ids)), total(length(logprobs)) "
+        f"FROM {SEGMENT_TABLE}").fetchone()
+    return {"kind": "payload_segment", "format": form, "samples": n, "first_sample_id": first,
+            "last_sample_id": last, "tokens": int(token_bytes) // TOKEN_DTYPE.itemsize,
+            "payload_bytes": int(token_bytes + logprob_bytes)}

@@ -91,3 +91,11 @@ def open_elsewhere(path: str | Path) -> int | None:
 
 def describe_holder(pid: int) -> str:
     return f"pid {pid}" if pid > 0 else "pid unknown"
+
+
+def open_elsewhere_while_locked(path: str | Path) -> int | None:
+    """`open_elsewhere` for a caller that itself holds a SQLite connection with locks on
+    `path`: the /proc descriptor scan only (None without /proc). Testing the locks opens
+    and closes a descriptor on the file, and closing any descriptor of a file drops every
+    POSIX lock this process holds on it, SQLite's own included."""
+    return _descriptor_holder(Path(path))

@@ -152,10 +152,29 @@ def classify_revision(path: Path, revision: str | None) -> str:
         return "head"
     if revision in known:
         return "old"
+    if revision.startswith("trace_"):
+        raise NotAStoreError(_trace_file_message(path, revision))
     raise SchemaTooNewError(
         f"{path}: unknown schema revision {revision} (known: {', '.join(known)}); not written by this "
         "rolloutdb: if a newer rolloutdb wrote it, upgrade rolloutdb (pip install -U rolloutdb)"
     )
+
+
+def _trace_file_message(path: Path, revision: str) -> str:
+    """What a run's trace file given to a store command is, and which command reads it.
+    The trace has its own migrations (rolloutdb.migrations.trace): a resumed run upgrades
+    its trace file itself and `rolloutdb trace` reads an older one through an upgraded
+    copy, so `rolloutdb upgrade` never needs to touch it."""
+    path = Path(path)
+    run_dir = path.parent.parent if path.parent.name == "logs" else path.parent
+    reader = f"rolloutdb trace {run_dir}" if path.name == "rollout_trace.sqlite" else "rolloutdb trace RUN_DIR"
+    if revision not in trace_known_revisions():
+        return (f"{path}: a run's trace file, at trace revision {revision}, newer than this rolloutdb reads "
+                f"(trace head {trace_head_revision()}); it is not a store or snapshot file: upgrade rolloutdb "
+                f"(pip install -U rolloutdb), then read it with `{reader}`")
+    return (f"{path}: a run's trace file (trace revision {revision}), not a store or snapshot file; read it "
+            f"with `{reader}` (older trace revisions too, through an upgraded copy; `rolloutdb upgrade` "
+            "upgrades store and snapshot files only)")
 
 
 def require_head(path: Path, revision: str | None) -> None:

@@ -11,6 +11,9 @@ import contextlib
 import os
 import shutil
 import sqlite3
+import stat
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 from .. import faults
@@ -18,7 +21,7 @@ from ..errors import NotAStoreError, StoreBusyError
 from ..fsio import TEMP_SUFFIX, remove_sqlite_file, replace_file, temp_path_beside
 from .identity import identify
 from .integrity import check_sqlite_file, first_problem, integrity_problems
-from .inuse import describe_holder, open_elsewhere
+from .inuse import describe_holder, open_elsewhere, open_elsewhere_while_locked
 from .readonly import MANIFEST_NAME, listing_manifest, open_readonly
 from .revision import head_revision, run_migrations
 
@@ -116,18 +119,49 @@ def _finish_copy(tmp: Path, shown: Path, old: str, journal_mode: str) -> None:
         conn.execute(f"PRAGMA journal_mode = {journal_mode}")
 
 
-def upgrade_file(path: str | Path, out: str | Path | None = None) -> tuple[str, str]:
+def _read_only(path: Path) -> str | None:
+    """Why `path` must not be written, or None. The mode bits count even for root (who
+    may write anyway): a file or directory made read-only says "do not write here"."""
+    mode = stat.S_IMODE(os.stat(path).st_mode)
+    if not mode & 0o222:
+        return f"read-only (mode {mode:04o})"
+    if not os.access(path, os.W_OK | (os.X_OK if path.is_dir() else 0)):
+        return f"not writable by this user (mode {mode:04o})"
+    return None
+
+
+def _refuse_in_place_write(target: Path, shown: Path) -> None:
+    """An upgrade in place writes its copy beside the file and renames it over the file."""
+    why = _read_only(target)
+    if why is not None:
+        raise NotAStoreError(f"{shown}: {why}, and an upgrade in place replaces it; make it writable first "
+                             f"(chmod u+w), or write an upgraded copy: `rolloutdb upgrade {shown} --out COPY.sqlite`")
+    why = _read_only(target.parent)
+    if why is not None:
+        raise NotAStoreError(f"{shown}: its directory {target.parent} is {why}, and an upgrade in place writes its "
+                             f"copy there; make it writable, or write an upgraded copy elsewhere: "
+                             f"`rolloutdb upgrade {shown} --out COPY.sqlite`")
+
+
+def upgrade_file(path: str | Path, out: str | Path | None = None, *,
+                 hold: Callable[[Path], AbstractContextManager[object]] | None = None) -> tuple[str, str]:
     """Migrate `path` to head through a copy and put the copy in its place atomically;
     with `out`, write the upgraded copy there and leave `path` as it is.
 
     Returns (old revision, new revision); equal when the file was up to date (then
     nothing was written, unless `out` asks for a copy). Every refusal (damaged or
-    unidentified file, unknown revision, a file of a published snapshot, a file another
-    process has open) happens before anything is written, so a refused file keeps its
-    bytes, and so do its -wal and -shm. The copy is taken with the backup API so a WAL's
-    content is included; in place, the source's WAL is folded back first so no stale WAL
-    outlives the swap. A symlink is followed: the file it points to is replaced, the
-    link stays. Leftovers of killed upgrades of the same file are removed first.
+    unidentified file, unknown revision, a file of a published snapshot, a read-only file
+    or directory, a file another process has open) happens before anything is written,
+    so a refused file keeps its bytes, and so do its -wal and -shm. The copy is taken with
+    the backup API so a WAL's content is included; in place, the source's WAL is folded
+    back first so no stale WAL outlives the swap. A symlink is followed: the file it
+    points to is replaced, the link stays. Leftovers of killed upgrades of the same file
+    are removed first.
+
+    In place, nobody commits to the file between the in-use check and the rename: `hold`
+    (the caller's lock on the file's owner, such as a run directory's run lock, given the
+    resolved path) is held over both, and the source's SQLite write lock from the copy to
+    the rename (`_migrate_in_place`), after which the check is made again.
     """
     path = Path(path)
     if out is not None:
@@ -142,31 +176,82 @@ def upgrade_file(path: str | Path, out: str | Path | None = None) -> tuple[str, 
             f"{path}: a file of a published snapshot ({manifest} lists it), which is never changed; upgrade a copy: "
             f"`rolloutdb upgrade {path} --out COPY.sqlite` (a resume from the snapshot upgrades a copy itself)"
         )
-    refuse_if_open(target, path)
-    remove_upgrade_leftovers(target)
-    tmp = temp_path_beside(target, "upgrade")
+    _refuse_in_place_write(target, path)
+    with hold(target) if hold is not None else contextlib.nullcontext():
+        refuse_if_open(target, path)
+        remove_upgrade_leftovers(target)
+        tmp = temp_path_beside(target, "upgrade")
+        try:
+            _migrate_in_place(target, tmp, path, old)
+        finally:
+            remove_sqlite_file(tmp)
+    return old, head_revision()
+
+
+def _migrate_in_place(target: Path, tmp: Path, shown: Path, old: str) -> None:
+    """Copy `target` into `tmp`, migrate the copy and rename it over `target`, with no
+    commit to `target` in between that the copy would lack.
+
+    A process may open the file after `refuse_if_open` (the migration takes 5-20 s on a
+    busy machine). Its commits would go to the old file, unlinked by the rename: lost. So
+    the source's write lock is taken before the copy (BEGIN IMMEDIATE: the WAL write lock,
+    or RESERVED in rollback-journal mode) and kept until the migrated copy is ready: a
+    writer waits or fails with SQLITE_BUSY, never commits. Then, still under the lock,
+    the check is made again (by /proc descriptors: testing the locks would drop ours), and
+    a process found refuses the upgrade, changing nothing; its waiting write then goes to
+    the file, kept. Closing the source, the last connection, folds the WAL and removes
+    -wal and -shm; one still there (or a journal) is a connection opened in the instant
+    since, and refuses too. Only a process that opens the file between that look and the
+    rename, microseconds, is not seen.
+    """
+    try:
+        src = sqlite3.connect(target, isolation_level=None)
+    except sqlite3.OperationalError as e:
+        raise NotAStoreError(f"{shown}: cannot open it for the upgrade ({e}); check its permissions") from e
     try:
         try:
-            with contextlib.closing(sqlite3.connect(target, isolation_level=None)) as src:
-                # Only a process that opened the file since `refuse_if_open` can make this busy.
-                src.execute("PRAGMA busy_timeout = 2000")
-                journal_mode = src.execute("PRAGMA journal_mode").fetchone()[0]
-                if src.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()[0]:
-                    raise StoreBusyError(f"{path}: in use by another process; stop the run, then upgrade")
-                with contextlib.closing(sqlite3.connect(tmp)) as dst:
-                    src.backup(dst)
+            # Only a process that opened the file since `refuse_if_open` can make this busy.
+            src.execute("PRAGMA busy_timeout = 2000")
+            journal_mode = src.execute("PRAGMA journal_mode").fetchone()[0]
+            if src.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()[0]:
+                raise StoreBusyError(f"{shown}: in use by another process; stop the run, then upgrade")
+            src.execute("BEGIN IMMEDIATE")
+            # The backup API refuses a source connection in a write transaction: a second
+            # connection reads, under our lock (it sees what the WAL holds, too).
+            with contextlib.closing(sqlite3.connect(target)) as reader, \
+                    contextlib.closing(sqlite3.connect(tmp)) as dst:
+                reader.backup(dst)
         except sqlite3.OperationalError as e:
-            raise NotAStoreError(f"{path}: cannot read it for the upgrade ({e}); stop the run, then upgrade") from e
+            raise NotAStoreError(f"{shown}: cannot read it for the upgrade ({e}); stop the run, then upgrade") from e
         faults.point("upgrade.copied")
-        _finish_copy(tmp, path, old, journal_mode)
+        _finish_copy(tmp, shown, old, journal_mode)
         faults.point("upgrade.migrated")
         shutil.copymode(target, tmp)
-        replace_file(tmp, target)
+        pid = open_elsewhere_while_locked(target)
+        if pid is not None:
+            raise StoreBusyError(_opened_meanwhile(shown, describe_holder(pid)))
+        src.execute("ROLLBACK")
     finally:
-        remove_sqlite_file(tmp)
-    for suffix in ("-wal", "-shm"):
-        Path(f"{target}{suffix}").unlink(missing_ok=True)
-    return old, head_revision()
+        src.close()
+    journal = Path(f"{target}-journal")
+    if Path(f"{target}-wal").exists() or journal.exists() and journal.stat().st_size:
+        raise StoreBusyError(_opened_meanwhile(shown, "pid unknown"))
+    replace_file(tmp, target)
+
+
+def _opened_meanwhile(shown: Path, who: str) -> str:
+    return (f"{shown}: opened by another process during the upgrade ({who}); nothing was changed (its commits "
+            "stay in the file); stop it, then upgrade")
+
+
+def _side_file_of(source: Path, out: Path) -> str | None:
+    """The suffix when `out` names one of `source`'s own SQLite side files."""
+    sources = {os.path.abspath(source), os.path.realpath(source)}
+    outs = {os.path.abspath(out), os.path.realpath(out)}
+    for suffix in ("-wal", "-shm", "-journal"):
+        if outs & {name + suffix for name in sources}:
+            return suffix
+    return None
 
 
 def _upgrade_to(path: Path, out: Path) -> tuple[str, str]:
@@ -178,6 +263,18 @@ def _upgrade_to(path: Path, out: Path) -> tuple[str, str]:
     if (out.parent / MANIFEST_NAME).exists():
         raise NotAStoreError(f"{out}: inside a snapshot directory (a manifest.json is there), which is never changed; "
                              "pass --out a file elsewhere")
+    suffix = _side_file_of(path, out)
+    if suffix is not None:
+        raise NotAStoreError(f"{out}: the name of {path}'s own {suffix} file, which SQLite reads as part of {path}; "
+                             "pass --out another file name")
+    stale = [f"{out}{s}" for s in ("-wal", "-journal") if os.path.lexists(f"{out}{s}")]
+    if stale:
+        raise NotAStoreError(f"{out}: {stale[0]} exists beside that name (left by an earlier database), and SQLite "
+                             "would read it as part of the new file; remove it or pass --out another file name")
+    why = _read_only(out.parent)
+    if why is not None:
+        raise NotAStoreError(f"{out}: cannot write into {out.parent}: the directory is {why}; "
+                             "pass --out a file in a directory you can write")
     conn, old, _status = _checked_open(path)
     tmp = temp_path_beside(out, "upgrade")
     try:
