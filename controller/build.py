@@ -25,12 +25,11 @@ def set_threads(n: int) -> None:
 
 
 def check_plugins(config: Config):
-    """The dataset file and every import path, checked before anything is written."""
+    """The policy's config, the dataset file and every import path, checked before
+    anything is written."""
     from rolloutdb.controller import plugins
 
-    env, trainer = config.environment, config.trainer
-    return plugins.check_plugins(config.dataset, config.reward.function, env.factory, env.options,
-                                 trainer.factory, trainer.options)
+    return plugins.check_config(config)
 
 
 def build_policy(config: Config, dest: Path, dataset=None) -> Path:

@@ -21,8 +21,10 @@ The fingerprint is the sha256 of the file's bytes, combined with the field selec
 different `prompt_field` over the same bytes is a different dataset): a resume against a
 changed file is refused by the restore's run_meta check, naming both fingerprints.
 
-Records are held in memory (a list of dicts): a million short prompts is a few hundred
-MB, and `env.start(i)` then costs a list index, not a query. Every error is one line, a
+The file is read a line at a time (a line past a bound set by the policy's context is
+refused before it is all read, `BYTES_PER_POSITION`). Records are held in memory (a list
+of dicts): a million short prompts is a few hundred MB, and `env.start(i)` then costs a
+list index, not a query. Every error is one line, a
 `DatasetError` (a ValueError) naming the key, the file and, where it applies, the line.
 """
 
@@ -30,17 +32,29 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import itertools
 import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from rolloutdb.config import ChatTemplate, DatasetSection
 from rolloutdb.store import refuse_special_file
 
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
 PARQUET_SUFFIXES = (".parquet", ".pq")
+# Bounds that refuse a prompt too long for the policy's context without tokenizing it (a
+# 50 MB line took over 5 minutes through the tokenizer, after the run directory was made).
+# No tokenizer puts more than a few dozen characters in a token, so a prompt of more than
+# CHARS_PER_POSITION characters per context position cannot fit; a line is refused unread
+# past BYTES_PER_POSITION bytes per position plus RECORD_SLACK for the record's other
+# fields (a reward's reference answer, test cases). The token count itself is checked
+# once the tokenizer is loaded (plugins.RewardEnvironment.check_context).
+CHARS_PER_POSITION = 32
+BYTES_PER_POSITION = 64
+RECORD_SLACK = 4 << 20
+_READ_CHUNK = 1 << 20
 # How much of a bad value an error line shows.
 _SHOWN = 60
 
@@ -62,32 +76,65 @@ def _shown(value: Any) -> str:
     return text if len(text) <= _SHOWN else text[: _SHOWN - 3] + "..."
 
 
-def _read_jsonl(path: Path, data: bytes) -> tuple[list[dict], list[int]]:
-    """(records, the 1-based line of each). Blank lines are skipped (a trailing newline
-    or a separating blank line is common); anything else must be one JSON object."""
+def _read_jsonl(path: Path, max_line: int | None) -> tuple[list[dict], list[int], str]:
+    """(records, the 1-based line of each, the sha256 of the file's bytes), streamed: a
+    line longer than `max_line` bytes is refused as soon as that many are read. Blank
+    lines are skipped (a trailing newline or a separating blank line is common); anything
+    else must be one JSON object."""
     records: list[dict] = []
     lines: list[int] = []
-    for number, raw in enumerate(data.split(b"\n"), start=1):
-        if not raw.strip():
-            continue
-        try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise DatasetError(f"dataset.path: {path} line {number} is not UTF-8 text (byte {e.start + 1} of the "
-                               "line); save the file as UTF-8") from None
-        try:
-            value = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise DatasetError(f"dataset.path: {path} line {number} is not valid JSON ({e.msg} at column {e.colno}); "
-                               "each line must be one JSON object") from None
-        except RecursionError:
-            raise DatasetError(f"dataset.path: {path} line {number} is nested too deeply to be a prompt record") from None
-        if not isinstance(value, dict):
-            raise DatasetError(f"dataset.path: {path} line {number} is a JSON {type(value).__name__}, not an object; "
-                               "each line must be one object such as {\"prompt\": \"...\"}")
-        records.append(value)
-        lines.append(number)
-    return records, lines
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for number in itertools.count(1):
+            raw = _read_line(f, path, number, max_line)
+            if not raw:
+                break
+            digest.update(raw)
+            value = _parse_line(path, number, raw)
+            if value is not None:
+                records.append(value)
+                lines.append(number)
+    return records, lines, digest.hexdigest()
+
+
+def _read_line(f: BinaryIO, path: Path, number: int, max_line: int | None) -> bytes:
+    """One line with its newline (b"" at the end of the file), read in bounded pieces."""
+    parts: list[bytes] = []
+    size = 0
+    while True:
+        part = f.readline(_READ_CHUNK)
+        parts.append(part)
+        size += len(part)
+        if max_line is not None and size > max_line:
+            raise DatasetError(f"dataset.path: {path} line {number} is longer than {max_line} bytes: a prompt that "
+                               f"long cannot fit the policy's context (at most {BYTES_PER_POSITION} bytes per "
+                               "position, plus room for the record's other fields); shorten or drop it")
+        if not part or part.endswith(b"\n"):
+            return b"".join(parts)
+
+
+def _parse_line(path: Path, number: int, raw: bytes) -> dict | None:
+    if not raw.strip():
+        return None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise DatasetError(f"dataset.path: {path} line {number} is not UTF-8 text (byte {e.start + 1} of the "
+                           "line); save the file as UTF-8") from None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise DatasetError(f"dataset.path: {path} line {number} is not valid JSON ({e.msg} at column {e.colno}); "
+                           "each line must be one JSON object") from None
+    except RecursionError:
+        raise DatasetError(f"dataset.path: {path} line {number} is nested too deeply to be a prompt record") from None
+    except ValueError as e:  # Python's int limit: "Exceeds the limit (4300 digits) for integer string conversion"
+        raise DatasetError(f"dataset.path: {path} line {number} holds a value JSON cannot be read into "
+                           f"({_one_line(e)}); write long numbers as strings") from None
+    if not isinstance(value, dict):
+        raise DatasetError(f"dataset.path: {path} line {number} is a JSON {type(value).__name__}, not an object; "
+                           "each line must be one object such as {\"prompt\": \"...\"}")
+    return value
 
 
 def _read_parquet(path: Path) -> tuple[list[dict], list[int], list[str]]:
@@ -111,6 +158,14 @@ def _read_parquet(path: Path) -> tuple[list[dict], list[int], list[str]]:
     return records, [int(row[at]) + 1 for row in rows], names
 
 
+def _sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(_READ_CHUNK), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
 def _check_messages(value: list, where: str) -> None:
     for k, message in enumerate(value):
         if not (isinstance(message, dict) and isinstance(message.get("role"), str)
@@ -126,10 +181,12 @@ class FileDataset:
 
     `base_dir`: where a relative `path` is read from (the config file's directory).
     `reward_fields`: the fields `record(i)` passes on besides the prompt, each required in
-    every record; None passes the whole record."""
+    every record; None passes the whole record. `max_positions`: the policy's context;
+    a prompt that cannot fit it is refused while reading (CHARS_PER_POSITION), None: no
+    bound here."""
 
     def __init__(self, path: str | Path, *, prompt_field: str = "prompt", reward_fields: Sequence[str] | None = None,
-                 base_dir: str | Path | None = None):
+                 base_dir: str | Path | None = None, max_positions: int | None = None):
         given = Path(path)
         self.path = given if given.is_absolute() or base_dir is None else Path(base_dir) / given
         self.prompt_field = prompt_field
@@ -146,14 +203,15 @@ class FileDataset:
         if not self.path.is_file():
             hint = "" if given.is_absolute() or base_dir is None else f" (read relative to {base_dir})"
             raise DatasetError(f"dataset.path: {self.path} not found{hint}; give an existing .jsonl or .parquet file")
+        self.max_positions = max_positions
         before = os.stat(self.path)
-        data = self.path.read_bytes()
-        self.content_sha256 = hashlib.sha256(data).hexdigest()
         if suffix in JSONL_SUFFIXES:
-            records, numbers = _read_jsonl(self.path, data)
+            max_line = None if max_positions is None else BYTES_PER_POSITION * max_positions + RECORD_SLACK
+            records, numbers, self.content_sha256 = _read_jsonl(self.path, max_line)
             columns = None
         else:
             self._unit = "row"
+            self.content_sha256 = _sha256_of(self.path)
             records, numbers, columns = _read_parquet(self.path)
             after = os.stat(self.path)
             if (after.st_size, after.st_mtime_ns) != (before.st_size, before.st_mtime_ns):
@@ -198,6 +256,16 @@ class FileDataset:
                                    "list of chat messages")
             elif not prompt.strip():
                 raise DatasetError(f"{where}: field {self.prompt_field!r} is empty; give every record a prompt")
+            self._check_length(prompt, where)
+
+    def _check_length(self, prompt: str | list[dict], where: str) -> None:
+        if self.max_positions is None:
+            return
+        chars = len(prompt) if isinstance(prompt, str) else sum(len(m["content"]) for m in prompt)
+        if chars > CHARS_PER_POSITION * self.max_positions:
+            raise DatasetError(f"{where}: the prompt is {chars} characters, more than fit the policy's context of "
+                               f"{self.max_positions} tokens (at most {CHARS_PER_POSITION} characters a token); "
+                               "shorten it")
 
     # --------------------------------------------------------------- PromptDataset
 

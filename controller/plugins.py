@@ -45,16 +45,24 @@ from typing import Any
 from rolloutdb.controller.datasets import DatasetError, DatasetSection, FileDataset, PromptFormatter
 from rolloutdb.controller.protocols import Environment, PromptDataset, Trainer, Turn
 from rolloutdb.controller.tasks import as_codec
+from rolloutdb.controller.user_code import (
+    USER_ROOTS,
+    PluginError,
+    UserCodeError,
+    defined_at,
+    frames_of,
+    remember_user_code,
+    safe_str,
+    their_traceback,
+    user_code_raised,
+    where_theirs,
+)
 
 _DOTTED = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
 RewardFunction = Callable[[dict, str, list[int]], float]
 
 
-class PluginError(ValueError):
-    """A reward, environment or trainer by import path that cannot be used; one line."""
-
-
-class RewardError(RuntimeError):
+class RewardError(UserCodeError):
     """A reward function that raised or returned something that is not a finite number."""
 
 
@@ -125,6 +133,7 @@ def _import_file(target: str, *, key: str, base_dir: Path | None) -> ModuleType:
     if str(path.parent) not in sys.path:
         sys.path.append(str(path.parent))
     sys.modules[name] = module  # before exec: dataclasses and typing look themselves up there
+    USER_ROOTS.add(str(path.parent))  # a failure while importing it is already theirs
     try:
         spec.loader.exec_module(module)
     except (Exception, SystemExit) as e:  # noqa: BLE001 - the user's file failed to import
@@ -142,7 +151,9 @@ def _import_failure(key: str, what: str, e: BaseException) -> PluginError:
     if isinstance(e, SystemExit):
         return PluginError(f"{key}: importing {what} called sys.exit({e.code!r}); guard script code with "
                            "if __name__ == '__main__':")
-    return PluginError(f"{key}: importing {what} raised {type(e).__name__}: {_one_line(e)}")
+    frames = frames_of(e.__traceback__)
+    return UserCodeError(f"{key}: importing {what} raised {type(e).__name__}: {safe_str(e)} at "
+                         f"{where_theirs(frames)}; its traceback is above", their_traceback(e, frames[1:]))
 
 
 def _import_module(target: str, *, key: str) -> ModuleType:
@@ -162,6 +173,7 @@ def load_callable(spec: str, *, key: str, base_dir: str | Path | None = None) ->
     target, attr = split_spec(spec, key=key)
     base = None if base_dir is None else Path(base_dir)
     module = _import_file(target, key=key, base_dir=base) if _is_file_target(target) else _import_module(target, key=key)
+    remember_user_code(module, is_file=_is_file_target(target))
     obj: Any = module
     for i, part in enumerate(attr.split(".")):
         if not hasattr(obj, part):
@@ -247,9 +259,8 @@ def _call_factory(factory: Callable[..., Any], context: PluginContext, options: 
         return factory(context, **options)
     except (PluginError, DatasetError):
         raise
-    except Exception as e:  # noqa: BLE001 - the user's factory failed: say which, keep the cause
-        raise PluginError(f"{key}: {getattr(factory, '__qualname__', factory)} raised {type(e).__name__}: "
-                          f"{_one_line(e)}") from e
+    except Exception as e:  # noqa: BLE001 - the user's factory failed: their error, with their traceback
+        raise user_code_raised(e, f"{key}: {getattr(factory, '__qualname__', factory)}") from e
 
 
 def make_environment(spec: str, context: PluginContext, options: Mapping[str, Any] | None = None, *,
@@ -288,11 +299,40 @@ def reward_value(value: Any, *, what: str) -> float:
         except ImportError:  # pragma: no cover - numpy is a dependency
             pass
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise RewardError(f"{what} returned {_one_line(repr(value))}, not a number")
-    result = float(value)
+        raise RewardError(f"{what} returned {_safe_repr(value)}, not a number")
+    try:
+        result = float(value)
+    except OverflowError:  # an int past 1e308
+        result = math.inf
     if not math.isfinite(result):
-        raise RewardError(f"{what} returned {result}, not a finite number")
+        raise RewardError(f"{what} returned {result if isinstance(value, float) else _safe_repr(value)}, "
+                          "not a finite number")
     return result
+
+
+def _safe_repr(value: Any) -> str:
+    """repr for a message: a user's object whose __repr__ raises, or an int too long for
+    Python to print, does not replace the error being reported."""
+    try:
+        return _one_line(repr(value))
+    except Exception:  # noqa: BLE001 - only the message is at stake
+        return f"a {type(value).__name__}"
+
+
+def call_reward(reward: RewardFunction, dataset: FileDataset, prompt_id: int, reply: str, token_ids: list[int], *,
+                name: str) -> float:
+    """The user's reward on one reply as a float; a raise or a value that is not a finite
+    number is their error (`RewardError`), naming the record and their file:line."""
+    what = f"{name} on {dataset.location(prompt_id)} of {dataset.path.name} (prompt {prompt_id})"
+    try:
+        raw = reward(dataset.record(prompt_id), reply, token_ids)
+    except Exception as e:  # noqa: BLE001 - the user's reward failed: their error, with their traceback
+        failure = user_code_raised(e, what)
+        raise RewardError(str(failure), failure.user_traceback) from e
+    try:
+        return reward_value(raw, what=what)
+    except RewardError as e:  # a value has no frame: name where the function is defined
+        raise RewardError(f"{e}; the function is at {defined_at(reward)}") from None
 
 
 class RewardEnvironment:
@@ -342,12 +382,7 @@ class RewardEnvironment:
             raise ValueError("episode already finished")
         reply = self.codec.decode(reply_ids)
         prompt_id = state["prompt_id"]
-        what = f"{self.name} on {self.dataset.location(prompt_id)} of {self.dataset.path.name}"
-        try:
-            raw = self.reward(self.dataset.record(prompt_id), reply, [int(t) for t in reply_ids])
-        except Exception as e:
-            raise RewardError(f"{what} raised {type(e).__name__}: {_one_line(e)}") from e
-        value = reward_value(raw, what=what)
+        value = call_reward(self.reward, self.dataset, prompt_id, reply, [int(t) for t in reply_ids], name=self.name)
         return Turn(observation_ids=[], done=True, info={"score": value}), dict(state, reply=reply, reward=value,
                                                                                done=True)
 
@@ -371,15 +406,21 @@ class TaskPlugins:
 def check_plugins(dataset: DatasetSection, reward_function: str | None, environment_factory: str | None,
                   environment_options: Mapping[str, Any] | None = None, trainer_factory: str | None = None,
                   trainer_options: Mapping[str, Any] | None = None, *,
-                  base_dir: str | Path | None = None) -> TaskPlugins:
-    """Every check that needs no policy: the dataset loads, each spec imports and takes
-    its arguments, and the combination makes a task. Run before the run directory is
-    created, so a bad path or file refuses the run with nothing written."""
+                  base_dir: str | Path | None = None, max_positions: int | None = None) -> TaskPlugins:
+    """Every check that needs no policy: the dataset loads (each prompt within
+    `max_positions`, the policy's context, by its length), each spec imports and takes its
+    arguments, the reward scores the first record, and the combination makes a task. Run
+    before the run directory is created, so a bad path or file refuses the run with
+    nothing written."""
     data = None
     if dataset.path is not None:
         data = FileDataset(dataset.path, prompt_field=dataset.prompt_field, reward_fields=dataset.reward_fields,
-                           base_dir=base_dir)
+                           base_dir=base_dir, max_positions=max_positions)
     reward = None if reward_function is None else load_reward(reward_function, base_dir=base_dir)
+    if reward is not None and data is not None:
+        # Once on the first record with an empty reply (a policy may end its reply at once):
+        # a reward that cannot score it fails here, with nothing written, not steps later.
+        call_reward(reward, data, 0, "", [], name=f"{reward_function} (called once before the run, on an empty reply)")
     if environment_factory is not None:
         load_factory(environment_factory, PluginContext(), environment_options or {}, key="environment.factory",
                      base_dir=base_dir)
@@ -392,6 +433,42 @@ def check_plugins(dataset: DatasetSection, reward_function: str | None, environm
             raise PluginError("dataset.path: set reward.function too (how a reply is scored), or "
                               "environment.factory for an environment of your own")
     return TaskPlugins(data, reward, reward_function, environment_factory)
+
+
+def check_config(config: Any) -> TaskPlugins:
+    """`check_plugins` for a validated Config, with the policy's context checked first."""
+    env, trainer = config.environment, config.trainer
+    positions = None
+    if config.policy.model_dir is not None or config.dataset.path is not None:
+        positions = policy_context(config.policy.model_dir)
+    return check_plugins(config.dataset, config.reward.function, env.factory, env.options, trainer.factory,
+                         trainer.options, max_positions=positions)
+
+
+def policy_context(model_dir: str | None) -> int | None:
+    """The policy's context (its max positions), checked before the run directory is made.
+    A model directory's config is read and its model class built on the meta device (no
+    memory, no weights read; about a second for a 7B config), so a config transformers
+    cannot build is refused now in one line, not once the run has started. The tiny
+    policy's context is its builder's default (without importing torch: a refusal on a
+    loaded machine waited a minute for that import)."""
+    if model_dir is None:
+        from rolloutdb.config import TINY_POLICY_CONTEXT
+
+        return TINY_POLICY_CONTEXT
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        config = AutoConfig.from_pretrained(model_dir)
+        with torch.device("meta"):
+            AutoModelForCausalLM.from_config(config)
+    except Exception as e:  # noqa: BLE001 - whatever transformers says of the directory's config
+        raise PluginError(f"policy.model_dir: {Path(model_dir) / 'config.json'} does not build a causal language "
+                          f"model ({type(e).__name__}: {safe_str(e)}); give a Hugging Face model directory "
+                          "transformers can load") from None
+    positions = getattr(config, "max_position_embeddings", None)
+    return positions if isinstance(positions, int) and not isinstance(positions, bool) and positions > 0 else None
 
 
 def build_task(found: TaskPlugins, dataset: DatasetSection, *, tokenizer: Any, context: PluginContext,

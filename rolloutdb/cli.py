@@ -4,7 +4,9 @@ here; every error the user can cause prints one line starting with `error:` and 
 The causes are fixed where they arise (special files refused by stat, manifests checked
 for type and depth, queries bounded); `main` also catches whatever is left (an OSError,
 a SQLite error, a RecursionError, any other exception) as one `error:` line, so a user
-never sees a traceback. ``ROLLOUTDB_TRACEBACK=1`` re-raises instead, for debugging.
+never sees a traceback of ours. ``ROLLOUTDB_TRACEBACK=1`` re-raises instead, for debugging. The
+one exception is the user's own code (a reward, a factory, what a factory made) failing: its
+traceback is theirs, printed above the `error:` line, which names their file:line; exit 2.
 """
 
 from __future__ import annotations
@@ -104,7 +106,7 @@ def _run(args: argparse.Namespace) -> int:
     try:
         return int(args.func(args) or 0)
     except (StoreError, FileExistsError, ValueError) as e:
-        return _error(e)
+        return _error_of(e)
     except KeyboardInterrupt:
         return _error("interrupted", EXIT_SIGINT)
     except Terminated:
@@ -113,10 +115,29 @@ def _run(args: argparse.Namespace) -> int:
         # `rolloutdb inspect ... | head`: the reader left; that is not an error of ours.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
-    except Exception as e:  # noqa: BLE001 - the backstop: one line, never a traceback
+    except Exception as e:  # noqa: BLE001 - the backstop: one line, never a traceback of ours
+        theirs = _user_error(e)
+        if theirs is not None:
+            return _error_of(theirs)
         if os.environ.get("ROLLOUTDB_TRACEBACK"):
             raise
         return _error(_backstop_message(e))
+
+
+def _error_of(e: Exception) -> int:
+    """A user's code that failed (controller/user_code.py, UserCodeError) gets its traceback
+    printed first: it is their code and they need it; the one `error:` line comes last."""
+    user_traceback = getattr(e, "user_traceback", None)
+    if user_traceback:
+        print(user_traceback, file=sys.stderr)
+    return _error(e)
+
+
+def _user_error(e: Exception) -> Exception | None:
+    """The user's error when `e` came out of their code (an environment or trainer their
+    factory made, failing mid-run); only a run that loaded a plugin has loaded this."""
+    user_code = sys.modules.get("rolloutdb.controller.user_code")
+    return None if user_code is None else user_code.user_error_from(e)
 
 
 def _backstop_message(e: Exception) -> str:

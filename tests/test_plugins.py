@@ -301,11 +301,15 @@ def test_the_reward_gets_the_record_the_reply_up_to_eos_and_the_token_ids(answer
                                                  ("1.0", "returned '1.0', not a number"),
                                                  (True, "returned True, not a number")])
 def test_a_reward_that_is_not_a_finite_number_is_refused_naming_the_record(answers, tokenizer, value, expected):
-    env = RewardEnvironment(answers, tokenizer, lambda record, reply, ids: value, name="./r.py:score")
+    def reward(record, reply, ids):
+        return value
+
+    env = RewardEnvironment(answers, tokenizer, reward, name="./r.py:score")
     _, state = env.start(2)
     with pytest.raises(RewardError) as e:
         env.step(state, [3])
-    assert str(e.value) == f"./r.py:score on line 3 of answers.jsonl {expected}"
+    assert str(e.value) == (f"./r.py:score on line 3 of answers.jsonl (prompt 2) {expected}; the function is at "
+                            f"{__file__}:{reward.__code__.co_firstlineno}")
 
 
 def test_a_reward_that_raises_is_reported_naming_the_record_with_the_cause_kept(answers, tokenizer):
@@ -314,9 +318,11 @@ def test_a_reward_that_raises_is_reported_naming_the_record_with_the_cause_kept(
 
     env = RewardEnvironment(answers, tokenizer, reward)
     _, state = env.start(0)
-    with pytest.raises(RewardError, match="reward on line 1 of answers.jsonl raised ZeroDivisionError") as e:
+    with pytest.raises(RewardError, match=r"reward on line 1 of answers.jsonl \(prompt 0\) raised ZeroDivisionError: "
+                                          r"division by zero at .*test_plugins.py:\d+ \(in reward\); its traceback") as e:
         env.step(state, [3])
     assert isinstance(e.value.__cause__, ZeroDivisionError)
+    assert "return 1 / 0" in e.value.user_traceback
 
 
 def test_a_prompt_that_leaves_no_room_for_the_reply_is_refused_at_start_naming_its_line(tmp_path, tokenizer):

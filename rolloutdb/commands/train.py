@@ -55,14 +55,14 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as e:
         raise ValueError(str(e)) from None
     from rolloutdb.controller.metrics_backends import check_backends
-    from rolloutdb.controller.plugins import check_plugins
+    from rolloutdb.controller.plugins import check_config
 
-    # Bad import paths, dataset files and missing backend packages refuse the run here,
-    # before the lock file or the run directory exists.
+    # Bad import paths, dataset files (a prompt too long for the policy's context too), a
+    # reward that cannot score the first record, a model directory transformers cannot
+    # build and missing backend packages refuse the run here, before the lock file or the
+    # run directory exists.
     check_backends(config.logging.backends)
-    env, trainer = config.environment, config.trainer
-    plugins = check_plugins(config.dataset, config.reward.function, env.factory, env.options,
-                            trainer.factory, trainer.options)
+    plugins = check_config(config)
     run_dir = args.run_dir or Path("runs") / config.run.name
     resume = args.resume or config.checkpointing.resume or ("latest" if args.start_over else None)
     dirs = RunDir(run_dir)
