@@ -331,8 +331,9 @@ def run_tests(dst: Path, test: str, workers: str | None = None) -> str:
     took = time.monotonic() - t0
     if out.returncode == 0:
         return f"NOT CAUGHT ({took:.0f} s)"
-    if out.returncode == 1:
-        failed = re.findall(r"^FAILED (\S+)", out.stdout, re.M)
+    failed = re.findall(r"^FAILED (\S+)", out.stdout, re.M)
+    # 2 with a failure listed: xdist's workers stopped by -x report "interrupted".
+    if out.returncode == 1 or (out.returncode == 2 and failed):
         return f"caught by {failed[0].split('::', 1)[-1] if failed else '?'} ({took:.0f} s)"
     return f"error rc={out.returncode}: {(out.stdout + out.stderr).strip().splitlines()[-1:]}"
 
