@@ -103,11 +103,20 @@ def group_advantages(rewards: Sequence[float], eps: float = 1e-6,
         return []
     if max(rewards) == min(rewards):
         return [0.0] * n  # exactly zero, not float noise around the mean
+    top = max(abs(r) for r in rewards)
+    if scale and top > _SQUARE_SAFE:
+        # A reward past ~1e154 overflows its square (and a sum of a few past 1e308): the
+        # scaled advantage does not depend on the rewards' unit, so compute it in units of
+        # the largest. Below this line the arithmetic is the plain one, bit for bit.
+        return group_advantages([r / top for r in rewards], eps / top, scale)
     mean = sum(rewards) / n
     if not scale:
         return [r - mean for r in rewards]
     std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / n)
     return [(r - mean) / (std + eps) for r in rewards]
+
+
+_SQUARE_SAFE = 1e150
 
 
 def clipped_token_losses(logp_new: torch.Tensor, logp_old: torch.Tensor,

@@ -262,3 +262,15 @@ def test_the_entropy_bonus_alone_raises_the_policys_entropy(policy_dir):
         last = tr.train_step([flat])["entropy"]
     assert last > first + 1e-3
     assert trainer(policy_dir).train_step([flat])["loss"] == 0.0  # without it: no signal
+
+
+def test_huge_finite_rewards_give_the_same_advantages_as_the_same_rewards_in_a_smaller_unit():
+    # A user's reward of 1e200 is finite (accepted); its square overflowed, and the run
+    # ended in the CLI's backstop ("unexpected OverflowError").
+    from rolloutdb.controller.grpo import group_advantages
+
+    huge = group_advantages([1e300, -1e300, 0.0, 5e299])
+    plain = group_advantages([1.0, -1.0, 0.0, 0.5], eps=0.0)  # eps is tiny in the huge unit
+    assert all(math.isfinite(a) for a in huge)
+    assert huge == pytest.approx(plain, rel=1e-9)
+    assert group_advantages([1.0, -1.0, 0.0, 0.5]) == group_advantages([1.0, -1.0, 0.0, 0.5], 1e-6, True)
