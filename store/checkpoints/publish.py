@@ -532,7 +532,8 @@ class Publisher:
                     revision, counts, states = _read_revision(stage.db_path)
                     segments = _listed_segments(self.root, stage.db_path)
                     t_check = time.perf_counter()
-                    for problem in copy_problems(self.root, stage.db_path)[:1]:  # what verify would refuse
+                    # What verify would refuse; a file that is no store has nothing to check (a restore refuses it).
+                    for problem in (copy_problems(self.root, stage.db_path) if revision else [])[:1]:
                         raise CopyRefused(f"{stage.target}: the captured copy fails its checks: {problem}; the snapshot "
                                           "is not published (earlier snapshots are intact)", path=stage.target)
                     timings = {"check_copy": time.perf_counter() - t_check}

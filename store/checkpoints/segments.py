@@ -295,6 +295,8 @@ def copy_problems(checkpoint_dir: str | Path, db_path: str | Path) -> list[str]:
             return problems or missing_payload(checkpoint_dir, sample_references(conn), str(db_path))
     except RecordDamaged as e:
         return [str(e)]
+    except sqlite3.DatabaseError as e:
+        return [f"{db_path}: could not check invariants: {' '.join(str(e).split())}"]
 
 
 def store_segment_problems(store_path: str | Path, checkpoint_dir: str | Path) -> list[str]:
