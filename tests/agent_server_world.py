@@ -124,7 +124,8 @@ def open_world(root: Path) -> Iterator[World]:
     policy = build.build_policy(load_config(cfg), root / "policy")
     procs = {
         name: ServerProcess(config_path=cfg, name=server, policy_dir=policy, log_path=root / f"{name}.log",
-                            start_timeout_s=180, token=TOKEN, mode=mode)
+                            # four start at once: one alone took 45 s at load 12 on 2 cores
+                            start_timeout_s=600, token=TOKEN, mode=mode)
         for name, server, mode in [("agents", "agents", None), ("quick", "quick", None), ("single", "single", None),
                                    ("refused", "agents", "stateless")]
     }
