@@ -101,15 +101,17 @@ def build_env_checkpoint(config: Config, agents=None) -> EnvironmentCheckpoint:
     return NoEnvironmentCheckpoint()
 
 
-def build_agents(config: Config, engine, *, config_path: Path, policy_dir: Path, log_dir: Path, log_event=None):
+def build_agents(config: Config, engine, *, config_path: Path, policy_dir: Path, log_dir: Path, token_path: Path,
+                 log_event=None):
     """The run's agent servers and its policy endpoint (not started), or None without
-    `environment.servers`. aiohttp is imported only here."""
+    `environment.servers`; the run's token is written to `token_path` when a server needs
+    it. aiohttp is imported only here."""
     if not config.environment.servers:
         return None
     from rolloutdb.controller.agent_server.client import AgentPool
 
     return AgentPool(config, engine, config_path=config_path, policy_dir=policy_dir, log_dir=log_dir,
-                     log_event=log_event)
+                     token_path=token_path, log_event=log_event)
 
 
 def build_trainer(config: Config, policy_dir: Path) -> Trainer:

@@ -111,7 +111,7 @@ class Controller:
         if done is not None:
             resuming.announce(self, done)
         self.agents = build.build_agents(cfg, self.engine, config_path=self.dirs.config, policy_dir=policy_dir,
-                                         log_dir=self.dirs.logs, log_event=self._log)
+                                         log_dir=self.dirs.logs, token_path=self.dirs.agent_token, log_event=self._log)
         env_checkpoint = build.build_env_checkpoint(cfg, self.agents)
         if self.agents is None:
             self._setup_pumps(env_checkpoint)

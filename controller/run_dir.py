@@ -9,6 +9,7 @@ one process's at a time.
       checkpoints/              bootstrap/, step_<N>/, rollout snapshots under them
       logs/metrics.jsonl        one JSON object per event (train steps, rollout waves)
       logs/rollout_trace.sqlite trace events, when trace.enabled is on
+      agent_server.token        the bearer token of the run's agent servers (mode 0600, new at every start)
       plots/                    reward_curve.png and the trace report's plots
       discarded/<time>/         what `train --start-over` moved aside (store, checkpoints, config)
 """
@@ -64,6 +65,10 @@ class RunDir:
     @property
     def trace(self) -> Path:
         return self.logs / "rollout_trace.sqlite"
+
+    @property
+    def agent_token(self) -> Path:
+        return self.root / "agent_server.token"
 
     @property
     def plots(self) -> Path:

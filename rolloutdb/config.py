@@ -274,6 +274,11 @@ class EnvironmentServerSection(Section):
     start_timeout_s: float = Field(120.0, gt=0, le=3600, description="How long to wait for the server's /health.")
     episode_timeout_s: float = Field(600.0, gt=0, le=86_400, description="An episode's deadline on the server, "
                                                                           "paused while a checkpoint holds dispatch.")
+    token_file: str | None = Field(None, pattern=r"^/", description="An absolute path to a file (mode 0600) holding "
+                                   "the bearer token this server was started with (rolloutdb-agent-server "
+                                   "--token-file); required with url; null: the run's own token.")
+    max_agents: int = Field(4096, ge=1, le=10_000_000, description="Agents the server holds at most (episodes not "
+                            "yet deleted and installed agents); at least twice generation.max_inflight_calls.")
 
 
 class EnvironmentSection(FactoryFields):
@@ -308,6 +313,9 @@ class EnvironmentSection(FactoryFields):
             raise ValueError("servers: agent servers run the built-in tasks; a custom environment factory runs in "
                              "the controller: remove one of the two")
         for s in self.servers:
+            if s.url and not s.token_file:
+                raise ValueError(f"servers: {s.name} runs at {s.url}, so the controller cannot hand it the run's "
+                                 "token: set its token_file to the file the server was started with (--token-file)")
             if s.mode == "stateless" and self.turns_of(s) > 1:
                 raise ValueError(f"servers: {s.name} is stateless but runs {self.turns_of(s)} turns; a stateless "
                                  "server keeps nothing between turns, so it serves single-turn tasks only: set its "
@@ -462,6 +470,12 @@ class Config(Section):
         if env.servers and self.rollout_recovery.target_level == "none":
             raise ValueError("environment.servers: agent servers need ledger dispatch (their episodes are keyed "
                              "by attempt); set rollout_recovery.target_level to group or turn")
+        for s in env.servers:
+            # One server may get every call in flight, and a finished episode stays until its DELETE lands.
+            if s.max_agents < 2 * self.generation.max_inflight_calls:
+                raise ValueError(f"environment.servers: {s.name} holds at most {s.max_agents} agents (max_agents), "
+                                 f"fewer than twice generation.max_inflight_calls ({self.generation.max_inflight_calls})"
+                                 f"; raise max_agents to {2 * self.generation.max_inflight_calls} or more")
         exporting = [s.name for s in env.servers if s.mode == "export_restore"]
         if exporting and not self.rollout_recovery.keeps_turns:
             raise ValueError(f"environment.servers: {', '.join(exporting)} export their agents for turn-level "

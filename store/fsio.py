@@ -40,10 +40,13 @@ def fsync_dir(path: str | Path) -> None:
         os.close(fd)
 
 
-def write_file(path: str | Path, data: bytes) -> None:
-    """Write a new file (no fsync: the commit protocol fsyncs the whole tree once)."""
+def write_file(path: str | Path, data: bytes, *, mode: int = 0o666) -> None:
+    """Write a new file (no fsync: the commit protocol fsyncs the whole tree once). `mode`
+    is given to the open that creates it (less the umask): a secret is never readable by
+    others, not even before a chmod."""
     faults.io("write", path)
-    with open(path, "xb") as f:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+    with open(fd, "wb") as f:
         f.write(data)
 
 
@@ -73,13 +76,15 @@ def replace_file(tmp: str | Path, target: str | Path) -> None:
     fsync_dir(target.parent)
 
 
-def write_file_atomic(path: str | Path, data: bytes | str | Callable[[Path], object], *, tag: str = "write") -> Path:
+def write_file_atomic(path: str | Path, data: bytes | str | Callable[[Path], object], *, tag: str = "write",
+                      mode: int = 0o666) -> Path:
     """Put a file at `path` so that a reader or a crash sees the old file or the whole new
     one, never part of it: written beside it (`temp_path_beside`), fsynced, renamed into
     place, the directory fsynced (`replace_file`). `data` is the content (a str is
     written as UTF-8), or a function that builds the file at the temporary path it is
     given (a SQLite file made by running migrations). This process's leftover of an
-    earlier failed write is replaced; on failure nothing is left beside `path`."""
+    earlier failed write is replaced; on failure nothing is left beside `path`. `mode`:
+    the new file's permissions from its creation (`write_file`; not for `data` a function)."""
     path = Path(path)
     tmp = temp_path_beside(path, tag)
     tmp.unlink(missing_ok=True)
@@ -87,7 +92,7 @@ def write_file_atomic(path: str | Path, data: bytes | str | Callable[[Path], obj
         if callable(data):
             data(tmp)
         else:
-            write_file(tmp, data.encode() if isinstance(data, str) else data)
+            write_file(tmp, data.encode() if isinstance(data, str) else data, mode=mode)
         replace_file(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)

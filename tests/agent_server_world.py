@@ -34,6 +34,7 @@ from rolloutdb.controller.agent_server.policy_endpoint import PolicyEndpoint
 from rolloutdb.controller.agent_server.process import ServerProcess, ServerStartError
 from rolloutdb.gpu_capture.reference_engine import ReferenceEngine
 
+TOKEN = "world-token-" + "0123456789abcdef"  # every request below carries it (`request`)
 TURNS = 3
 PROMPTS = 16
 MAX_TOKENS = 4
@@ -123,7 +124,8 @@ def open_world(root: Path) -> Iterator[World]:
     policy = build.build_policy(load_config(cfg), root / "policy")
     procs = {
         name: ServerProcess(config_path=cfg, name=server, policy_dir=policy, log_path=root / f"{name}.log",
-                            start_timeout_s=180, mode=mode)
+                            # four start at once: one alone took 45 s at load 12 on 2 cores
+                            start_timeout_s=600, token=TOKEN, mode=mode)
         for name, server, mode in [("agents", "agents", None), ("quick", "quick", None), ("single", "single", None),
                                    ("refused", "agents", "stateless")]
     }
@@ -147,7 +149,7 @@ def open_world(root: Path) -> Iterator[World]:
         w = World(root=root, servers={}, refused=None, refused_log=root / "refused.log", engine=engine, http=loop,
                   endpoint=None, policy_url="", vocab_size=real.vocab_size,  # type: ignore[arg-type]
                   max_model_len=real.max_model_len)
-        w.endpoint = PolicyEndpoint(engine, loop, owner=w.owners.get,
+        w.endpoint = PolicyEndpoint(engine, loop, owner=w.owners.get, tokens=[TOKEN],
                                     on_call=lambda o, t, r, _prefix=0: w.calls.append((o, t, r)))
         for name, got in started.items():
             if name == "refused":
@@ -169,7 +171,8 @@ def request(url: str, method: str, path: str, body: Any = None, *, raw: bytes | 
     conn = http.client.HTTPConnection(u.hostname, u.port, timeout=timeout)
     data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
     try:
-        conn.request(method, path, body=data, headers={"Content-Type": "application/json", **(headers or {})})
+        conn.request(method, path, body=data, headers={"Content-Type": "application/json",
+                                                       "Authorization": f"Bearer {TOKEN}", **(headers or {})})
         resp = conn.getresponse()
         return resp.status, resp.read().decode(errors="replace")
     finally:

@@ -43,8 +43,8 @@ def registered() -> dict[str, set[tuple[str, str]]]:
     from rolloutdb.controller.agent_server.env_server import AgentServer
     from rolloutdb.controller.agent_server.policy_endpoint import PolicyEndpoint
 
-    agent = AgentServer(None, name="docs", mode="export_restore", task={})
-    policy = PolicyEndpoint(None, None, owner={}.get)  # type: ignore[arg-type]
+    agent = AgentServer(None, name="docs", mode="export_restore", task={}, token="docs-token-0123456789")
+    policy = PolicyEndpoint(None, None, owner={}.get, tokens=["docs-token-0123456789"])  # type: ignore[arg-type]
     return {"policy": routes(policy.build_app()), "agent": routes(agent.app())}
 
 

@@ -59,6 +59,7 @@ OVERRIDES = [
     "logging.plot=false",
 ]
 TRACE = Path("logs") / "rollout_trace.sqlite"
+URL_SERVER_TOKEN = "url-server-token-0123456789"  # the token the server at a URL is started with
 
 
 # ---------------------------------------------------------------------- helpers
@@ -96,7 +97,8 @@ def _verify(run_dir: Path) -> dict:
 
 
 def _health(url: str) -> dict:
-    with urllib.request.urlopen(url + "/health", timeout=10) as resp:
+    asked = urllib.request.Request(url + "/health", headers={"Authorization": f"Bearer {URL_SERVER_TOKEN}"})
+    with urllib.request.urlopen(asked, timeout=10) as resp:
         return json.load(resp)
 
 
@@ -205,13 +207,18 @@ def url_server(tmp_path_factory):
     from rolloutdb.controller import build
 
     root = tmp_path_factory.mktemp("url_server")
-    spec = {"name": "agents", "mode": "export_restore", "url": "http://127.0.0.1:1", "lease_s": LEASE_S}
+    token_file = root / "token"
+    token_file.write_text(URL_SERVER_TOKEN + "\n")
+    token_file.chmod(0o600)
+    spec = {"name": "agents", "mode": "export_restore", "url": "http://127.0.0.1:1", "lease_s": LEASE_S,
+            "token_file": str(token_file)}
     cfg = yaml.safe_load(EXAMPLE.read_text())
     cfg["environment"]["servers"] = [spec]
     policy = build.build_policy(config_from_dict(cfg), root / "policy")  # the tokenizer the task needs
     server_cfg = _config(root / "server.yaml", [spec])
     proc = subprocess.Popen([sys.executable, "-m", SERVER_MODULE, "--config", str(server_cfg), "--server", "agents",
-                             "--policy-dir", str(policy), "--port", "0"], env=train_env(), stdout=subprocess.PIPE, text=True)
+                             "--policy-dir", str(policy), "--port", "0", "--token-file", str(token_file)],
+                            env=train_env(), stdout=subprocess.PIPE, text=True)
     try:
         line = proc.stdout.readline()
         assert line.startswith("rolloutdb-agent-server listening on "), line

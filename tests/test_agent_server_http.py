@@ -22,6 +22,7 @@ pytest.importorskip("aiohttp")
 
 from agent_server_world import (  # noqa: E402
     PROMPTS,
+    TOKEN,
     TURNS,
     checkpoint,
     health,
@@ -454,7 +455,8 @@ def test_256_concurrent_episodes_finish_through_one_server_and_the_endpoint_with
     async def run_all() -> tuple[list, int]:
         from aiohttp import ClientSession, ClientTimeout, TCPConnector
 
-        async with ClientSession(connector=TCPConnector(limit=0), timeout=ClientTimeout(total=90)) as session:
+        async with ClientSession(connector=TCPConnector(limit=0), timeout=ClientTimeout(total=90),
+                                 headers={"Authorization": f"Bearer {TOKEN}"}) as session:
             registered = asyncio.gather(*(one(session, i, k) for i, k in enumerate(keys)))
             await asyncio.sleep(0.5)
             async with session.get(f"{url}/health") as resp:

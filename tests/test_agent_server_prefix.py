@@ -38,6 +38,7 @@ from rolloutdb.store import CallPrefix
 PROMPT = [1, 5, 6, 7, 8]
 TURN = 2
 SEED = call_seed(77, TURN)
+TOKEN = "prefix-token-0123456789"  # the endpoint's bearer token (docs/agent_server.md#who-may-call)
 # Seeded sampling with a stop string, penalties and min_tokens: every way a continued call
 # could differ from the uninterrupted one is on.
 BODY = {"prompt": PROMPT, "max_tokens": 40, "min_tokens": 6, "temperature": 1.0, "seed": SEED, "stop": ["99"],
@@ -75,7 +76,7 @@ def world(tmp_path_factory):
         engine = RecordingEngine(real)
         w = {"policy": Path(policy), "real": real, "engine": engine, "owners": {}, "prefixes": {}, "calls": [],
              "splices": []}
-        endpoint = PolicyEndpoint(engine, loop, owner=w["owners"].get,
+        endpoint = PolicyEndpoint(engine, loop, owner=w["owners"].get, tokens=[TOKEN],
                                   prefix_for=lambda key: w["prefixes"].pop(key, None),
                                   on_call=lambda o, t, r, n: w["calls"].append((o, t, r.request_id, n)),
                                   on_splice=lambda *a: w["splices"].append(a))
@@ -90,6 +91,7 @@ def post(w, key: str, turn: int, body: dict, timeout: float = 120.0) -> dict:
     try:
         conn.request("POST", "/v1/completions", body=json.dumps(body).encode(),
                      headers={"Content-Type": "application/json", "X-Rolloutdb-Episode": key,
+                              "Authorization": f"Bearer {TOKEN}",
                               "X-Rolloutdb-Turn": str(turn)})
         resp = conn.getresponse()
         text = resp.read().decode()

@@ -36,7 +36,7 @@ from typing import Any
 
 from aiohttp import ClientError, ClientSession, ClientTimeout, TCPConnector
 
-from rolloutdb.controller.agent_server import wire
+from rolloutdb.controller.agent_server import auth, wire
 from rolloutdb.controller.agent_server.http_loop import HttpLoop
 from rolloutdb.controller.agent_server.policy_endpoint import PolicyEndpoint
 from rolloutdb.controller.agent_server.process import ServerProcess
@@ -78,8 +78,9 @@ class AgentServerClient:
     """One configured server: its URL, its process (when the controller owns it), the
     episodes it acknowledged."""
 
-    def __init__(self, spec, pool: AgentPool, process: ServerProcess | None):
+    def __init__(self, spec, pool: AgentPool, process: ServerProcess | None, token: str):
         self.spec = spec
+        self.headers = auth.header(token)
         self.name = spec.name
         self.pool = pool
         self.process = process
@@ -95,8 +96,9 @@ class AgentServerClient:
                    timeout: float = 30.0) -> tuple[int, Any]:
         try:
             async with self.pool.session.request(method, self.url + path, json=body, params=query,
+                                                 headers=self.headers, allow_redirects=False,
                                                  timeout=ClientTimeout(total=timeout)) as resp:
-                data = await resp.json(content_type=None)
+                data = await wire.read_answer(resp)
                 return resp.status, data
         except (ClientError, asyncio.TimeoutError, ConnectionError, ValueError) as e:
             self.suspect = True
@@ -225,16 +227,24 @@ class AgentServerClient:
 class AgentPool:
     """The run's agent servers and its policy endpoint, on one HTTP loop."""
 
-    def __init__(self, config, engine, *, config_path: Path, policy_dir: Path, log_dir: Path,
+    def __init__(self, config, engine, *, config_path: Path, policy_dir: Path, log_dir: Path, token_path: Path,
                  log_event: Callable[[dict], None] | None = None):
         self.config = config
+        # One token per server: its token_file's (a server at a url started with it), else
+        # the run's, fresh at every start (written only when a server needs it).
+        tokens = {s.name: auth.read_token_file(s.token_file, f"environment.servers: {s.name}: token_file")
+                  for s in config.environment.servers if s.token_file}
+        if len(tokens) < len(config.environment.servers):
+            run_token = auth.write_run_token(token_path)
+            tokens = {s.name: tokens.get(s.name, run_token) for s in config.environment.servers}
         self.http = HttpLoop()
         self._owners: dict[str, Any] = {}
         self.on_call: Callable[[Any, int, Any, int], None] | None = None
         self.log_event = log_event
         # key -> (turn, prefix): a restored call's output so far, for the episode's first call
         self._prefixes: dict[str, tuple[int, Any]] = {}
-        self.endpoint = PolicyEndpoint(engine, self.http, owner=self._owners.get, on_call=self._served,
+        self.endpoint = PolicyEndpoint(engine, self.http, owner=self._owners.get, tokens=sorted(set(tokens.values())),
+                                       on_call=self._served,
                                        prefix_for=self._take_prefix, on_splice=self._spliced)
         self.session: ClientSession = self.http.call(self._open_session())
         self.policy_url = ""
@@ -242,9 +252,9 @@ class AgentPool:
         self._closed = False
         for spec in config.environment.servers:
             process = None if spec.url else ServerProcess(
-                config_path=config_path, name=spec.name, policy_dir=policy_dir,
+                config_path=config_path, name=spec.name, policy_dir=policy_dir, token=tokens[spec.name],
                 log_path=Path(log_dir) / f"agent_server_{spec.name}.log", start_timeout_s=spec.start_timeout_s)
-            self.clients.append(AgentServerClient(spec, self, process))
+            self.clients.append(AgentServerClient(spec, self, process, tokens[spec.name]))
 
     async def _open_session(self) -> ClientSession:
         return ClientSession(connector=TCPConnector(limit=0), timeout=ClientTimeout(total=None))
@@ -280,6 +290,9 @@ class AgentPool:
         try:
             self.policy_url = self.endpoint.start()
             owned = [c for c in self.clients if c.process is not None]
+            for c in owned:
+                if c.process is not None:
+                    c.process.policy_url = self.policy_url  # the only endpoint it may call
             with ThreadPoolExecutor(max(1, len(owned)), thread_name_prefix="rolloutdb-agent-start") as pool:
                 for c, url in zip(owned, pool.map(lambda c: c.process.start(), owned)):
                     c.url = url

@@ -2,11 +2,17 @@
 tasks and calls the policy over HTTP for every turn.
 
     python -m rolloutdb.controller.agent_server.env_server --config RUN.yaml --server NAME \\
-        --policy-dir RUN_DIR/policy [--host 127.0.0.1] [--port 0]
+        --policy-dir RUN_DIR/policy --token-file FILE [--policy-url URL] [--host 127.0.0.1] [--port 0]
 
 (or `rolloutdb-agent-server ...`). It prints one line `rolloutdb-agent-server listening on
 http://HOST:PORT` once it accepts requests; SIGTERM stops it cleanly. docs/agent_server.md
 describes every endpoint; this is the reference implementation of that protocol.
+
+Every request must carry the run's bearer token (`auth`: from `--token-file` or
+ROLLOUTDB_AGENT_TOKEN); the server sends it with its own policy calls, and calls one
+policy endpoint only: `--policy-url`, or else the first one an episode names after the
+start or a `reset` (an episode naming another is refused). It holds at most `max_agents`
+agents (episodes not yet deleted plus installed agents).
 
 An agent is one attempt's episode (`controller/episodes.Episode`: the same state machine
 the in-process pump drives, so an episode here makes the same calls with the same seeds).
@@ -37,7 +43,7 @@ from typing import Any
 
 from aiohttp import ClientError, ClientSession, ClientTimeout, TCPConnector, web
 
-from rolloutdb.controller.agent_server import wire
+from rolloutdb.controller.agent_server import auth, wire
 from rolloutdb.controller.agent_server.wire import HttpError, bad, want, want_int
 from rolloutdb.controller.episodes import Episode
 from rolloutdb.gpu_capture.protocol import SamplingParams
@@ -45,6 +51,7 @@ from rolloutdb.gpu_capture.protocol import SamplingParams
 log = logging.getLogger("rolloutdb.agent_server")
 
 LONG_POLL_MAX_S = 60.0
+DEFAULT_MAX_AGENTS = 4096  # environment.servers[].max_agents
 
 
 @dataclass(eq=False)
@@ -71,8 +78,8 @@ class Agent:
 
 
 class AgentServer:
-    def __init__(self, env, *, name: str, mode: str, task: dict, episode_timeout_s: float = 600.0,
-                 num_prompts: int | None = None):
+    def __init__(self, env, *, name: str, mode: str, task: dict, token: str, policy_url: str | None = None,
+                 max_agents: int = DEFAULT_MAX_AGENTS, episode_timeout_s: float = 600.0, num_prompts: int | None = None):
         if mode not in wire.MODES:
             raise ValueError(f"mode {mode!r}: use one of {', '.join(wire.MODES)}")
         if mode == "stateless" and env.max_turns > 1:
@@ -80,6 +87,12 @@ class AgentServer:
                              "(use restart_only)")
         self.env = env
         self.name, self.mode, self.task = name, mode, task
+        self.token = auth.checked(token, "the server's token")
+        # Where this server's agents may call: fixed by --policy-url, else pinned by the
+        # first episode after start or reset (the controller resets at its start).
+        self.policy_fixed = policy_url is not None
+        self.policy_url = policy_url.rstrip("/") if policy_url else None
+        self.max_agents = max_agents
         self.episode_timeout_s = episode_timeout_s
         self.num_prompts = num_prompts
         self.agents: dict[str, Agent] = {}
@@ -97,7 +110,8 @@ class AgentServer:
     # ------------------------------------------------------------------ app
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[wire.error_middleware()], client_max_size=wire.MAX_BODY_BYTES)
+        app = web.Application(middlewares=[wire.error_middleware(wire.MAX_BODY_BYTES), auth.middleware([self.token])],
+                              client_max_size=wire.MAX_BODY_BYTES)
         r = app.router
         r.add_get("/health", self.health)
         r.add_post("/episodes", self.start_episode)
@@ -118,7 +132,8 @@ class AgentServer:
 
     async def _open_session(self, app) -> None:
         # Unlimited connections: one policy call in flight per agent, hundreds of agents.
-        self.session = ClientSession(connector=TCPConnector(limit=0), timeout=ClientTimeout(total=None, sock_connect=30))
+        self.session = ClientSession(connector=TCPConnector(limit=0), timeout=ClientTimeout(total=None, sock_connect=30),
+                                     headers=auth.header(self.token))
 
     async def _close(self, app) -> None:
         await self._cancel(list(self.agents.values()))
@@ -130,7 +145,8 @@ class AgentServer:
         return web.json_response({
             "status": "ok", "server": "rolloutdb-agent-server", "protocol": wire.PROTOCOL, "name": self.name,
             "mode": self.mode, "task": self.task, "max_turns": self.env.max_turns, "episodes": len(self.agents),
-            "running": running, "installed": len(self.installed), "dispatch": "open" if self.open.is_set() else "closed",
+            "running": running, "installed": len(self.installed), "max_agents": self.max_agents,
+            "dispatch": "open" if self.open.is_set() else "closed",
             "checkpoint_id": self.checkpoint_id, "lease_expirations": self.lease_expirations, "pid": os.getpid(),
         })
 
@@ -145,6 +161,10 @@ class AgentServer:
         url = want(policy, "url", str).rstrip("/")
         if not url.startswith(("http://", "https://")):
             raise bad("field 'policy.url' must be the policy endpoint's base URL, e.g. http://127.0.0.1:8000")
+        if self.policy_url is not None and url != self.policy_url:
+            how = "--policy-url" if self.policy_fixed else "the first episode since the start or the last reset"
+            raise HttpError(403, f"field 'policy.url' {url[:80]!r} is not the policy endpoint this server calls "
+                                 f"({self.policy_url}, from {how}); it calls no other")
         params = wire.sampling_params(policy)
         continue_from = body.get("continue_from")
         if continue_from is not None:
@@ -154,6 +174,8 @@ class AgentServer:
                                  "resumes")
         if key in self.agents:
             raise HttpError(409, f"episode {key} exists already; an attempt runs once (start a new attempt key)")
+        if continue_from not in self.installed:
+            self._room_for(1)  # continuing an installed agent takes no new room
         if self.num_prompts is not None and prompt_id >= self.num_prompts:
             raise bad(f"field 'prompt_id' {prompt_id} is outside this task's {self.num_prompts} prompts")
         if continue_from is not None:
@@ -164,9 +186,16 @@ class AgentServer:
         else:
             episode = Episode.start(self.env, prompt_id, key=key, seed=seed)
         agent = Agent(key, prompt_id, episode, url, params, time.monotonic(), self._paused_total)
+        self.policy_url = url
         self.agents[key] = agent
         agent.task = asyncio.get_running_loop().create_task(self._play(agent))
         return web.json_response({"key": key, "turn": episode.turn}, status=201)
+
+    def _room_for(self, n: int) -> None:
+        held = len(self.agents) + len(self.installed)
+        if held + n > self.max_agents:
+            raise HttpError(429, f"this server holds {held} agents and takes at most {self.max_agents} "
+                                 "(environment.servers[].max_agents); delete finished episodes, or raise the cap")
 
     def _resumed(self, key: str, prompt_id: int, seed: int, saved: dict) -> Episode:
         state = saved["state"]
@@ -214,8 +243,9 @@ class AgentServer:
         headers = {wire.EPISODE_HEADER: agent.key, wire.TURN_HEADER: str(turn)}
         body = wire.completion_body(list(request.prompt_ids), request.params)
         try:
-            async with self.session.post(f"{agent.policy_url}/v1/completions", json=body, headers=headers) as resp:
-                answer = await resp.json(content_type=None)
+            async with self.session.post(f"{agent.policy_url}/v1/completions", json=body, headers=headers,
+                                         allow_redirects=False) as resp:
+                answer = await wire.read_answer(resp)
                 if resp.status != 200:
                     raise RuntimeError(f"policy endpoint answered {resp.status}: "
                                        f"{(answer or {}).get('error', '') if isinstance(answer, dict) else answer}")
@@ -360,6 +390,7 @@ class AgentServer:
             if saved["turn"] > self.env.max_turns:
                 raise bad(f"episode {key}: turn {saved['turn']} is past this task's {self.env.max_turns} turns; "
                           "nothing was installed")
+        self._room_for(len(set(episodes) - set(self.installed)))
         self.installed.update(episodes)
         return web.json_response({"installed": len(episodes)}, status=201)
 
@@ -374,13 +405,16 @@ class AgentServer:
         await self._cancel(list(self.agents.values()))
         self.installed.clear()
         self._end_checkpoint()
+        if not self.policy_fixed:
+            self.policy_url = None  # a new controller: its first episode names its endpoint
         return web.json_response({"forgotten": n})
 
 
 # ---------------------------------------------------------------------- the process
 
 
-def build_server(config, name: str, policy_dir, *, mode: str | None = None) -> AgentServer:
+def build_server(config, name: str, policy_dir, *, token: str, policy_url: str | None = None,
+                 mode: str | None = None) -> AgentServer:
     """The server named `name` in `config.environment.servers`, with its task built the way
     the controller builds it (same dataset, tokenizer and environment)."""
     from rolloutdb.config import config_from_dict
@@ -396,8 +430,8 @@ def build_server(config, name: str, policy_dir, *, mode: str | None = None) -> A
     dataset, env = build.build_task(config_from_dict(data), policy_dir)
     task = {"task": env_cfg.task, "kind": env_cfg.kind_of(spec), "turns": env_cfg.turns_of(spec),
             "prompts": len(dataset)}
-    return AgentServer(env, name=name, mode=mode or spec.mode, task=task, episode_timeout_s=spec.episode_timeout_s,
-                       num_prompts=len(dataset))
+    return AgentServer(env, name=name, mode=mode or spec.mode, task=task, token=token, policy_url=policy_url,
+                       max_agents=spec.max_agents, episode_timeout_s=spec.episode_timeout_s, num_prompts=len(dataset))
 
 
 async def serve(server: AgentServer, host: str, port: int, parent_pid: int | None) -> None:
@@ -428,6 +462,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--config", required=True, help="the run's config file (environment.servers names this server)")
     ap.add_argument("--server", required=True, help="the server's name in environment.servers")
     ap.add_argument("--policy-dir", required=True, help="the run's policy directory (its tokenizer builds the task)")
+    ap.add_argument("--token-file", default=None, help="a file (mode 0600) holding the token every request must "
+                    "carry (Authorization: Bearer); without it, the environment variable " + auth.TOKEN_ENV)
+    ap.add_argument("--policy-url", default=None, help="the only policy endpoint this server calls; without it, "
+                    "the first one an episode names after the start or a reset")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=0, help="0: a free port (printed on the listening line)")
     ap.add_argument("--mode", choices=wire.MODES, default=None, help="override the config's mode (tests)")
@@ -438,8 +476,13 @@ def main(argv: list[str] | None = None) -> int:
     from rolloutdb.config import ConfigError, load_config
 
     try:
+        token = auth.read_token_file(args.token_file, "--token-file") if args.token_file else auth.token_from_env()
+        if token is None:
+            raise ValueError(f"no token: give --token-file FILE (mode 0600) or set {auth.TOKEN_ENV}; every request "
+                             "must carry it (docs/agent_server.md#who-may-call)")
         config = load_config(args.config)
-        server = build_server(config, args.server, args.policy_dir, mode=args.mode)
+        server = build_server(config, args.server, args.policy_dir, token=token, policy_url=args.policy_url,
+                              mode=args.mode)
     except (ConfigError, ValueError, OSError) as e:
         print(f"rolloutdb-agent-server: {(str(e).splitlines() or [''])[0]}", file=sys.stderr)
         return 2

@@ -7,6 +7,8 @@ carry the header `X-Rolloutdb-Episode: <key>` naming an episode the controller s
 id an in-process turn gets, so abort, refit versions, capture and the trace treat it
 the same. A call for an episode the controller does not run (finished, abandoned,
 another run's) is refused with 409: an abandoned attempt's agent cannot add work.
+Every request, /health included, must carry one of the run's bearer tokens (`auth`):
+an episode key read from the store is not enough to spend the engine's time.
 
 A client that hangs up mid-call (its agent was retired, its server died) aborts the
 engine call: no slot decodes for nobody.
@@ -26,16 +28,17 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import replace
 from typing import Any
 
 from aiohttp import web
 
+from rolloutdb.controller.agent_server import auth
 from rolloutdb.controller.agent_server.http_loop import HttpLoop
 from rolloutdb.controller.agent_server.wire import (
     EPISODE_HEADER,
-    MAX_BODY_BYTES,
+    POLICY_MAX_BODY_BYTES,
     TURN_HEADER,
     HttpError,
     bad,
@@ -76,11 +79,13 @@ def spliced(request: GenerationRequest, saved: tuple[int, Any] | None, turn: int
 
 
 class PolicyEndpoint:
-    def __init__(self, engine, http: HttpLoop, *, owner: Callable[[str], Any | None], on_call: OnCall | None = None,
+    def __init__(self, engine, http: HttpLoop, *, owner: Callable[[str], Any | None], tokens: Collection[str],
+                 on_call: OnCall | None = None,
                  prefix_for: PrefixFor | None = None, on_splice: OnSplice | None = None,
                  model: str = "policy", host: str = "127.0.0.1", port: int = 0):
         self.engine = engine
         self.http = http
+        self.tokens = tuple(tokens)  # the run's token and each server's at a url with its own
         self.owner = owner
         self.on_call = on_call
         self.prefix_for = prefix_for
@@ -98,7 +103,8 @@ class PolicyEndpoint:
 
     def build_app(self) -> web.Application:
         """The endpoint's routes, not yet served (tests/test_agent_server_docs.py lists them)."""
-        app = web.Application(middlewares=[error_middleware()], client_max_size=MAX_BODY_BYTES)
+        app = web.Application(middlewares=[error_middleware(POLICY_MAX_BODY_BYTES), auth.middleware(self.tokens)],
+                              client_max_size=POLICY_MAX_BODY_BYTES)
         app.router.add_get("/health", self._health)
         app.router.add_post("/v1/completions", self._completions)
         return app

@@ -4,6 +4,8 @@ The server prints `rolloutdb-agent-server listening on URL` once it accepts requ
 binds port 0, so no free-port race); its log goes to a file in the run's logs. It gets
 the controller's pid and stops by itself when the controller is gone (a SIGKILLed
 controller leaves no orphan serving a dead run). `stop` is SIGTERM, then SIGKILL.
+Its token travels in its environment (`auth.TOKEN_ENV`), never on its command line,
+which every local user can read in `ps`; its policy endpoint is fixed (`--policy-url`).
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import sys
 import time
 from pathlib import Path
 
+from rolloutdb.controller.agent_server.auth import TOKEN_ENV
+
 LISTENING = "rolloutdb-agent-server listening on "
 
 
@@ -25,8 +29,10 @@ class ServerStartError(RuntimeError):
 
 class ServerProcess:
     def __init__(self, *, config_path: Path, name: str, policy_dir: Path, log_path: Path, start_timeout_s: float,
-                 mode: str | None = None):
+                 token: str, policy_url: str | None = None, mode: str | None = None):
         self.config_path, self.name, self.policy_dir = Path(config_path), name, Path(policy_dir)
+        self.token = token
+        self.policy_url = policy_url  # set before start when the endpoint listens
         self.log_path = Path(log_path)
         self.start_timeout_s = start_timeout_s
         self.mode = mode
@@ -38,6 +44,7 @@ class ServerProcess:
         cmd = [sys.executable, "-m", "rolloutdb.controller.agent_server.env_server", "--config", str(self.config_path),
                "--server", self.name, "--policy-dir", str(self.policy_dir), "--port", "0",
                "--parent-pid", str(os.getpid())]
+        cmd += ["--policy-url", self.policy_url] if self.policy_url else []
         return cmd + (["--mode", self.mode] if self.mode else [])
 
     def start(self) -> str:
@@ -47,7 +54,7 @@ class ServerProcess:
         log = open(self.log_path, "ab")  # noqa: SIM115 - the child holds it
         try:
             self.proc = subprocess.Popen(self.command(), stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL,
-                                         env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                         env={**os.environ, "PYTHONUNBUFFERED": "1", TOKEN_ENV: self.token})
         finally:
             log.close()
         self.starts += 1

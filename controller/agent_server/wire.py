@@ -27,9 +27,17 @@ PROTOCOL = 1
 EPISODE_HEADER = "X-Rolloutdb-Episode"
 TURN_HEADER = "X-Rolloutdb-Turn"
 MODES = ("export_restore", "restart_only", "stateless")
-# `<group>.<generation>-a<attempt>`: store.episode_key, the backend-neutral key
-EPISODE_KEY = re.compile(r"^[0-9]{1,18}\.[0-9]{1,9}-a[0-9]{1,9}$")
+# `<group>.<generation>-a<attempt>` as store.episode_key writes it, and only so (fullmatch,
+# no leading zero): `0005.0-a0` or `5.0-a0\n` would be a second key for one attempt.
+EPISODE_KEY = re.compile(r"(?:0|[1-9][0-9]{0,17})\.(?:0|[1-9][0-9]{0,8})-a(?:0|[1-9][0-9]{0,8})")
 MAX_BODY_BYTES = 64 * 1024 * 1024  # an export of 256 long episodes fits many times over
+# A completion request is a prompt of token ids: 16 MiB is ~2M ids, more than any context.
+POLICY_MAX_BODY_BYTES = 16 * 1024 * 1024
+# List sizes (the body caps bound the bytes; these bound the work per entry).
+MAX_KEYS = 1_000_000  # keys of one retire / uninstall
+MAX_TOKENS = 4_194_304  # token ids (a prompt, a transcript)
+MAX_STOP = 64  # stop strings of one call, each at most MAX_STOP_CHARS
+MAX_STOP_CHARS = 1024
 
 log = logging.getLogger("rolloutdb.agent_server")
 
@@ -37,10 +45,11 @@ log = logging.getLogger("rolloutdb.agent_server")
 class HttpError(Exception):
     """A request refused with `status` and a one-line reason."""
 
-    def __init__(self, status: int, message: str):
+    def __init__(self, status: int, message: str, headers: Mapping[str, str] | None = None):
         super().__init__(message)
         self.status = status
         self.message = message.splitlines()[0] if message else "error"
+        self.headers = dict(headers or {})
 
 
 def bad(message: str) -> HttpError:
@@ -81,7 +90,13 @@ def want_int(body: Mapping[str, Any], name: str, lo: int, hi: int, default: Any 
     return value
 
 
+def capped(value: Any, name: str, most: int) -> None:
+    if isinstance(value, (list, dict)) and len(value) > most:
+        raise bad(f"field {name!r} holds {len(value)} entries; at most {most} are accepted")
+
+
 def int_list(value: Any, name: str, lo: int = 0, hi: int = 2**31 - 1) -> list[int]:
+    capped(value, name, MAX_TOKENS)
     if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
         raise bad(f"field {name!r} must be a list of integers")
     if value and not (lo <= min(value) and max(value) <= hi):
@@ -90,6 +105,7 @@ def int_list(value: Any, name: str, lo: int = 0, hi: int = 2**31 - 1) -> list[in
 
 
 def float_list(value: Any, name: str) -> list[float]:
+    capped(value, name, MAX_TOKENS)
     if not isinstance(value, list) or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
         raise bad(f"field {name!r} must be a list of numbers")
     out = [float(v) for v in value]
@@ -99,14 +115,15 @@ def float_list(value: Any, name: str) -> list[float]:
 
 
 def episode_key(value: Any, name: str = "key") -> str:
-    if not isinstance(value, str) or not EPISODE_KEY.match(value):
-        raise bad(f"field {name!r} must be an episode key like '12.3-a0' (<group>.<generation>-a<attempt>), "
-                  f"got {str(value)[:40]!r}")
+    if not isinstance(value, str) or not EPISODE_KEY.fullmatch(value):
+        raise bad(f"field {name!r} must be an episode key like '12.3-a0' (<group>.<generation>-a<attempt>, "
+                  f"decimal numbers without leading zeros), got {str(value)[:40]!r}")
     return value
 
 
 def key_list(body: Mapping[str, Any], name: str = "keys") -> list[str]:
     value = want(body, name, list)
+    capped(value, name, MAX_KEYS)
     return [episode_key(v, name) for v in value]
 
 
@@ -135,6 +152,8 @@ def sampling_params(body: Mapping[str, Any]) -> SamplingParams:
         if value is not None and not any(value == v and isinstance(value, bool) == isinstance(v, bool) for v in off):
             raise bad(f"field {name!r} is not supported (the engines sample with temperature, top_p and the "
                       f"presence / frequency penalties); leave it out")
+    if len(stop) > MAX_STOP or any(len(s) > MAX_STOP_CHARS for s in stop):
+        raise bad(f"field 'stop': at most {MAX_STOP} stop strings of at most {MAX_STOP_CHARS} characters each")
     params = SamplingParams(
         max_tokens=max_tokens,
         min_tokens=want_int(body, "min_tokens", 0, max_tokens, 0),
@@ -240,28 +259,29 @@ def agent_state(value: Any, key: str) -> dict:
 
 def agent_states(body: Mapping[str, Any], name: str = "episodes") -> dict[str, dict]:
     value = want(body, name, dict)
+    capped(value, name, MAX_KEYS)
     return {episode_key(k, name): agent_state(v, k) for k, v in value.items()}
 
 
 # ---------------------------------------------------------------- aiohttp glue
 
 
-def json_response(data: Any, status: int = 200):
+def json_response(data: Any, status: int = 200, headers: Mapping[str, str] | None = None):
     """aiohttp's json_response, but strict JSON: a NaN or an infinity raises instead of
     going out as the bare `NaN` no JSON parser reads (the caller checks its floats)."""
     from aiohttp import web
 
-    return web.json_response(data, status=status, dumps=_strict_dumps)
+    return web.json_response(data, status=status, headers=headers, dumps=_strict_dumps)
 
 
 def _strict_dumps(data: Any) -> str:
     return json.dumps(data, allow_nan=False)
 
 
-def error_middleware():
+def error_middleware(max_body_bytes: int = MAX_BODY_BYTES):
     """aiohttp middleware: `HttpError` and aiohttp's own errors become one-line JSON;
     anything else a 500 with the exception's first line (the traceback goes to the
-    server's log only)."""
+    server's log only). `max_body_bytes`: the app's `client_max_size`, for the 413's line."""
     from aiohttp import web
 
     @web.middleware
@@ -269,7 +289,7 @@ def error_middleware():
         try:
             return await handler(request)
         except HttpError as e:
-            return json_response({"error": e.message}, status=e.status)
+            return json_response({"error": e.message}, status=e.status, headers=e.headers)
         except web.HTTPException as e:
             if e.status < 400:
                 raise
@@ -280,7 +300,7 @@ def error_middleware():
             elif e.status == 405:
                 reason = f"method not allowed: {what}"
             elif e.status == 413:
-                reason = f"request body larger than {MAX_BODY_BYTES} bytes"
+                reason = f"request body larger than {max_body_bytes} bytes; send less (docs/agent_server.md#errors)"
             return json_response({"error": str(reason).splitlines()[0]}, status=e.status)
         except Exception as e:  # noqa: BLE001 - never a traceback to the client
             log.exception("request %s %s failed", request.method, request.path)
@@ -290,11 +310,32 @@ def error_middleware():
     return middleware
 
 
+async def read_answer(resp, limit: int = MAX_BODY_BYTES) -> Any:
+    """A client's read of an answer's JSON, at most `limit` bytes (a server that answers
+    without end does not fill the reader's memory); ValueError for too large, not JSON
+    or nested too deeply; None for an empty body."""
+    if resp.content_length is not None and resp.content_length > limit:
+        raise ValueError(f"the answer is {resp.content_length} bytes, over the limit of {limit}")
+    raw = bytearray()
+    async for chunk in resp.content.iter_chunked(1 << 16):
+        raw += chunk
+        if len(raw) > limit:
+            raise ValueError(f"the answer is over the limit of {limit} bytes")
+    if not raw:
+        return None
+    try:
+        return json.loads(bytes(raw))
+    except RecursionError:
+        raise ValueError("the answer is nested too deeply to read") from None
+
+
 async def read_json(request) -> dict:
     try:
         raw = await request.read()
     except Exception as e:  # noqa: BLE001 - a body over the size limit, a broken stream
-        raise HttpError(413 if "too large" in str(e).lower() else 400, f"could not read the request body: {e}")
+        if getattr(e, "status", None) == 413:
+            raise  # aiohttp's own: error_middleware names the app's limit
+        raise HttpError(400, f"could not read the request body: {e}") from None
     if not raw:
         raise bad("empty body; send a JSON object (Content-Type: application/json)")
     try:
