@@ -550,6 +550,8 @@ RESUMABLE_KEYS: dict[str, str] = {
     "environment.servers[].lease_s": "how long a prepared server waits for the controller",
     "environment.servers[].start_timeout_s": "how long the controller waits for a server to start",
     "environment.servers[].episode_timeout_s": "a deadline for a hung episode, not what an episode does",
+    "environment.servers[].token_file": "how the controller proves itself to a server, not what the server runs",
+    "environment.servers[].max_agents": "a cap the server enforces on what it holds, not what an episode does",
     "checkpointing.enabled": "when state is saved, not what the run makes",
     "checkpointing.async": "how a trainer checkpoint is written",
     "checkpointing.interval_steps": "when state is saved",

@@ -34,7 +34,9 @@ FROZEN = [k for k in KEYS if k not in RESUMABLE_KEYS and k not in CHECKED_AT_RES
 BASES: dict[str, dict] = {
     "plain": {},
     "servers": {"rollout_recovery": {"target_level": "turn"},
-                "environment": {"servers": [{"name": "a"}, {"name": "b", "mode": "restart_only"}]}},
+                # a server at a url needs the token file it was started with
+                "environment": {"servers": [{"name": "a", "token_file": "/srv/a.token"},
+                                            {"name": "b", "mode": "restart_only"}]}},
     "factories": {"environment": {"factory": "envs:make", "options": {"a": 1}},
                   "trainer": {"factory": "trainers:make", "options": {"b": 2}}},
     "ray": {"cluster": {"backend": "ray", "environment_workers": 1}},
@@ -84,6 +86,7 @@ def alternatives(key: str, current: Any, tmp_path: Path) -> list[Any]:
         # null resolves to the environment's kind and turns (copy, 1): a value that differs
         "environment.servers[].kind": ["reverse"],
         "environment.servers[].turns": [2],
+        "environment.servers[].token_file": ["/srv/other.token"],
     }
     if key == "policy.model_dir":
         model = tmp_path / "model"
@@ -240,7 +243,8 @@ def test_a_setting_left_out_of_the_fingerprint_is_refused_at_resume_by_its_own_c
 @pytest.mark.parametrize("data, expected", [
     ({}, "7931358db6547444"),
     ({"environment": {"task": "digits_longtail"}, "generation": {"max_tokens": 97}}, "b36f1e8ce0cd8a1b"),
-    ({"environment": {"servers": [{"name": "a", "mode": "restart_only", "url": "http://127.0.0.1:9/"},
+    ({"environment": {"servers": [{"name": "a", "mode": "restart_only", "url": "http://127.0.0.1:9/",
+                                   "token_file": "/srv/a.token"},
                                   {"name": "b", "kind": "reverse", "turns": 2, "mode": "restart_only"}]}},
      "0494a1bc44aa2116"),
     ({"dataset": {"path": "x.jsonl", "prompt_field": "q"}}, "2a25139f86cec8bc"),

@@ -113,7 +113,9 @@ def endpoint_over(engine):
     from rolloutdb.controller.agent_server.policy_endpoint import PolicyEndpoint
 
     loop = HttpLoop()
-    endpoint = PolicyEndpoint(engine, loop, owner=lambda key: key)
+    from agent_server_world import TOKEN  # `request` sends it
+
+    endpoint = PolicyEndpoint(engine, loop, owner=lambda key: key, tokens=[TOKEN])
     try:
         endpoint.start()
         yield endpoint
