@@ -285,7 +285,8 @@ def main() -> int:
         else:
             inner = build.build_engine(config, policy_dir)
         engine = CountingEngine(inner)
-        pool = build.build_agents(config, engine, config_path=config_path, policy_dir=policy_dir, log_dir=tmp / "logs")
+        pool = build.build_agents(config, engine, config_path=config_path, policy_dir=policy_dir, log_dir=tmp / "logs",
+                                  token_path=tmp / "agent_server.token")
         refill = None
         try:
             t0 = time.perf_counter()

@@ -169,9 +169,17 @@ def test_a_slot_whose_worker_keeps_dying_is_given_up_and_then_steps_are_refused_
     with EnvironmentWorkerPool(config, policy_dir, workers=1, worker_cpus=0) as own:
         state, reply, last = replies(env, 1)[0]
         for _ in range(MAX_DEATHS_IN_A_ROW + 1):  # each replacement killed before it finishes a step
-            ray.kill(own.workers()[0])
+            victim = own.workers()[0]
+            ray.kill(victim)
             with pytest.raises(EnvironmentWorkerLost):
                 own.step(state, reply, last=last).result(timeout=60)
+            # The step's future fails before the pool has put the replacement in the slot:
+            # without this wait the next kill could hit the dead actor again, and the next
+            # step then ran on the fresh replacement (seen once in a full run: DID NOT RAISE).
+            deadline = time.monotonic() + 60
+            while own.workers()[0] is victim:
+                assert time.monotonic() < deadline, "the dead worker was never replaced or given up"
+                time.sleep(0.02)
         assert own.workers() == [None]
         with pytest.raises(RuntimeError, match=f"environment worker 0 died {MAX_DEATHS_IN_A_ROW + 1} times in a row"):
             own.step(state, reply, last=last)

@@ -140,8 +140,8 @@ MUTANTS = [
         [("           WHERE g.state IS NOT 'published'\"\"\",", "           WHERE g.state IS NOT 'published' AND 0\"\"\","),
          ("           WHERE g.state = 'published' AND g.group_id NOT IN (SELECT group_id FROM replay_groups)\"\"\",",
           "           WHERE g.state = 'published' AND g.group_id NOT IN (SELECT group_id FROM replay_groups) AND 0\"\"\","),
-         ("           JOIN rollouts a ON a.group_id = r.group_id WHERE a.state = 'running'\"\"\",",
-          "           JOIN rollouts a ON a.group_id = r.group_id WHERE a.state = 'running' AND 0\"\"\",")],
+         ("           CROSS JOIN rollouts a ON a.group_id = r.group_id WHERE a.state = 'running'\"\"\",",
+          "           CROSS JOIN rollouts a ON a.group_id = r.group_id WHERE a.state = 'running' AND 0\"\"\",")],
         ["tests/test_store_core.py", "tests/test_restore.py"],
     ),
     Mutant(
