@@ -33,8 +33,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from benchlib import machine_line  # noqa: E402
 
 from rolloutdb.config import config_from_dict  # noqa: E402
-from rolloutdb.controller.controller import Controller  # noqa: E402
-from rolloutdb.controller.run_log import read_metrics  # noqa: E402
+from rolloutdb.controller.job.controller import Controller  # noqa: E402
+from rolloutdb.controller.run.run_log import read_metrics  # noqa: E402
 from rolloutdb.store import scan  # noqa: E402
 
 

@@ -44,7 +44,8 @@ from benchlib import machine_line, percentile, say, write_json
 from flat_engine import FlatStepEngine
 
 from rolloutdb.config import load_config
-from rolloutdb.controller import build
+from rolloutdb.controller.job import build
+from rolloutdb.controller.tasks import registry
 from rolloutdb.gpu_capture.protocol import SamplingParams
 
 CALLS = ("prepare", "commit", "drain", "export", "resume")
@@ -275,7 +276,7 @@ def main() -> int:
         config_path = write_config(tmp, args)
         config = load_config(config_path)
         policy_dir = build.build_policy(config, tmp / "policy")
-        dataset, _env = build.build_task(config, policy_dir)
+        dataset, _env = registry.build_task(config, policy_dir)
         if args.engine == "flat":
             from transformers import AutoTokenizer
 

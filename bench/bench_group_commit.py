@@ -37,11 +37,11 @@ from pathlib import Path
 from benchlib import machine_line, write_json
 
 from rolloutdb.config import Config
-from rolloutdb.controller.dispatch import LedgerDispatch
-from rolloutdb.controller.rollout_pump import RolloutPump
-from rolloutdb.controller.runtime import Progress, RolloutParts, RuntimeState
-from rolloutdb.controller.sampler import PromptOrder, StalenessBound
-from rolloutdb.controller.tasks import DigitPromptDataset, MultiTurnDigitEnv, SingleTurnDigitEnv
+from rolloutdb.controller.run.dispatch import LedgerDispatch
+from rolloutdb.controller.rollout.pump import RolloutPump
+from rolloutdb.controller.run.runtime import Progress, RolloutParts, RuntimeState
+from rolloutdb.controller.run.sampler import PromptOrder, StalenessBound
+from rolloutdb.controller.tasks.digits import DigitPromptDataset, MultiTurnDigitEnv, SingleTurnDigitEnv
 from rolloutdb.gpu_capture.protocol import GenerationRequest, GenerationResult
 from rolloutdb.store import Store
 

@@ -5,7 +5,7 @@ taken every second, next to the same run with snapshots off, in one process.
     python bench/bench_pump_latency.py --groups 2000 --payload-gb 0.2 --steps 20
     python bench/bench_pump_latency.py --quick             # smoke test
 
-Each phase runs `rolloutdb.controller.controller.Controller` (the rollout pump, the train
+Each phase runs `rolloutdb.controller.job.controller.Controller` (the rollout pump, the train
 pump and the snapshot pump as threads, the tiny Llama policy, GRPO on the digits task)
 on a config made from `examples/quickstart.yaml` with `algorithm.total_steps=--steps`,
 `checkpointing.interval_steps=5`, `trace.enabled=false`, `keep_last=3`,
@@ -51,8 +51,8 @@ from benchlib import RunQueueClock, latency_summary, say  # noqa: E402
 from rollout_payload import Layout, populate  # noqa: E402
 
 from rolloutdb.config import load_config  # noqa: E402
-from rolloutdb.controller.controller import Controller  # noqa: E402
-from rolloutdb.controller.sampler import PromptOrder  # noqa: E402
+from rolloutdb.controller.job.controller import Controller  # noqa: E402
+from rolloutdb.controller.run.sampler import PromptOrder  # noqa: E402
 from rolloutdb.store import Store, seal_inline_payload, segments_dir_of
 from rolloutdb.store.live.store import TransactionClock
 

@@ -30,8 +30,8 @@ def main() -> int:
     args = ap.parse_args()
 
     from rolloutdb.config import load_config
-    from rolloutdb.controller.controller import Controller
-    from rolloutdb.controller.run_log import latest_per_step, read_metrics
+    from rolloutdb.controller.job.controller import Controller
+    from rolloutdb.controller.run.run_log import latest_per_step, read_metrics
 
     overrides = ["logging.progress=false"]
     if args.steps:

@@ -37,8 +37,8 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 from benchlib import latency_summary, machine_line  # noqa: E402
 
 from rolloutdb.config import Config  # noqa: E402
-from rolloutdb.controller.build import build_local_engine  # noqa: E402
-from rolloutdb.controller.tasks import LongTailDigitDataset  # noqa: E402
+from rolloutdb.controller.job.build import build_local_engine  # noqa: E402
+from rolloutdb.controller.tasks.digits import LongTailDigitDataset  # noqa: E402
 from rolloutdb.gpu_capture import GenerationRequest, SamplingParams, build_tiny_policy  # noqa: E402
 
 
@@ -91,7 +91,7 @@ def per_call(engine, n: int) -> dict:
 def env_steps(config: Config, policy: Path, n: int) -> list[tuple[dict, list[int], bool]]:
     """`n` (state, reply, last) steps of the 3-turn digit task, right and wrong replies,
     every turn index, from states the task itself reached."""
-    from rolloutdb.controller.build import build_task, check_plugins
+    from rolloutdb.controller.tasks.registry import build_task, check_plugins
 
     env = build_task(config, policy, check_plugins(config))[1]
     cases: list[tuple[dict, list[int], bool]] = []
@@ -145,8 +145,8 @@ def main() -> int:
     env_cfg = Config.model_validate({"environment": {"task": "digits", "turns": 3, "n_digits": 3},
                                      "generation": {"max_tokens": 4}})
     steps = env_steps(env_cfg, policy, a.env_steps)
-    from rolloutdb.controller.build import build_task, check_plugins
-    from rolloutdb.controller.env_steps import LocalStepper
+    from rolloutdb.controller.tasks.registry import build_task, check_plugins
+    from rolloutdb.controller.rollout.env_steps import LocalStepper
 
     figures["env_in_driver"] = per_step(LocalStepper(build_task(env_cfg, policy, check_plugins(env_cfg))[1]), steps)
     engine = factory()
@@ -166,7 +166,7 @@ def main() -> int:
                 figures[key] = throughput(pool, [c for c in calls], a.inflight, a.cut_every)
                 if workers == 1:
                     figures[key]["per_call"] = per_call(pool, a.one_calls)
-        from rolloutdb.controller.ray_environments import EnvironmentWorkerPool
+        from rolloutdb.controller.rollout.ray_environments import EnvironmentWorkerPool
 
         with EnvironmentWorkerPool(env_cfg, policy, workers=1) as env_pool:
             per_step(env_pool, steps[:3])  # warm: the worker answers

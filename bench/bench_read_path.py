@@ -5,7 +5,7 @@ process.
     python bench/bench_read_path.py --steps 20 --repeats 1
     python bench/bench_read_path.py --quick         # smoke test
 
-Each phase runs the real controller (`rolloutdb.controller.controller.Controller`: the
+Each phase runs the real controller (`rolloutdb.controller.job.controller.Controller`: the
 rollout, train and snapshot pumps as threads, the tiny Llama, GRPO on the digits task) on
 `examples/quickstart.yaml` with `algorithm.total_steps=--steps`; only the store's read
 path differs:
@@ -40,8 +40,8 @@ import benchlib  # noqa: E402
 from benchlib import say  # noqa: E402
 
 from rolloutdb.config import load_config  # noqa: E402
-from rolloutdb.controller.controller import Controller  # noqa: E402
-from rolloutdb.controller.run_log import read_metrics  # noqa: E402
+from rolloutdb.controller.job.controller import Controller  # noqa: E402
+from rolloutdb.controller.run.run_log import read_metrics  # noqa: E402
 from rolloutdb.store import Store  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent

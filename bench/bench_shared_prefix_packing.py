@@ -37,11 +37,12 @@ sys.path.insert(0, str(Path(__file__).parent))
 from benchlib import machine_line  # noqa: E402
 
 from rolloutdb.config import load_config  # noqa: E402
-from rolloutdb.controller import build  # noqa: E402
-from rolloutdb.controller.grpo import GRPOConfig, GRPOTrainer  # noqa: E402
-from rolloutdb.controller.packing import pack, pack_shared_prefix  # noqa: E402
+from rolloutdb.controller.job import build  # noqa: E402
+from rolloutdb.controller.tasks import registry  # noqa: E402
+from rolloutdb.controller.training.grpo import GRPOConfig, GRPOTrainer  # noqa: E402
+from rolloutdb.controller.training.packing import pack, pack_shared_prefix  # noqa: E402
 from rolloutdb.controller.protocols import Completion, TrainGroup  # noqa: E402
-from rolloutdb.controller.tasks import TASK_ALPHABET  # noqa: E402
+from rolloutdb.controller.tasks.digits import TASK_ALPHABET  # noqa: E402
 from rolloutdb.gpu_capture.tiny_policy import build_tiny_policy  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -61,7 +62,7 @@ def _groups(prompts: list[list[int]], group_size: int, reply_len, vocab: range, 
 def quickstart_shape(root: Path, rng: random.Random, groups: int | None) -> tuple[Path, list[TrainGroup]]:
     cfg = load_config(REPO / "examples" / "quickstart.yaml")
     policy = build.build_policy(cfg, root / "quickstart_policy")
-    _, env = build.build_task(cfg, policy)
+    _, env = registry.build_task(cfg, policy)
     n = groups or cfg.algorithm.groups_per_step
     prompts = [list(env.start(p)[0]) for p in range(n)]
     vocab = range(3, len(TASK_ALPHABET) + 3)

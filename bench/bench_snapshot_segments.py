@@ -12,7 +12,7 @@ once so both phases start from the same bytes. Then `--intervals` times, per pha
 `--new-mb` of new payload is finished (running attempts finished through
 `ledger.finish_attempts`, as the rollout pump does), and one snapshot is taken:
 
-* segments: what the snapshot pump does now (controller/snapshot_pump.py step 2b):
+* segments: what the snapshot pump does now (controller/recovery/snapshot_pump.py step 2b):
   `seal_inline_payload` (the new payload into one new segment, written once and made
   durable, samples pointed at it), then the cut (`store.capture`) and publication
   (`Publisher.publish_rollout_snapshot`: fsync + BLAKE3 of the snapshot's files, the

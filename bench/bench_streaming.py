@@ -1,7 +1,7 @@
 """Streaming rollouts against the wave pump: tokens/s and engine idle fraction, side by
 side in one run on the same model, config, prompts and seeds.
 
-  streaming  the production `RolloutPump` (controller/rollout_pump.py): each episode
+  streaming  the production `RolloutPump` (controller/rollout/pump.py): each episode
              advances on its own, calls stream to the engine one by one (up to
              generation.max_inflight_calls in flight), finished calls, turns and seals
              reach a real store file through group commit, ledger dispatch
@@ -48,11 +48,11 @@ from flat_engine import FlatStepEngine
 from wave_pump import WavePump
 
 from rolloutdb.config import Config
-from rolloutdb.controller.dispatch import LedgerDispatch
-from rolloutdb.controller.rollout_pump import RolloutPump
-from rolloutdb.controller.runtime import Progress, RolloutParts, RuntimeState
-from rolloutdb.controller.sampler import PromptOrder, StalenessBound
-from rolloutdb.controller.tasks import LongTailDigitDataset, make_environment
+from rolloutdb.controller.run.dispatch import LedgerDispatch
+from rolloutdb.controller.rollout.pump import RolloutPump
+from rolloutdb.controller.run.runtime import Progress, RolloutParts, RuntimeState
+from rolloutdb.controller.run.sampler import PromptOrder, StalenessBound
+from rolloutdb.controller.tasks.digits import LongTailDigitDataset, make_environment
 from rolloutdb.gpu_capture.protocol import GenerationRequest, SamplingParams, generate_all
 from rolloutdb.gpu_capture.reference_engine import ReferenceEngine
 from rolloutdb.gpu_capture.tiny_policy import build_tiny_policy, load_policy

@@ -26,9 +26,9 @@ from pathlib import Path
 
 import torch
 
-from rolloutdb.controller.grpo import GRPOConfig, GRPOTrainer
+from rolloutdb.controller.training.grpo import GRPOConfig, GRPOTrainer
 from rolloutdb.controller.protocols import Completion, TrainGroup
-from rolloutdb.controller.tasks import TASK_ALPHABET, DigitPromptDataset, make_environment
+from rolloutdb.controller.tasks.digits import TASK_ALPHABET, DigitPromptDataset, make_environment
 
 
 def build_model_dir(directory: Path, hidden: int, layers: int, seed: int,
@@ -119,7 +119,7 @@ def rollout_groups(model, env, prompt_ids: list[int], group_size: int, max_token
 def rollout_with_engine(engine, env, prompt_ids: list[int], group_size: int, max_tokens: int,
                         step: int, seed: int) -> list[TrainGroup]:
     """The controller's own episode runner on the reference engine."""
-    from rolloutdb.controller.episodes import Episode, call_seed, play_episodes
+    from rolloutdb.controller.rollout.episodes import Episode, call_seed, play_episodes
     from rolloutdb.gpu_capture.protocol import SamplingParams
 
     results = [Episode.start(env, pid, key=f"s{step}.g{g}.{i}", seed=call_seed(seed, step, g, i))

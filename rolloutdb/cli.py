@@ -17,7 +17,6 @@ import signal
 import sqlite3
 import sys
 import threading
-from pathlib import Path
 from typing import NoReturn
 
 from rolloutdb.store import StoreError
@@ -42,21 +41,6 @@ class OneLineParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         self.exit(EXIT_USAGE, f"error: {self.prog}: {_one_line(message)}; see {self.prog} --help\n")
-
-
-def path_argument(text: str) -> Path:
-    """argparse `type=` for a PATH argument: one the OS cannot even look up (a NUL byte,
-    a name longer than the file system allows, a parent that may not be searched) is a
-    usage error, one line. A missing path passes: each command says what it expected."""
-    try:
-        os.lstat(text)
-    except (FileNotFoundError, NotADirectoryError):
-        pass
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} contains a NUL byte") from None
-    except OSError as e:
-        raise argparse.ArgumentTypeError(f"{text}: {e.strerror}") from None
-    return Path(text)
 
 
 def _one_line(text: object) -> str:
@@ -125,7 +109,7 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _error_of(e: Exception) -> int:
-    """A user's code that failed (controller/user_code.py, UserCodeError) gets its traceback
+    """A user's code that failed (controller/tasks/user_code.py, UserCodeError) gets its traceback
     printed first: it is their code and they need it; the one `error:` line comes last."""
     user_traceback = getattr(e, "user_traceback", None)
     if user_traceback:
@@ -136,7 +120,7 @@ def _error_of(e: Exception) -> int:
 def _user_error(e: Exception) -> Exception | None:
     """The user's error when `e` came out of their code (an environment or trainer their
     factory made, failing mid-run); only a run that loaded a plugin has loaded this."""
-    user_code = sys.modules.get("rolloutdb.controller.user_code")
+    user_code = sys.modules.get("rolloutdb.controller.tasks.user_code")
     return None if user_code is None else user_code.user_error_from(e)
 
 

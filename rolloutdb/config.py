@@ -24,6 +24,7 @@ from typing import Any, Literal
 
 import yaml
 from rolloutdb import sampling_limits as limits
+from rolloutdb.plugin_specs import resolve_relative_paths
 from rolloutdb.store import refuse_special_file
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import ErrorDetails
@@ -91,11 +92,11 @@ class AlgorithmSection(Section):
         """The fewest replay permits with which a run always progresses.
 
         The train pump waits until `groups_per_step` groups stamped for its step are in
-        replay at once (controller/train_pump.py `_wait_for_groups`), so fewer permits
+        replay at once (controller/training/pump.py `_wait_for_groups`), so fewer permits
         than that never train. More subtly, the rollout pump stamps every admissible step
-        at once, up to `max_staleness + 1` steps ahead of the policy (controller/sampler.py
+        at once, up to `max_staleness + 1` steps ahead of the policy (controller/run/sampler.py
         `last_admissible_step`), a wave spans several of them, and a wave's sealed groups
-        enter the replay buffer together, waiting while the buffer is full (rollout_pump.py
+        enter the replay buffer together, waiting while the buffer is full (rollout/pump.py
         `_enter_replay`): with fewer permits than all those steps' groups, groups of later
         steps can hold the permits the current step's groups need, and both pumps wait on
         each other forever. At most groups_per_step groups are live per stamped step (a
@@ -209,7 +210,7 @@ BackendName = Literal["jsonl", "tensorboard", "wandb"]
 
 
 class DatasetSection(Section):
-    """Prompts from a file (controller/datasets.py); null path: the digit task."""
+    """Prompts from a file (controller/tasks/datasets.py); null path: the digit task."""
 
     path: str | None = Field(None, description="JSONL or Parquet of prompts; relative to the config file's directory. "
                                                "null: the built-in digit task.")
@@ -224,14 +225,14 @@ class DatasetSection(Section):
 
 
 class RewardSection(Section):
-    """A reward function by import path (controller/plugins.py)."""
+    """A reward function by import path (controller/tasks/plugins.py)."""
 
     function: str | None = Field(None, description='"module:callable" or "./file.py:callable": '
                                                    "reward(record, reply, token_ids) -> float.")
 
 
 class FactoryFields(Section):
-    """A factory by import path and its keyword arguments (controller/plugins.py)."""
+    """A factory by import path and its keyword arguments (controller/tasks/plugins.py)."""
 
     factory: str | None = Field(None, description='"module:callable" or "./file.py:callable", called as '
                                                   "factory(context, **options).")
@@ -396,7 +397,7 @@ class ClusterSection(Section):
     ray_num_cpus: int | None = Field(None, ge=1, le=1_000_000, description="backend ray, local cluster: its CPUs "
                                      "(None: one per engine worker).")
     worker_gpus: float = Field(0.0, ge=0, le=1024, description="backend ray: GPUs each engine worker reserves.")
-    # > 0: environment steps run on that many Ray actors (controller/ray_environments.py).
+    # > 0: environment steps run on that many Ray actors (controller/rollout/ray_environments.py).
     environment_workers: int = Field(0, ge=0, le=4096, description="backend ray: environment actors the steps are "
                                      "spread over (0: the environment runs in the driver).")
 
@@ -581,8 +582,8 @@ RESUMABLE_KEYS: dict[str, str] = {
 # their own refuses a change at resume and names the key (a fingerprint cannot say which
 # key differs), or because what they select is fingerprinted itself.
 CHECKED_AT_RESUME: dict[str, str] = {
-    "algorithm.shared_prefix_packing": "controller/resume.py check_packing",
-    "environment.servers[].mode": "controller/resume.py check_server_modes",
+    "algorithm.shared_prefix_packing": "controller/recovery/resume.py check_packing",
+    "environment.servers[].mode": "controller/recovery/resume.py check_server_modes",
     "dataset.path": "the dataset fingerprint (the file's content: a moved file may resume)",
     "dataset.prompt_field": "the dataset fingerprint (the field selection)",
     "dataset.reward_fields": "the dataset fingerprint (the field selection)",
@@ -764,8 +765,6 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> Config:
         raise ConfigError(f"{path}: the top level must be a mapping of sections")
     for override in overrides:
         apply_override(data, override)
-    from rolloutdb.controller.plugins import resolve_relative_paths
-
     resolve_relative_paths(data, path.parent)
     if data.get("run") is None:
         data["run"] = {}

@@ -28,7 +28,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from rolloutdb.config import load_config
-from rolloutdb.controller import build
+from rolloutdb.controller.job import build
 from rolloutdb.controller.agent_server.http_loop import HttpLoop
 from rolloutdb.controller.agent_server.policy_endpoint import PolicyEndpoint
 from rolloutdb.controller.agent_server.process import ServerProcess, ServerStartError

@@ -324,8 +324,8 @@ def finish(run_dir: Path, result: ChainResult, attempts: int = 3) -> None:
 
 def check_chain(run_dir: Path, result: ChainResult) -> None:
     """Exactly-once and the other promises, over the whole chain of stops."""
-    from rolloutdb.controller.sampler import PromptOrder
-    from rolloutdb.controller.run_audit import verify_run
+    from rolloutdb.controller.run.sampler import PromptOrder
+    from rolloutdb.controller.recovery.run_audit import verify_run
 
     c = result.config
     verdict = verify_run(run_dir)

@@ -88,7 +88,7 @@ def compare_with_twin(run_dir: Path, twin_dir: Path, config) -> list[str]:
     restart, refill their steps with new prompts)" breaks 1, 2 and 3."""
     problems = []
     expected = config.steps * config.groups
-    from rolloutdb.controller.sampler import PromptOrder
+    from rolloutdb.controller.run.sampler import PromptOrder
 
     order = PromptOrder(config.dataset, config.seed)
     run = ledger_outcomes(run_dir / "rollout_state.sqlite", order)

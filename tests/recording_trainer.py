@@ -19,8 +19,8 @@ from __future__ import annotations
 import json
 import os
 
-from rolloutdb.controller.grpo import GRPOConfig, GRPOTrainer
-from rolloutdb.controller.packing import pack_shared_prefix
+from rolloutdb.controller.training.grpo import GRPOConfig, GRPOTrainer
+from rolloutdb.controller.training.packing import pack_shared_prefix
 
 
 class RecordingTrainer(GRPOTrainer):

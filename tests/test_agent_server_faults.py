@@ -204,7 +204,7 @@ def url_server(tmp_path_factory):
     """One agent server the test owns, at a URL every run of the module's env-phase
     chains names (a server that outlives its controllers)."""
     from rolloutdb.config import config_from_dict
-    from rolloutdb.controller import build
+    from rolloutdb.controller.job import build
 
     root = tmp_path_factory.mktemp("url_server")
     token_file = root / "token"
@@ -349,9 +349,9 @@ def tampered(tmp_path_factory):
     at the cut, the snapshot pump and the store all run as they do in production. The
     run is in-process only so that the subclass can be put in place (`build_env_checkpoint`)."""
     from rolloutdb.config import config_from_dict
-    from rolloutdb.controller import build
+    from rolloutdb.controller.job import build
     from rolloutdb.controller.agent_server.client import HttpEnvironmentCheckpoint
-    from rolloutdb.controller.controller import Controller
+    from rolloutdb.controller.job.controller import Controller
 
     done: list[tuple[str, str]] = []  # (what, key), in the order the exports were changed
 

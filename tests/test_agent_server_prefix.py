@@ -30,7 +30,7 @@ from safetensors.torch import load_file
 
 from rolloutdb.controller.agent_server.http_loop import HttpLoop
 from rolloutdb.controller.agent_server.policy_endpoint import PolicyEndpoint
-from rolloutdb.controller.episodes import call_seed
+from rolloutdb.controller.rollout.episodes import call_seed
 from rolloutdb.gpu_capture.reference_engine import ReferenceEngine
 from crash_harness import kill_when, metrics, newest_usable_snapshot, read_sql, server_pids, train_env
 from rolloutdb.store import CallPrefix
@@ -190,7 +190,7 @@ def test_the_cut_keeps_an_agent_call_by_its_servers_mode_and_names_why_it_cannot
     import yaml
 
     from rolloutdb.config import config_from_dict
-    from rolloutdb.controller.snapshot_pump import SnapshotPump
+    from rolloutdb.controller.recovery.snapshot_pump import SnapshotPump
 
     cfg = yaml.safe_load((Path(__file__).resolve().parents[1] / "examples" / "agent_server.yaml").read_text())
     cfg["environment"]["servers"] = [{"name": "agents", "mode": "export_restore"},

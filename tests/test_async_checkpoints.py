@@ -18,13 +18,13 @@ import settled
 import torch
 
 from rolloutdb.config import config_from_dict, load_config
-from rolloutdb.controller.controller import Controller
-from rolloutdb.controller.grpo import GRPOConfig, GRPOTrainer
+from rolloutdb.controller.job.controller import Controller
+from rolloutdb.controller.training.grpo import GRPOConfig, GRPOTrainer
 from rolloutdb.controller.protocols import Completion, TrainGroup
-from rolloutdb.controller.run_audit import verify_run
-from rolloutdb.controller.run_log import read_metrics
-from rolloutdb.controller.tasks import TASK_ALPHABET
-from rolloutdb.controller.trainer_checkpoints import TrainerCheckpoints, write_checkpoint_state
+from rolloutdb.controller.recovery.run_audit import verify_run
+from rolloutdb.controller.run.run_log import read_metrics
+from rolloutdb.controller.tasks.digits import TASK_ALPHABET
+from rolloutdb.controller.training.checkpoints import TrainerCheckpoints, write_checkpoint_state
 from rolloutdb.gpu_capture.tiny_policy import build_tiny_policy
 from rolloutdb.store import AnchorNotDurable, Publisher, PublishError, begin_trainer_checkpoint, faults, scan
 

@@ -9,8 +9,8 @@ import pytest
 import settled
 
 from rolloutdb.config import config_from_dict
-from rolloutdb.controller.controller import Controller
-from rolloutdb.controller.run_log import read_metrics
+from rolloutdb.controller.job.controller import Controller
+from rolloutdb.controller.run.run_log import read_metrics
 
 SMALL = {
     "run": {"name": "t", "seed": 3},

@@ -18,7 +18,7 @@ CONTROLLER_SOURCES = Path(__file__).resolve().parents[1] / "controller"
 
 
 def test_every_controller_fault_point_is_called_in_the_controller():
-    source = "".join(p.read_text() for p in CONTROLLER_SOURCES.glob("*.py"))
+    source = "".join(p.read_text() for p in sorted(CONTROLLER_SOURCES.rglob("*.py")))
     for point in controller_points.POINTS:
         assert f'faults.point("{point}")' in source, point
 

@@ -1,4 +1,4 @@
-"""Prompts from JSONL and Parquet files (controller/datasets.py): real files in tmp_path,
+"""Prompts from JSONL and Parquet files (controller/tasks/datasets.py): real files in tmp_path,
 Parquet written by DuckDB, chat templates rendered by a real Hugging Face tokenizer
 (the tiny policy's, given a Jinja template), one-line errors for every bad input."""
 
@@ -12,7 +12,7 @@ import sqlite3
 import duckdb
 import pytest
 
-from rolloutdb.controller.datasets import (
+from rolloutdb.controller.tasks.datasets import (
     DatasetError,
     FileDataset,
     PromptFormatter,
@@ -20,7 +20,7 @@ from rolloutdb.controller.datasets import (
 )
 from rolloutdb.config import DatasetSection
 from rolloutdb.controller.protocols import PromptDataset
-from rolloutdb.controller.sampler import PromptOrder
+from rolloutdb.controller.run.sampler import PromptOrder
 from rolloutdb.gpu_capture.tiny_policy import DEFAULT_ALPHABET, build_tokenizer
 
 RECORDS = [

@@ -1,5 +1,5 @@
-"""The rollout pump with the environment's steps off its thread (controller/env_steps.py,
-controller/pump_calls.py), without Ray: the same real parts as tests/test_streaming_pump.py
+"""The rollout pump with the environment's steps off its thread (controller/rollout/env_steps.py,
+controller/rollout/calls.py), without Ray: the same real parts as tests/test_streaming_pump.py
 (a real store file, the reference engine on the tiny policy, the multi-turn digit task,
 ledger dispatch), with a stepper whose steps run the real environment on another thread
 after a delay, as an environment worker's round trip would (tests/test_ray_environments.py
@@ -17,9 +17,9 @@ from concurrent.futures import Future
 
 from test_streaming_pump import _samples, close, make_parts, policy_dir, run_pump  # noqa: F401  (fixture)
 
-from rolloutdb.controller.env_steps import EnvironmentStepper, EnvironmentWorkerLost, LocalStepper
-from rolloutdb.controller.rollout_pump import RolloutPump
-from rolloutdb.controller.tasks import DigitPromptDataset, MultiTurnDigitEnv
+from rolloutdb.controller.rollout.env_steps import EnvironmentStepper, EnvironmentWorkerLost, LocalStepper
+from rolloutdb.controller.rollout.pump import RolloutPump
+from rolloutdb.controller.tasks.digits import DigitPromptDataset, MultiTurnDigitEnv
 from rolloutdb.gpu_capture import load_policy
 
 TURNS = 3

@@ -50,9 +50,9 @@ _CHILD = textwrap.dedent(
     """
     import json, os, resource, signal, sqlite3, sys
     from pathlib import Path
-    from rolloutdb.controller.env_checkpoint import NoEnvironmentCheckpoint
-    from rolloutdb.controller.runtime import Progress, RolloutParts, RuntimeState
-    from rolloutdb.controller.snapshot_pump import SnapshotPump
+    from rolloutdb.controller.recovery.env_checkpoint import NoEnvironmentCheckpoint
+    from rolloutdb.controller.run.runtime import Progress, RolloutParts, RuntimeState
+    from rolloutdb.controller.recovery.snapshot_pump import SnapshotPump
     from rolloutdb.store import FinishedGeneration, PublishError, Publisher, Reservation, Store
     from rolloutdb.store.checkpoints.retention import KeepNewestSnapshots, Retention
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rolloutdb.controller.grpo import (
+from rolloutdb.controller.training.grpo import (
     GRPOConfig,
     GRPOTrainer,
     aggregate,
@@ -18,7 +18,7 @@ from rolloutdb.controller.grpo import (
     group_advantages,
 )
 from rolloutdb.controller.protocols import Completion, TrainGroup, Trainer
-from rolloutdb.controller.tasks import TASK_ALPHABET
+from rolloutdb.controller.tasks.digits import TASK_ALPHABET
 from rolloutdb.gpu_capture.tiny_policy import build_tiny_policy
 
 EPS = 0.2
@@ -267,7 +267,7 @@ def test_the_entropy_bonus_alone_raises_the_policys_entropy(policy_dir):
 def test_huge_finite_rewards_give_the_same_advantages_as_the_same_rewards_in_a_smaller_unit():
     # A user's reward of 1e200 is finite (accepted); its square overflowed, and the run
     # ended in the CLI's backstop ("unexpected OverflowError").
-    from rolloutdb.controller.grpo import group_advantages
+    from rolloutdb.controller.training.grpo import group_advantages
 
     huge = group_advantages([1e300, -1e300, 0.0, 5e299])
     plain = group_advantages([1.0, -1.0, 0.0, 0.5], eps=0.0)  # eps is tiny in the huge unit

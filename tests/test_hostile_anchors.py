@@ -38,10 +38,10 @@ from train_cli import (
 )
 
 from rolloutdb.config import config_from_dict
-from rolloutdb.controller.grpo import GRPOConfig, GRPOTrainer
+from rolloutdb.controller.training.grpo import GRPOConfig, GRPOTrainer
 from rolloutdb.controller.protocols import Completion, TrainGroup
-from rolloutdb.controller.tasks import TASK_ALPHABET
-from rolloutdb.controller.trainer_checkpoints import TrainerCheckpoints
+from rolloutdb.controller.tasks.digits import TASK_ALPHABET
+from rolloutdb.controller.training.checkpoints import TrainerCheckpoints
 from rolloutdb.gpu_capture.tiny_policy import build_tiny_policy
 from rolloutdb.store import Publisher, PublishError, scan, select_for_restore
 from rolloutdb.store.restore.selection import anchor_problem

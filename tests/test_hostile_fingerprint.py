@@ -193,7 +193,7 @@ def _snapshot_with(tmp_path: Path, config: Config) -> Path:
 
 
 def _refused_by_check_packing(tmp_path: Path) -> None:
-    from rolloutdb.controller.resume import ResumeError, check_packing
+    from rolloutdb.controller.recovery.resume import ResumeError, check_packing
 
     before, after = changed("algorithm.shared_prefix_packing", tmp_path) or pytest.fail("no change")
     with pytest.raises(ResumeError, match="algorithm.shared_prefix_packing"):
@@ -201,7 +201,7 @@ def _refused_by_check_packing(tmp_path: Path) -> None:
 
 
 def _refused_by_check_server_modes(tmp_path: Path) -> None:
-    from rolloutdb.controller.resume import ResumeError, check_server_modes
+    from rolloutdb.controller.recovery.resume import ResumeError, check_server_modes
 
     before, after = changed("environment.servers[].mode", tmp_path) or pytest.fail("no change")
     with pytest.raises(ResumeError, match="checkpoint mode .*a: export_restore in the snapshot"):
@@ -210,7 +210,7 @@ def _refused_by_check_server_modes(tmp_path: Path) -> None:
 
 def _dataset_fingerprint_moves(key: str):
     def check(tmp_path: Path) -> None:
-        from rolloutdb.controller.datasets import FileDataset
+        from rolloutdb.controller.tasks.datasets import FileDataset
 
         one, two = tmp_path / "one.jsonl", tmp_path / "two.jsonl"
         one.write_text('{"prompt": "12", "q": "34", "answer": "1"}\n')

@@ -29,7 +29,7 @@ import pytest
 pytest.importorskip("aiohttp")
 
 from rolloutdb.config import config_from_dict, load_config  # noqa: E402
-from rolloutdb.controller import build  # noqa: E402
+from rolloutdb.controller.job import build  # noqa: E402
 from rolloutdb.controller.agent_server import auth, wire  # noqa: E402
 from rolloutdb.controller.agent_server.http_loop import HttpLoop  # noqa: E402
 from rolloutdb.controller.agent_server.policy_endpoint import PolicyEndpoint  # noqa: E402

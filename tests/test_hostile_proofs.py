@@ -158,7 +158,7 @@ def three_segments(run):
 @pytest.mark.parametrize("which", [1, 2], ids=["middle", "last"])
 def test_a_damaged_later_segment_of_several_fails_verify_restore_and_the_run_audit(run, tmp_path, three_segments,
                                                                                  which):
-    from rolloutdb.controller.run_audit import verify_run
+    from rolloutdb.controller.recovery.run_audit import verify_run
 
     sealed, published = three_segments
     target = sealed[which]
@@ -186,7 +186,7 @@ LIBRARY_RUN = """
 import sys
 from pathlib import Path
 from rolloutdb.config import load_config
-from rolloutdb.controller.controller import Controller
+from rolloutdb.controller.job.controller import Controller
 Controller(load_config(sys.argv[1], sys.argv[3:]), Path(sys.argv[2])).run()
 """
 LONG = ["algorithm.total_steps=60"]  # trains long enough that the others are tried meanwhile
@@ -194,8 +194,8 @@ LONG = ["algorithm.total_steps=60"]  # trains long enough that the others are tr
 
 def test_a_library_run_holds_the_run_lock_until_it_ends_so_a_second_controller_and_the_cli_are_refused(tmp_path):
     from rolloutdb.config import load_config
-    from rolloutdb.controller.controller import Controller
-    from rolloutdb.controller.run_dir import RunDirInUse
+    from rolloutdb.controller.job.controller import Controller
+    from rolloutdb.controller.run.run_dir import RunDirInUse
 
     run_dir = tmp_path / "run"
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}

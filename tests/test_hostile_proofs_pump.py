@@ -30,12 +30,12 @@ import pytest
 
 from test_streaming_pump import LengthEnv, close, make_parts, make_parts_on, policy_dir, run_pump  # noqa: F401 - fixture
 
-from rolloutdb.controller.dispatch import GroupHandle
-from rolloutdb.controller.env_checkpoint import NoEnvironmentCheckpoint
-from rolloutdb.controller.rollout_pump import RolloutPump
-from rolloutdb.controller.sampler import PromptOrder
-from rolloutdb.controller.snapshot_pump import SnapshotPump
-from rolloutdb.controller.tasks import DigitPromptDataset, MultiTurnDigitEnv
+from rolloutdb.controller.run.dispatch import GroupHandle
+from rolloutdb.controller.recovery.env_checkpoint import NoEnvironmentCheckpoint
+from rolloutdb.controller.rollout.pump import RolloutPump
+from rolloutdb.controller.run.sampler import PromptOrder
+from rolloutdb.controller.recovery.snapshot_pump import SnapshotPump
+from rolloutdb.controller.tasks.digits import DigitPromptDataset, MultiTurnDigitEnv
 from rolloutdb.gpu_capture import ReferenceEngine
 from rolloutdb.store import FinishedGeneration, Publisher, Store, codec, open_tracer
 from rolloutdb.store.checkpoints.layout import SNAPSHOT_DB

@@ -76,7 +76,7 @@ def test_the_temperature_line_is_drawn_at_the_shared_bound_with_greedy_and_the_l
 
 @pytest.fixture(scope="module")
 def policy_dir(tmp_path_factory) -> Path:
-    from rolloutdb.controller.tasks import TASK_ALPHABET
+    from rolloutdb.controller.tasks.digits import TASK_ALPHABET
 
     return build_tiny_policy(tmp_path_factory.mktemp("policy"), seed=0, hidden_size=32, num_layers=1,
                              num_heads=4, intermediate_size=64, alphabet=TASK_ALPHABET)
@@ -189,7 +189,7 @@ def test_the_policy_endpoint_never_answers_a_bare_nan_even_from_broken_weights(p
 
 
 def test_a_step_whose_loss_is_not_finite_raises_naming_the_step_and_applies_nothing(policy_dir):
-    from rolloutdb.controller.grpo import GRPOConfig, GRPOTrainer
+    from rolloutdb.controller.training.grpo import GRPOConfig, GRPOTrainer
 
     trainer = GRPOTrainer(policy_dir, GRPOConfig(lr=1e-2))
     before = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}

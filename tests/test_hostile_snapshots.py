@@ -315,9 +315,9 @@ def test_a_bad_copy_is_not_published_and_the_previous_snapshot_stands(tmp_path, 
 
 
 def test_the_snapshot_pump_records_a_bad_copy_as_a_failed_attempt_and_publishes_the_next(tmp_path, second_connection):
-    from rolloutdb.controller.env_checkpoint import NoEnvironmentCheckpoint
-    from rolloutdb.controller.runtime import Progress, RolloutParts, RuntimeState
-    from rolloutdb.controller.snapshot_pump import SnapshotPump
+    from rolloutdb.controller.recovery.env_checkpoint import NoEnvironmentCheckpoint
+    from rolloutdb.controller.run.runtime import Progress, RolloutParts, RuntimeState
+    from rolloutdb.controller.recovery.snapshot_pump import SnapshotPump
 
     class PlantingPump(SnapshotPump):
         """The real pump, with a hook that corrupts its copy right after the cut."""

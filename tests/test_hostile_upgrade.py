@@ -155,7 +155,7 @@ def make_run_dir(directory: Path) -> Path:
 TAKE_RUN_LOCK = textwrap.dedent("""
     import sys
     from pathlib import Path
-    from rolloutdb.controller.run_dir import RunDir
+    from rolloutdb.controller.run.run_dir import RunDir
     try:
         lock = RunDir(Path(sys.argv[1])).lock(create=False)
     except ValueError as e:

@@ -19,7 +19,7 @@ import settled
 
 from rolloutdb.config import Config, ConfigError, load_config
 from rolloutdb.controller.protocols import Environment, PromptDataset, ReplyLimits
-from rolloutdb.controller.tasks import (
+from rolloutdb.controller.tasks.digits import (
     LENGTH_BONUS,
     TASK_ALPHABET,
     DigitPromptDataset,
@@ -284,18 +284,19 @@ def test_the_multiturn_example_is_the_long_tail_task_at_turn_level_and_validates
 
 
 def test_train_builds_the_long_tail_task_from_the_config(tmp_path):
-    from rolloutdb.controller import build
+    from rolloutdb.controller.job import build
+    from rolloutdb.controller.tasks import registry
 
     cfg = load_config(REPO / "examples" / "multiturn.yaml", ["environment.dataset_size=64"])
     policy = build.build_policy(cfg, tmp_path / "policy")
-    dataset, env = build.build_task(cfg, policy)
+    dataset, env = registry.build_task(cfg, policy)
     assert isinstance(env, LongTailMultiTurnEnv) and env.max_turns == cfg.environment.turns
     assert isinstance(dataset, LongTailDigitDataset)
     assert (dataset.max_digits, dataset.tail_alpha, len(dataset)) == (24, 1.2, 64)
     single = cfg.model_copy(update={"environment": cfg.environment.model_copy(update={"turns": 1})})
     plain = cfg.model_copy(update={"environment": cfg.environment.model_copy(update={"task": "digits", "turns": 1})})
-    assert isinstance(build.build_task(single, policy)[1], LongTailSingleTurnEnv)
-    plain_dataset, plain_env = build.build_task(plain, policy)
+    assert isinstance(registry.build_task(single, policy)[1], LongTailSingleTurnEnv)
+    plain_dataset, plain_env = registry.build_task(plain, policy)
     assert type(plain_env) is SingleTurnDigitEnv
     assert plain_dataset.fingerprint() != dataset.fingerprint()
 

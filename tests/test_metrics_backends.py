@@ -1,4 +1,4 @@
-"""Metrics backends (controller/metrics_backends.py): the JSONL stays byte-for-byte what
+"""Metrics backends (controller/run/metrics_backends.py): the JSONL stays byte-for-byte what
 MetricsLog writes, TensorBoard event files are read back with tensorboard's own
 EventAccumulator (also after a kill -9), and a backend whose package is missing is
 refused naming the pip command, with nothing written."""
@@ -14,7 +14,7 @@ import textwrap
 
 import pytest
 
-from rolloutdb.controller.metrics_backends import (
+from rolloutdb.controller.run.metrics_backends import (
     MetricsBackend,
     MetricsBackendError,
     RunMetrics,
@@ -23,12 +23,12 @@ from rolloutdb.controller.metrics_backends import (
     open_metrics,
 )
 from rolloutdb.config import LoggingSection
-from rolloutdb.controller.run_log import MetricsLog
+from rolloutdb.controller.run.run_log import MetricsLog
 
 needs_tensorboard = pytest.mark.skipif(importlib.util.find_spec("tensorboard") is None,
                                        reason="pip install tensorboard (in the test extra once W2-H is wired)")
 
-# Events shaped as the pumps write them (train_pump.py, snapshot_pump.py, controller.py).
+# Events shaped as the pumps write them (training/pump.py, snapshot_pump.py, controller.py).
 TRAIN = [
     {"kind": "train_step", "step": s, "t_start": 100.0 + 5 * s, "t_end": 102.0 + 5 * s, "reward_mean": 0.1 * s,
      "staleness_mean": 0.5, "staleness_max": 1, "batch_age": 0.25 * s, "policy_tokens": 40 * s, "groups": 4,
@@ -110,7 +110,7 @@ def test_tensorboard_keeps_what_a_run_logged_before_it_was_killed(tmp_path):
     child = textwrap.dedent(f"""
         import os, signal, time
         from pathlib import Path
-        from rolloutdb.controller.metrics_backends import open_metrics
+        from rolloutdb.controller.run.metrics_backends import open_metrics
         metrics = open_metrics(Path({str(tmp_path / 'm.jsonl')!r}), ["tensorboard"], log_dir=Path({str(log_dir)!r}),
                                run_name="killed")
         metrics.write({{"kind": "train_step", "step": 1, "t_start": 0.0, "t_end": 1.0, "reward_mean": 0.1}})
@@ -140,7 +140,7 @@ def test_tensorboard_when_its_package_is_missing_is_refused_naming_pip_install(t
         import sys
         sys.modules["tensorboard"] = None
         from pathlib import Path
-        from rolloutdb.controller.metrics_backends import MetricsBackendError, open_metrics
+        from rolloutdb.controller.run.metrics_backends import MetricsBackendError, open_metrics
         try:
             open_metrics(Path({str(tmp_path / 'm.jsonl')!r}), ["tensorboard"], log_dir=Path({str(tmp_path)!r}),
                          run_name="r")
@@ -157,7 +157,7 @@ def test_tensorboard_when_its_package_is_missing_is_refused_naming_pip_install(t
 def test_checking_the_backends_imports_neither_torch_nor_tensorboard():
     # `rolloutdb train` refuses bad input before it imports torch (seconds on a busy machine).
     child = ("import sys\n"
-             "from rolloutdb.controller.metrics_backends import check_backends\n"
+             "from rolloutdb.controller.run.metrics_backends import check_backends\n"
              "check_backends(['jsonl', 'tensorboard'])\n"
              "print(sorted(m for m in ('torch', 'tensorboard') if m in sys.modules))\n")
     done = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=120,

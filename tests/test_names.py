@@ -9,7 +9,7 @@ import ast
 from package_layout import ROOT, source_packages
 
 # Where groups move through the ledger and into the replay buffer: no "publish" here.
-REPLAY_MODULES = ("store/live", "controller/dispatch.py", "controller/rollout_pump.py", "controller/tracing.py")
+REPLAY_MODULES = ("store/live", "controller/run/dispatch.py", "controller/rollout/pump.py", "controller/run/tracing.py")
 
 
 def _source_files():
@@ -34,4 +34,4 @@ def test_entering_the_replay_buffer_is_named_enter_replay_never_publish():
 
 def test_one_module_is_named_resume_the_controllers():
     resumes = [p.relative_to(ROOT).as_posix() for p in _source_files() if p.stem.startswith("resume")]
-    assert resumes == ["controller/resume.py"]
+    assert resumes == ["controller/recovery/resume.py"]

@@ -419,9 +419,9 @@ def pump(tmp_path):
     bootstrap published); its thread is started by the test when it wants the loop."""
     import threading
 
-    from rolloutdb.controller.env_checkpoint import NoEnvironmentCheckpoint
-    from rolloutdb.controller.runtime import Progress, RolloutParts, RuntimeState
-    from rolloutdb.controller.snapshot_pump import SnapshotPump
+    from rolloutdb.controller.recovery.env_checkpoint import NoEnvironmentCheckpoint
+    from rolloutdb.controller.run.runtime import Progress, RolloutParts, RuntimeState
+    from rolloutdb.controller.recovery.snapshot_pump import SnapshotPump
 
     store = Store.create(tmp_path / "rollout_state.sqlite", replay_capacity=8)
     (g,) = store.reserve([Reservation(0, 0, 0)], num_generations=1, target_step=1)

@@ -1,4 +1,4 @@
-"""A user's code by import path (controller/plugins.py): real modules and real files in
+"""A user's code by import path (controller/tasks/plugins.py): real modules and real files in
 tmp_path, a real tiny policy and tokenizer, the reference engine playing episodes
 against the reward adapter, and the examples/custom_task files."""
 
@@ -13,8 +13,8 @@ import pytest
 import yaml
 
 from rolloutdb.config import DatasetSection, FactoryFields, RewardSection
-from rolloutdb.controller.datasets import DatasetError, FileDataset
-from rolloutdb.controller.plugins import (
+from rolloutdb.controller.tasks.datasets import DatasetError, FileDataset
+from rolloutdb.controller.tasks.plugins import (
     PluginContext,
     PluginError,
     RewardEnvironment,
@@ -26,10 +26,10 @@ from rolloutdb.controller.plugins import (
     make_environment,
     make_trainer,
     protocol_members,
-    resolve_relative_paths,
 )
+from rolloutdb.plugin_specs import resolve_relative_paths
 from rolloutdb.controller.protocols import Environment, Trainer
-from rolloutdb.controller.tasks import DigitPromptDataset
+from rolloutdb.controller.tasks.digits import DigitPromptDataset
 from rolloutdb.gpu_capture.tiny_policy import DEFAULT_ALPHABET, build_tiny_policy, build_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -183,7 +183,7 @@ def test_the_protocol_members_are_read_from_the_protocols():
 
 def test_an_environment_factory_gets_the_context_and_its_options(tmp_path, tokenizer):
     write(tmp_path, "envs.py", """
-        from rolloutdb.controller.tasks import SingleTurnDigitEnv
+        from rolloutdb.controller.tasks.digits import SingleTurnDigitEnv
 
         def make(context, kind="copy"):
             return SingleTurnDigitEnv(context.dataset, context.tokenizer, kind=kind)
@@ -339,7 +339,7 @@ def test_a_prompt_that_leaves_no_room_for_the_reply_is_refused_at_start_naming_i
 def test_the_reference_engine_plays_episodes_against_the_reward_environment(answers, policy_dir):
     from transformers import AutoTokenizer
 
-    from rolloutdb.controller.episodes import Episode
+    from rolloutdb.controller.rollout.episodes import Episode
     from rolloutdb.gpu_capture.protocol import SamplingParams
     from rolloutdb.gpu_capture.reference_engine import ReferenceEngine
 
@@ -392,7 +392,7 @@ def test_without_custom_keys_build_task_leaves_the_digit_task_to_the_caller(toke
 
 def test_an_environment_factory_gets_the_file_dataset_and_the_reward(answers, plugin_dir, tokenizer):
     write(plugin_dir, "envs.py", """
-        from rolloutdb.controller.plugins import RewardEnvironment
+        from rolloutdb.controller.tasks.plugins import RewardEnvironment
 
         def make(context):
             return RewardEnvironment(context.dataset, context.tokenizer, context.reward)
@@ -428,7 +428,7 @@ def test_the_example_scores_a_right_and_a_wrong_reply_through_the_proposed_confi
 
 
 def test_the_committed_prompts_are_what_the_generator_writes_and_fit_the_tiny_policy():
-    from rolloutdb.controller.datasets import tiny_policy_alphabet
+    from rolloutdb.controller.tasks.datasets import tiny_policy_alphabet
 
     spec = importlib.util.spec_from_file_location("make_prompts_under_test", EXAMPLE / "make_prompts.py")
     generator = importlib.util.module_from_spec(spec)

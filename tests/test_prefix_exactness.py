@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from rolloutdb.controller.train_pump import batch_age
+from rolloutdb.controller.training.pump import batch_age
 from rolloutdb.gpu_capture import GenerationRequest, ReferenceEngine, SamplingParams, build_tiny_policy, encode_strict
 from rolloutdb.gpu_capture.protocol import PrefixCapture
 from rolloutdb.store import codec, open_tracer
@@ -252,7 +252,7 @@ def _rows(db: Path, sql: str, *args) -> list[tuple]:
 @pytest.fixture(scope="module")
 def refused_run(tmp_path_factory, monkeypatch_module):
     from rolloutdb import cli
-    from rolloutdb.controller import build
+    from rolloutdb.controller.job import build
 
     made = []
 
@@ -264,7 +264,7 @@ def refused_run(tmp_path_factory, monkeypatch_module):
     monkeypatch_module.setattr(build, "build_engine", build_engine)
     # The controller leaves its trace writer to close at interpreter exit; in process, the
     # test closes it (writing what is still queued) before reading the file.
-    from rolloutdb.controller import controller
+    from rolloutdb.controller.job import controller
 
     tracers = []
     monkeypatch_module.setattr(controller, "open_tracer",

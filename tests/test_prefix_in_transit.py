@@ -10,7 +10,7 @@ import concurrent.futures
 
 from test_streaming_pump import LengthEnv, close, make_parts, policy_dir  # noqa: F401 - fixture
 
-from rolloutdb.controller.rollout_pump import RolloutPump
+from rolloutdb.controller.rollout.pump import RolloutPump
 
 
 def _finished_calls(pump: RolloutPump) -> dict:

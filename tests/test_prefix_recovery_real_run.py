@@ -256,9 +256,9 @@ def test_the_twins_settings_acted_some_replies_ended_on_a_stop_string_and_min_to
 
 def test_the_twins_penalties_changed_what_was_decoded(job):
     """First replies decoded again on the run's own policy: with the penalties they are the
-    twin's, without them some differ. Seeds as controller/episodes.py derives them
+    twin's, without them some differ. Seeds as controller/rollout/episodes.py derives them
     (epoch 0: these runs use fewer prompts than the dataset holds)."""
-    from rolloutdb.controller.episodes import call_seed
+    from rolloutdb.controller.rollout.episodes import call_seed
     from rolloutdb.gpu_capture import GenerationRequest, ReferenceEngine, SamplingParams
 
     firsts = [r for r in job["replies"] if r["turn"] == 0][:64]

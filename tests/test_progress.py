@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import train_cli
-from rolloutdb.controller.run_log import ProgressBar
+from rolloutdb.controller.run.run_log import ProgressBar
 
 TWO_STEPS = ["algorithm.total_steps=2", "logging.progress=true"]
 

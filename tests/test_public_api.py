@@ -84,7 +84,7 @@ def test_a_submodule_import_and_a_private_name_are_each_reported_with_file_and_l
 
 SQL_WORDS = ("SELECT ", "INSERT ", "UPDATE ", "DELETE ")
 SQL_BUILDERS = {"select", "insert", "update", "delete", "func", "text"}
-# DuckDB reading a user's dataset file (controller/datasets.py) is not SQL against the store.
+# DuckDB reading a user's dataset file (controller/tasks/datasets.py) is not SQL against the store.
 USER_FILE_READS = re.compile(r"\bFROM\s+read_(parquet|json|json_auto|csv|csv_auto)\(", re.I)
 
 

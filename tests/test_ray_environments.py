@@ -1,4 +1,4 @@
-"""Environment workers on Ray (controller/ray_environments.py) against real actors on a
+"""Environment workers on Ray (controller/rollout/ray_environments.py) against real actors on a
 real local Ray cluster: one cluster and one two-worker pool for the module, built from a
 multi-turn run config. Expected turns come from an environment instance built here with
 the task builder, stepped with its own `step` and `score`, never from the pool.
@@ -14,14 +14,15 @@ import time
 import pytest
 
 from rolloutdb.config import Config
-from rolloutdb.controller.build import build_env_stepper, build_task, check_plugins
-from rolloutdb.controller.env_steps import EnvironmentWorkerLost, LocalStepper
+from rolloutdb.controller.job.build import build_env_stepper
+from rolloutdb.controller.tasks.registry import build_task, check_plugins
+from rolloutdb.controller.rollout.env_steps import EnvironmentWorkerLost, LocalStepper
 from rolloutdb.gpu_capture import build_tiny_policy
 from rolloutdb.gpu_capture.protocol import WorkerLost
 
 ray = pytest.importorskip("ray")
 
-from rolloutdb.controller.ray_environments import EnvironmentWorkerPool  # noqa: E402
+from rolloutdb.controller.rollout.ray_environments import EnvironmentWorkerPool  # noqa: E402
 from test_ray_workers import ray_processes, short_temp_dir  # noqa: E402
 
 TURNS = 3
@@ -48,7 +49,7 @@ def config():
 
 @pytest.fixture(scope="module")
 def policy_dir(tmp_path_factory, config):
-    from rolloutdb.controller.tasks import TASK_ALPHABET
+    from rolloutdb.controller.tasks.digits import TASK_ALPHABET
 
     return build_tiny_policy(tmp_path_factory.mktemp("policy") / "p", seed=3, alphabet=TASK_ALPHABET)
 

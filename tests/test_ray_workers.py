@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from rolloutdb.config import Config
-from rolloutdb.controller.build import build_local_engine
+from rolloutdb.controller.job.build import build_local_engine
 from rolloutdb.gpu_capture import GenerationRequest, ReferenceEngine, SamplingParams, build_tiny_policy
 from rolloutdb.gpu_capture.protocol import EngineWorkerLost, GenerationEngine, PrefixCapture
 

@@ -466,7 +466,7 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_verify_run_counts_a_clean_history_and_the_cli_prints_it(tmp_path):
-    from rolloutdb.controller.run_audit import verify_run
+    from rolloutdb.controller.recovery.run_audit import verify_run
 
     run_dir = build_run_dir(tmp_path)
     before = tree_digest(run_dir)
@@ -481,7 +481,7 @@ def test_verify_run_counts_a_clean_history_and_the_cli_prints_it(tmp_path):
 
 
 def test_verify_run_counts_a_prompt_handed_out_twice_as_duplicated(tmp_path):
-    from rolloutdb.controller.run_audit import verify_run
+    from rolloutdb.controller.recovery.run_audit import verify_run
 
     def hand_out_again(store):
         with store.atomic() as tx:  # position 6 is the prompt of position 0 again
@@ -499,7 +499,7 @@ def test_verify_run_counts_a_prompt_handed_out_twice_as_duplicated(tmp_path):
 
 
 def test_verify_run_counts_a_prompt_handed_out_twice_while_in_flight_as_duplicated(tmp_path):
-    from rolloutdb.controller.run_audit import verify_run
+    from rolloutdb.controller.recovery.run_audit import verify_run
 
     def hand_out_again(store):  # position 6 is the prompt of position 5 (in the spare pool)
         store.reserve([Reservation(6, 0, 105)], num_generations=2, target_step=3)
@@ -514,7 +514,7 @@ def test_verify_run_counts_a_prompt_handed_out_twice_while_in_flight_as_duplicat
 
 
 def test_verify_run_counts_positions_nobody_holds_as_lost(tmp_path):
-    from rolloutdb.controller.run_audit import verify_run
+    from rolloutdb.controller.recovery.run_audit import verify_run
 
     def skip_two(store):
         with store.atomic() as tx:
@@ -526,7 +526,7 @@ def test_verify_run_counts_positions_nobody_holds_as_lost(tmp_path):
 
 
 def test_verify_run_checks_every_step_trained_groups_per_step_groups(tmp_path):
-    from rolloutdb.controller.run_audit import verify_run
+    from rolloutdb.controller.recovery.run_audit import verify_run
 
     verdict = verify_run(build_run_dir(tmp_path, groups_per_step=3))
     assert (verdict.duplicated, verdict.lost) == (0, 0) and not verdict.ok
@@ -534,7 +534,7 @@ def test_verify_run_checks_every_step_trained_groups_per_step_groups(tmp_path):
 
 
 def test_verify_run_after_a_restore_sees_the_whole_history(tmp_path):
-    from rolloutdb.controller.run_audit import verify_run
+    from rolloutdb.controller.recovery.run_audit import verify_run
 
     run = build_ledger_run(tmp_path)
     restore(run.snap, run.live)
@@ -547,7 +547,7 @@ def test_verify_run_after_a_restore_sees_the_whole_history(tmp_path):
 
 def test_verify_run_without_a_config_is_refused_with_what_is_missing(tmp_path):
     from rolloutdb.store.errors import NotAStoreError
-    from rolloutdb.controller.run_audit import verify_run
+    from rolloutdb.controller.recovery.run_audit import verify_run
 
     run_dir = build_run_dir(tmp_path)
     (run_dir / "config.yaml").unlink()

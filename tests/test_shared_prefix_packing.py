@@ -36,10 +36,10 @@ import pytest
 import torch
 
 from crash_harness import metrics, train_env
-from rolloutdb.controller.grpo import GRPOConfig, GRPOTrainer
-from rolloutdb.controller.packing import micro_batches, pack_shared_prefix, shared_prefix_length
+from rolloutdb.controller.training.grpo import GRPOConfig, GRPOTrainer
+from rolloutdb.controller.training.packing import micro_batches, pack_shared_prefix, shared_prefix_length
 from rolloutdb.controller.protocols import Completion, TrainGroup
-from rolloutdb.controller.tasks import TASK_ALPHABET
+from rolloutdb.controller.tasks.digits import TASK_ALPHABET
 from rolloutdb.gpu_capture.tiny_policy import build_tiny_policy
 
 LOGP_TOL = dict(rtol=0, atol=2e-6)
@@ -107,7 +107,7 @@ def assert_close_dicts(a: dict, b: dict, **tol) -> None:
 
 
 def packed_logprobs(tr: GRPOTrainer, groups: list[TrainGroup]) -> list[list[float]]:
-    from rolloutdb.controller.grpo import token_logprobs
+    from rolloutdb.controller.training.grpo import token_logprobs
 
     comps = [c for g in groups for c in g.completions]
     batch = pack_shared_prefix([g.completions for g in groups], [0.0] * len(comps), tr.pad_id)
@@ -335,7 +335,7 @@ def test_a_killed_prefix_level_run_with_packing_trains_every_restored_prefix(see
     trained = [json.loads(line) for line in record.read_text().splitlines()]
     assert all("packed" in row for row in trained)
     for key, (prompt, tokens, logprobs) in saved.items():
-        group, gen = key  # completions come in generation order (controller/train_pump.py)
+        group, gen = key  # completions come in generation order (controller/training/pump.py)
         lengths = {_policy_run_at(row["packed"][gen], tokens, logprobs) for row in trained if row["group_id"] == group}
         assert len(lengths) == 1 and None not in lengths, f"{key}: its saved prefix is not in its packed batch: {lengths}"
         prefix, decoded = continued[key]

@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from rolloutdb.controller.env_checkpoint import NoEnvironmentCheckpoint
-from rolloutdb.controller.run_log import MetricsLog, read_metrics
-from rolloutdb.controller.runtime import Progress, RolloutParts, RuntimeState
-from rolloutdb.controller.snapshot_pump import SnapshotPump
-from rolloutdb.controller.trainer_checkpoints import TrainerCheckpoints
+from rolloutdb.controller.recovery.env_checkpoint import NoEnvironmentCheckpoint
+from rolloutdb.controller.run.run_log import MetricsLog, read_metrics
+from rolloutdb.controller.run.runtime import Progress, RolloutParts, RuntimeState
+from rolloutdb.controller.recovery.snapshot_pump import SnapshotPump
+from rolloutdb.controller.training.checkpoints import TrainerCheckpoints
 from rolloutdb.config import config_from_dict
 from rolloutdb.store import (
     FinishedGeneration,

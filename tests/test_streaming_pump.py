@@ -16,20 +16,20 @@ from collections.abc import Sequence
 import pytest
 
 from rolloutdb.config import Config
-from rolloutdb.controller.dispatch import LedgerDispatch
-from rolloutdb.controller.group_commit import CommitBatch
+from rolloutdb.controller.run.dispatch import LedgerDispatch
+from rolloutdb.controller.rollout.group_commit import CommitBatch
 from rolloutdb.controller.protocols import Turn
-from rolloutdb.controller.rollout_pump import RolloutPump
-from rolloutdb.controller.runtime import Progress, RolloutParts, RuntimeState
-from rolloutdb.controller.sampler import PromptOrder, StalenessBound
-from rolloutdb.controller.tasks import DigitPromptDataset, MultiTurnDigitEnv
+from rolloutdb.controller.rollout.pump import RolloutPump
+from rolloutdb.controller.run.runtime import Progress, RolloutParts, RuntimeState
+from rolloutdb.controller.run.sampler import PromptOrder, StalenessBound
+from rolloutdb.controller.tasks.digits import DigitPromptDataset, MultiTurnDigitEnv
 from rolloutdb.gpu_capture import ReferenceEngine, build_tiny_policy
 from rolloutdb.store import Store
 
 
 @pytest.fixture(scope="module")
 def policy_dir(tmp_path_factory):
-    from rolloutdb.controller.tasks import TASK_ALPHABET
+    from rolloutdb.controller.tasks.digits import TASK_ALPHABET
 
     return build_tiny_policy(tmp_path_factory.mktemp("policy") / "tiny", seed=0, alphabet=TASK_ALPHABET)
 
@@ -242,7 +242,7 @@ def _samples(path) -> dict[tuple[int, int], tuple]:
 
 def test_an_episode_restored_at_its_last_committed_turn_redoes_no_earlier_turn_and_ends_as_its_never_stopped_twin(
         tmp_path, policy_dir):
-    from rolloutdb.controller.dispatch import GroupHandle
+    from rolloutdb.controller.run.dispatch import GroupHandle
     from rolloutdb.gpu_capture import load_policy
     from rolloutdb.store import Publisher
     from rolloutdb.store.restore.apply import restore_snapshot

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from rolloutdb.controller.protocols import Environment, PromptDataset
-from rolloutdb.controller.tasks import (
+from rolloutdb.controller.tasks.digits import (
     LENGTH_BONUS,
     TASK_ALPHABET,
     DigitPromptDataset,

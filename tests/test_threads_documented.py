@@ -1,5 +1,5 @@
 """Threads and locks in one place: every thread the code can start is named, and the
-docstring of controller/runtime.py lists it (and lists nothing the code no longer starts).
+docstring of controller/run/runtime.py lists it (and lists nothing the code no longer starts).
 
 The code is read, not run: `ast` finds every `threading.Thread(...)`, every executor
 (`ThreadPoolExecutor`, `ProcessPoolExecutor`), every `threading.Timer` and
@@ -18,7 +18,7 @@ from package_layout import ROOT, source_packages
 
 STARTERS = {"Thread", "Timer", "ThreadPoolExecutor", "ProcessPoolExecutor", "Process"}
 NAME_KWARGS = ("name", "thread_name_prefix")
-RUNTIME = ROOT / "controller" / "runtime.py"
+RUNTIME = ROOT / "controller" / "run" / "runtime.py"
 
 
 def _callee(node: ast.Call) -> str | None:
@@ -92,7 +92,7 @@ def test_every_thread_the_code_starts_is_named_and_listed_in_the_runtime_docstri
         if name is None:
             problems.append(f"{rel}:{line}: starts a thread without a literal name= / thread_name_prefix=")
         elif not any(entry.startswith(name) for entry in listed):
-            problems.append(f"{rel}:{line}: starts thread {name!r}, which controller/runtime.py's docstring does not list")
+            problems.append(f"{rel}:{line}: starts thread {name!r}, which controller/run/runtime.py's docstring does not list")
     assert not problems, "\n".join(problems)
 
 
@@ -100,4 +100,4 @@ def test_every_thread_the_runtime_docstring_lists_is_started_somewhere():
     started = [name for _, _, name in thread_starts() if name]
     stale = [entry for entry in documented_threads()
              if entry != "MainThread" and not any(entry.startswith(name) for name in started)]
-    assert not stale, f"controller/runtime.py lists threads no code starts: {stale}"
+    assert not stale, f"controller/run/runtime.py lists threads no code starts: {stale}"

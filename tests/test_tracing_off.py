@@ -8,8 +8,8 @@ import ast
 from package_layout import ROOT, source_packages
 
 from rolloutdb.config import config_from_dict
-from rolloutdb.controller.controller import Controller
-from rolloutdb.controller.run_log import read_metrics
+from rolloutdb.controller.job.controller import Controller
+from rolloutdb.controller.run.run_log import read_metrics
 
 
 def _is_tracer_name(node: ast.AST) -> bool:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from rolloutdb.store import FinishedGeneration, Reservation, Store, pools
 from rolloutdb.store.live.ledger import ALGORITHM_DISCARD_REASONS, ZERO_REWARD_VARIANCE
-from rolloutdb.controller.run_audit import verify_run
+from rolloutdb.controller.recovery.run_audit import verify_run
 
 
 def _gen(reward: float) -> FinishedGeneration:
@@ -63,7 +63,7 @@ def test_the_algorithm_owns_only_the_zero_reward_variance_reason():
 
 
 def test_the_rollout_pump_discards_with_the_reason_the_store_says_the_algorithm_owns():
-    from rolloutdb.controller import rollout_pump
+    from rolloutdb.controller.rollout import pump as rollout_pump
 
     assert rollout_pump.ZERO_VARIANCE in ALGORITHM_DISCARD_REASONS
 

@@ -45,7 +45,7 @@ from aiohttp import ClientError, ClientSession, ClientTimeout, TCPConnector, web
 
 from rolloutdb.controller.agent_server import auth, wire
 from rolloutdb.controller.agent_server.wire import HttpError, bad, want, want_int
-from rolloutdb.controller.episodes import Episode
+from rolloutdb.controller.rollout.episodes import Episode
 from rolloutdb.gpu_capture.protocol import SamplingParams
 
 log = logging.getLogger("rolloutdb.agent_server")
@@ -418,7 +418,7 @@ def build_server(config, name: str, policy_dir, *, token: str, policy_url: str |
     """The server named `name` in `config.environment.servers`, with its task built the way
     the controller builds it (same dataset, tokenizer and environment)."""
     from rolloutdb.config import config_from_dict
-    from rolloutdb.controller import build
+    from rolloutdb.controller.tasks import registry
 
     env_cfg = config.environment
     spec = next((s for s in env_cfg.servers if s.name == name), None)
@@ -427,7 +427,7 @@ def build_server(config, name: str, policy_dir, *, token: str, policy_url: str |
         raise ValueError(f"--server {name}: the config has no such environment server (it has: {known})")
     data = config.model_dump()
     data["environment"].update(kind=env_cfg.kind_of(spec), turns=env_cfg.turns_of(spec), servers=[])
-    dataset, env = build.build_task(config_from_dict(data), policy_dir)
+    dataset, env = registry.build_task(config_from_dict(data), policy_dir)
     task = {"task": env_cfg.task, "kind": env_cfg.kind_of(spec), "turns": env_cfg.turns_of(spec),
             "prompts": len(dataset)}
     return AgentServer(env, name=name, mode=mode or spec.mode, task=task, token=token, policy_url=policy_url,

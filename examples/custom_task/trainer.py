@@ -7,7 +7,7 @@ the shape of a factory: factory(context, **options) -> Trainer.
 
 from __future__ import annotations
 
-from rolloutdb.controller.grpo import GRPOConfig, GRPOTrainer
+from rolloutdb.controller.training.grpo import GRPOConfig, GRPOTrainer
 
 
 def make_trainer(context, lr: float = 1e-3, entropy_coef: float = 0.02, clip_eps: float = 0.2):

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rolloutdb.cli import path_argument
+from rolloutdb.commands._arguments import path_argument
 from rolloutdb.store import (
     ABANDON_REASONS,
     DEFAULT_QUERY_TIMEOUT_S,

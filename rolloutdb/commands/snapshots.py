@@ -9,8 +9,8 @@ import json
 import time
 from pathlib import Path
 
-from rolloutdb.cli import path_argument
-from rolloutdb.controller.run_dir import RunDir
+from rolloutdb.commands._arguments import path_argument
+from rolloutdb.controller.run.run_dir import RunDir
 from rolloutdb.store import KIND_SNAPSHOT, Entry, NotAStoreError, scan
 from rolloutdb.timefmt import ago, iso_utc
 

@@ -16,7 +16,7 @@ import json
 import math
 from pathlib import Path
 
-from rolloutdb.cli import path_argument
+from rolloutdb.commands._arguments import path_argument
 from rolloutdb.store import Table, TraceAnalysis, TraceError, trace_file_for, write_file_atomic
 from rolloutdb.timefmt import iso_utc
 

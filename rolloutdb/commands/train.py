@@ -41,7 +41,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from rolloutdb.controller import fault_points  # noqa: F401 - the controller's kill points
-    from rolloutdb.controller.run_dir import RunDir
+    from rolloutdb.controller.run.run_dir import RunDir
     from rolloutdb.store import faults
 
     faults.check_armed()  # a ROLLOUTDB_FAULT point nobody registered would never fire
@@ -54,8 +54,8 @@ def run(args: argparse.Namespace) -> int:
         config = load_config(args.config, args.overrides)
     except ConfigError as e:
         raise ValueError(str(e)) from None
-    from rolloutdb.controller.metrics_backends import check_backends
-    from rolloutdb.controller.plugins import check_config
+    from rolloutdb.controller.run.metrics_backends import check_backends
+    from rolloutdb.controller.tasks.plugins import check_config
 
     # Bad import paths, dataset files (a prompt too long for the policy's context too), a
     # reward that cannot score the first record, a model directory transformers cannot
@@ -74,14 +74,14 @@ def run(args: argparse.Namespace) -> int:
         dirs.check_for(resume=bool(resume))
         plan = None
         if resume:
-            from rolloutdb.controller.resume import check_packing, plan_resume
+            from rolloutdb.controller.recovery.resume import check_packing, plan_resume
 
             plan = plan_resume(dirs, resume, start_over=args.start_over)
             check_packing(config, plan.selection.snapshot.path if plan.selection else None)
     except BaseException:
         lock.undo()
         raise
-    from rolloutdb.controller.controller import Controller
+    from rolloutdb.controller.job.controller import Controller
 
     print(f"rolloutdb: {'resuming' if resume else 'training'} {config.run.name} in {run_dir}", file=sys.stderr)
     summary = Controller(config, run_dir, resume=resume, start_over=args.start_over, lock=lock, resume_plan=plan,

@@ -13,7 +13,7 @@ import contextlib
 from collections.abc import Iterator
 from pathlib import Path
 
-from rolloutdb.controller.run_dir import RunDir, RunLock
+from rolloutdb.controller.run.run_dir import RunDir, RunLock
 from rolloutdb.store import NotAStoreError, StoreError, head_revision, upgrade_file
 
 DESCRIPTION = """\

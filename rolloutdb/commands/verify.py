@@ -9,8 +9,8 @@ import json
 import sys
 from pathlib import Path
 
-from rolloutdb.cli import path_argument
-from rolloutdb.controller.run_dir import RunDir
+from rolloutdb.commands._arguments import path_argument
+from rolloutdb.controller.run.run_dir import RunDir
 from rolloutdb.store import head_revision, verify_path
 
 EXIT_PROBLEMS = 1
@@ -63,12 +63,12 @@ def _one_line(text: str) -> str:
     return line if len(line) <= MAX_LINE else line[: MAX_LINE - 3] + "..."
 
 
-# --- run directories (controller/run_audit.py) ---------------------------------------------
+# --- run directories (controller/recovery/run_audit.py) ---------------------------------------------
 # RUN_DIR holding rollout_state.sqlite and config.yaml: exactly-once over every stop.
 
 
 def run_run_dir(args: argparse.Namespace) -> int:
-    from rolloutdb.controller.run_audit import verify_run
+    from rolloutdb.controller.recovery.run_audit import verify_run
 
     verdict = verify_run(args.path)
     for problem in verdict.problems:

@@ -20,7 +20,7 @@ does the fsync work. `publish_rollout_snapshot` does both halves in one call.
 
 Publication is about files: it returns `Published` or raises a typed error, and records
 nothing in the store. Whoever decides a snapshot attempt records its outcome, once: the
-snapshot pump (`controller/snapshot_pump.py`) does; a caller with its own loop calls
+snapshot pump (`controller/recovery/snapshot_pump.py`) does; a caller with its own loop calls
 `Store.record_snapshot_attempt`.
 """
 
@@ -289,7 +289,7 @@ class SnapshotStage:
 
 class Publisher:
     """Publishes into one checkpoint directory; thread-safe. Keep one per directory and
-    process (the controller builds it once, `controller/build.py`): two would race for
+    process (the controller builds it once, `controller/job/build.py`): two would race for
     sequence numbers and remove each other's temporary directories as leftovers.
     It records no snapshot outcome: the caller does (`Store.record_snapshot_attempt`)."""
 

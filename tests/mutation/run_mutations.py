@@ -47,7 +47,7 @@ MUTANTS = [
     Mutant(
         "drop_restored_groups",
         "exactly once across stops: a resume redoes the groups in flight",
-        "controller/rollout_pump.py",
+        "controller/rollout/pump.py",
         [("""            self.p.dispatcher.redispatch(tx, group, generations, policy_version=policy_version)
             run = self._groups.setdefault(group.group_id, GroupRun(group))
             run.outstanding.update(generations)
@@ -60,7 +60,7 @@ MUTANTS = [
     Mutant(
         "drop_restored_groups_as_zero_variance",
         "exactly once across stops (the same bug, disguised with the algorithm's reason)",
-        "controller/rollout_pump.py",
+        "controller/rollout/pump.py",
         [("""            self.p.dispatcher.redispatch(tx, group, generations, policy_version=policy_version)
             run = self._groups.setdefault(group.group_id, GroupRun(group))
             run.outstanding.update(generations)
@@ -81,7 +81,7 @@ MUTANTS = [
     Mutant(
         "restart_episodes_saved_at_a_turn",
         "turn-level recovery: an episode running at a stop continues from its last committed turn",
-        "controller/rollout_pump.py",
+        "controller/rollout/pump.py",
         [("        self._saved = dict(saved_episodes or {}) if self.turn_level else {}",
           "        self._saved = {}  # MUTANT: every restored episode starts over")],
         ["tests/test_streaming_pump.py", "tests/test_turn_recovery_real_run.py"],
@@ -164,7 +164,7 @@ MUTANTS = [
     Mutant(
         "cut_drops_the_last_decoded_token",
         "prefix level: a cut saves exactly what the engine decoded",
-        "controller/snapshot_pump.py",
+        "controller/recovery/snapshot_pump.py",
         [("""            at.prefixes.append(CallPrefix(attempt_id, call.token_ids, call.logprobs if complete else None,
                                           call.token_versions, call.max_tokens, call.min_tokens))""",
           """            keep = max(1, len(call.token_ids) - 1)  # MUTANT: the newest token is lost
@@ -176,7 +176,7 @@ MUTANTS = [
     Mutant(
         "trace_skips_the_last_finish_of_a_batch",
         "trace: the trace holds every committed finish",
-        "controller/rollout_pump.py",
+        "controller/rollout/pump.py",
         [("        trace.finished([(live.group, live.index) for live, _ in pending.finished],",
           "        trace.finished([(live.group, live.index) for live, _ in pending.finished][:-1],  # MUTANT")],
         ["tests/test_hostile_proofs_pump.py::test_the_trace_holds_exactly_the_finishes_and_seals_a_real_pump_committed"],
@@ -184,7 +184,7 @@ MUTANTS = [
     Mutant(
         "cut_saves_prefixes_of_ended_attempts",
         "prefix level: a cut saves prefixes only of attempts the ledger runs at the cut",
-        "controller/snapshot_pump.py",
+        "controller/recovery/snapshot_pump.py",
         [("""        running = {key: attempt_id for key, (attempt_id, state) in known.items() if state == "running"}""",
           """        running = {key: attempt_id for key, (attempt_id, state) in known.items()}  # MUTANT: no filter""")],
         ["tests/test_hostile_proofs_pump.py::test_a_cut_saves_no_prefix_of_a_call_the_engine_still_runs_whose_"
@@ -193,7 +193,7 @@ MUTANTS = [
     Mutant(
         "restored_groups_ignore_max_inflight_calls",
         "a resume hands out the restored groups first and within generation.max_inflight_calls",
-        "controller/rollout_pump.py",
+        "controller/rollout/pump.py",
         [("        room = self._room()\n        while self._restored:",
           "        room = 10**9  # MUTANT: every restored group at once\n        while self._restored:")],
         ["tests/test_hostile_proofs_pump.py::"
@@ -202,7 +202,7 @@ MUTANTS = [
     Mutant(
         "trace_skips_the_finish_of_a_restored_generation",
         "trace: a finish event for every generation of every sealed group",
-        "controller/tracing.py",
+        "controller/run/tracing.py",
         [("        for (g, i), res in zip(owners, results):\n            counts: dict[int, int] = {}",
           "        for (g, i), res in zip(owners, results):\n            if g.attempt_numbers.get(i, 0) > 0:\n"
           "                continue  # MUTANT: a redone generation's finish is not traced\n"
@@ -278,7 +278,7 @@ MUTANTS += [
     Mutant(
         "run_lock_released_after_setup",
         "the run lock is held for the whole run on the library path (Controller(...).run())",
-        "controller/controller.py",
+        "controller/job/controller.py",
         [("                    self.lock.undo()  # a refusal: leave even the lock file as it was\n                raise\n",
           "                    self.lock.undo()  # a refusal: leave even the lock file as it was\n                raise\n"
           "            if own_lock:\n                self.lock.release()  # MUTANT\n")],
@@ -311,7 +311,7 @@ def env_for(dst: Path) -> dict:
 
 
 def check_import(dst: Path) -> None:
-    out = subprocess.run([sys.executable, "-c", "import rolloutdb.store, rolloutdb.controller.rollout_pump as p; "
+    out = subprocess.run([sys.executable, "-c", "import rolloutdb.store, rolloutdb.controller.rollout.pump as p; "
                           "print(rolloutdb.store.__file__); print(p.__file__)"],
                          cwd=dst, env=env_for(dst), capture_output=True, text=True, timeout=120)
     paths = out.stdout.split()

@@ -2,7 +2,7 @@
 
 The rollout pump takes a finished model call in two halves: it hands the environment's
 step on the reply to the stepper, and once the step is done it takes the reply and
-applies the step together (`Episode.take_reply`, `Episode.apply`; controller/pump_calls.py).
+applies the step together (`Episode.take_reply`, `Episode.apply`; controller/rollout/calls.py).
 The step goes through an
 `EnvironmentStepper`: `step(state, reply_ids, last)` returns a
 `concurrent.futures.Future` of the `StepOutcome` (the new state, the observation, and the
@@ -12,12 +12,12 @@ reward when the step ended the episode). Two implementations:
   the pump's thread and returns a future that is already done. The pump sees it done and
   applies it at once, so an in-driver run does exactly what it did before the seam, in
   the same order, at the cost of one Future (about 2 us).
-* `EnvironmentWorkerPool` (controller/ray_environments.py, `cluster.environment_workers`
+* `EnvironmentWorkerPool` (controller/rollout/ray_environments.py, `cluster.environment_workers`
   > 0 with `cluster.backend: ray`): the step runs on a Ray actor; its future completes on
   the pool's thread and reaches the pump through the same completion queue the engine's
   futures use, so the pump's thread never waits on a remote step.
 
-Both step with `step_environment` (controller/episodes.py): the same rule decides when a
+Both step with `step_environment` (controller/rollout/episodes.py): the same rule decides when a
 step scores. Workers are stateless: the episode's state is the JSON-able dict the driver
 keeps in its `Episode` (and the store saves at a cut), sent with each step and returned
 with its answer, so a worker holds nothing the store does not have at the cut, by
@@ -26,7 +26,7 @@ construction. A worker that dies fails the step's future with `EnvironmentWorker
 reason `error` and starts it again.
 
 `env.start` stays in the driver, on the driver's own environment instance (the one
-`controller/build.py` builds with the dataset): it is deterministic for a prompt id
+`controller/job/build.py` builds with the dataset): it is deterministic for a prompt id
 (`Episode.resumed` and the train pump already rely on that), the built-in tasks' start
 is a tokenizer call of a few tens of us, and a new group's episodes start in one commit
 on the pump thread, where a remote start would cost a round trip per batch. A plugin
@@ -39,7 +39,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import Protocol, runtime_checkable
 
-from rolloutdb.controller.episodes import StepOutcome, step_environment
+from rolloutdb.controller.rollout.episodes import StepOutcome, step_environment
 from rolloutdb.controller.protocols import Environment
 from rolloutdb.gpu_capture.protocol import WorkerLost
 

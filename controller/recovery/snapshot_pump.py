@@ -55,9 +55,9 @@ from dataclasses import dataclass, field
 from collections.abc import Callable
 from typing import Any
 
-from rolloutdb.controller.env_checkpoint import EnvironmentCheckpoint
-from rolloutdb.controller.runtime import RolloutParts
-from rolloutdb.controller.tracing import RolloutTrace
+from rolloutdb.controller.recovery.env_checkpoint import EnvironmentCheckpoint
+from rolloutdb.controller.run.runtime import RolloutParts
+from rolloutdb.controller.run.tracing import RolloutTrace
 from rolloutdb.gpu_capture.protocol import PrefixCapture
 from rolloutdb.store import (CallPrefix, EpisodeProgress, Publisher, PublishError, anchor_name, faults, pools, queries,
                              scan, seal_inline_payload, segments_dir_of)
@@ -110,7 +110,7 @@ def _into_copy(out, at: _AtCut) -> dict[str, int]:
 
 
 # The engine request id of an in-process episode's call: `g<group>.<generation>-a<attempt>-t<turn>`
-# (controller/rollout_pump.py `_live`, episodes.Episode.request), and of an agent server's
+# (controller/rollout/pump.py `_live`, episodes.Episode.request), and of an agent server's
 # call (`<group>.<generation>-a<attempt>-t<turn>`, no `g`: the policy endpoint's `<key>-t<turn>`).
 _IN_PROCESS_CALL = re.compile(r"^g([0-9]+)\.([0-9]+)-a([0-9]+)-t([0-9]+)$")
 _AGENT_CALL = re.compile(r"^([0-9]+)\.([0-9]+)-a([0-9]+)-t([0-9]+)$")

@@ -13,10 +13,10 @@ import time
 from collections.abc import Callable
 
 import numpy as np
-from rolloutdb.controller.episodes import ENV_TOKEN_VERSION
-from rolloutdb.controller.runtime import RolloutParts
+from rolloutdb.controller.rollout.episodes import ENV_TOKEN_VERSION
+from rolloutdb.controller.run.runtime import RolloutParts
 from rolloutdb.controller.protocols import Completion, NonFiniteTraining, TrainGroup
-from rolloutdb.controller.tracing import RolloutTrace
+from rolloutdb.controller.run.tracing import RolloutTrace
 from rolloutdb.store import faults, codec, queries
 
 POLL_S = 0.5

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 
-from rolloutdb.controller.dispatch import GroupHandle
+from rolloutdb.controller.run.dispatch import GroupHandle
 from rolloutdb.store import NullTracer, Tracer
 
 

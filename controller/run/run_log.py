@@ -50,7 +50,7 @@ def read_metrics(path: Path, kind: str | None = None) -> list[dict]:
 
 class _Bar(tqdm):
     # No monitor thread: the bar moves once per train step, so nothing lags for a monitor
-    # to catch up on, and the process's threads stay the ones controller/runtime.py lists.
+    # to catch up on, and the process's threads stay the ones controller/run/runtime.py lists.
     monitor_interval = 0
 
 

@@ -1,12 +1,12 @@
 """Environment workers on Ray (`cluster.environment_workers` > 0 with `cluster.backend:
-ray`): `EnvironmentWorkerPool` is an `EnvironmentStepper` (controller/env_steps.py) whose
+ray`): `EnvironmentWorkerPool` is an `EnvironmentStepper` (controller/rollout/env_steps.py) whose
 steps run in N Ray actors. Ray is imported lazily (the engine pool's `import_ray`); the
 rest of the controller does not know about Ray.
 
 Each worker builds the run's environment itself, from the run's config (sent as its JSON
 form, `Config.model_dump(mode="json")`, never a pickled environment) and the policy
 directory (the tokenizer), with the same builder an in-driver run uses
-(`controller/build.py`'s `check_plugins` and `build_task`: the built-in tasks and an
+(`controller/tasks/registry.py`'s `check_plugins` and `build_task`: the built-in tasks and an
 `environment.factory` plugin alike). Workers are stateless: a step carries the
 episode's state (the JSON-able dict the driver keeps and the store saves at a cut) and
 returns the new one (`StepOutcome.to_json`), so a worker holds nothing the store lacks at
@@ -43,8 +43,8 @@ from pathlib import Path
 from typing import Any
 
 from rolloutdb.config import Config
-from rolloutdb.controller.env_steps import EnvironmentWorkerLost
-from rolloutdb.controller.episodes import StepOutcome, step_environment
+from rolloutdb.controller.rollout.env_steps import EnvironmentWorkerLost
+from rolloutdb.controller.rollout.episodes import StepOutcome, step_environment
 from rolloutdb.gpu_capture.ray_workers import NAMESPACE, WorkerSlots, import_ray
 
 
@@ -53,10 +53,10 @@ class EnvironmentWorker:
     the run's config; every step is a pure function of its arguments."""
 
     def __init__(self, config: dict, policy_dir: str):
-        from rolloutdb.controller import build
+        from rolloutdb.controller.tasks import registry
 
         cfg = Config.model_validate(config)
-        _, self.env = build.build_task(cfg, Path(policy_dir), build.check_plugins(cfg))
+        _, self.env = registry.build_task(cfg, Path(policy_dir), registry.check_plugins(cfg))
 
     def describe(self) -> dict:
         return {"pid": os.getpid(), "max_turns": self.env.max_turns}

@@ -1,8 +1,8 @@
 """How the rollout pump handles a model call, from its submit to its episode's next turn:
 the call's request (a restored call spliced onto its prefix), its finished result (the
 reply taken, then the environment's step through the run's `EnvironmentStepper`,
-controller/env_steps.py), and the episode's end. A mixin of `RolloutPump`
-(controller/rollout_pump.py), which owns the loop, the commit and dispatch; split off to
+controller/rollout/env_steps.py), and the episode's end. A mixin of `RolloutPump`
+(controller/rollout/pump.py), which owns the loop, the commit and dispatch; split off to
 keep each module readable, with no behaviour of its own beyond the pump's.
 
 A finished call is taken in two halves. `_on_call` hands the environment's step on the
@@ -28,10 +28,10 @@ from concurrent.futures import Future
 from dataclasses import replace
 from typing import Any
 
-from rolloutdb.controller.group_commit import CommitBatch, RolloutMeter
-from rolloutdb.controller.live_episode import GroupRun, LiveEpisode, whole_call
-from rolloutdb.controller.runtime import RolloutParts
-from rolloutdb.controller.tracing import RolloutTrace
+from rolloutdb.controller.rollout.group_commit import CommitBatch, RolloutMeter
+from rolloutdb.controller.rollout.live_episode import GroupRun, LiveEpisode, whole_call
+from rolloutdb.controller.run.runtime import RolloutParts
+from rolloutdb.controller.run.tracing import RolloutTrace
 from rolloutdb.gpu_capture.protocol import GenerationRequest, GenerationResult, RunningCall, SamplingParams, WorkerLost
 from rolloutdb.store import FinishedGeneration, codec, faults
 

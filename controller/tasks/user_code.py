@@ -1,4 +1,4 @@
-"""A user's own code failing: their error, shown as theirs (controller/plugins.py loads it).
+"""A user's own code failing: their error, shown as theirs (controller/tasks/plugins.py loads it).
 
 A reward, a factory, or what a factory made (an environment's `start`/`step`/`score`, a
 trainer's methods) that raises is the user's error, not a defect of rolloutdb: exit 2,

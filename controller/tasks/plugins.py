@@ -42,10 +42,11 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from rolloutdb.controller.datasets import DatasetError, DatasetSection, FileDataset, PromptFormatter
+from rolloutdb.plugin_specs import is_file_target
+from rolloutdb.controller.tasks.datasets import DatasetError, DatasetSection, FileDataset, PromptFormatter
 from rolloutdb.controller.protocols import Environment, PromptDataset, Trainer, Turn
-from rolloutdb.controller.tasks import as_codec
-from rolloutdb.controller.user_code import (
+from rolloutdb.controller.tasks.digits import as_codec
+from rolloutdb.controller.tasks.user_code import (
     USER_ROOTS,
     PluginError,
     UserCodeError,
@@ -74,10 +75,6 @@ def _one_line(text: object) -> str:
     return text if len(text) <= 160 else text[:157] + "..."
 
 
-def _is_file_target(target: str) -> bool:
-    return target.endswith(".py") or "/" in target or "\\" in target or target.startswith(".")
-
-
 def split_spec(spec: str, *, key: str) -> tuple[str, str]:
     """("module or file", "attribute path"), refusing anything else with one line."""
     if not isinstance(spec, str) or ":" not in spec:
@@ -86,32 +83,9 @@ def split_spec(spec: str, *, key: str) -> tuple[str, str]:
     if not target or not _DOTTED.fullmatch(attr):
         raise PluginError(f"{key}: {spec!r} is not 'module:callable' or './file.py:callable' "
                           f"({'no module or file' if not target else f'{attr!r} is not a Python name'})")
-    if not _is_file_target(target) and not _DOTTED.fullmatch(target):
+    if not is_file_target(target) and not _DOTTED.fullmatch(target):
         raise PluginError(f"{key}: {target!r} in {spec!r} is neither a module name nor a path to a .py file")
     return target, attr
-
-
-def absolute_spec(spec: str, base_dir: str | Path) -> str:
-    """The spec with a relative file made absolute against `base_dir` (the config file's
-    directory), so the run directory's resolved config.yaml works from anywhere."""
-    if not isinstance(spec, str) or ":" not in spec:
-        return spec  # load_callable says what is wrong with it
-    target, _, attr = spec.rpartition(":")
-    if not _is_file_target(target) or Path(target).is_absolute():
-        return spec
-    return f"{(Path(base_dir) / target).resolve()}:{attr}"
-
-
-def resolve_relative_paths(data: dict, base_dir: str | Path) -> None:
-    """In a parsed config (before validation): make dataset.path, reward.function,
-    environment.factory and trainer.factory absolute against the config's directory."""
-    for section, name in (("reward", "function"), ("environment", "factory"), ("trainer", "factory")):
-        part = data.get(section)
-        if isinstance(part, dict) and isinstance(part.get(name), str):
-            part[name] = absolute_spec(part[name], base_dir)
-    part = data.get("dataset")
-    if isinstance(part, dict) and isinstance(part.get("path"), str) and not Path(part["path"]).is_absolute():
-        part["path"] = str((Path(base_dir) / part["path"]).resolve())
 
 
 def _import_file(target: str, *, key: str, base_dir: Path | None) -> ModuleType:
@@ -172,8 +146,8 @@ def load_callable(spec: str, *, key: str, base_dir: str | Path | None = None) ->
     """The callable a spec names, imported and checked; one-line PluginError otherwise."""
     target, attr = split_spec(spec, key=key)
     base = None if base_dir is None else Path(base_dir)
-    module = _import_file(target, key=key, base_dir=base) if _is_file_target(target) else _import_module(target, key=key)
-    remember_user_code(module, is_file=_is_file_target(target))
+    module = _import_file(target, key=key, base_dir=base) if is_file_target(target) else _import_module(target, key=key)
+    remember_user_code(module, is_file=is_file_target(target))
     obj: Any = module
     for i, part in enumerate(attr.split(".")):
         if not hasattr(obj, part):

@@ -30,7 +30,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-from rolloutdb.controller.run_log import MetricsLog
+from rolloutdb.controller.run.run_log import MetricsLog
 
 BACKENDS: tuple[str, ...] = ("jsonl", "tensorboard", "wandb")
 # Event fields that are times of day or identifiers, not metrics to plot.

@@ -57,7 +57,7 @@ no code starts:
   engine workers' answers and replaces a lost worker (`gpu_capture/ray_workers.py`);
   Ray's own threads only queue the answers for it. Takes only the pool's lock (a leaf).
 - `ray-env-pool`: with `cluster.environment_workers` > 0, the same for the environment
-  workers' step answers (`controller/ray_environments.py`): completes the steps' futures
+  workers' step answers (`controller/rollout/ray_environments.py`): completes the steps' futures
   (the rollout pump takes them from its completion queue) and replaces a lost worker.
   Takes only its pool's lock (a leaf).
 - `rolloutdb-agent-start_<n>`: at setup, starts the agent server processes the
@@ -106,7 +106,7 @@ from typing import Any
 
 from rolloutdb.config import Config
 from rolloutdb.controller.protocols import Environment, Trainer
-from rolloutdb.controller.sampler import PromptOrder, StalenessBound
+from rolloutdb.controller.run.sampler import PromptOrder, StalenessBound
 from rolloutdb.gpu_capture.protocol import GenerationEngine
 from rolloutdb.store import NullTracer, Store, Tracer
 
@@ -167,5 +167,5 @@ class RolloutParts:
     # Agent servers (environment.servers): episodes run there, not on `env`
     # (controller/agent_server/client.py, AgentPool); None: episodes run in the controller.
     agents: Any = None
-    # Where the environment steps (controller/env_steps.py): None is `env` in the driver.
+    # Where the environment steps (controller/rollout/env_steps.py): None is `env` in the driver.
     stepper: Any = None

@@ -32,14 +32,14 @@ from concurrent.futures import Future
 
 import numpy as np
 
-from rolloutdb.controller.dispatch import GroupHandle
-from rolloutdb.controller.episodes import Episode, call_seed
-from rolloutdb.controller.group_commit import CommitBatch, Pending, RolloutMeter
-from rolloutdb.controller.env_steps import LocalStepper
-from rolloutdb.controller.live_episode import GroupRun, LiveEpisode
-from rolloutdb.controller.pump_calls import CallFlow
-from rolloutdb.controller.runtime import RolloutParts
-from rolloutdb.controller.tracing import RolloutTrace
+from rolloutdb.controller.run.dispatch import GroupHandle
+from rolloutdb.controller.rollout.episodes import Episode, call_seed
+from rolloutdb.controller.rollout.group_commit import CommitBatch, Pending, RolloutMeter
+from rolloutdb.controller.rollout.env_steps import LocalStepper
+from rolloutdb.controller.rollout.live_episode import GroupRun, LiveEpisode
+from rolloutdb.controller.rollout.calls import CallFlow
+from rolloutdb.controller.run.runtime import RolloutParts
+from rolloutdb.controller.run.tracing import RolloutTrace
 from rolloutdb.gpu_capture.protocol import GenerationResult, RunningCall, SamplingParams
 from rolloutdb.store import (
     CallPrefix,
@@ -85,7 +85,7 @@ class RolloutPump(CallFlow):
         self._prefixes = {k: p for k, chunks in (saved_prefixes or {}).items()
                           if (p := CallPrefix.of(list(chunks))) is not None} if self.prefix_level else {}
         self._running: dict[Future, LiveEpisode] = {}  # model calls (agent servers: episodes) in flight
-        # Where the environment steps (controller/env_steps.py), and the episodes whose
+        # Where the environment steps (controller/rollout/env_steps.py), and the episodes whose
         # step runs on an environment worker now (they count as in flight)
         self.stepper = parts.stepper if parts.stepper is not None else LocalStepper(parts.env)
         self._stepping: dict[Future, tuple[LiveEpisode, GenerationResult]] = {}

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rolloutdb.config import ConfigError, load_config
-from rolloutdb.controller.run_dir import RunDir
+from rolloutdb.controller.run.run_dir import RunDir
 from rolloutdb.store import (LedgerAudit, NotAStoreError, RecordDamaged, audit_ledger, ledger,
                              store_segment_problems)
 

@@ -16,18 +16,19 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rolloutdb.config import Config
-from rolloutdb.controller import build
-from rolloutdb.controller import resume as resuming
-from rolloutdb.controller.dispatch import GroupHandle, LedgerDispatch, NoLedgerDispatch
-from rolloutdb.controller.runtime import Progress, RolloutParts, RuntimeState
-from rolloutdb.controller.rollout_pump import RolloutPump
-from rolloutdb.controller.run_dir import RunDir, RunLock
-from rolloutdb.controller.metrics_backends import open_metrics
-from rolloutdb.controller.run_log import ProgressBar, plot_rewards, read_metrics, summary_line
-from rolloutdb.controller.sampler import PromptOrder, StalenessBound
-from rolloutdb.controller.snapshot_pump import SnapshotPump
-from rolloutdb.controller.train_pump import TrainPump
-from rolloutdb.controller.trainer_checkpoints import TrainerCheckpoints
+from rolloutdb.controller.job import build
+from rolloutdb.controller.tasks import registry
+from rolloutdb.controller.recovery import resume as resuming
+from rolloutdb.controller.run.dispatch import GroupHandle, LedgerDispatch, NoLedgerDispatch
+from rolloutdb.controller.run.runtime import Progress, RolloutParts, RuntimeState
+from rolloutdb.controller.rollout.pump import RolloutPump
+from rolloutdb.controller.run.run_dir import RunDir, RunLock
+from rolloutdb.controller.run.metrics_backends import open_metrics
+from rolloutdb.controller.run.run_log import ProgressBar, plot_rewards, read_metrics, summary_line
+from rolloutdb.controller.run.sampler import PromptOrder, StalenessBound
+from rolloutdb.controller.recovery.snapshot_pump import SnapshotPump
+from rolloutdb.controller.training.pump import TrainPump
+from rolloutdb.controller.training.checkpoints import TrainerCheckpoints
 from rolloutdb.store import Store, faults, open_tracer, segments_dir_of
 
 
@@ -54,7 +55,7 @@ class Controller:
         self.start_over = start_over
         self.lock = lock
         self.resume_plan = resume_plan
-        self.plugins = plugins  # build.check_plugins(config), when the caller checked already
+        self.plugins = plugins  # registry.check_plugins(config), when the caller checked already
         self.writing = False  # set once the run directory is about to change
         self.runtime = RuntimeState()
         self.restored: list[tuple[GroupHandle, list[int]]] = []
@@ -74,7 +75,7 @@ class Controller:
         a directory is made, so a refused resume writes nothing (`resume.py`)."""
         cfg = self.config
         done = None
-        found = self.plugins or build.check_plugins(cfg)
+        found = self.plugins or registry.check_plugins(cfg)
         if self.resume:
             self.resume_plan = self.resume_plan or resuming.plan_resume(self.dirs, self.resume, start_over=self.start_over)
         else:
@@ -83,7 +84,7 @@ class Controller:
             self.dirs.write_config(cfg)
         build.set_threads(cfg.cluster.torch_threads)
         policy_dir = build.build_policy(cfg, self.dirs.policy, found.dataset)
-        self.dataset, self.env = build.build_task(cfg, policy_dir, found)
+        self.dataset, self.env = registry.build_task(cfg, policy_dir, found)
         self.trainer = build.build_trainer(cfg, policy_dir)
         self.engine = build.build_engine(cfg, policy_dir)
         self.env_steps = build.build_env_stepper(cfg, self.env, policy_dir)
@@ -190,7 +191,7 @@ class Controller:
         no optimizer commit lands first and every durable step gets its snapshot unless
         the process dies in between. With `checkpointing.async` the checkpoint is only
         begun here (a copy of the state) and the cut is held until a later boundary
-        publishes it (`poll`; trainer_checkpoints.py, snapshot_pump.py)."""
+        publishes it (`poll`; training/checkpoints.py, snapshot_pump.py)."""
         self.checkpoints.poll()  # async: an earlier checkpoint whose write has ended
         if not self.checkpoints.maybe_publish(step):
             return

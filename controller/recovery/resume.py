@@ -31,9 +31,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rolloutdb.controller.dispatch import GroupHandle
-from rolloutdb.controller.run_dir import RunDir
-from rolloutdb.controller.tracing import RolloutTrace
+from rolloutdb.controller.run.dispatch import GroupHandle
+from rolloutdb.controller.run.run_dir import RunDir
+from rolloutdb.controller.run.tracing import RolloutTrace
 from rolloutdb.store import (
     BOOTSTRAP,
     AnchorDamaged,

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from rolloutdb.controller.dispatch import GroupHandle
-from rolloutdb.controller.episodes import Episode
+from rolloutdb.controller.run.dispatch import GroupHandle
+from rolloutdb.controller.rollout.episodes import Episode
 from rolloutdb.gpu_capture.protocol import RunningCall
 from rolloutdb.store import CallPrefix, EpisodeProgress
 

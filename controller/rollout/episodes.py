@@ -107,7 +107,7 @@ class Episode:
         environment, append its observation unless the episode ended; score it when it
         ends (done, or its last turn). The two halves (`take_reply`, then `apply` of the
         environment's `step_environment`) are what the rollout pump runs with the step
-        in between on an environment worker (controller/env_steps.py)."""
+        in between on an environment worker (controller/rollout/env_steps.py)."""
         self.take_reply(out)
         self.apply(step_environment(env, self.state, out.token_ids, last=self.last_turn))
 

@@ -1,7 +1,8 @@
-"""Build the parts a run needs from its config: policy, task, trainer, engine, the
+"""Build the parts a run needs from its config: policy, trainer, engine, the
 environment's checkpoint backend and the trainer-checkpoint publisher. Backend choices
 (reference engine or vLLM, environment checkpoint backends) are made here and nowhere
-else."""
+else. The task is built by `controller/tasks/registry.py`, where agent servers and Ray
+environment workers build it too."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ from pathlib import Path
 import torch
 
 from rolloutdb.config import Config, tiny_policy_heads
-from rolloutdb.controller.env_checkpoint import EnvironmentCheckpoint, NoEnvironmentCheckpoint
-from rolloutdb.controller.protocols import Environment, PromptDataset, Trainer
+from rolloutdb.controller.recovery.env_checkpoint import EnvironmentCheckpoint, NoEnvironmentCheckpoint
+from rolloutdb.controller.protocols import Environment, Trainer
 from rolloutdb.store import Publisher
 
 
@@ -24,14 +25,6 @@ def set_threads(n: int) -> None:
     hf_logging.disable_progress_bar()  # our progress line is the one a user reads
 
 
-def check_plugins(config: Config):
-    """The policy's config, the dataset file and every import path, checked before
-    anything is written."""
-    from rolloutdb.controller import plugins
-
-    return plugins.check_config(config)
-
-
 def build_policy(config: Config, dest: Path, dataset=None) -> Path:
     """The initial policy directory: the configured one, or the tiny Llama built (once)
     into the run directory."""
@@ -42,8 +35,8 @@ def build_policy(config: Config, dest: Path, dataset=None) -> Path:
         return path
     if (dest / "config.json").is_file():
         return dest
-    from rolloutdb.controller.datasets import tiny_policy_alphabet
-    from rolloutdb.controller.tasks import TASK_ALPHABET
+    from rolloutdb.controller.tasks.datasets import tiny_policy_alphabet
+    from rolloutdb.controller.tasks.digits import TASK_ALPHABET
     from rolloutdb.gpu_capture.tiny_policy import DEFAULT_ALPHABET, build_tiny_policy
 
     # A tokenizer over the task's own characters: a random policy then writes a digit
@@ -57,37 +50,6 @@ def build_policy(config: Config, dest: Path, dataset=None) -> Path:
         intermediate_size=2 * config.policy.hidden_size,
         alphabet=TASK_ALPHABET if dataset is None else tiny_policy_alphabet(dataset, DEFAULT_ALPHABET),
     )
-
-
-def build_task(config: Config, policy_dir: Path, found=None) -> tuple[PromptDataset, Environment]:
-    """(dataset, environment) for the configured task."""
-    from transformers import AutoTokenizer
-
-    from rolloutdb.controller import plugins
-    from rolloutdb.controller.tasks import DigitPromptDataset, LongTailDigitDataset, make_environment
-
-    env_cfg = config.environment
-    tokenizer = AutoTokenizer.from_pretrained(policy_dir)
-    dataset: DigitPromptDataset | LongTailDigitDataset
-    if env_cfg.task == "digits_longtail":
-        dataset = LongTailDigitDataset(size=env_cfg.dataset_size, max_digits=env_cfg.max_digits,
-                                       tail_alpha=env_cfg.tail_alpha, seed=config.run.seed)
-    else:
-        dataset = DigitPromptDataset(size=env_cfg.dataset_size, n_digits=env_cfg.n_digits, seed=config.run.seed)
-    if found is not None:
-        context = plugins.PluginContext(config=config, policy_dir=policy_dir)
-        custom = plugins.build_task(found, config.dataset, tokenizer=tokenizer, context=context,
-                                    default_dataset=dataset, environment_options=env_cfg.options)
-        if custom is not None:
-            if isinstance(custom[1], plugins.RewardEnvironment):
-                from transformers import AutoConfig
-
-                context_len = AutoConfig.from_pretrained(policy_dir).max_position_embeddings
-                custom[1].check_context(context_len, config.generation.max_tokens)
-            return custom
-    name = env_cfg.task if env_cfg.turns == 1 else f"{env_cfg.task}_multiturn"
-    env = make_environment(name, dataset, tokenizer, kind=env_cfg.kind, turns=env_cfg.turns)
-    return dataset, env
 
 
 def build_env_checkpoint(config: Config, agents=None) -> EnvironmentCheckpoint:
@@ -115,10 +77,10 @@ def build_agents(config: Config, engine, *, config_path: Path, policy_dir: Path,
 
 
 def build_trainer(config: Config, policy_dir: Path) -> Trainer:
-    from rolloutdb.controller.grpo import GRPOConfig, GRPOTrainer
+    from rolloutdb.controller.training.grpo import GRPOConfig, GRPOTrainer
 
     if config.trainer.factory is not None:
-        from rolloutdb.controller.plugins import PluginContext, make_trainer
+        from rolloutdb.controller.tasks.plugins import PluginContext, make_trainer
 
         return make_trainer(config.trainer.factory, PluginContext(config=config, policy_dir=policy_dir),
                             config.trainer.options)
@@ -150,12 +112,12 @@ def build_env_stepper(config: Config, env: Environment, policy_dir: Path):
     """Where the environment steps: in the driver on `env` (LocalStepper), or with
     `cluster.environment_workers` on that many Ray actors, each building its own
     environment from the config (after `build_engine`, which starts or joins Ray)."""
-    from rolloutdb.controller.env_steps import LocalStepper
+    from rolloutdb.controller.rollout.env_steps import LocalStepper
 
     workers = config.cluster.environment_workers
     if config.cluster.backend != "ray" or not workers:
         return LocalStepper(env)
-    from rolloutdb.controller.ray_environments import EnvironmentWorkerPool
+    from rolloutdb.controller.rollout.ray_environments import EnvironmentWorkerPool
 
     return EnvironmentWorkerPool(config, policy_dir, workers=workers)
 

@@ -11,7 +11,7 @@ One `train_step` is one optimizer step on a batch of finished groups:
   [1 - clip_eps, 1 + clip_eps_high];
 - tokens the environment wrote (`loss_mask` 0) are context, never trained;
 - `shared_prefix_packing` lays each group out as one row, its prompt once and a tree
-  attention mask over the completions (controller/packing.py): the same loss and
+  attention mask over the completions (controller/training/packing.py): the same loss and
   gradients as one row per completion, up to float rounding, in fewer tokens;
 - optional KL penalty to the initial policy (k3 estimator); off by default (KL-free);
 - optional entropy bonus at the policy's tokens; a tiny policy trained with Adam at the
@@ -41,9 +41,9 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from rolloutdb.controller.packing import PackedBatch, additive_mask, micro_batches, pack, pack_shared_prefix
+from rolloutdb.controller.training.packing import PackedBatch, additive_mask, micro_batches, pack, pack_shared_prefix
 from rolloutdb.controller.protocols import CheckpointState, Completion, NonFiniteTraining, TrainGroup
-from rolloutdb.controller.trainer_checkpoints import write_checkpoint_state
+from rolloutdb.controller.training.checkpoints import write_checkpoint_state
 
 CHECKPOINT_FORMAT = 1
 WEIGHTS_FILE = "model.safetensors"
@@ -76,10 +76,10 @@ class GRPOConfig:
     # diluted); "sequence_mean": mean per sequence, then over sequences (original GRPO).
     loss_aggregation: str = "token_mean"
     # sequences per forward/backward; None: all. Under shared_prefix_packing a micro-batch
-    # takes whole groups (controller/packing.py micro_batches).
+    # takes whole groups (controller/training/packing.py micro_batches).
     micro_batch_size: int | None = None
     # One row per group: the shared prompt once, a tree attention mask over the
-    # completions (controller/packing.py); same loss and gradients, fewer tokens.
+    # completions (controller/training/packing.py); same loss and gradients, fewer tokens.
     shared_prefix_packing: bool = False
     seed: int = 0  # recorded with the checkpoint; a step itself draws no random numbers
 
