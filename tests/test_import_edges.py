@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 from pathlib import Path
+from import_graph import circles
 
 STORE = Path(__file__).resolve().parents[1] / "store"
 PACKAGE = "rolloutdb.store"
@@ -148,37 +149,7 @@ def import_cycles(root: Path = STORE) -> list[list[str]]:
     graph = {
         m: sorted({t for _, _, t in imports_of(p, known, root) if t in known}) for m, p in modules.items()
     }
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    on_stack: set[str] = set()
-    cycles: list[list[str]] = []
-
-    def visit(v: str) -> None:  # Tarjan; the graph is a few dozen nodes
-        index[v] = low[v] = len(index)
-        stack.append(v)
-        on_stack.add(v)
-        for w in graph[v]:
-            if w not in index:
-                visit(w)
-                low[v] = min(low[v], low[w])
-            elif w in on_stack:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            component = []
-            while True:
-                w = stack.pop()
-                on_stack.discard(w)
-                component.append(w)
-                if w == v:
-                    break
-            if len(component) > 1 or v in graph[v]:
-                cycles.append(sorted(component))
-
-    for v in graph:
-        if v not in index:
-            visit(v)
-    return cycles
+    return circles(graph)
 
 
 def test_every_store_import_follows_the_allowed_edges():

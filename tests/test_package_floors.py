@@ -18,6 +18,7 @@ import shutil
 from pathlib import Path
 
 from package_layout import ROOT, source_packages
+from import_graph import circles
 
 PACKAGE = "rolloutdb"
 
@@ -136,37 +137,7 @@ def module_cycles(root: Path = ROOT) -> list[list[str]]:
     """Every circle between modules of the package (Tarjan's strongly connected
     components of more than one module, or a module importing itself)."""
     edges = {m: sorted({t for _, _, t in e}) for m, e in graph(root).items()}
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    on_stack: set[str] = set()
-    cycles: list[list[str]] = []
-
-    def visit(v: str) -> None:
-        index[v] = low[v] = len(index)
-        stack.append(v)
-        on_stack.add(v)
-        for w in edges[v]:
-            if w not in index:
-                visit(w)
-                low[v] = min(low[v], low[w])
-            elif w in on_stack:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            component = []
-            while True:
-                w = stack.pop()
-                on_stack.discard(w)
-                component.append(w)
-                if w == v:
-                    break
-            if len(component) > 1 or v in edges[v]:
-                cycles.append(sorted(component))
-
-    for v in edges:
-        if v not in index:
-            visit(v)
-    return cycles
+    return circles(edges)
 
 
 def test_every_module_outside_the_store_imports_only_the_floors_its_rule_allows():
