@@ -1,6 +1,6 @@
 """Size of the live store and of a rollout snapshot vs steps run, with settled groups
-compacted (v1_4_a, one row per step since v1_5_a) and without (the old behaviour), side
-by side in one run (W2-G item 1).
+compacted (v1_4_a, one row per step since v1_5_a) and without (every settled group kept
+as a ledger row), side by side in one run (BENCHMARKS.md, "A bounded live store").
 
     python bench/bench_bounded_store.py                    # 30, 300, 3000 steps
     python bench/bench_bounded_store.py --steps 30 300     # shorter
@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         work = Path(tmp)
         after = run(work / "after.sqlite", steps, work)
         keep = compaction.settle_groups
-        ledger.settle_groups = lambda conn, ids: None  # the old behaviour: settled rows stay
+        ledger.settle_groups = lambda conn, ids: None  # the baseline: settled rows stay in the ledger
         try:
             before = run(work / "before.sqlite", steps, work)
         finally:

@@ -1,6 +1,6 @@
 """Upgrade of a 100k-group store file from the oldest revision to head, against a plain
-copy of the same file, in one run (W2-G item 1: the v1_4_a compaction and v1_5_a's
-one row per step, goal <= 3 s).
+copy of the same file, in one run (the v1_4_a compaction and v1_5_a's one row per step;
+goal <= 3 s, BENCHMARKS.md "A bounded live store").
 
     python bench/bench_compaction_upgrade.py                 # 100k groups (the BENCHMARKS.md figure)
     python bench/bench_compaction_upgrade.py --groups 20000 --repeats 1

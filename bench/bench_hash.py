@@ -1,4 +1,4 @@
-"""sha256 vs BLAKE3, and what the hash costs publication and verification (W2-G item 3).
+"""sha256 vs BLAKE3, and what the hash costs publication and verification.
 
     python bench/bench_hash.py                  # the figures in BENCHMARKS.md (512 MiB, 256 MiB)
     python bench/bench_hash.py --quick          # tiny, for the smoke test

@@ -26,15 +26,15 @@ from rolloutdb.store import Store, ledger, pools
 REPO = Path(__file__).resolve().parents[1]
 
 
-# Before W2-A the store was one flat folder: a module of such a revision imports its
-# siblings as `.codec`, `.errors`, `.schema`; these names point it at today's modules.
+# In older commits the store is one flat folder: a module of such a commit imports its
+# siblings as `.codec`, `.errors`, `.schema`; these names point it at the checkout's modules.
 FLAT_NAMES = {"codec": "live.codec", "schema": "live.schema", "ledger": "live.ledger", "errors": "errors"}
 
 
 def module_at(rev: str, name: str, workdir: Path):
-    """`store/live/<name>.py` (or the flat `store/<name>.py` of a revision before W2-A) as it
-    was at `rev`, loaded beside today's modules (so its relative imports resolve to today's
-    codec, schema and errors)."""
+    """`store/live/<name>.py` (or the flat `store/<name>.py` of an older commit) as it is at
+    `rev`, loaded beside the checkout's modules (so its relative imports resolve to the
+    checkout's codec, schema and errors)."""
     for where, package in ((f"store/live/{name}.py", "rolloutdb.store.live"), (f"store/{name}.py", "rolloutdb.store")):
         src = subprocess.run(["git", "show", f"{rev}:{where}"], cwd=REPO, capture_output=True, text=True)
         if src.returncode == 0:

@@ -59,7 +59,7 @@ from rolloutdb.store.live.store import TransactionClock
 REPO = Path(__file__).resolve().parent.parent
 P99_GOAL_MS = 5.0
 MAX_GOAL_MS = 20.0
-THROUGHPUT_GOAL = 1.2  # W2-G item 7: steps/s with snapshots every second vs none
+THROUGHPUT_GOAL = 1.2  # steps/s with snapshots every second vs none (BENCHMARKS.md, "Payload written once")
 PUMPS = ("rollout-pump", "MainThread", "snapshot-pump")
 PHASES = ("snapshots", "no snapshots")
 
@@ -153,7 +153,7 @@ class BenchController(Controller):
         BenchController.setup_s = 0.0
         if cfg.rollout_checkpointing.enabled:
             # Set-up, not measured: in a run the payload in flight was sealed a snapshot
-            # interval at a time as it finished (W2-G payload segments); the template's
+            # interval at a time as it finished (payload segments); the template's
             # payload was written in one go, so it is sealed here once, before the pumps
             # start (else the run's first snapshot would seal 1 GiB on the main thread).
             t0 = time.perf_counter()
@@ -323,7 +323,7 @@ def main() -> int:
             ratios[thread] = {"p50": a["p50_ms"] / b["p50_ms"], "p99": a["p99_ms"] / b["p99_ms"], "max": a["max_ms"] / b["max_ms"]}
             say(f"  {thread:<14} p50 {ratios[thread]['p50']:.2f}x  p99 {ratios[thread]['p99']:.2f}x  max {ratios[thread]['max']:.2f}x")
         result["ratios"] = ratios
-        # W2-G item 7: training throughput with snapshots every interval vs none (goal <= 1.2x),
+        # Training throughput with snapshots every interval vs none (goal <= 1.2x),
         # the run after set-up (the pre-filled store's copy and seal are set-up).
         walls = {p: statistics.median(r["pumps_wall_s"] for r in runs[p]) for p in PHASES}
         slowdown = walls["snapshots"] / walls["no snapshots"]

@@ -10,9 +10,9 @@ rollout, train and snapshot pumps as threads, the tiny Llama, GRPO on the digits
 `examples/quickstart.yaml` with `algorithm.total_steps=--steps`; only the store's read
 path differs:
 
-* old: every read-only site opens the write transaction without the mutation bump, as
-  `Store.atomic(mutation=False)` did before W2-A (``BEGIN IMMEDIATE`` on the one writer
-  connection, under its lock: a read waits for every write and holds up every write);
+* old: every read-only site opens the write transaction without the mutation bump,
+  `Store.atomic(mutation=False)` (``BEGIN IMMEDIATE`` on the one writer connection, under
+  its lock: a read waits for every write and holds up every write);
 * new: `Store.read()`, a ``BEGIN DEFERRED`` read transaction on a reader connection of its
   own (no write lock).
 
@@ -70,7 +70,7 @@ class TimedReads(Store):
 
 
 class OldReadPath(TimedReads):
-    """The read path before W2-A: the write transaction, without the mutation bump."""
+    """The write-lock read path: the write transaction, without the mutation bump."""
 
     @contextlib.contextmanager
     def _read_path(self):

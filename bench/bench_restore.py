@@ -21,12 +21,12 @@ times with the order rotated, each after `os.sync()`:
 * read: the snapshot file read in 4 MiB chunks from Python (`readinto`);
 * cat: ``cat FILE > /dev/null``;
 * read+sha256: 4 MiB chunks into sha256 (format-1 manifests);
-* read+blake3: the same into BLAKE3, the hash of format-2 manifests, which restore now
+* read+blake3: the same into BLAKE3, the hash of format-2 manifests, which restore
   verifies (the floor of a verifying restore);
 * copy+blake3+fsync: what any restore that copies must do at least (read, hash, write
   the copy, fsync it), for context.
 
-With `--segments` (W2-G item 4), the payload is sealed into a payload segment before
+With `--segments`, the payload is sealed into a payload segment before
 the snapshot is taken (`seal_inline_payload`, what the snapshot pump does): the
 snapshot's store file holds the ledger and the references, its manifest lists the
 segment, and a restore copies the store file and only reads and hashes the segment.
@@ -67,7 +67,7 @@ from rolloutdb.store.checkpoints.retention import KeepNewestSnapshots, Retention
 
 CHUNK = 4 * 2**20
 RATIO_GOAL = 2.0
-SEGMENTS_GOAL = 1.2  # W2-G item 7: restore of 100k groups + 1 GiB vs read + hash of the same bytes
+SEGMENTS_GOAL = 1.2  # restore of 100k groups + 1 GiB vs read + hash of the same bytes (BENCHMARKS.md, "Payload written once")
 FINGERPRINT = "bench-restore"
 
 
@@ -187,7 +187,7 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--cold", action="store_true", help="also measure with the snapshot's pages dropped from the cache")
     ap.add_argument("--quick", action="store_true", help="tiny sizes, one repeat (smoke test)")
-    ap.add_argument("--segments", action="store_true", help="payload sealed into a payload segment (W2-G item 4)")
+    ap.add_argument("--segments", action="store_true", help="payload sealed into a payload segment")
     ap.add_argument("--dir", type=Path, default=None, help="where to build (default: a temp dir); needs ~3x the payload")
     ap.add_argument("--json", default=None, help="write the figures here")
     args = ap.parse_args()
@@ -259,7 +259,7 @@ def main() -> int:
                 + f"  (goal restore/read <= {RATIO_GOAL:.0f}x: {'met' if ratios['restore/read'] <= RATIO_GOAL else 'MISSED'})")
             if args.segments:
                 r = ratios["restore/read+blake3"]
-                say(f"  W2-G item 7: restore / read+blake3 of the same bytes {r:.2f}x "
+                say(f"  restore / read+blake3 of the same bytes {r:.2f}x "
                     f"(goal <= {SEGMENTS_GOAL}x: {'met' if r <= SEGMENTS_GOAL else 'MISSED'})")
         phases = {k: statistics.median(p.timings.get(k, 0.0) for p in plans) for k in plans[0].timings}
         result["restore_phases_s"] = phases

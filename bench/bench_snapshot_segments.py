@@ -1,6 +1,6 @@
 """Bytes written and time per rollout snapshot with a large payload in flight: payload
-segments (W2-G item 2) against today's full copy and against `cp` of the new bytes, in
-one run.
+segments against a full copy of the payload in flight and against `cp` of the new bytes,
+in one run.
 
     python bench/bench_snapshot_segments.py                 # 1 GiB in flight, ~10 MiB new per interval
     python bench/bench_snapshot_segments.py --quick         # seconds (smoke test)
@@ -12,7 +12,7 @@ once so both phases start from the same bytes. Then `--intervals` times, per pha
 `--new-mb` of new payload is finished (running attempts finished through
 `ledger.finish_attempts`, as the rollout pump does), and one snapshot is taken:
 
-* segments: what the snapshot pump does now (controller/recovery/snapshot_pump.py step 2b):
+* segments: what the snapshot pump does (controller/recovery/snapshot_pump.py step 2b):
   `seal_inline_payload` (the new payload into one new segment, written once and made
   durable, samples pointed at it), then the cut (`store.capture`) and publication
   (`Publisher.publish_rollout_snapshot`: fsync + BLAKE3 of the snapshot's files, the
@@ -27,7 +27,7 @@ once so both phases start from the same bytes. Then `--intervals` times, per pha
 Bytes written = the sizes of the new files (the new segment + the snapshot directory);
 also the process's `write_bytes` from /proc/self/io (bytes sent to the block layer,
 which counts the page cache's writeback of the capture's intermediate pages) less its
-`cancelled_write_bytes`. Goals (issue 16 item 7): bytes <= 2x the new payload + the
+`cancelled_write_bytes`. Goals (BENCHMARKS.md, "Payload written once"): bytes <= 2x the new payload + the
 metadata file; time within 2x of `cp` of what it writes.
 """
 

@@ -22,7 +22,7 @@ Printed per mode (median over rounds, from the engine's own counters, deltas per
   tokens/s        policy tokens decoded / the pump's wall time
   engine idle     1 - busy_s / wall (busy_s: seconds inside decode steps)
   occupancy       decoded_rows / (steps x max_batch_size): how full the average step was
-and the ratio streaming / wave per round (median and range). Goals (issue W2-B):
+and the ratio streaming / wave per round (median and range). Goals (BENCHMARKS.md, "Streaming rollouts"):
 streaming >= 1.5x the wave pump's tokens/s, streaming engine idle <= 10%.
 
     python bench/bench_streaming.py                 # single turn, 3 rounds

@@ -120,8 +120,9 @@ def populate(store: Store, layout: Layout, order: Callable[[int], Reservation]) 
             ledger.dispatch_groups(tx, ids, policy_version=0)
             att = attempts_of(tx, ids)
             ledger.finish_attempts(tx, [(a, tiny) for g in ids for a in att[g]])
-            # One seal and one publish per batch: each call reads every finished rollout
-            # row (see BENCHMARKS.md, W1-D), so per-step calls made the set-up quadratic.
+            # One seal and one replay entry per batch, not per step: each replay entry reads
+            # every permit already taken (`ledger.enter_replay`), so per-step calls would make
+            # the set-up quadratic.
             ledger.seal_groups(tx, ids)
             ledger.enter_replay(tx, ids)
             for step, step_ids in by_step.items():

@@ -1,7 +1,7 @@
 """The wave pump: the BASELINE of bench/bench_streaming.py, not product code.
 
-This is the lockstep rollout pump the project ran before W2-B (git show
-1578329:controller/rollout/pump.py, with `run_episodes` from 1578329:controller/rollout/episodes.py),
+This is the lockstep rollout pump of commit 1578329 (git show
+1578329:controller/rollout_pump.py, with `run_episodes` from 1578329:controller/episodes.py),
 kept only here so the streaming `RolloutPump` can be measured against it side by side.
 Nothing outside bench/ imports it, and nothing should.
 

@@ -10,7 +10,7 @@ Each bound is where an engine's float32 arithmetic stays finite (`gpu_capture/sa
   `MIN_TEMPERATURE` overflows them (1e-40 is a float32 subnormal: every logit became
   +-inf, softmax NaN, every token id 0 with logprob NaN, and the run trained on NaN to
   the end). 0 is greedy; vLLM clamps (0, 0.01) up to 0.01 for the same reason, so both
-  engines now see only 0 or [0.01, 100].
+  engines see only 0 or [0.01, 100].
 * penalties: subtracted from the logits once per occurrence; OpenAI's and vLLM's [-2, 2]
   times at most `MAX_TOKENS` occurrences stays far inside float32 (1e308 made them inf).
 * top_p in (0, 1]; max_tokens 1..`MAX_TOKENS`; min_tokens 0..max_tokens; seed an int64.

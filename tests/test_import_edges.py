@@ -1,4 +1,4 @@
-"""The store's imports run one way (docs: ARCHITECTURE.md, "Layout").
+"""The store's imports run one way (docs/architecture.md, "Subsystems and floors").
 
 Every `store/**.py` is parsed with `ast`; every import in it, at module level or inside a
 function, relative or absolute, is resolved to the store module it names and mapped to its

@@ -12,11 +12,11 @@ in this order:
     -- the cut: export() is read and checked against the ledger as of the cut --
     resume()            reopen dispatch, restart deadlines (always called)
 
-A restore runs `restore_scope(episodes)`: a context manager that installs the saved
-episodes and removes them again if anything later in the restore fails. Nothing calls it
-yet: no snapshot of this version holds episodes (the embedded tasks export none, so no
-`env_export.json` is written). It stays as the contract the wave-2 environment-server
-work (ARCHITECTURE.md, "Environments as servers") implements and wires into the restore.
+A resume runs the rest of its setup inside `restore_scope(episodes)`
+(controller/job/controller.py): a context manager that installs the saved episodes (the
+restored snapshot's `env_episodes`, keyed by the abandoned attempts' episode keys) and
+removes them again if anything later fails. The agent servers' backend implements it over
+HTTP (controller/agent_server/client.py).
 
 `NoEnvironmentCheckpoint` is the backend for environments that keep nothing between
 snapshots (the embedded digit task replays its episodes from the ledger).

@@ -45,7 +45,7 @@ def verify_run(run_dir: str | Path, *, algorithm_reasons: frozenset[str] = ledge
         audit = audit_ledger(dirs.store, groups_per_step=groups_per_step, algorithm_reasons=algorithm_reasons)
     except RecordDamaged as e:  # a forged settled record: nothing can be counted over it
         raise NotAStoreError(f"{dirs.store}: {e}") from None
-    # The payload the live store keeps in segments (W2-G): each one it references, read whole
+    # The payload the live store keeps in segments: each one it references, read whole
     # and checked against the size and BLAKE3 recorded when it was sealed.
     audit.problems.extend(store_segment_problems(dirs.store, dirs.checkpoints))
     fields = {f.name: getattr(audit, f.name) for f in dataclasses.fields(audit)}

@@ -8,7 +8,7 @@ keep each module readable, with no behaviour of its own beyond the pump's.
 A finished call is taken in two halves. `_on_call` hands the environment's step on the
 reply to the stepper; `_on_step` takes the reply and applies the step's outcome together
 (the episode changes only there) and submits the next call or finishes the episode. In the driver the step's future is already done and
-`_on_step` runs at once (today's order and cost); on environment workers it comes back
+`_on_step` runs at once (no wait, one Future); on environment workers it comes back
 later through the pump's completion queue, the queue engine futures use, so the pump's
 thread never waits on a remote step. Meanwhile the episode is in `_stepping`, counted as
 in flight. At prefix level the call is in `_uncommitted` (whole) before its step starts
@@ -165,7 +165,7 @@ class CallFlow:
                                  finish_reason=result.finish_reason)
         step = self.stepper.step(e.state, result.token_ids, last=e.last_turn)
         if step.done():
-            self._on_step(step, live, result)  # in the driver (LocalStepper): at once, as before the seam
+            self._on_step(step, live, result)  # in the driver (LocalStepper): at once
         else:
             self._stepping[step] = (live, result)  # on a worker: it comes back through the completion queue
             step.add_done_callback(self._done.put)

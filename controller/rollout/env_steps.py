@@ -10,8 +10,8 @@ reward when the step ended the episode). Two implementations:
 
 * `LocalStepper` (the default, `cluster.environment_workers: 0`): runs the step inline on
   the pump's thread and returns a future that is already done. The pump sees it done and
-  applies it at once, so an in-driver run does exactly what it did before the seam, in
-  the same order, at the cost of one Future (about 2 us).
+  applies it at once, so an in-driver run takes each step in its own turn of the loop,
+  with no wait and no reordering, at the cost of one Future (about 2 us).
 * `EnvironmentWorkerPool` (controller/rollout/ray_environments.py, `cluster.environment_workers`
   > 0 with `cluster.backend: ray`): the step runs on a Ray actor; its future completes on
   the pool's thread and reaches the pump through the same completion queue the engine's

@@ -1,9 +1,9 @@
 """Where a run's metrics go: `logging.backends: [jsonl, tensorboard, wandb]`.
 
 The run logs *events* (dicts with a "kind": train_step, snapshot, restore, store_share).
-`RunMetrics` takes them where `MetricsLog` took them (`write(event)`, `close()`):
-- JSONL is always written, through `run_log.MetricsLog` itself, so its lines are the
-  ones a run writes today; the summary line, the reward plot and the CLI read it back.
+`RunMetrics` takes them through `MetricsLog`'s two methods (`write(event)`, `close()`):
+- JSONL is always written, through `run_log.MetricsLog` itself, so its lines are the same
+  whichever backends are on; the summary line, the reward plot and the CLI read it back.
 - Every other backend implements `MetricsBackend` (`log(step, scalars)`, `close()`) and
   gets each event as scalars (`event_scalars`): the numeric fields under the event's kind
   ("train/reward_mean", "train/loss", "snapshot/timings/cut_s", ...), plus what a

@@ -14,7 +14,7 @@ Which library reads what, and why:
   NDJSON reader was the first choice and was measured: for an unclosed object on line 2
   it reports "line 3" (its parser reads on across the newline), and it skips blank lines
   without saying which line a record came from, so it cannot say "line 7 has no field
-  'prompt'". The brief asks for the line number; `json.loads` per line gives it exactly,
+  'prompt'". An error must name its line; `json.loads` per line gives it exactly,
   and it is a maintained parser, not a hand-written one.
 
 The fingerprint is the sha256 of the file's bytes, combined with the field selection (a

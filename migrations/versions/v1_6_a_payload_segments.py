@@ -5,7 +5,7 @@ Revises: v1_5_a
 Create Date: 2026-12-01
 
 Until this revision every sample kept its token ids and logprobs inline, so every rollout
-snapshot copied the whole in-flight payload again (BENCHMARKS W1-D: 1 GiB in flight, 5-6 s
+snapshot copied the whole in-flight payload again (BENCHMARKS.md, "Snapshots and restore": 1 GiB in flight, 5-6 s
 of copy + hash + fsync per snapshot). From here on a snapshot first seals the inline
 payload into a new segment file under ``CHECKPOINT_DIR/payload_segments/`` (written once,
 never opened for writing again, store/checkpoints/segments.py) and points the samples at

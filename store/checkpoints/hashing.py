@@ -1,6 +1,6 @@
 """The one place that decides which hash checks a published file.
 
-A manifest names its hash: format 1 (rolloutdb before W2-G) lists each file's
+A manifest names its hash: format 1 (written by older rolloutdb) lists each file's
 ``sha256``; format 2 names ``"hash": "blake3"`` and lists each file's ``blake3``. New
 publications write format 2; format 1 stays readable and verifiable everywhere.
 `hashing_for(format_version, hash_name)` is the only mapping from a manifest to a hash,
@@ -10,7 +10,7 @@ Why BLAKE3: sha256 ran at 0.8-1.3 GiB/s here and was the floor of publication an
 restore; BLAKE3 (the `blake3` package, a cryptographic hash, 256-bit output) runs at
 2.8-2.9 GiB/s on one thread of the same machine, 2.2x, and format 2 publishes and
 verifies a 256 MiB file 1.9x / 2.1x faster than format 1 (bench/bench_hash.py,
-BENCHMARKS.md W2-G; 2026-12-01, 2 shared cores, load 2.3).
+BENCHMARKS.md, "Checksums: sha256 vs BLAKE3"; 2026-12-01, 2 shared cores, load 2.3).
 
 Threads: over the same 512 MiB file in three runs, `blake3(max_threads=AUTO)` ran at
 3.32 / 2.83 / 2.86 GiB/s against 2.85 / 2.83 / 2.87 GiB/s for one thread: no reliable

@@ -7,7 +7,7 @@ checkpoint. It records the format version, the kind (``trainer_checkpoint`` or
 snapshot file's ``alembic_version``, created and cut times, the store's mutation counter
 at the cut, row counts, the config fingerprint, and the size and checksum of every file.
 
-Format 2 (written since W2-G) names its hash, ``"hash": "blake3"``, and each file entry is
+Format 2 (what publication writes) names its hash, ``"hash": "blake3"``, and each file entry is
 ``{"path", "size", "blake3"}`` (64 hex digits). Format 1 (older rolloutdb) has no
 ``hash`` field and each entry carries ``sha256``; it stays readable and verifiable.
 Which hash checks a manifest is decided in one place, `hashing.hashing_for`.

@@ -155,7 +155,7 @@ def get_finalizer_result(conn: Connection, group_id: int) -> dict | None:
 
 
 # ---------------------------------------------------------------- prefix chunks
-# Prefix-level recovery (W2-D): at a snapshot's cut the tokens every running call had
+# Prefix-level recovery: at a snapshot's cut the tokens every running call had
 # decoded go into the snapshot's own file (`put_prefixes` on the copy, from the snapshot
 # pump); the live store never holds them, so there is nothing to delete when a call
 # finishes. A restore reads the chunks of the attempts it abandons (`read_chunks`) and
@@ -286,7 +286,7 @@ def delete_chunks(conn: Connection, attempt_ids: Sequence[int]) -> None:
 
 
 # ---------------------------------------------------------------- environment episodes
-# Turn-level recovery (W2-B): after every finished turn the rollout pump saves the
+# Turn-level recovery: after every finished turn the rollout pump saves the
 # episode in its next group-commit transaction (`put_episodes`); a restore reads the
 # episodes of the attempts it abandons (`read_episodes`) so the pump continues each from
 # its last committed turn. A finished or abandoned attempt keeps no row (invariant 3;

@@ -187,7 +187,7 @@ class SegmentCheck:
 
 
 def verify_listed_segments(snapshot_dir: Path, manifest: Manifest, copy: Path) -> SegmentCheck:
-    """Item 4 of W2-G: the payload stays where it was published. Each segment the
+    """The payload stays where it was published. Each segment the
     manifest lists is read and hashed (not copied: `SegmentCheck`, on its own thread);
     the restored store references the same files in CHECKPOINT_DIR/payload_segments/.
     Every segment the copy references must be listed. An older snapshot lists none: its
