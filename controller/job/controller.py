@@ -151,14 +151,12 @@ class Controller:
             bound=StalenessBound(cfg.algorithm.max_staleness, cfg.algorithm.total_steps),
             engine=self.engine,
             env=self.env,
-            stepper=self.env_steps,
             trainer=self.trainer,
             dispatcher=dispatcher,
             runtime=self.runtime,
             read_progress=self._progress,
             log_event=self._log,
             tracer=self.tracer,
-            agents=self.agents,
         )
         if cfg.rollout_checkpointing.enabled:
             self.snapshotter = SnapshotPump(
@@ -224,7 +222,7 @@ class Controller:
                     self.lock.undo()  # a refusal: leave even the lock file as it was
                 raise
             pump = RolloutPump(self.parts, self.restored, self.saved_episodes, self.saved_prefixes,
-                               restored_cut=self.restored_cut)
+                               restored_cut=self.restored_cut, stepper=self.env_steps, agents=self.agents)
             if self.snapshotter is not None and self.config.rollout_recovery.keeps_turns:
                 self.snapshotter.flush_rollouts = pump.flush
                 if self.config.rollout_recovery.target_level == "prefix":
