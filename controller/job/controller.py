@@ -14,6 +14,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rolloutdb.config import Config
 from rolloutdb.controller.job import build
@@ -30,6 +31,9 @@ from rolloutdb.controller.recovery.snapshot_pump import SnapshotPump
 from rolloutdb.controller.training.pump import TrainPump
 from rolloutdb.controller.training.checkpoints import TrainerCheckpoints
 from rolloutdb.store import Store, faults, open_tracer, segments_dir_of
+
+if TYPE_CHECKING:  # aiohttp is imported only when a run has agent servers
+    from rolloutdb.controller.agent_server.client import AgentPool
 
 
 @dataclass
@@ -63,7 +67,7 @@ class Controller:
         self.saved_prefixes: dict = {}  # (group, generation) -> [Chunk], for prefix-level recovery
         self.restored_cut: float | None = None  # the restored snapshot's cut time
         self.snapshotter: SnapshotPump | None = None
-        self.agents = None  # AgentPool with environment.servers (controller/agent_server/client.py)
+        self.agents: AgentPool | None = None  # with environment.servers
 
     def _progress(self) -> Progress:
         return Progress(step=self.trainer.step, policy_version=self.engine.policy_version)

@@ -34,10 +34,10 @@ import numpy as np
 
 from sqlalchemy import Connection
 
-from rolloutdb.controller.rollout.agent_episodes import AgentEpisodes
-from rolloutdb.controller.rollout.calls import RolloutCalls
+from rolloutdb.controller.rollout.agent_episodes import AgentEpisodes, AgentServerEpisodes
+from rolloutdb.controller.rollout.calls import EngineCalls, EpisodesInFlight
 from rolloutdb.controller.rollout.env_steps import EnvironmentStepper, LocalStepper
-from rolloutdb.controller.rollout.episodes import Episode, call_seed
+from rolloutdb.controller.rollout.episodes import call_seed
 from rolloutdb.controller.rollout.group_commit import CommitBatch, Pending, RolloutMeter
 from rolloutdb.controller.rollout.live_episode import GroupRun, LiveEpisode
 from rolloutdb.controller.run.dispatch import GroupHandle
@@ -92,6 +92,10 @@ class RolloutPump:
         # What the calls running at the restored cut had decoded (prefix level only)
         self._prefixes = {k: p for k, chunks in (saved_prefixes or {}).items()
                           if (p := CallPrefix.of(list(chunks))) is not None} if self.prefix_level else {}
+        # Finished futures (calls, steps, agent servers' episodes), in the order they
+        # finished: each puts itself here when it completes, so waiting costs O(1) per call
+        # (concurrent.futures.wait over every running call costs O(calls in flight) per wake-up).
+        self._done: queue.SimpleQueue[Future] = queue.SimpleQueue()
         self._flushes: queue.SimpleQueue[threading.Event] = queue.SimpleQueue()  # `flush` requests
         self._groups: dict[int, GroupRun] = {}
         self._waiting_replay: list[GroupHandle] = []  # completed, kept, no permit yet
@@ -101,12 +105,16 @@ class RolloutPump:
             parts.log_event({"kind": "prefix_restore", "calls": len(self._prefixes),
                              "tokens": sum(len(p.token_ids) for p in self._prefixes.values()), "t": time.time()})
         self.trace = RolloutTrace(parts.tracer)
-        # Agent servers run whole episodes (each future is one episode, not one call)
-        self.agents = agents
-        self.calls = RolloutCalls(
-            engine=parts.engine, env=parts.env, stepper=stepper if stepper is not None else LocalStepper(parts.env),
-            agents=agents, params=self.params, batch=self.batch, meter=self.meter, trace=self.trace,
-            stop=parts.runtime.stop, groups=self._groups, prefix_level=self.prefix_level, turn_level=self.turn_level)
+        self.calls: EpisodesInFlight
+        if agents is not None:  # each future is one whole episode, not one call
+            self.calls = AgentServerEpisodes(agents=agents, params=self.params, batch=self.batch, meter=self.meter,
+                                             trace=self.trace, stop=parts.runtime.stop, groups=self._groups,
+                                             done=self._done)
+        else:
+            self.calls = EngineCalls(
+                engine=parts.engine, env=parts.env, stepper=stepper if stepper is not None else LocalStepper(parts.env),
+                params=self.params, batch=self.batch, meter=self.meter, trace=self.trace, stop=parts.runtime.stop,
+                groups=self._groups, done=self._done, prefix_level=self.prefix_level, turn_level=self.turn_level)
         self._last_opened = self._derive_last_opened()
         with self.p.store.read() as conn:
             self._open_shortfall = bool(pools.get_shortfall(conn))
@@ -128,7 +136,7 @@ class RolloutPump:
                 if self.calls.in_flight():
                     left = self.batch.time_left()
                     try:
-                        future: Future | None = self.calls.done.get(timeout=IDLE_WAIT_S if left is None else left)
+                        future: Future | None = self._done.get(timeout=IDLE_WAIT_S if left is None else left)
                     except queue.Empty:
                         continue
                     while future is not None:
@@ -137,7 +145,7 @@ class RolloutPump:
                         if self.batch.due():  # a batch never outgrows max_events
                             self._commit()
                         try:
-                            future = self.calls.done.get_nowait()
+                            future = self._done.get_nowait()
                         except queue.Empty:
                             future = None
                 elif self._finished_everything():
@@ -160,11 +168,11 @@ class RolloutPump:
         lost that way without it, bench_prefix_kept.py)."""
         done = threading.Event()
         self._flushes.put(done)
-        self.calls.done.put(_WAKE)
+        self._done.put(_WAKE)
         return done.wait(timeout)
 
     def uncommitted_calls(self) -> dict[str, RunningCall]:
-        """Prefix level, read by a snapshot's cut: `RolloutCalls.uncommitted_calls`."""
+        """Prefix level, read by a snapshot's cut: `EngineCalls.uncommitted_calls`."""
         return self.calls.uncommitted_calls()
 
     def _answer_flushes(self) -> None:
@@ -395,41 +403,13 @@ class RolloutPump:
         return [self._live(g, i) for g in groups for i in sorted(g.attempts or {})]
 
     def _live(self, group: GroupHandle, index: int) -> LiveEpisode:
-        """The episode of one generation's new attempt: from its saved turns when the
-        attempt it replaces left a transcript, else from the start."""
+        """The episode of one generation's new attempt, with what the attempt it replaces
+        saved at the restored cut (`EpisodesInFlight.episode`)."""
         r = group.reservation
-        attempt = group.attempt_numbers.get(index, 0)
-        key = f"g{group.group_id}.{index}-a{attempt}"
         seed = call_seed(self.p.config.run.seed, r.epoch, r.prompt_id, index)
-        attempt_id = (group.attempts or {}).get(index)
-        saved = self._saved.pop((group.group_id, index), None)
-        prefix = self._prefixes.pop((group.group_id, index), None)
-        if self.agents is not None:
-            return self._remote(group, index, attempt_id, attempt, seed, saved, prefix)
-        if saved is not None and saved.token_ids is not None:
-            episode = Episode.resumed(self.p.env, r.prompt_id, key=key, seed=seed, turn=saved.turn,
-                                      state=saved.state, token_ids=saved.token_ids, logprobs=saved.logprobs or [],
-                                      token_versions=saved.token_versions or [])
-            return LiveEpisode(group, index, attempt_id, attempt, episode, from_attempt=saved.attempt, prefix=prefix)
-        # A prefix without a saved episode is one of the first turn (the cut matched its turn)
-        return LiveEpisode(group, index, attempt_id, attempt, Episode.start(self.p.env, r.prompt_id, key=key, seed=seed),
-                           prefix=prefix)
-
-    def _remote(self, group: GroupHandle, index: int, attempt_id: int | None, attempt: int, seed: int,
-                saved: SavedEpisode | None, prefix: CallPrefix | None = None) -> LiveEpisode:
-        """An episode an agent server runs, keyed by the ledger's episode key. The Episode
-        only carries what the pump reports (the server holds the real one); a restored one
-        continues the agent its server exported (installed), and its cut call from its prefix."""
-        key = pools.episode_key(group.group_id, index, attempt)
-        episode = Episode(key=key, prompt_ids=[], state={}, seed=seed, max_turns=0)
-        live = LiveEpisode(group, index, attempt_id, attempt, episode)
-        if saved is not None and saved.token_ids is not None and self.agents.exports(group.reservation.prompt_id):
-            live.continue_from, live.from_attempt = saved.key, saved.attempt
-            episode.turn, episode.token_ids = saved.turn, list(saved.token_ids)
-            episode.logprobs, episode.token_versions = list(saved.logprobs or []), list(saved.token_versions or [])
-        if prefix is not None and self.agents.continues_prefix(group.reservation.prompt_id, live.continue_from is not None):
-            live.prefix = prefix
-        return live
+        return self.calls.episode(group, index, (group.attempts or {}).get(index), group.attempt_numbers.get(index, 0),
+                                  seed, self._saved.pop((group.group_id, index), None),
+                                  self._prefixes.pop((group.group_id, index), None))
 
     # ------------------------------------------------------------------ completion
 
