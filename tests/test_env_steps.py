@@ -54,14 +54,13 @@ class DelayedStepper:
 
 
 def multiturn_parts(tmp_path, policy_dir, stepper_delay: float | None, window_ms: int = 5, level: str = "turn"):
+    """The parts and the stepper (None: the environment steps inline, `LocalStepper`)."""
     _, tokenizer = load_policy(policy_dir)
     env = MultiTurnDigitEnv(DigitPromptDataset(size=64, n_digits=2), tokenizer, turns=TURNS)
     parts, _ = make_parts(tmp_path, policy_dir, env, overrides={
         "generation": {"max_tokens": 4},
         "rollout_recovery": {"target_level": level, "commit_window_ms": window_ms}})
-    if stepper_delay is not None:
-        parts.stepper = DelayedStepper(env, stepper_delay)
-    return parts
+    return parts, (DelayedStepper(env, stepper_delay) if stepper_delay is not None else None)
 
 
 def test_a_delayed_stepper_is_an_environment_stepper():
@@ -71,26 +70,26 @@ def test_a_delayed_stepper_is_an_environment_stepper():
 def test_steps_that_come_back_later_give_the_samples_of_steps_run_inline(tmp_path, policy_dir):
     (tmp_path / "inline").mkdir()
     (tmp_path / "later").mkdir()
-    inline = multiturn_parts(tmp_path / "inline", policy_dir, None)
+    inline, _ = multiturn_parts(tmp_path / "inline", policy_dir, None)
     try:
         run_pump(inline)
     finally:
         close(inline)
-    later = multiturn_parts(tmp_path / "later", policy_dir, 0.02)
+    later, stepper = multiturn_parts(tmp_path / "later", policy_dir, 0.02)
     try:
-        pump = run_pump(later)
+        pump = run_pump(later, stepper=stepper)
     finally:
         close(later)
-    assert later.stepper.steps >= 8 * 1  # every episode stepped through it, off the pump thread
-    assert not pump._stepping
+    assert stepper.steps >= 8 * 1  # every episode stepped through it, off the pump thread
+    assert not pump.calls.stepping
     got, expected = _samples(tmp_path / "later" / "store.sqlite"), _samples(tmp_path / "inline" / "store.sqlite")
     assert len(expected) == 8 and got == expected
 
 
 def test_a_step_whose_worker_died_has_its_attempt_abandoned_as_error_and_redone_to_the_end(tmp_path, policy_dir):
-    parts = multiturn_parts(tmp_path, policy_dir, 0.01)
-    parts.stepper.lose = frozenset({3, 11})
-    pump = RolloutPump(parts)
+    parts, stepper = multiturn_parts(tmp_path, policy_dir, 0.01)
+    stepper.lose = frozenset({3, 11})
+    pump = RolloutPump(parts, stepper=stepper)
     thread = threading.Thread(target=pump.run, name="rollout-pump")
     thread.start()
     thread.join(30)  # a lost step left unhandled would hold its group, and the pump, forever
@@ -121,8 +120,8 @@ def test_a_turn_saved_while_the_next_turns_step_runs_is_the_last_whole_turn(tmp_
     before it, ending with that turn's observation, never with a reply whose step has
     not come back. The window (150 ms) keeps a turn's save pending while the episode's
     next call finishes and its step (250 ms) runs."""
-    parts = multiturn_parts(tmp_path, policy_dir, 0.25, window_ms=150)
-    pump = RolloutPump(parts)
+    parts, stepper = multiturn_parts(tmp_path, policy_dir, 0.25, window_ms=150)
+    pump = RolloutPump(parts, stepper=stepper)
     thread = threading.Thread(target=pump.run, name="rollout-pump")
     thread.start()
     try:  # stop once episodes are between their first and last turns
@@ -148,15 +147,15 @@ def test_at_prefix_level_a_call_whose_step_runs_stays_in_the_cuts_view_across_co
     """A snapshot's cut reads `uncommitted_calls` (another thread): a call whose step is
     still running is in no engine and its turn in no store row, so it must be there,
     whole, however many commits pass meanwhile (5 ms windows, 250 ms steps)."""
-    parts = multiturn_parts(tmp_path, policy_dir, 0.25, level="prefix")
-    pump = RolloutPump(parts)
+    parts, stepper = multiturn_parts(tmp_path, policy_dir, 0.25, level="prefix")
+    pump = RolloutPump(parts, stepper=stepper)
     thread = threading.Thread(target=pump.run, name="rollout-pump")
     thread.start()
     looks, missing = 0, []
     try:
         deadline = time.monotonic() + 60
         while thread.is_alive() and time.monotonic() < deadline:
-            stepping = list(dict(pump._stepping).items())  # as a cut would look: the steps running ...
+            stepping = list(dict(pump.calls.stepping).items())  # as a cut would look: the steps running ...
             seen = pump.uncommitted_calls()  # ... then what it saves
             for future, (_, result) in stepping:
                 if not future.done():  # still running after the read: the pump cannot have applied it

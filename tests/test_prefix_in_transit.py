@@ -14,7 +14,7 @@ from rolloutdb.controller.rollout.pump import RolloutPump
 
 
 def _finished_calls(pump: RolloutPump) -> dict:
-    futures = list(pump._running)
+    futures = list(pump.calls.running)
     concurrent.futures.wait(futures, timeout=60)
     assert all(f.done() for f in futures), "the engine did not finish the calls in time"
     return {f.result().request_id: f for f in futures}
@@ -50,7 +50,7 @@ def test_a_call_the_pump_takes_stays_visible_to_the_cut_until_its_batch_commits(
         done = _finished_calls(pump)
         taken = sorted(done)[:3]
         for rid in taken:
-            pump._on_call(done[rid])  # absorbed: out of `_running`, into the batch
+            pump.calls.on_done(done[rid])  # absorbed: out of `running`, into the batch
         assert set(pump.uncommitted_calls()) == set(done)
         pump._commit()  # the batch with the three commits: the store has them now
         assert set(pump.uncommitted_calls()) == set(done) - set(taken)

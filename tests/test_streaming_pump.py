@@ -76,8 +76,8 @@ def make_parts(tmp_path, policy_dir, env, *, overrides: dict, engine_slots: int 
     return parts, events
 
 
-def run_pump(parts, timeout: float = 120.0) -> RolloutPump:
-    pump = RolloutPump(parts)
+def run_pump(parts, timeout: float = 120.0, stepper=None) -> RolloutPump:
+    pump = RolloutPump(parts, stepper=stepper)
     thread = threading.Thread(target=pump.run, name="rollout-pump")
     thread.start()
     thread.join(timeout)

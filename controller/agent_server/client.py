@@ -30,7 +30,6 @@ import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +39,7 @@ from rolloutdb.controller.agent_server import auth, wire
 from rolloutdb.controller.agent_server.http_loop import HttpLoop
 from rolloutdb.controller.agent_server.policy_endpoint import PolicyEndpoint
 from rolloutdb.controller.agent_server.process import ServerProcess
+from rolloutdb.controller.rollout.agent_episodes import EpisodeOutcome
 from rolloutdb.gpu_capture.protocol import SamplingParams
 
 log = logging.getLogger("rolloutdb.controller")
@@ -58,20 +58,6 @@ class AgentProtocolError(RuntimeError):
 
 class EnvironmentPhaseError(RuntimeError):
     """A checkpoint call failed: the snapshot attempt fails, the run goes on."""
-
-
-@dataclass
-class EpisodeOutcome:
-    status: str  # "finished", or an abandon reason: "error", "deadline"
-    server: str
-    turn: int = 0
-    reward: float = 0.0
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    token_versions: list[int] = field(default_factory=list)
-    finish_reasons: list[str] = field(default_factory=list)
-    error: str | None = None
-    restarted: bool = False  # asked to continue an installed agent the server no longer had
 
 
 class AgentServerClient:

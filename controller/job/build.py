@@ -7,6 +7,7 @@ environment workers build it too."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -14,6 +15,9 @@ from rolloutdb.config import Config, tiny_policy_heads
 from rolloutdb.controller.recovery.env_checkpoint import EnvironmentCheckpoint, NoEnvironmentCheckpoint
 from rolloutdb.controller.protocols import Environment, Trainer
 from rolloutdb.store import Publisher
+
+if TYPE_CHECKING:  # aiohttp is imported only when a run has agent servers
+    from rolloutdb.controller.agent_server.client import AgentPool
 
 
 def set_threads(n: int) -> None:
@@ -64,7 +68,7 @@ def build_env_checkpoint(config: Config, agents=None) -> EnvironmentCheckpoint:
 
 
 def build_agents(config: Config, engine, *, config_path: Path, policy_dir: Path, log_dir: Path, token_path: Path,
-                 log_event=None):
+                 log_event=None) -> AgentPool | None:
     """The run's agent servers and its policy endpoint (not started), or None without
     `environment.servers`; the run's token is written to `token_path` when a server needs
     it. aiohttp is imported only here."""

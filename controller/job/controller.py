@@ -14,6 +14,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rolloutdb.config import Config
 from rolloutdb.controller.job import build
@@ -30,6 +31,9 @@ from rolloutdb.controller.recovery.snapshot_pump import SnapshotPump
 from rolloutdb.controller.training.pump import TrainPump
 from rolloutdb.controller.training.checkpoints import TrainerCheckpoints
 from rolloutdb.store import Store, faults, open_tracer, segments_dir_of
+
+if TYPE_CHECKING:  # aiohttp is imported only when a run has agent servers
+    from rolloutdb.controller.agent_server.client import AgentPool
 
 
 @dataclass
@@ -63,7 +67,7 @@ class Controller:
         self.saved_prefixes: dict = {}  # (group, generation) -> [Chunk], for prefix-level recovery
         self.restored_cut: float | None = None  # the restored snapshot's cut time
         self.snapshotter: SnapshotPump | None = None
-        self.agents = None  # AgentPool with environment.servers (controller/agent_server/client.py)
+        self.agents: AgentPool | None = None  # with environment.servers
 
     def _progress(self) -> Progress:
         return Progress(step=self.trainer.step, policy_version=self.engine.policy_version)
@@ -151,14 +155,12 @@ class Controller:
             bound=StalenessBound(cfg.algorithm.max_staleness, cfg.algorithm.total_steps),
             engine=self.engine,
             env=self.env,
-            stepper=self.env_steps,
             trainer=self.trainer,
             dispatcher=dispatcher,
             runtime=self.runtime,
             read_progress=self._progress,
             log_event=self._log,
             tracer=self.tracer,
-            agents=self.agents,
         )
         if cfg.rollout_checkpointing.enabled:
             self.snapshotter = SnapshotPump(
@@ -224,7 +226,7 @@ class Controller:
                     self.lock.undo()  # a refusal: leave even the lock file as it was
                 raise
             pump = RolloutPump(self.parts, self.restored, self.saved_episodes, self.saved_prefixes,
-                               restored_cut=self.restored_cut)
+                               restored_cut=self.restored_cut, stepper=self.env_steps, agents=self.agents)
             if self.snapshotter is not None and self.config.rollout_recovery.keeps_turns:
                 self.snapshotter.flush_rollouts = pump.flush
                 if self.config.rollout_recovery.target_level == "prefix":

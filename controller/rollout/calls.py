@@ -1,20 +1,21 @@
-"""How the rollout pump handles a model call, from its submit to its episode's next turn:
-the call's request (a restored call spliced onto its prefix), its finished result (the
-reply taken, then the environment's step through the run's `EnvironmentStepper`,
-controller/rollout/env_steps.py), and the episode's end. A mixin of `RolloutPump`
-(controller/rollout/pump.py), which owns the loop, the commit and dispatch; split off to
-keep each module readable, with no behaviour of its own beyond the pump's.
+"""How the rollout pump runs its episodes in flight, behind one small protocol
+(`EpisodesInFlight`) with two implementations: here `EngineCalls`, the episodes the
+controller plays itself, one model call at a time on its engine, stepping the
+environment through the run's `EnvironmentStepper` (controller/rollout/env_steps.py);
+and `AgentServerEpisodes` (controller/rollout/agent_episodes.py), episodes an agent
+server plays whole. The pump (controller/rollout/pump.py) owns the loop, the commit and
+dispatch; it builds one of the two with the parts it needs and calls it on its thread.
 
-A finished call is taken in two halves. `_on_call` hands the environment's step on the
+A finished call is taken in two halves. `on_done` hands the environment's step on the
 reply to the stepper; `_on_step` takes the reply and applies the step's outcome together
-(the episode changes only there) and submits the next call or finishes the episode. In the driver the step's future is already done and
-`_on_step` runs at once (no wait, one Future); on environment workers it comes back
-later through the pump's completion queue, the queue engine futures use, so the pump's
-thread never waits on a remote step. Meanwhile the episode is in `_stepping`, counted as
-in flight. At prefix level the call is in `_uncommitted` (whole) before its step starts
-and stays there until the batch holding its step's turn commits, so a cut taken while the
-step runs saves it, and a restored run steps it again; at turn level the episode's
-progress joins the batch only once its step is applied.
+(the episode changes only there) and submits the next call or finishes the episode. In
+the driver the step's future is already done and `_on_step` runs at once; on environment
+workers it comes back later through the completion queue (the one engine futures use),
+so the pump's thread never waits on a remote step. Meanwhile the episode is in
+`stepping`, counted as in flight. At prefix level the call is in `_uncommitted` (whole)
+before its step starts and stays there until the batch holding its step's turn commits,
+so a cut taken while the step runs saves it, and a restored run steps it again; at turn
+level the episode's progress joins the batch only once its step is applied.
 
 A worker that dies under an attempt (an engine worker mid-call, an environment worker
 mid-step: both fail their future with `WorkerLost`) has the attempt abandoned with reason
@@ -24,59 +25,161 @@ mid-step: both fail their future with `WorkerLost`) has the attempt abandoned wi
 from __future__ import annotations
 
 import queue
+import threading
 from concurrent.futures import Future
 from dataclasses import replace
-from typing import Any
+from typing import Protocol
 
+from rolloutdb.controller.protocols import Environment
+from rolloutdb.controller.rollout.env_steps import EnvironmentStepper
+from rolloutdb.controller.rollout.episodes import Episode, StepOutcome
 from rolloutdb.controller.rollout.group_commit import CommitBatch, RolloutMeter
 from rolloutdb.controller.rollout.live_episode import GroupRun, LiveEpisode, whole_call
-from rolloutdb.controller.run.runtime import RolloutParts
+from rolloutdb.controller.run.dispatch import GroupHandle
 from rolloutdb.controller.run.tracing import RolloutTrace
-from rolloutdb.gpu_capture.protocol import GenerationRequest, GenerationResult, RunningCall, SamplingParams, WorkerLost
-from rolloutdb.store import FinishedGeneration, codec, faults
+from rolloutdb.gpu_capture.protocol import (
+    GenerationEngine,
+    GenerationRequest,
+    GenerationResult,
+    RunningCall,
+    SamplingParams,
+    WorkerLost,
+)
+from rolloutdb.store import CallPrefix, FinishedGeneration, SavedEpisode, codec, faults
 
-# Episodes an agent server may lose in a row (every one since its last finished episode)
-# before the run stops: a server that comes back and fails every episode is broken.
-MAX_LOST_IN_A_ROW = 1000
+
+class EpisodesInFlight(Protocol):
+    """The rollout pump's episodes in flight, as its loop and its commit use them. Every
+    future `submit` starts puts itself, once done, in the pump's completion queue, which
+    the loop drains into `on_done`."""
+
+    def episode(self, group: GroupHandle, index: int, attempt_id: int | None, attempt: int, seed: int,
+                saved: SavedEpisode | None, prefix: CallPrefix | None) -> LiveEpisode:
+        """The episode of one generation's new attempt: continued from what the attempt
+        it replaces `saved` (and the call its cut saved, `prefix`) where it can be."""
+        ...
+
+    def submit(self, live: LiveEpisode) -> None:
+        """Start `live`'s next model call (agent servers: its whole episode)."""
+        ...
+
+    def on_done(self, future: Future) -> None:
+        """A future from the completion queue."""
+        ...
+
+    def in_flight(self) -> int:
+        """Episodes with something in progress (they count against max_inflight_calls)."""
+        ...
+
+    def take_batch_calls(self) -> list[str]:
+        """Prefix level: the request ids of the calls whose turns are in the batch the
+        pump is about to commit; `committed` takes them out of the cut's view once it has."""
+        ...
+
+    def committed(self, request_ids: list[str]) -> None: ...
+
+    def uncommitted_calls(self) -> dict[str, RunningCall]:
+        """Prefix level, read by a snapshot's cut on another thread: the finished calls no
+        commit holds yet, each as a complete prefix."""
+        ...
+
+    def abort_running(self) -> None:
+        """At a stop: abandon what is in flight (a resume redoes it)."""
+        ...
 
 
-class CallFlow:
-    """The call-handling half of `RolloutPump` (see the module docstring); the pump sets
-    these attributes in its constructor."""
+def end_episode(live: LiveEpisode, batch: CommitBatch, groups: dict[int, GroupRun]) -> None:
+    """`live`'s episode ended: its sample joins the batch (replacing its saved progress),
+    and its group, once every generation ended, is complete."""
+    e = live.episode
+    batch.drop_progress((live.group.group_id, live.index))
+    batch.add_finished(live, FinishedGeneration(
+        token_ids=e.token_ids, logprobs=e.logprobs, reward=e.reward,
+        version_token_counts=codec.version_runs(e.token_versions)))
+    run = groups[live.group.group_id]
+    run.outstanding.discard(live.index)
+    if not run.outstanding:
+        del groups[live.group.group_id]
+        batch.add_completed(run.handle)
 
-    p: RolloutParts
-    agents: Any
-    stepper: Any  # EnvironmentStepper
-    params: SamplingParams
-    batch: CommitBatch
-    meter: RolloutMeter
-    trace: RolloutTrace
-    prefix_level: bool
-    turn_level: bool
-    _running: dict[Future, LiveEpisode]
-    _stepping: dict[Future, tuple[LiveEpisode, GenerationResult]]  # steps on a worker, with their reply
-    _done: queue.SimpleQueue[Future]
-    _uncommitted: dict[str, RunningCall]
-    _uncommitted_ids: list[str]
-    _groups: dict[int, GroupRun]
-    _lost_in_a_row: dict[str, int]
 
-    def _submit(self, live: LiveEpisode) -> None:
-        if self.agents is not None:
-            future = self.agents.run(live, key=live.episode.key, prompt_id=live.group.reservation.prompt_id,
-                                     seed=live.episode.seed, params=self.params, continue_from=live.continue_from,
-                                     prefix=live.prefix, prefix_turn=live.episode.turn)
-        else:
-            request = live.episode.request(self.p.env, self.params)
-            live.prefix_len = 0
-            if live.prefix is not None:
-                request = self._spliced(live, request)
-            live.limits = (request.params.max_tokens, request.params.min_tokens)
-            cut_support = getattr(self.p.engine, "cut_support", None) if self.prefix_level else None
-            live.cut_refused = cut_support(request) if cut_support is not None else None
-            future = self.p.engine.submit(request)
-        self._running[future] = live
-        future.add_done_callback(self._done.put)
+class EngineCalls:
+    """Episodes the controller plays (see the module docstring): each has one model call
+    running on `engine` (`running`) or one environment step (`stepping`).
+
+    `groups` is the pump's map of the groups it runs (it adds them at dispatch); an
+    episode's end takes its generation out and hands a group whose generations all
+    ended to `batch`. Used on the pump's thread only, except `uncommitted_calls`."""
+
+    def __init__(self, *, engine: GenerationEngine, env: Environment, stepper: EnvironmentStepper,
+                 params: SamplingParams, batch: CommitBatch, meter: RolloutMeter, trace: RolloutTrace,
+                 stop: threading.Event, groups: dict[int, GroupRun], done: queue.SimpleQueue[Future],
+                 prefix_level: bool, turn_level: bool):
+        self.engine = engine
+        self.env = env
+        self.stepper = stepper
+        self.params = params
+        self.batch = batch
+        self.meter = meter
+        self.trace = trace
+        self.stop = stop
+        self.groups = groups
+        self.done = done
+        self.prefix_level = prefix_level
+        self.turn_level = turn_level
+        self.running: dict[Future[GenerationResult], LiveEpisode] = {}
+        # Steps running on an environment worker, with their reply (they count as in flight)
+        self.stepping: dict[Future[StepOutcome], tuple[LiveEpisode, GenerationResult]] = {}
+        self._uncommitted: dict[str, RunningCall] = {}  # prefix level: finished calls not yet committed
+        self._uncommitted_ids: list[str] = []  # their request ids, in the batch being filled
+
+    def episode(self, group: GroupHandle, index: int, attempt_id: int | None, attempt: int, seed: int,
+                saved: SavedEpisode | None, prefix: CallPrefix | None) -> LiveEpisode:
+        """From its saved turns when the attempt it replaces left a transcript, else from
+        the start."""
+        r = group.reservation
+        key = f"g{group.group_id}.{index}-a{attempt}"
+        if saved is not None and saved.token_ids is not None:
+            episode = Episode.resumed(self.env, r.prompt_id, key=key, seed=seed, turn=saved.turn,
+                                      state=saved.state, token_ids=saved.token_ids, logprobs=saved.logprobs or [],
+                                      token_versions=saved.token_versions or [])
+            return LiveEpisode(group, index, attempt_id, attempt, episode, from_attempt=saved.attempt, prefix=prefix)
+        # A prefix without a saved episode is one of the first turn (the cut matched its turn)
+        return LiveEpisode(group, index, attempt_id, attempt, Episode.start(self.env, r.prompt_id, key=key, seed=seed),
+                           prefix=prefix)
+
+    def in_flight(self) -> int:
+        return len(self.running) + len(self.stepping)
+
+    def take_batch_calls(self) -> list[str]:
+        taken, self._uncommitted_ids = self._uncommitted_ids, []
+        return taken
+
+    def committed(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            self._uncommitted.pop(rid, None)
+
+    def abort_running(self) -> None:
+        """The calls in flight are aborted in the engine: a resume redoes them (from their
+        episode's last committed turn at turn level)."""
+        if self.running:
+            ids = [f"{live.episode.key}-t{live.episode.turn}" for live in self.running.values()]
+            try:
+                self.engine.abort(ids)
+            except Exception:  # noqa: BLE001 - a closed engine has nothing left to abort
+                pass
+
+    def submit(self, live: LiveEpisode) -> None:
+        request = live.episode.request(self.env, self.params)
+        live.prefix_len = 0
+        if live.prefix is not None:
+            request = self._spliced(live, request)
+        live.limits = (request.params.max_tokens, request.params.min_tokens)
+        cut_support = getattr(self.engine, "cut_support", None) if self.prefix_level else None
+        live.cut_refused = cut_support(request) if cut_support is not None else None
+        future = self.engine.submit(request)
+        self.running[future] = live
+        future.add_done_callback(self.done.put)
 
     def _spliced(self, live: LiveEpisode, request: GenerationRequest) -> GenerationRequest:
         """The restored call continued from its prefix: the engine counts limits,
@@ -92,73 +195,30 @@ class CallFlow:
         return replace(request, prefix_ids=list(prefix.token_ids), prefix_versions=list(prefix.token_versions),
                        prefix_logprobs=list(prefix.logprobs or ()))
 
-    def _served_call(self, live: LiveEpisode, turn: int, result, prefix_tokens: int = 0) -> None:
-        """An agent server's model call for `live` (HTTP loop's thread), less its restored prefix."""
-        self.meter.call()
-        self.trace.call_finished(live.group, live.index, turn=turn, tokens=len(result.token_ids) - prefix_tokens,
-                                 finish_reason=result.finish_reason)
-
-    def _on_episode(self, future: Future) -> None:
-        """An agent server's episode ended: its sample goes in the batch; an episode the
-        server lost (it died, or the deadline passed) is abandoned with that reason and
-        started again in the same batch."""
-        live = self._running.pop(future)
-        outcome = future.result()  # a protocol error fails the pump, and the run
-        if outcome.status != "finished":
-            if self.p.runtime.stop.is_set():
-                return  # the controller is stopping: a resume redoes it
-            lost = self._lost_in_a_row[outcome.server] = self._lost_in_a_row.get(outcome.server, 0) + 1
-            if lost > MAX_LOST_IN_A_ROW:
-                raise RuntimeError(f"agent server {outcome.server} lost {lost} episodes in a row; the last: "
-                                   f"{outcome.error} (see logs/agent_server_{outcome.server}.log)")
-            self.batch.add_retry(live, outcome.status)
-            return
-        self._lost_in_a_row[outcome.server] = 0
-        e = live.episode
-        e.turn, e.reward, e.done = outcome.turn, outcome.reward, True
-        e.token_ids, e.logprobs, e.token_versions = outcome.token_ids, outcome.logprobs, outcome.token_versions
-        e.finish_reasons = outcome.finish_reasons
-        self._episode_done(live)
-
-    def _episode_done(self, live: LiveEpisode) -> None:
-        e = live.episode
-        self.batch.drop_progress((live.group.group_id, live.index))
-        self.batch.add_finished(live, FinishedGeneration(
-            token_ids=e.token_ids, logprobs=e.logprobs, reward=e.reward,
-            version_token_counts=codec.version_runs(e.token_versions)))
-        run = self._groups[live.group.group_id]
-        run.outstanding.discard(live.index)
-        if not run.outstanding:
-            del self._groups[live.group.group_id]
-            self.batch.add_completed(run.handle)
-
-    def _on_call(self, future: Future) -> None:
-        """A future from the completion queue: an engine call, an environment step, or
-        (agent servers) a whole episode."""
-        if self.agents is not None:
-            return self._on_episode(future)
-        if future in self._stepping:
-            return self._on_step(future, *self._stepping.pop(future))
-        live = self._running[future]
+    def on_done(self, future: Future) -> None:
+        """A future from the completion queue: an engine call or an environment step."""
+        if future in self.stepping:
+            return self._on_step(future, *self.stepping.pop(future))
+        live = self.running[future]
         try:
             result = future.result()  # an engine error fails the pump, and the run
         except WorkerLost:  # the engine worker running the call died (Ray)
-            del self._running[future]
+            del self.running[future]
             self._abandon(live)
             return
         if result.finish_reason == "abort":
-            del self._running[future]
-            if self.p.runtime.stop.is_set():
+            del self.running[future]
+            if self.stop.is_set():
                 return  # the pump aborted it at a stop (or the engine closed): a resume redoes it
             raise RuntimeError(f"the engine aborted call {result.request_id} while the run was going on; its episode "
                                "cannot finish (see the engine's log for why)")
         if self.prefix_level:
             # Until the batch that holds its turn commits, a cut saves this call whole (see
-            # `uncommitted_calls`). Written before the call leaves `_running`: a cut finds
+            # `uncommitted_calls`). Written before the call leaves `running`: a cut finds
             # it in one or the other. It joins that batch (`_uncommitted_ids`) once its step
             # is applied (`_on_step`): a commit while the step runs keeps it for the cut.
             self._uncommitted[result.request_id] = whole_call(result, live)
-        del self._running[future]
+        del self.running[future]
         e = live.episode
         self.meter.call()
         self.trace.call_finished(live.group, live.index, turn=e.turn, tokens=len(result.token_ids) - live.prefix_len,
@@ -167,10 +227,10 @@ class CallFlow:
         if step.done():
             self._on_step(step, live, result)  # in the driver (LocalStepper): at once
         else:
-            self._stepping[step] = (live, result)  # on a worker: it comes back through the completion queue
-            step.add_done_callback(self._done.put)
+            self.stepping[step] = (live, result)  # on a worker: it comes back through the completion queue
+            step.add_done_callback(self.done.put)
 
-    def _on_step(self, future: Future, live: LiveEpisode, result: GenerationResult) -> None:
+    def _on_step(self, future: Future[StepOutcome], live: LiveEpisode, result: GenerationResult) -> None:
         """The environment's step on `result` (the reply) for `live` is done: take the
         reply and apply the step together, then start the next turn or finish the
         episode. Together: the episode changes only here, on the pump thread, so a commit
@@ -188,17 +248,17 @@ class CallFlow:
         e.take_reply(result)
         e.apply(outcome)
         if e.done:
-            self._episode_done(live)
+            end_episode(live, self.batch, self.groups)
         else:
             if self.turn_level:
                 self.batch.add_progress((live.group.group_id, live.index), live)
-            self._submit(live)  # the next turn starts now; its save follows in the batch
+            self.submit(live)  # the next turn starts now; its save follows in the batch
         faults.point("pump.call_finished_uncommitted")
 
     def _abandon(self, live: LiveEpisode) -> None:
         """A worker (engine or environment) died under `live`'s attempt: the pool replaced
         it; the attempt is abandoned with reason `error` and starts again in this batch."""
-        if not self.p.runtime.stop.is_set():
+        if not self.stop.is_set():
             self.batch.drop_progress((live.group.group_id, live.index))
             self.batch.add_retry(live, "error")
 
@@ -212,14 +272,12 @@ class CallFlow:
 
         Also the calls in transit: finished in the engine (their future is done) but not
         yet taken from the completion queue by this pump. The engine finishes a call
-        under the lock its `running_calls` reads under, and `_on_call` adds a call here
-        before it leaves `_running`; reading `_running` before `_uncommitted` (and the
+        under the lock its `running_calls` reads under, and `on_done` adds a call here
+        before it leaves `running`; reading `running` before `_uncommitted` (and the
         cut reads the engine before this) therefore finds every call somewhere
         (bench_prefix_kept.py: in-transit calls were most of what a cut still lost)."""
-        if self.agents is not None:
-            return {}
         in_transit = {}
-        for future, live in dict(self._running).items():  # a copy: the pump thread changes it
+        for future, live in dict(self.running).items():  # a copy: the pump thread changes it
             if future.done() and future.exception() is None:
                 result = future.result()
                 if result.finish_reason != "abort":

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from rolloutdb.controller.protocols import Environment
-from rolloutdb.gpu_capture.protocol import GenerationRequest, GenerationResult, SamplingParams
+from rolloutdb.gpu_capture.protocol import GenerationEngine, GenerationRequest, GenerationResult, SamplingParams
 
 ENV_TOKEN_VERSION = -1  # version tag of tokens the environment (not the policy) wrote
 
@@ -168,7 +168,7 @@ def step_environment(env: Environment, state: dict, reply_ids: Sequence[int], *,
     return StepOutcome(new_state, [int(t) for t in reply.observation_ids], None)
 
 
-def play_episodes(engine, env: Environment, episodes: Sequence[Episode], params: SamplingParams) -> None:
+def play_episodes(engine: GenerationEngine, env: Environment, episodes: Sequence[Episode], params: SamplingParams) -> None:
     """Play episodes to the end outside the pump (benchmarks, a trainer's own loop): every
     episode streams on its own, its next turn submitted as soon as its last one is
     absorbed. The rollout pump runs the same steps interleaved with its commits."""

@@ -21,22 +21,28 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
+
+from rolloutdb.controller.rollout.live_episode import LiveEpisode
+from rolloutdb.controller.run.dispatch import GroupHandle
+from rolloutdb.store import FinishedGeneration
+
+# An attempt in a batch: (group id, generation index)
+AttemptKey = tuple[int, int]
 
 
 @dataclass
 class Pending:
     """What one commit writes. `finished`: (live episode, FinishedGeneration) pairs;
-    `progress`: the latest saved progress per attempt (turn-level recovery);
-    `completed`: groups whose every generation finished."""
+    `progress`: per attempt, its episode, whose progress the commit saves (turn-level
+    recovery); `completed`: groups whose every generation finished."""
 
-    finished: list[tuple[Any, Any]] = field(default_factory=list)
-    progress: dict[Any, Any] = field(default_factory=dict)
-    completed: list[Any] = field(default_factory=list)
+    finished: list[tuple[LiveEpisode, FinishedGeneration]] = field(default_factory=list)
+    progress: dict[AttemptKey, LiveEpisode] = field(default_factory=dict)
+    completed: list[GroupHandle] = field(default_factory=list)
     # (live episode, abandon reason): attempts an agent server lost, to abandon and start again
-    retries: list[tuple[Any, str]] = field(default_factory=list)
+    retries: list[tuple[LiveEpisode, str]] = field(default_factory=list)
     events: int = 0
     first_event_at: float | None = None
 
@@ -59,25 +65,25 @@ class CommitBatch:
             self._pending.first_event_at = self.clock()
         self._pending.events += 1
 
-    def add_finished(self, live: Any, generation: Any) -> None:
+    def add_finished(self, live: LiveEpisode, generation: FinishedGeneration) -> None:
         self._pending.finished.append((live, generation))
         self._event()
 
-    def add_progress(self, attempt_key: Any, progress: Any) -> None:
+    def add_progress(self, attempt_key: AttemptKey, progress: LiveEpisode) -> None:
         """A finished turn's state; a later turn of the same attempt in the same batch
         replaces it (only the latest is worth writing)."""
         self._pending.progress[attempt_key] = progress
         self._event()
 
-    def drop_progress(self, attempt_key: Any) -> None:
+    def drop_progress(self, attempt_key: AttemptKey) -> None:
         """The attempt finished in this batch: its sample replaces its saved progress."""
         self._pending.progress.pop(attempt_key, None)
 
-    def add_retry(self, live: Any, reason: str) -> None:
+    def add_retry(self, live: LiveEpisode, reason: str) -> None:
         self._pending.retries.append((live, reason))
         self._event()
 
-    def add_completed(self, group: Any) -> None:
+    def add_completed(self, group: GroupHandle) -> None:
         self._pending.completed.append(group)
         self._event()
 

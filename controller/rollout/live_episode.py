@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from rolloutdb.controller.run.dispatch import GroupHandle
 from rolloutdb.controller.rollout.episodes import Episode
-from rolloutdb.gpu_capture.protocol import RunningCall
+from rolloutdb.gpu_capture.protocol import GenerationResult, RunningCall
 from rolloutdb.store import CallPrefix, EpisodeProgress
 
 
@@ -47,7 +47,7 @@ class GroupRun:
     outstanding: set[int] = field(default_factory=set)  # generation indices still running
 
 
-def whole_call(result, live: LiveEpisode) -> RunningCall:
+def whole_call(result: GenerationResult, live: LiveEpisode) -> RunningCall:
     """A finished call as a complete prefix: resumed, it ends at once with this output."""
     return RunningCall(list(result.token_ids), list(result.logprobs), list(result.token_versions), *live.limits,
                        live.cut_refused)

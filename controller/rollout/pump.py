@@ -32,15 +32,18 @@ from concurrent.futures import Future
 
 import numpy as np
 
-from rolloutdb.controller.run.dispatch import GroupHandle
-from rolloutdb.controller.rollout.episodes import Episode, call_seed
+from sqlalchemy import Connection
+
+from rolloutdb.controller.rollout.agent_episodes import AgentEpisodes, AgentServerEpisodes
+from rolloutdb.controller.rollout.calls import EngineCalls, EpisodesInFlight
+from rolloutdb.controller.rollout.env_steps import EnvironmentStepper, LocalStepper
+from rolloutdb.controller.rollout.episodes import call_seed
 from rolloutdb.controller.rollout.group_commit import CommitBatch, Pending, RolloutMeter
-from rolloutdb.controller.rollout.env_steps import LocalStepper
 from rolloutdb.controller.rollout.live_episode import GroupRun, LiveEpisode
-from rolloutdb.controller.rollout.calls import CallFlow
+from rolloutdb.controller.run.dispatch import GroupHandle
 from rolloutdb.controller.run.runtime import RolloutParts
 from rolloutdb.controller.run.tracing import RolloutTrace
-from rolloutdb.gpu_capture.protocol import GenerationResult, RunningCall, SamplingParams
+from rolloutdb.gpu_capture.protocol import RunningCall, SamplingParams
 from rolloutdb.store import (
     CallPrefix,
     Chunk,
@@ -58,11 +61,16 @@ ZERO_VARIANCE = ledger.ZERO_REWARD_VARIANCE  # the store owns the names of the r
 IDLE_WAIT_S = 0.5
 
 
-class RolloutPump(CallFlow):
+class RolloutPump:
+    """`stepper`: where the environment steps (controller/rollout/env_steps.py; None: `parts.env`
+    in the driver). `agents`: the run's agent servers (`environment.servers`), where whole
+    episodes run instead of on `parts.env`; None: episodes run in the controller."""
+
     def __init__(self, parts: RolloutParts, restored: Sequence[tuple[GroupHandle, list[int]]] = (),
                  saved_episodes: Mapping[tuple[int, int], SavedEpisode] | None = None,
                  saved_prefixes: Mapping[tuple[int, int], Sequence[Chunk]] | None = None,
-                 restored_cut: float | None = None):
+                 restored_cut: float | None = None, *, stepper: EnvironmentStepper | None = None,
+                 agents: AgentEpisodes | None = None):
         self.p = parts
         cfg = parts.config
         self.group_size = cfg.algorithm.group_size
@@ -84,18 +92,11 @@ class RolloutPump(CallFlow):
         # What the calls running at the restored cut had decoded (prefix level only)
         self._prefixes = {k: p for k, chunks in (saved_prefixes or {}).items()
                           if (p := CallPrefix.of(list(chunks))) is not None} if self.prefix_level else {}
-        self._running: dict[Future, LiveEpisode] = {}  # model calls (agent servers: episodes) in flight
-        # Where the environment steps (controller/rollout/env_steps.py), and the episodes whose
-        # step runs on an environment worker now (they count as in flight)
-        self.stepper = parts.stepper if parts.stepper is not None else LocalStepper(parts.env)
-        self._stepping: dict[Future, tuple[LiveEpisode, GenerationResult]] = {}
-        # Finished calls, in the order they finished: each future puts itself here when it
-        # completes, so waiting costs O(1) per call (concurrent.futures.wait over every
-        # running call costs O(calls in flight) per wake-up).
+        # Finished futures (calls, steps, agent servers' episodes), in the order they
+        # finished: each puts itself here when it completes, so waiting costs O(1) per call
+        # (concurrent.futures.wait over every running call costs O(calls in flight) per wake-up).
         self._done: queue.SimpleQueue[Future] = queue.SimpleQueue()
         self._flushes: queue.SimpleQueue[threading.Event] = queue.SimpleQueue()  # `flush` requests
-        self._uncommitted: dict[str, RunningCall] = {}  # prefix level: finished calls not yet committed
-        self._uncommitted_ids: list[str] = []  # their request ids, in the batch being filled
         self._groups: dict[int, GroupRun] = {}
         self._waiting_replay: list[GroupHandle] = []  # completed, kept, no permit yet
         self._flat_streak = 0  # zero-variance groups discarded in a row
@@ -104,11 +105,16 @@ class RolloutPump(CallFlow):
             parts.log_event({"kind": "prefix_restore", "calls": len(self._prefixes),
                              "tokens": sum(len(p.token_ids) for p in self._prefixes.values()), "t": time.time()})
         self.trace = RolloutTrace(parts.tracer)
-        # Agent servers run whole episodes (each future is one episode, not one call)
-        self.agents = parts.agents
-        self._lost_in_a_row: dict[str, int] = {}
-        if self.agents is not None:
-            self.agents.on_call = self._served_call
+        self.calls: EpisodesInFlight
+        if agents is not None:  # each future is one whole episode, not one call
+            self.calls = AgentServerEpisodes(agents=agents, params=self.params, batch=self.batch, meter=self.meter,
+                                             trace=self.trace, stop=parts.runtime.stop, groups=self._groups,
+                                             done=self._done)
+        else:
+            self.calls = EngineCalls(
+                engine=parts.engine, env=parts.env, stepper=stepper if stepper is not None else LocalStepper(parts.env),
+                params=self.params, batch=self.batch, meter=self.meter, trace=self.trace, stop=parts.runtime.stop,
+                groups=self._groups, done=self._done, prefix_level=self.prefix_level, turn_level=self.turn_level)
         self._last_opened = self._derive_last_opened()
         with self.p.store.read() as conn:
             self._open_shortfall = bool(pools.get_shortfall(conn))
@@ -123,11 +129,11 @@ class RolloutPump(CallFlow):
                     self._answer_flushes()
                     continue
                 # Due, or nothing in flight that could add to it: waiting longer buys nothing.
-                if self.batch.due() or (not self._in_flight() and not self.batch.empty) \
+                if self.batch.due() or (not self.calls.in_flight() and not self.batch.empty) \
                         or (self.batch.empty and self._may_start()):
                     self._commit()
                     continue
-                if self._in_flight():
+                if self.calls.in_flight():
                     left = self.batch.time_left()
                     try:
                         future: Future | None = self._done.get(timeout=IDLE_WAIT_S if left is None else left)
@@ -135,7 +141,7 @@ class RolloutPump(CallFlow):
                         continue
                     while future is not None:
                         if future is not _WAKE:
-                            self._on_call(future)
+                            self.calls.on_done(future)
                         if self.batch.due():  # a batch never outgrows max_events
                             self._commit()
                         try:
@@ -151,7 +157,7 @@ class RolloutPump(CallFlow):
         except BaseException as e:  # noqa: BLE001 - handed to the controller
             rt.fail(e)
         finally:
-            self._abort_running()
+            self.calls.abort_running()
             self.meter.flush()
 
     def flush(self, timeout: float) -> bool:
@@ -165,6 +171,10 @@ class RolloutPump(CallFlow):
         self._done.put(_WAKE)
         return done.wait(timeout)
 
+    def uncommitted_calls(self) -> dict[str, RunningCall]:
+        """Prefix level, read by a snapshot's cut: `EngineCalls.uncommitted_calls`."""
+        return self.calls.uncommitted_calls()
+
     def _answer_flushes(self) -> None:
         if not self.batch.empty:
             self._commit()
@@ -173,17 +183,6 @@ class RolloutPump(CallFlow):
                 self._flushes.get_nowait().set()
             except queue.Empty:
                 return
-
-    def _abort_running(self) -> None:
-        """At a stop the calls in flight are abandoned: a resume redoes them (from their
-        episode's last committed turn at turn level). Agent servers' episodes end when
-        the controller closes its policy endpoint (their calls fail)."""
-        if self._running and self.agents is None:
-            ids = [f"{live.episode.key}-t{live.episode.turn}" for live in self._running.values()]
-            try:
-                self.p.engine.abort(ids)
-            except Exception:  # noqa: BLE001 - a closed engine has nothing left to abort
-                pass
 
     def _finished_everything(self) -> bool:
         return (self._last_opened >= self.p.bound.total_steps and not self._open_shortfall and not self._groups
@@ -205,12 +204,8 @@ class RolloutPump(CallFlow):
     def _room(self) -> int:
         """Episodes that may start now without passing max_inflight_calls (one group
         always may when nothing runs, whatever its size)."""
-        free = self.max_inflight - self._in_flight()
-        return max(free, self.group_size if not self._in_flight() else 0)
-
-    def _in_flight(self) -> int:
-        """Episodes with a model call or an environment step in progress."""
-        return len(self._running) + len(self._stepping)
+        in_flight = self.calls.in_flight()
+        return max(self.max_inflight - in_flight, self.group_size if not in_flight else 0)
 
     def _may_start(self) -> bool:
         """Whether a commit now would start something (in memory, no store read: the
@@ -226,7 +221,7 @@ class RolloutPump(CallFlow):
 
     def _commit(self) -> None:
         pending = self.batch.take()
-        committing, self._uncommitted_ids = self._uncommitted_ids, []
+        committing = self.calls.take_batch_calls()
         t_first = pending.first_event_at
         progress = self.p.read_progress()
         last_step = self.p.bound.last_admissible_step(progress.policy_version)
@@ -264,12 +259,11 @@ class RolloutPump(CallFlow):
                                                 self._room() - len(restored_started))
             t_commit = time.time()  # before the commit: the trace stamps this batch's events with it
         t1 = time.perf_counter()
-        for rid in committing:
-            self._uncommitted.pop(rid, None)
+        self.calls.committed(committing)
         started = retried + restored_started + self._episodes_for(new_groups)  # env.start outside the transaction
         self._after_commit(pending, new_groups, restored_started, entered, drop, counts, t_commit)
         for live in started:
-            self._submit(live)
+            self.calls.submit(live)
         episodes = [live.episode for live, _ in pending.finished]
         self.meter.batch(
             commit_s=t1 - t0, wait_s=None if t_first is None else t1 - t_first,
@@ -281,7 +275,8 @@ class RolloutPump(CallFlow):
             self.p.runtime.notify()
 
     def _after_commit(self, pending: Pending, new_groups: list[GroupHandle], restored: list[LiveEpisode],
-                      entered: list[GroupHandle], drop: list[GroupHandle], counts: dict, t_commit: float) -> None:
+                      entered: list[GroupHandle], drop: list[GroupHandle], counts: dict[int, dict[int, int]],
+                      t_commit: float) -> None:
         """Fault points and trace events of a committed batch (the trace records only
         what is durable, except `call_finished`), stamped with the batch's time."""
         if pending.retries and self.trace.enabled:
@@ -335,7 +330,7 @@ class RolloutPump(CallFlow):
 
     # ------------------------------------------------------------------ dispatch
 
-    def _retry_lost(self, tx, lost: list[tuple[LiveEpisode, str]], policy_version: int) -> list[LiveEpisode]:
+    def _retry_lost(self, tx: Connection, lost: list[tuple[LiveEpisode, str]], policy_version: int) -> list[LiveEpisode]:
         """New attempts for the episodes an agent server lost, from their start (the
         server's agent is gone with it)."""
         if not lost:
@@ -344,7 +339,7 @@ class RolloutPump(CallFlow):
                                 policy_version=policy_version)
         return [self._live(live.group, live.index) for live, _ in lost]
 
-    def _dispatch_restored(self, tx, policy_version: int) -> tuple[list[LiveEpisode], list[GroupHandle]]:
+    def _dispatch_restored(self, tx: Connection, policy_version: int) -> tuple[list[LiveEpisode], list[GroupHandle]]:
         """New attempts for the restored groups' unfinished generations, whole groups
         in their order, as many as there is room for (`_room`: calls still in flight
         count, so a commit of a batch while others run never passes
@@ -367,7 +362,7 @@ class RolloutPump(CallFlow):
             started += [self._live(group, i) for i in generations]
         return started, finalize
 
-    def _dispatch_new(self, tx, last_step: int, policy_version: int, room: int) -> list[GroupHandle]:
+    def _dispatch_new(self, tx: Connection, last_step: int, policy_version: int, room: int) -> list[GroupHandle]:
         """Stamp and dispatch new groups, as many as `room` episodes hold, within the
         staleness bound (the ledger records both states in this one cut)."""
         handles: list[GroupHandle] = []
@@ -392,7 +387,7 @@ class RolloutPump(CallFlow):
         self._open_shortfall = any(n > 0 for n in shortfall.values())
         return handles
 
-    def _take_prompts(self, tx, n: int) -> list[Reservation]:
+    def _take_prompts(self, tx: Connection, n: int) -> list[Reservation]:
         """Spare pool first, then whole dataloader batches; leftovers become spares."""
         prompts = pools.pop_spare(tx, n)
         while len(prompts) < n:
@@ -408,45 +403,17 @@ class RolloutPump(CallFlow):
         return [self._live(g, i) for g in groups for i in sorted(g.attempts or {})]
 
     def _live(self, group: GroupHandle, index: int) -> LiveEpisode:
-        """The episode of one generation's new attempt: from its saved turns when the
-        attempt it replaces left a transcript, else from the start."""
+        """The episode of one generation's new attempt, with what the attempt it replaces
+        saved at the restored cut (`EpisodesInFlight.episode`)."""
         r = group.reservation
-        attempt = group.attempt_numbers.get(index, 0)
-        key = f"g{group.group_id}.{index}-a{attempt}"
         seed = call_seed(self.p.config.run.seed, r.epoch, r.prompt_id, index)
-        attempt_id = (group.attempts or {}).get(index)
-        saved = self._saved.pop((group.group_id, index), None)
-        prefix = self._prefixes.pop((group.group_id, index), None)
-        if self.agents is not None:
-            return self._remote(group, index, attempt_id, attempt, seed, saved, prefix)
-        if saved is not None and saved.token_ids is not None:
-            episode = Episode.resumed(self.p.env, r.prompt_id, key=key, seed=seed, turn=saved.turn,
-                                      state=saved.state, token_ids=saved.token_ids, logprobs=saved.logprobs or [],
-                                      token_versions=saved.token_versions or [])
-            return LiveEpisode(group, index, attempt_id, attempt, episode, from_attempt=saved.attempt, prefix=prefix)
-        # A prefix without a saved episode is one of the first turn (the cut matched its turn)
-        return LiveEpisode(group, index, attempt_id, attempt, Episode.start(self.p.env, r.prompt_id, key=key, seed=seed),
-                           prefix=prefix)
-
-    def _remote(self, group: GroupHandle, index: int, attempt_id: int | None, attempt: int, seed: int,
-                saved: SavedEpisode | None, prefix: CallPrefix | None = None) -> LiveEpisode:
-        """An episode an agent server runs, keyed by the ledger's episode key. The Episode
-        only carries what the pump reports (the server holds the real one); a restored one
-        continues the agent its server exported (installed), and its cut call from its prefix."""
-        key = pools.episode_key(group.group_id, index, attempt)
-        episode = Episode(key=key, prompt_ids=[], state={}, seed=seed, max_turns=0)
-        live = LiveEpisode(group, index, attempt_id, attempt, episode)
-        if saved is not None and saved.token_ids is not None and self.agents.exports(group.reservation.prompt_id):
-            live.continue_from, live.from_attempt = saved.key, saved.attempt
-            episode.turn, episode.token_ids = saved.turn, list(saved.token_ids)
-            episode.logprobs, episode.token_versions = list(saved.logprobs or []), list(saved.token_versions or [])
-        if prefix is not None and self.agents.continues_prefix(group.reservation.prompt_id, live.continue_from is not None):
-            live.prefix = prefix
-        return live
+        return self.calls.episode(group, index, (group.attempts or {}).get(index), group.attempt_numbers.get(index, 0),
+                                  seed, self._saved.pop((group.group_id, index), None),
+                                  self._prefixes.pop((group.group_id, index), None))
 
     # ------------------------------------------------------------------ completion
 
-    def _split_by_variance(self, tx, groups: list[GroupHandle]) -> tuple[list[GroupHandle], list[GroupHandle]]:
+    def _split_by_variance(self, tx: Connection, groups: list[GroupHandle]) -> tuple[list[GroupHandle], list[GroupHandle]]:
         """Rewards come from the store: a restored group's earlier generations are there."""
         if not groups or not self.p.config.algorithm.discard_zero_variance:
             return groups, []

@@ -18,6 +18,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from sqlalchemy import Connection
 
@@ -37,6 +38,29 @@ class GroupHandle:
     attempts: dict[int, int | None] | None = None
     # attempt number (0, 1, ...) per generation index: what the trace matches runs by
     attempt_numbers: dict[int, int] = field(default_factory=dict)
+
+
+class Dispatcher(Protocol):
+    """What both pumps call, each method inside a store transaction the pump opens; the
+    two implementations below are the two modes (see the module docstring)."""
+
+    def reserve(self, tx: Connection, prompts: Sequence[Reservation], *, step: int,
+                num_generations: int) -> list[GroupHandle]: ...
+
+    def dispatch(self, tx: Connection, groups: Sequence[GroupHandle], *, policy_version: int) -> None: ...
+
+    def redispatch(self, tx: Connection, group: GroupHandle, generations: Sequence[int], *,
+                   policy_version: int) -> None: ...
+
+    def retry(self, tx: Connection, lost: Sequence[tuple[GroupHandle, int, str]], *, policy_version: int) -> None: ...
+
+    def finish(self, tx: Connection, wave: Sequence[tuple[GroupHandle, dict[int, FinishedGeneration]]]) -> None: ...
+
+    def enter_replay(self, tx: Connection, groups: Sequence[GroupHandle]) -> None: ...
+
+    def discard(self, tx: Connection, groups: Sequence[GroupHandle], *, reason: str) -> None: ...
+
+    def trained(self, tx: Connection, group_ids: Sequence[int], *, step: int) -> None: ...
 
 
 class LedgerDispatch:

@@ -102,10 +102,10 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 from rolloutdb.config import Config
 from rolloutdb.controller.protocols import Environment, Trainer
+from rolloutdb.controller.run.dispatch import Dispatcher
 from rolloutdb.controller.run.sampler import PromptOrder, StalenessBound
 from rolloutdb.gpu_capture.protocol import GenerationEngine
 from rolloutdb.store import NullTracer, Store, Tracer
@@ -150,6 +150,9 @@ class RuntimeState:
 
 @dataclass
 class RolloutParts:
+    """What the pumps share. Parts only the rollout pump uses (where the environment
+    steps, the agent servers) are its constructor's (controller/rollout/pump.py)."""
+
     config: Config
     store: Store
     order: PromptOrder
@@ -157,15 +160,10 @@ class RolloutParts:
     engine: GenerationEngine
     env: Environment
     trainer: Trainer
-    dispatcher: Any  # LedgerDispatch | NoLedgerDispatch
+    dispatcher: Dispatcher
     runtime: RuntimeState
     read_progress: Callable[[], Progress]
     log_event: Callable[[dict], None]
     # Tracing off is a NullTracer (every call does nothing), never None: no code path
     # asks whether there is a tracer (tests/test_tracing_off.py).
     tracer: Tracer | NullTracer = field(default_factory=NullTracer)
-    # Agent servers (environment.servers): episodes run there, not on `env`
-    # (controller/agent_server/client.py, AgentPool); None: episodes run in the controller.
-    agents: Any = None
-    # Where the environment steps (controller/rollout/env_steps.py): None is `env` in the driver.
-    stepper: Any = None
