@@ -251,6 +251,12 @@ class TrainerSection(FactoryFields):
 
 
 ServerMode = Literal["export_restore", "restart_only", "stateless"]
+# The built-in tasks and what their answer does to the digits: controller/tasks/registry.py
+# builds each (TASKS; tests/test_tasks.py keeps its names these) and digits.py each kind.
+TaskName = Literal["digits", "digits_longtail"]
+TASK_NAMES: tuple[str, ...] = typing.get_args(TaskName)
+TaskKind = Literal["copy", "successor", "reverse"]
+TASK_KINDS: tuple[str, ...] = typing.get_args(TaskKind)
 
 
 class EnvironmentServerSection(Section):
@@ -267,7 +273,7 @@ class EnvironmentServerSection(Section):
     url: str | None = Field(None, pattern=r"^https?://[^\s/]+(:[0-9]+)?/?$",
                             description="A running server's base URL; null: the controller starts one on a free "
                                         "loopback port and stops it at the end.")
-    kind: Literal["copy", "successor", "reverse"] | None = Field(None, description="This server's task kind; null: "
+    kind: TaskKind | None = Field(None, description="This server's task kind; null: "
                                                                                    "environment.kind.")
     turns: int | None = Field(None, ge=1, le=8, description="This server's turns per episode; null: environment.turns.")
     lease_s: float = Field(30.0, gt=0, le=3600, description="How long a prepared server waits for resume before it "
@@ -283,10 +289,10 @@ class EnvironmentServerSection(Section):
 
 
 class EnvironmentSection(FactoryFields):
-    task: Literal["digits", "digits_longtail"] = Field(
+    task: TaskName = Field(
         "digits", description="The verifiable digit-string task; digits_longtail: target lengths drawn from a "
                               "heavy-tailed distribution, each reply as long as its target.")
-    kind: Literal["copy", "successor", "reverse"] = Field("copy", description="What the answer does to the digits.")
+    kind: TaskKind = Field("copy", description="What the answer does to the digits.")
     n_digits: int = Field(3, ge=1, le=12, description="Digits per prompt (task digits).")
     # 96 also bounds a single-turn conversation: BOS + 96 digits + ':' + 97 reply tokens
     # fits the tiny policy's 256 positions; multi-turn is checked in Config.

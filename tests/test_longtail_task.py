@@ -28,9 +28,9 @@ from rolloutdb.controller.tasks.digits import (
     LongTailSingleTurnEnv,
     MultiTurnDigitEnv,
     SingleTurnDigitEnv,
-    make_environment,
     target_for,
 )
+from rolloutdb.controller.tasks.registry import make_environment
 from rolloutdb.gpu_capture.tiny_policy import build_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
