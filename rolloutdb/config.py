@@ -273,8 +273,7 @@ class EnvironmentServerSection(Section):
     url: str | None = Field(None, pattern=r"^https?://[^\s/]+(:[0-9]+)?/?$",
                             description="A running server's base URL; null: the controller starts one on a free "
                                         "loopback port and stops it at the end.")
-    kind: TaskKind | None = Field(None, description="This server's task kind; null: "
-                                                                                   "environment.kind.")
+    kind: TaskKind | None = Field(None, description="This server's task kind; null: environment.kind.")
     turns: int | None = Field(None, ge=1, le=8, description="This server's turns per episode; null: environment.turns.")
     lease_s: float = Field(30.0, gt=0, le=3600, description="How long a prepared server waits for resume before it "
                                                              "reopens dispatch by itself (the controller died).")
