@@ -52,7 +52,8 @@ from rolloutdb.controller.run.dispatch import LedgerDispatch
 from rolloutdb.controller.rollout.pump import RolloutPump
 from rolloutdb.controller.run.runtime import Progress, RolloutParts, RuntimeState
 from rolloutdb.controller.run.sampler import PromptOrder, StalenessBound
-from rolloutdb.controller.tasks.digits import LongTailDigitDataset, make_environment
+from rolloutdb.controller.tasks.digits import LongTailDigitDataset
+from rolloutdb.controller.tasks.registry import make_environment
 from rolloutdb.gpu_capture.protocol import GenerationRequest, SamplingParams, generate_all
 from rolloutdb.gpu_capture.reference_engine import ReferenceEngine
 from rolloutdb.gpu_capture.tiny_policy import build_tiny_policy, load_policy

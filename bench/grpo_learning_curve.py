@@ -28,7 +28,8 @@ import torch
 
 from rolloutdb.controller.training.grpo import GRPOConfig, GRPOTrainer
 from rolloutdb.controller.protocols import Completion, TrainGroup
-from rolloutdb.controller.tasks.digits import TASK_ALPHABET, DigitPromptDataset, make_environment
+from rolloutdb.controller.tasks.digits import TASK_ALPHABET, DigitPromptDataset
+from rolloutdb.controller.tasks.registry import make_environment
 
 
 def build_model_dir(directory: Path, hidden: int, layers: int, seed: int,

@@ -18,7 +18,7 @@ import hashlib
 import json
 import re
 import typing
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -251,6 +251,12 @@ class TrainerSection(FactoryFields):
 
 
 ServerMode = Literal["export_restore", "restart_only", "stateless"]
+# The built-in tasks and what their answer does to the digits: controller/tasks/registry.py
+# builds each (TASKS; tests/test_tasks.py keeps its names these) and digits.py each kind.
+TaskName = Literal["digits", "digits_longtail"]
+TASK_NAMES: tuple[str, ...] = typing.get_args(TaskName)
+TaskKind = Literal["copy", "successor", "reverse"]
+TASK_KINDS: tuple[str, ...] = typing.get_args(TaskKind)
 
 
 class EnvironmentServerSection(Section):
@@ -267,8 +273,7 @@ class EnvironmentServerSection(Section):
     url: str | None = Field(None, pattern=r"^https?://[^\s/]+(:[0-9]+)?/?$",
                             description="A running server's base URL; null: the controller starts one on a free "
                                         "loopback port and stops it at the end.")
-    kind: Literal["copy", "successor", "reverse"] | None = Field(None, description="This server's task kind; null: "
-                                                                                   "environment.kind.")
+    kind: TaskKind | None = Field(None, description="This server's task kind; null: environment.kind.")
     turns: int | None = Field(None, ge=1, le=8, description="This server's turns per episode; null: environment.turns.")
     lease_s: float = Field(30.0, gt=0, le=3600, description="How long a prepared server waits for resume before it "
                                                              "reopens dispatch by itself (the controller died).")
@@ -283,10 +288,10 @@ class EnvironmentServerSection(Section):
 
 
 class EnvironmentSection(FactoryFields):
-    task: Literal["digits", "digits_longtail"] = Field(
+    task: TaskName = Field(
         "digits", description="The verifiable digit-string task; digits_longtail: target lengths drawn from a "
                               "heavy-tailed distribution, each reply as long as its target.")
-    kind: Literal["copy", "successor", "reverse"] = Field("copy", description="What the answer does to the digits.")
+    kind: TaskKind = Field("copy", description="What the answer does to the digits.")
     n_digits: int = Field(3, ge=1, le=12, description="Digits per prompt (task digits).")
     # 96 also bounds a single-turn conversation: BOS + 96 digits + ':' + 97 reply tokens
     # fits the tiny policy's 256 positions; multi-turn is checked in Config.
@@ -524,13 +529,10 @@ class Config(Section):
         return self.rollout_recovery.target_level != "none"
 
     def fingerprint(self) -> str:
-        """Hash of what a restore must match: every setting but RESUMABLE_KEYS and
-        CHECKED_AT_RESUME (`fingerprinted`)."""
-        keyed: dict[str, dict[str, Any]] = {}
-        for key, value in fingerprinted(self).items():
-            section, name = key.split(".", 1)
-            keyed.setdefault(section, {})[name] = _canonical(value)
-        return hashlib.sha256(json.dumps(keyed, sort_keys=True, default=repr).encode()).hexdigest()[:16]
+        """Hash of what a restore must match: `frozen_settings`, every setting but
+        RESUMABLE_KEYS."""
+        text = json.dumps(frozen_settings(self), sort_keys=True, default=repr)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(), sort_keys=False)
@@ -538,11 +540,11 @@ class Config(Section):
 
 # --------------------------------------------------------------------------- the fingerprint
 # A resume restores a snapshot only into a run whose config has the snapshot's
-# fingerprint (store/restore/plan.py check_run_meta): every setting that could change the
-# rollouts is frozen for the run's life. These are the exceptions, each with why a changed
-# value leaves the rollouts as they were. Keys are dotted YAML paths; `servers[]` is each
-# agent server's. tests/test_hostile_fingerprint.py walks the model and checks every other
-# key moves the fingerprint (or is refused by the check named below).
+# fingerprint (store/restore/plan.py check_run_meta): every setting is frozen for the
+# run's life except these, each with why a changed value leaves the rollouts as they
+# were. Keys are dotted YAML paths; `servers[]` is each agent server's.
+# tests/test_hostile_fingerprint.py walks the model: every other key moves the
+# fingerprint, and every key here leaves it as it was.
 RESUMABLE_KEYS: dict[str, str] = {
     "run.name": "names the run directory only",
     "algorithm.total_steps": "a resumed run may train for longer",
@@ -553,6 +555,7 @@ RESUMABLE_KEYS: dict[str, str] = {
     "environment.servers[].episode_timeout_s": "a deadline for a hung episode, not what an episode does",
     "environment.servers[].token_file": "how the controller proves itself to a server, not what the server runs",
     "environment.servers[].max_agents": "a cap the server enforces on what it holds, not what an episode does",
+    "dataset.path": "where the prompts file lies: its content is the dataset fingerprint, which a restore checks",
     "checkpointing.enabled": "when state is saved, not what the run makes",
     "checkpointing.async": "how a trainer checkpoint is written",
     "checkpointing.interval_steps": "when state is saved",
@@ -578,57 +581,27 @@ RESUMABLE_KEYS: dict[str, str] = {
     "cluster.environment_workers": "where the same environment steps run",
 }
 
-# Settings that shape the rollouts but are left out of the fingerprint because a check of
-# their own refuses a change at resume and names the key (a fingerprint cannot say which
-# key differs), or because what they select is fingerprinted itself.
-CHECKED_AT_RESUME: dict[str, str] = {
-    "algorithm.shared_prefix_packing": "controller/recovery/resume.py check_packing",
-    "environment.servers[].mode": "controller/recovery/resume.py check_server_modes",
-    "dataset.path": "the dataset fingerprint (the file's content: a moved file may resume)",
-    "dataset.prompt_field": "the dataset fingerprint (the field selection)",
-    "dataset.reward_fields": "the dataset fingerprint (the field selection)",
-}
 
-# The keys runs were first fingerprinted with: hashed at any value. Every other frozen key
-# is hashed only when it is not at its default, so a run started before the key existed
-# (or was frozen) keeps its fingerprint, and setting or changing the key still moves it.
-_HASHED_AT_ANY_VALUE = frozenset({
-    "run.seed",
-    *(f"algorithm.{k}" for k in ("name", "groups_per_step", "group_size", "max_staleness", "learning_rate",
-                                 "clip_eps", "replay_capacity", "discard_zero_variance", "max_flat_groups_in_a_row",
-                                 "entropy_coef")),
-    *(f"policy.{k}" for k in ("model_dir", "hidden_size", "num_layers", "num_heads")),
-    *(f"generation.{k}" for k in ("backend", "max_tokens", "min_tokens", "temperature", "top_p", "stop",
-                                  "max_batch_size")),
-    *(f"environment.{k}" for k in ("task", "kind", "n_digits", "turns", "dataset_size")),
-})
-# Frozen keys a config reads only in some configurations: hashed there, ignored elsewhere.
-IN_USE_WHEN: dict[str, Callable[[Config], bool]] = {
-    "environment.max_digits": lambda c: c.environment.task != "digits",
-    "environment.tail_alpha": lambda c: c.environment.task != "digits",
-    "dataset.chat_template": lambda c: c.dataset.path is not None,
-}
-
-
-def fingerprinted(config: Config) -> dict[str, Any]:
-    """The frozen settings of `config` that its fingerprint hashes, by dotted key."""
-    dumped = config.model_dump()
-    defaults = Config().model_dump()
+def frozen_settings(config: BaseModel, prefix: str = "") -> dict[str, Any]:
+    """What the fingerprint hashes: every key of `config` but RESUMABLE_KEYS whose value
+    is not its default, by dotted key (an agent server's keys under
+    `environment.servers`, one mapping per server). A key at its default is left out so
+    that a key added later, whose default keeps what runs did before it, leaves every
+    earlier run's fingerprint as it was; setting it, or changing any frozen key to any
+    other value, moves the fingerprint."""
     out: dict[str, Any] = {}
-    for key in leaf_keys(Config):
-        if key in RESUMABLE_KEYS or key in CHECKED_AT_RESUME or key.startswith("environment.servers"):
-            continue  # servers: below
-        value, default = _at(dumped, key), _at(defaults, key)
-        if key in IN_USE_WHEN:
-            if IN_USE_WHEN[key](config):
-                out[key] = value
-        elif key in _HASHED_AT_ANY_VALUE or value != default:
-            out[key] = value
-    # Servers: what shapes the episodes (which server a prompt meets, its task), with
-    # kind and turns as they resolve (null: the environment's).
-    if config.environment.servers:
-        out["environment.servers"] = [[s.name, config.environment.kind_of(s), config.environment.turns_of(s)]
-                                      for s in config.environment.servers]
+    for name, field in type(config).model_fields.items():
+        key = prefix + (field.alias or name)
+        if key in RESUMABLE_KEYS:
+            continue
+        value = getattr(config, name)
+        if isinstance(value, BaseModel):
+            out.update(frozen_settings(value, key + "."))
+        elif value != field.get_default(call_default_factory=True):
+            if isinstance(value, list) and value and all(isinstance(v, BaseModel) for v in value):
+                out[key] = [frozen_settings(v, key + "[].") for v in value]
+            else:
+                out[key] = _canonical(value)
     return out
 
 
@@ -658,11 +631,6 @@ def _canonical(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [_canonical(v) for v in value]
     return value
-
-
-def _at(dumped: dict[str, Any], key: str) -> Any:
-    section, name = key.split(".", 1)
-    return dumped[section][name]
 
 
 def _first_error(e: ValidationError) -> str:

@@ -28,9 +28,9 @@ from rolloutdb.controller.tasks.digits import (
     LongTailSingleTurnEnv,
     MultiTurnDigitEnv,
     SingleTurnDigitEnv,
-    make_environment,
     target_for,
 )
+from rolloutdb.controller.tasks.registry import make_environment
 from rolloutdb.gpu_capture.tiny_policy import build_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -221,13 +221,12 @@ def _write(tmp_path, text: str) -> Path:
     return p
 
 
-def test_a_digit_config_keeps_the_fingerprint_it_had_before_the_long_tail_keys():
-    # Computed with the config module of the commit before the long-tail keys existed.
-    assert Config().fingerprint() == "7931358db6547444"
-    assert load_config(REPO / "examples" / "quickstart.yaml").fingerprint() == "c63b555bd3a5dfb6"
-    changed = Config()
-    changed.environment.max_digits, changed.environment.tail_alpha = 12, 2.0  # unused by task digits
-    assert changed.fingerprint() == Config().fingerprint()
+def test_a_digit_config_with_the_long_tail_keys_at_their_defaults_keeps_its_fingerprint():
+    # A key at its default is not hashed, so the long-tail keys' arrival moved no digit
+    # run's fingerprint (the values runs of that time carry: tests/test_hostile_fingerprint.py).
+    explicit = load_config(REPO / "examples" / "quickstart.yaml",
+                           ["environment.max_digits=96", "environment.tail_alpha=1.2"])
+    assert explicit.fingerprint() == load_config(REPO / "examples" / "quickstart.yaml").fingerprint()
 
 
 def test_the_long_tail_keys_are_part_of_the_fingerprint_when_the_task_is_long_tail(tmp_path):

@@ -14,10 +14,10 @@ from rolloutdb.controller.tasks.digits import (
     DigitPromptDataset,
     MultiTurnDigitEnv,
     SingleTurnDigitEnv,
-    make_environment,
     score_reply,
     target_for,
 )
+from rolloutdb.controller.tasks.registry import make_environment
 from rolloutdb.gpu_capture.tiny_policy import build_tokenizer
 
 
@@ -181,3 +181,31 @@ def test_an_unknown_environment_or_kind_is_refused_when_built(tokenizer):
         make_environment("chess", data, tokenizer)
     with pytest.raises(ValueError, match="unknown task kind"):
         make_environment("digits", data, tokenizer, kind="sort")
+
+
+# ---------------------------------------------------------------- one registry of task kinds
+
+
+def test_the_registry_builds_exactly_the_tasks_and_kinds_the_config_accepts(tokenizer):
+    from rolloutdb.config import TASK_KINDS, TASK_NAMES, ConfigError, config_from_dict
+    from rolloutdb.controller.tasks.registry import ENVIRONMENTS, TASKS
+
+    # The config may not import the controller, so it declares the names and the registry
+    # builds them: a task in one and not the other fails here.
+    assert tuple(TASKS) == TASK_NAMES
+    assert set(ENVIRONMENTS) == {name + suffix for name in TASK_NAMES for suffix in ("", "_multiturn")}
+    for name in TASK_NAMES:
+        config = config_from_dict({"environment": {"task": name, "dataset_size": 7}, "generation": {"max_tokens": 97}})
+        dataset = TASKS[name].prompts(config.environment, config.run.seed)
+        assert len(dataset) == 7
+        for kind in TASK_KINDS:
+            for env_name, turns in ((name, 1), (name + "_multiturn", 2)):
+                env = make_environment(env_name, dataset, tokenizer, kind=kind, turns=turns)
+                assert isinstance(env, Environment) and env.max_turns == turns
+                observation, _ = env.start(0)
+                assert observation, env_name
+    with pytest.raises(ConfigError, match="environment.task: 'chess' is not one of the accepted values: "
+                                          + ", ".join(repr(n) for n in TASK_NAMES)):
+        config_from_dict({"environment": {"task": "chess"}})
+    with pytest.raises(ConfigError, match="environment.kind: 'sort' is not one of the accepted values"):
+        config_from_dict({"environment": {"kind": "sort"}})

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from rolloutdb.controller.recovery.earlier_fingerprint import earlier_config_fingerprint
 from rolloutdb.controller.run.dispatch import GroupHandle
 from rolloutdb.controller.run.run_dir import RunDir
 from rolloutdb.controller.run.tracing import RolloutTrace
@@ -190,7 +191,8 @@ def check_server_modes(config, snapshot_dir: Path | None) -> None:
     checkpoint modes than they did when the snapshot was taken: an export_restore
     snapshot's agents would go to a server that cannot take them, or a restart_only
     snapshot would be read as holding agents. The snapshot's config.yaml records the
-    modes; the config fingerprint already covers which servers there are."""
+    modes. The config fingerprint holds them too; this check runs before the restore so
+    that the refusal names the server."""
     if snapshot_dir is None:
         return
     import yaml
@@ -216,8 +218,8 @@ def check_packing(config, snapshot_dir: Path | None) -> None:
     differs from the snapshot's (its config.yaml; a snapshot from before the key has it
     off). The two layouts train the same loss but not the same floating-point sums
     (tests/test_shared_prefix_packing.py), so a resumed run that switched would no longer
-    take the steps the uninterrupted run takes; the setting is left out of the config
-    fingerprint so that this check can name it."""
+    take the steps the uninterrupted run takes. The config fingerprint holds the setting
+    too; this check runs before the restore so that the refusal names it."""
     if snapshot_dir is None:
         return
     import yaml
@@ -248,6 +250,7 @@ def _restore(ctl, plan: ResumePlan, load_weights):
         run_id=plan.run_id,
         before_restore=load_weights,
         config_fingerprint=cfg.fingerprint(),
+        earlier_config_fingerprint=earlier_config_fingerprint(cfg),
         dataset_fingerprint=ctl.dataset.fingerprint(),
         forest_training={},  # no forest rollouts in this version: "off" (schema.py, run_meta)
         groups_per_step=cfg.algorithm.groups_per_step,
@@ -270,6 +273,10 @@ def announce(ctl, done: Restored) -> None:
     plan = done.restore_plan
     for reason in plan.passed_over:
         say(f"passed over {reason}")
+    if plan.config_fingerprint_was is not None:
+        say(f"{plan.snapshot_dir.parent.parent.name}/{plan.snapshot_dir.name} carries config fingerprint "
+            f"{plan.config_fingerprint_was}, this config's under the fingerprint's earlier formula: accepted, and the "
+            f"run now carries {ctl.config.fingerprint()} (its later snapshots are resumed by that)")
     for anchor in done.dropped:
         say(f"removed {anchor}: newer than the restored anchor, its step is trained again")
     ctl.metrics.write(

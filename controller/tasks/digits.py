@@ -51,10 +51,10 @@ import random
 from collections.abc import Sequence
 from typing import Any, Protocol
 
+from rolloutdb.config import TASK_KINDS
 from rolloutdb.controller.protocols import Turn
 
 DIGITS = "0123456789"
-TASK_KINDS = ("copy", "successor", "reverse")
 # Every character the task's prompts, answers and feedback use: a tokenizer over just
 # these gives a random policy a 10-in-~20 chance of a digit instead of 10-in-~90.
 TASK_ALPHABET = DIGITS + ": \nokn"
@@ -341,20 +341,3 @@ class LongTailMultiTurnEnv(MultiTurnDigitEnv):
         n = len(state["targets"][state["turn"]])
         return n, n + 1
 
-
-ENVIRONMENTS = ("digits", "digits_multiturn", "digits_longtail", "digits_longtail_multiturn")
-
-
-def make_environment(name: str, dataset: DigitPrompts, tokenizer: Any, kind: str = "copy", turns: int = 3):
-    """Build an environment by name: "digits" / "digits_longtail" (single turn) or
-    "digits_multiturn" / "digits_longtail_multiturn"; the long-tail ones want a
-    `LongTailDigitDataset`."""
-    if name == "digits":
-        return SingleTurnDigitEnv(dataset, tokenizer, kind=kind)
-    if name == "digits_multiturn":
-        return MultiTurnDigitEnv(dataset, tokenizer, kind=kind, turns=turns)
-    if name == "digits_longtail":
-        return LongTailSingleTurnEnv(dataset, tokenizer, kind=kind)
-    if name == "digits_longtail_multiturn":
-        return LongTailMultiTurnEnv(dataset, tokenizer, kind=kind, turns=turns)
-    raise ValueError(f"unknown environment {name!r}; choose one of {', '.join(ENVIRONMENTS)}")

@@ -82,6 +82,7 @@ from .plan import (
     connect,
     read_snapshot_manifest,
     refuse_on_invariants,
+    stamp_config_fingerprint,
     verify_and_copy,
 )
 
@@ -136,13 +137,17 @@ def restore_snapshot(
     ledger_dispatch: bool | None = None,
     trainer_step: int | None = None,
     run_id: str | None = None,
+    earlier_config_fingerprint: str | None = None,
 ) -> RestorePlan:
     """Restore `snapshot_dir` into `live_store_path` (see the module docstring).
 
     No connection may be open on the live store. `ledger_dispatch`, when given, must
     match the snapshot's mode; `trainer_step`, when given, must equal the anchor's step
     (the weights the caller loaded); `run_id`, when given, must be the snapshot's run id
-    (the live store's: a snapshot of another run never replaces it). Raises a `RestoreError` subclass on any refusal."""
+    (the live store's: a snapshot of another run never replaces it); `earlier_config_fingerprint`,
+    when given, is accepted in place of `config_fingerprint` (the same config under the
+    fingerprint's earlier formula) and replaced by it in the restored store. Raises a
+    `RestoreError` subclass on any refusal."""
     snapshot_dir, live = Path(snapshot_dir), Path(live_store_path)
     phases = _Phases()
     source = snapshot_dir / SNAPSHOT_DB
@@ -161,6 +166,7 @@ def restore_snapshot(
     copy = temp_path_beside(live, "restore")
     remove_sqlite_file(copy)  # our own pid's leftover of an earlier failed restore
     counts: dict[str, int] = {}
+    config_fingerprint_was: str | None = None
     # Starts now, beside the copy; its verdict is read after the checksums and the
     # schema, so refusals come in the same order as if it ran after them.
     source_check = SourceIntegrityCheck(source) if source.is_file() else None
@@ -179,7 +185,10 @@ def restore_snapshot(
             with phases("run_meta"):
                 mode = check_run_meta(conn, source, config_fingerprint=config_fingerprint,
                                        dataset_fingerprint=dataset_fingerprint, forest_training=forest_training,
-                                       ledger_dispatch=ledger_dispatch, run_id=run_id)
+                                       ledger_dispatch=ledger_dispatch, run_id=run_id,
+                                       earlier_config_fingerprint=earlier_config_fingerprint)
+                config_fingerprint_was = stamp_config_fingerprint(conn, config_fingerprint,
+                                                                  earlier_config_fingerprint)
             with phases("replay"):
                 counts["replay_groups"] = check_replay(conn, source)
             with phases("ledger"):
@@ -235,4 +244,5 @@ def restore_snapshot(
         env_export=env_export if env_export.is_file() else None,
         saved_prefixes=saved["prefixes"],
         saved_episodes=saved["episodes"],
+        config_fingerprint_was=config_fingerprint_was,
     )

@@ -86,6 +86,9 @@ class RestorePlan:
     saved_prefixes: dict[tuple[int, int], list[pools.Chunk]] = field(default_factory=dict)
     saved_episodes: dict[tuple[int, int], pools.SavedEpisode] = field(default_factory=dict)
     passed_over: list[str] = field(default_factory=list)  # newer snapshots refused, and why
+    # The earlier formula's config fingerprint the snapshot carried (check_run_meta),
+    # replaced by the current one in the restored store; None when it was current.
+    config_fingerprint_was: str | None = None
 
 
 def _canonical(settings: object) -> str:
@@ -261,8 +264,10 @@ def bring_to_head(copy: Path, source: Path, manifest: Manifest,
 
 
 def check_run_meta(conn: sqlite3.Connection, source: Path, *, config_fingerprint: str, dataset_fingerprint: str,
-                    forest_training: dict, ledger_dispatch: bool | None, run_id: str | None) -> bool:
-    """Phase 4; returns the snapshot's dispatch mode."""
+                    forest_training: dict, ledger_dispatch: bool | None, run_id: str | None,
+                    earlier_config_fingerprint: str | None = None) -> bool:
+    """Phase 4; returns the snapshot's dispatch mode. `earlier_config_fingerprint`: the
+    same config under the fingerprint's earlier formula, which older snapshots carry."""
     row = conn.execute(
         "SELECT config_fingerprint, dataset_fingerprint, forest_training, ledger_dispatch, run_id FROM run_meta"
     ).fetchone()
@@ -280,7 +285,7 @@ def check_run_meta(conn: sqlite3.Connection, source: Path, *, config_fingerprint
         raise SnapshotDamaged(f"{source}: run_meta.forest_training is not JSON rolloutdb wrote; restore another snapshot",
                               source) from None
     differences, fields = [], []
-    if cfg != config_fingerprint:
+    if cfg not in (config_fingerprint, earlier_config_fingerprint):
         fields.append("config_fingerprint")
         differences.append(f"config fingerprint {cfg} (run: {config_fingerprint}): resume with the config the run "
                            "was started with (RUN_DIR/config.yaml)")
@@ -301,6 +306,16 @@ def check_run_meta(conn: sqlite3.Connection, source: Path, *, config_fingerprint
         raise RunMismatch(f"{source}: the snapshot belongs to a run with other settings: " + "; ".join(differences)
                           + "; or start a new run directory", fields)
     return bool(ledger_mode)
+
+
+def stamp_config_fingerprint(conn: sqlite3.Connection, config_fingerprint: str,
+                             earlier_config_fingerprint: str | None) -> str | None:
+    """After `check_run_meta` passed: a snapshot that carries the earlier formula's
+    fingerprint is stamped with the current one, so the snapshots the resumed run takes
+    carry it. Returns the value replaced, or None when it was the current one already."""
+    stamped = conn.execute("UPDATE run_meta SET config_fingerprint = ? WHERE config_fingerprint != ?",
+                           (config_fingerprint, config_fingerprint)).rowcount
+    return earlier_config_fingerprint if stamped else None
 
 
 def check_replay(conn: sqlite3.Connection, source: Path) -> int:
