@@ -30,14 +30,43 @@ the store module that called it. What is printed:
 * reads (every thread): `read_manifest` per directory, `file_revision` per file (the
   snapshot's store file or its restore copy; the live store), the segment-reference
   readers (`sample_references`, `referenced_segments`) per file, and `scan` of the
-  checkpoint directory; and calls of `live/payload.py`'s location helpers
-  (`segments_dir_of`, `SEGMENTS_DIR` cannot be traced, its callers can) from
-  `checkpoints/segments.py`.
+  checkpoint directory; the restore floor's calls into sqlite/revision.py and
+  sqlite/identity.py about the snapshot's revision; and where the segments live:
+  calls of `segments_dir_of`/`segment_file_name` from checkpoints/segments.py into
+  live/payload.py, and the names of that kind segments.py imports from live/payload.py
+  (read from its source: a constant such as `SEGMENTS_DIR` cannot be traced).
 
-Measured on this tree (2 shared cores; the counts do not depend on load):
+Measured 2026-12-02 (the counts are the same on every run; load does not change them).
+Before: main at 99227be; after: this branch, where the restore reads the snapshot into a
+`SnapshotReading` (restore/plan.py: the manifest the listing read, the file's revision
+in one question to sqlite/identity.py, the segment list read once from the copy, and
+where the segments live) and passes it to every phase, and checkpoints/layout.py owns
+where segments live (checkpoints/segments.py imports nothing of that from live/payload.py):
 
-    before (main 99227be)                after (branch w3a-walk)
-    (filled in below by the author)
+                                                   latest          newest damaged
+                                                before  after     before  after
+    modules entered                                 28     28         28     28
+    walk steps                                     252    232        410    366
+    climbs back up                                  67     56        120    100
+    returns to a module already left               225    205        383    339
+    asked again                                     99     89        178    156
+      of which by the restore floor                 51     47         90     83
+    manifest reads (every directory)                 6      4         13      8
+      of the snapshot restored                       2      1          4      2
+    revision reads of the snapshot's file            1      1          3      2
+    revision look-ups by restore                     4      1          6      2
+    segment list reads                               2      1          4      2
+    segments.py's imports of where segments live     3      0          3      0
+
+"latest": the newest snapshot restores; "newest damaged" (--damaged-newest): it is
+refused at restore and the next one is chosen with verification (`verify_snapshot_dir`)
+and restored. What stays: the walk is still an orchestrator (restore/apply.py) calling
+its phases in plan.py one by one (13 of the 47), the listing's `Entry` properties
+(restore/selection.py -> checkpoints/layout.py), and the live store's own calls during
+restart normalization (live/queries.py <-> live/compaction.py); the verify path reads
+the chosen snapshot's revision and segment list on its own file, and restore again on
+its copy (the copy is what is checked and installed). The fallback scans the checkpoint
+directory again (the listing may have changed while the first choice was loaded).
 """
 
 from __future__ import annotations
@@ -169,7 +198,7 @@ class Trace:
     }
     # What a restore asks the sqlite floor about the snapshot file's revision.
     REVISION = {("sqlite.revision", n) for n in ("file_revision", "known_revisions", "head_revision", "classify_revision")} \
-        | {("sqlite.identity", n) for n in ("identify", "check_schema")}
+        | {("sqlite.identity", n) for n in ("identify", "check_schema", "read_revision")}
     LOCATION = {"segments_dir_of", "segment_file_name"}
 
     def __init__(self, paths: dict[str, Path]):
@@ -265,7 +294,7 @@ class Trace:
         if (rel, frame.f_code.co_name) in self.REVISION and caller is not None and layer_of(caller) == "restore":
             with self.lock:
                 self.revision_asks[f"{short(module)}:{frame.f_code.co_name}"] += 1
-        if frame.f_code.co_name in self.LOCATION and caller is not None:
+        if rel == "live.payload" and frame.f_code.co_name in self.LOCATION and caller is not None:
             with self.lock:
                 self.location_asks[(short(caller), f"{short(module)}:{frame.f_code.co_name}")] += 1
 
@@ -290,7 +319,7 @@ def location_imports() -> list[str]:
                   and (node.module or "").endswith("live.payload") for a in node.names if a.name in LOCATION_NAMES)
 
 
-def report(trace: Trace, plan, args) -> dict[str, int]:
+def report(trace: Trace, plan, damaged_newest: bool, sequence: bool) -> dict[str, int]:
     height = floors()
     modules = [m for m, _ in trace.walk]
     entered = sorted(set(modules))
@@ -304,10 +333,12 @@ def report(trace: Trace, plan, args) -> dict[str, int]:
     pairs = collections.Counter(frozenset((a, b)) for a, b in zip(modules, modules[1:]))
     numbers = {"modules entered": len(entered), "walk steps": max(0, len(modules) - 1), "climbs back up": climbs,
                "returns to a module already left": returns_to_left,
-               "asked again": sum(trace.asked_again.values())}
+               "asked again": sum(trace.asked_again.values()),
+               "asked again by the restore floor": sum(n for (a, _), n in trace.asked_by.items()
+                                                       if layer_of(a) == "restore")}
     print("resume walk: select_and_restore(CHECKPOINT_DIR, resume='latest'), main thread")
     for k, v in numbers.items():
-        print(f"  {k:34s} {v}")
+        print(f"  {k:56s} {v}")
     print("  modules:", ", ".join(short(m) for m in entered))
     if trace.asked_again:
         print("  asked again (module: times; by whom):")
@@ -332,13 +363,13 @@ def report(trace: Trace, plan, args) -> dict[str, int]:
     numbers.update({"manifest reads (all directories)": sum(manifest_reads.values()),
                     "manifest reads (the restored snapshot)": sum(
                         n for w, n in manifest_reads.items() if w.endswith(plan.snapshot_dir.name)
-                        and w.startswith("older" if args.damaged_newest else "snapshot")),
+                        and w.startswith("older" if damaged_newest else "snapshot")),
                     "snapshot file revision reads": revision, "segment list reads": segment_lists,
                     "revision look-ups by restore (sqlite/revision.py, identity.py)": sum(trace.revision_asks.values()),
                     "segments.py asking live/payload.py where segments live (calls)": sum(
                         n for (c, _), n in trace.location_asks.items() if c == "checkpoints/segments.py"),
                     "segments.py importing where segments live from live/payload.py": len(location_imports())})
-    for k in list(numbers)[5:]:
+    for k in list(numbers)[6:]:
         print(f"  {k:56s} {numbers[k]}")
     if trace.revision_asks:
         print("  revision look-ups:", ", ".join(f"{f} x{n}" for f, n in sorted(trace.revision_asks.items())))
@@ -346,20 +377,16 @@ def report(trace: Trace, plan, args) -> dict[str, int]:
         print("  segments.py imports from live/payload.py:", ", ".join(location_imports()))
     if trace.location_asks:
         print("  location helpers called:", ", ".join(f"{c} -> {f} x{n}" for (c, f), n in trace.location_asks.items()))
-    if args.sequence:
+    if sequence:
         print("walk:")
         for m, how in trace.walk:
             print(f"  {'->' if how == 'call' else '<-'} {short(m)}")
     return numbers
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sequence", action="store_true", help="print the walk, one module per line")
-    parser.add_argument("--damaged-newest", action="store_true",
-                        help="change a file of the newest snapshot: the restore refuses it and falls back to the "
-                             "older one, which is chosen with verification (the verify path's reads)")
-    args = parser.parse_args()
+def measure(damaged_newest: bool = False, sequence: bool = False) -> dict[str, int]:
+    """Build the run, resume it once untraced and once traced; print the report and
+    return its numbers (tests/test_restore_walk.py holds the restore to them)."""
     with tempfile.TemporaryDirectory(prefix="rolloutdb-walk-") as tmp:
         base = Path(tmp) / "base"
         ckpt, live = build(base)
@@ -369,14 +396,25 @@ def main() -> None:
         traced = Path(tmp) / "traced"
         shutil.copytree(base, traced)
         t_ckpt, t_live = traced / ckpt.relative_to(base), traced / live.relative_to(base)
-        if args.damaged_newest:
+        if damaged_newest:
             (t_ckpt / "step_1" / "rollout_snapshots" / "snapshot_2" / "config.yaml").write_bytes(b"changed\n")
         trace = Trace({"snapshot": t_ckpt / "step_1" / "rollout_snapshots",
-                       "older snapshot": t_ckpt / "bootstrap" / "rollout_snapshots", "the live store": t_live, "checkpoint dir": t_ckpt})
+                       "older snapshot": t_ckpt / "bootstrap" / "rollout_snapshots", "the live store": t_live,
+                       "checkpoint dir": t_ckpt})
         plan = trace.run(lambda: resume(t_ckpt, t_live))
         print(f"restored {plan.snapshot_dir.relative_to(t_ckpt)} (anchor {plan.anchor}, revision {plan.schema_revision}): "
               f"{len(plan.redispatch)} to redispatch, {len(plan.to_finalize)} to finalize")
-        report(trace, plan, args)
+        return report(trace, plan, damaged_newest, sequence)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sequence", action="store_true", help="print the walk, one module per line")
+    parser.add_argument("--damaged-newest", action="store_true",
+                        help="change a file of the newest snapshot: the restore refuses it and falls back to the "
+                             "older one, which is chosen with verification (the verify path's reads)")
+    args = parser.parse_args()
+    measure(args.damaged_newest, args.sequence)
 
 
 if __name__ == "__main__":

@@ -63,7 +63,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from ..checkpoints.layout import ENV_EXPORT, SNAPSHOT_DB, anchor_step
+from ..checkpoints.layout import ENV_EXPORT
+from ..checkpoints.manifest import Manifest
 from ..errors import RecordDamaged, RestoreError, SnapshotDamaged
 from ..fsio import SQLITE_SIDE_SUFFIXES, remove_sqlite_file, replace_file, temp_path_beside
 from ..live import pools
@@ -80,7 +81,7 @@ from .plan import (
     check_run_meta,
     check_spare_and_cursor,
     connect,
-    read_snapshot_manifest,
+    read_snapshot,
     refuse_on_invariants,
     verify_and_copy,
 )
@@ -136,22 +137,22 @@ def restore_snapshot(
     ledger_dispatch: bool | None = None,
     trainer_step: int | None = None,
     run_id: str | None = None,
+    manifest: Manifest | None = None,
 ) -> RestorePlan:
     """Restore `snapshot_dir` into `live_store_path` (see the module docstring).
 
     No connection may be open on the live store. `ledger_dispatch`, when given, must
     match the snapshot's mode; `trainer_step`, when given, must equal the anchor's step
     (the weights the caller loaded); `run_id`, when given, must be the snapshot's run id
-    (the live store's: a snapshot of another run never replaces it). Raises a `RestoreError` subclass on any refusal."""
+    (the live store's: a snapshot of another run never replaces it). `manifest`: the
+    snapshot's, when the caller has read it (the listing that chose the snapshot); it
+    is not read again, and every file is checked against it. Raises a `RestoreError`
+    subclass on any refusal."""
     snapshot_dir, live = Path(snapshot_dir), Path(live_store_path)
     phases = _Phases()
-    source = snapshot_dir / SNAPSHOT_DB
     with phases("manifest"):
-        manifest = read_snapshot_manifest(snapshot_dir)
-        try:
-            step = anchor_step(manifest.anchor) or 0
-        except ValueError as e:
-            raise SnapshotDamaged(f"{snapshot_dir}: {e}; restore another snapshot", snapshot_dir) from None
+        snapshot = read_snapshot(snapshot_dir, manifest)
+    source, step, manifest = snapshot.source, snapshot.step, snapshot.manifest
     if trainer_step is not None and trainer_step != step:
         raise RestoreError(f"{snapshot_dir}: anchored to {manifest.anchor} but the trainer loaded step {trainer_step}; "
                            f"load the weights of {manifest.anchor} before restoring its snapshot")
@@ -167,11 +168,11 @@ def restore_snapshot(
     segment_check = None
     try:
         with phases("checksums"):
-            segment_check = verify_and_copy(snapshot_dir, manifest, copy)
+            segment_check = verify_and_copy(snapshot, copy)
         with phases("schema"):
-            revision, upgraded_from = bring_to_head(copy, source, manifest, source_check)
+            bring_to_head(copy, snapshot, source_check)
         with phases("integrity"):
-            if upgraded_from is None:
+            if snapshot.upgraded_from is None:
                 check_integrity(copy, source, source_check.result())
             else:  # the migrated copy is new bytes
                 check_integrity(copy, source)
@@ -224,8 +225,8 @@ def restore_snapshot(
         sequence=manifest.sequence,
         cut_time=manifest.cut_time,
         trained_step=step,
-        schema_revision=revision,
-        upgraded_from=upgraded_from,
+        schema_revision=snapshot.revision,
+        upgraded_from=snapshot.upgraded_from,
         ledger_dispatch=mode,
         redispatch=redispatch,
         to_finalize=to_finalize,
