@@ -3,8 +3,10 @@ weights are loaded from the snapshot's anchor and before the pumps start.
 
 `restore_snapshot` (this module: the order of work and the file I/O) works on a copy
 beside the live store and replaces the live file only when every check has passed. The
-checks and the plan it returns are in `plan.py`, restart normalization in `normalize.py`,
-the overlapped copy and integrity check in `copying.py`. In this order:
+checks, the plan it returns and what it read of the snapshot (`SnapshotReading`: the
+manifest, the store file's revision, the segment list, each read once and handed to
+every phase) are in `plan.py`, restart normalization in `normalize.py`, the overlapped
+copy and integrity check in `copying.py`. In this order:
 
 1. manifest and checksums: every file the manifest lists, hashed; the store file is
    hashed as it is copied beside the live store (the hash covers the copy's bytes); the
