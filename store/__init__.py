@@ -67,7 +67,8 @@ from .checkpoints.publish import (
 )
 from .checkpoints.staged import TrainerStage, begin_trainer_checkpoint
 from .checkpoints.segments import Sealed, seal_inline_payload, store_segment_problems
-from .live.payload import payload_counts, segment_summary, segments_dir_of
+from .checkpoints.layout import segments_dir_of
+from .live.payload import payload_counts, segment_summary
 from .checkpoints.retention import (
     KeepNewestSnapshotPerAnchor,
     KeepNewestSnapshots,

@@ -230,7 +230,8 @@ def test_a_trace_file_given_to_a_store_command_is_named_as_the_runs_trace_with_t
 
 def make_segment(checkpoint_dir: Path) -> Path:
     """A payload segment as sealing writes it (the store's own table definition)."""
-    from rolloutdb.store.live.payload import SEGMENT_DDL, SEGMENT_FORMAT, SEGMENTS_DIR
+    from rolloutdb.store.checkpoints.layout import SEGMENTS_DIR
+    from rolloutdb.store.live.payload import SEGMENT_DDL, SEGMENT_FORMAT
 
     path = checkpoint_dir / SEGMENTS_DIR / "segment_1.sqlite"
     path.parent.mkdir(parents=True)

@@ -44,6 +44,7 @@ SNAPSHOT_DB = "rollout_state.sqlite"
 ENV_EXPORT = "env_export.json"
 CONFIG_FILE = "config.yaml"
 HIGH_WATER = "sequence_high_water"
+SEGMENTS_DIR = "payload_segments"  # the sealed payload the snapshots reference (checkpoints/segments.py)
 
 _STEP = re.compile(r"^step_(\d+)$")
 _SNAPSHOT = re.compile(r"^snapshot_(\d+)$")
@@ -92,6 +93,16 @@ def anchor_dir(checkpoint_dir: str | Path, anchor: str) -> Path:
 
 def snapshot_dir(checkpoint_dir: str | Path, anchor: str, sequence: int) -> Path:
     return anchor_dir(checkpoint_dir, anchor) / SNAPSHOTS_DIR / snapshot_name(sequence)
+
+
+def segments_dir_of(checkpoint_dir: str | Path) -> Path:
+    """CHECKPOINT_DIR/payload_segments/: where a run's payload segments live (the live
+    store is given this directory to read them: `Store.segments_dir`)."""
+    return Path(checkpoint_dir) / SEGMENTS_DIR
+
+
+def segment_file_name(segment_id: int) -> str:
+    return f"segment_{int(segment_id)}.sqlite"
 
 
 @dataclass

@@ -30,6 +30,7 @@ import json
 import math
 import os
 import time
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -238,6 +239,18 @@ def member_path(root: Path, name: str, where: str = "manifest") -> Path:
     if os.path.commonpath([real_root, real]) != real_root:
         raise ManifestError(f"{where}: refuses {name!r}: it resolves outside {root}")
     return path
+
+
+def member_paths(root: Path, entries: Iterable[FileEntry], where: str = "manifest") -> list[tuple[FileEntry, Path | ManifestError]]:
+    """`member_path` of every entry, in order: the path, or the ManifestError refusing it
+    (returned, so the caller refuses in the order it checks its files)."""
+    out: list[tuple[FileEntry, Path | ManifestError]] = []
+    for entry in entries:
+        try:
+            out.append((entry, member_path(root, entry.path, where)))
+        except ManifestError as e:
+            out.append((entry, e))
+    return out
 
 
 def describe_files(root: Path, *, skip_dirs: tuple[str, ...] = (), hashing: Hashing = BLAKE3) -> list[FileEntry]:

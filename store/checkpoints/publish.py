@@ -56,6 +56,7 @@ from .layout import (
     anchor_name,
     read_high_water,
     scan,
+    segments_dir_of,
     snapshot_dir,
 )
 from .manifest import (
@@ -70,7 +71,7 @@ from .manifest import (
 )
 from .retention import Retention, RetentionReport, apply_retention, default_retention, remove_leftovers, remove_tree
 from .segments import copy_problems, referenced_entries, remove_unreferenced, segment_path
-from ..live.payload import file_references, segments_dir_of
+from ..live.payload import file_references
 
 log = logging.getLogger(__name__)
 

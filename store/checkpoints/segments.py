@@ -3,7 +3,8 @@ segment, checking the segments a snapshot lists, and removing the ones nothing n
 
     CHECKPOINT_DIR/
       payload_segments/
-        segment_<n>.sqlite      one table `payload` (store/live/payload.py says why SQLite)
+        segment_<n>.sqlite      one table `payload` (store/live/payload.py says why SQLite;
+                                the place and the names are checkpoints/layout.py's)
         .segment_<n>.sqlite.seal.<pid>.tmp     being written (a crash leaves it; next save removes it)
         .segment_<n>.sqlite.<pid>.trash        being removed (idem)
 
@@ -56,21 +57,18 @@ from ..live.payload import (
     SEGMENT_DDL,
     SEGMENT_FORMAT,
     SEGMENT_TABLE,
-    SEGMENTS_DIR,
-    file_references,
     inline_payloads,
     next_segment_id,
     point_at_segment,
     record_segment,
     referenced_segments,
     sample_references,
-    segment_file_name,
-    segments_dir_of,
 )
 from ..errors import NotAStoreError, RecordDamaged
 from ..live.invariants import check_invariants
 from ..sqlite.readonly import open_readonly
 from .hashing import BLAKE3, Hashing
+from .layout import SEGMENTS_DIR, segment_file_name, segments_dir_of
 from .manifest import FileEntry, ManifestError, member_path
 
 log = logging.getLogger(__name__)
@@ -309,10 +307,11 @@ def store_segment_problems(store_path: str | Path, checkpoint_dir: str | Path) -
     return problems or missing_payload(checkpoint_dir, read_sample_references(store_path), str(store_path))
 
 
-def unlisted_references(db_path: str | Path, entries: Iterable[FileEntry]) -> list[str]:
-    """Segments the store file references that its manifest does not list."""
+def unlisted_segments(references: dict[str, list[int]], entries: Iterable[FileEntry]) -> list[str]:
+    """Segments a store file references (its `read_sample_references`) that its manifest
+    does not list (`entries`), sorted."""
     listed = {e.path for e in entries}
-    return sorted(file_references(db_path) - listed)
+    return sorted(set(references) - listed)
 
 
 # --------------------------------------------------------------------------- removal
@@ -357,5 +356,5 @@ def remove_unreferenced(checkpoint_dir: str | Path, keep: set[str]) -> SegmentRe
 
 
 __all__ = ["SEGMENTS_DIR", "Sealed", "SegmentReport", "copy_problems", "missing_payload", "read_sample_references", "referenced_entries",
-           "remove_unreferenced", "seal_inline_payload", "segment_number", "segment_path", "unlisted_references",
+           "remove_unreferenced", "seal_inline_payload", "segment_number", "segment_path", "unlisted_segments",
            "verify_segments"]

@@ -3,8 +3,9 @@ live store's side of sealing (revision v1_6_a).
 
 A finished sample's token ids and logprobs never change. Until a snapshot seals them
 they are inline in ``samples``; the snapshot pump then writes them once into a segment
-file (``CHECKPOINT_DIR/payload_segments/segment_<n>.sqlite``, written and made durable by
-`store/checkpoints/segments.py`) and then, in write transactions, records the segment in
+file (``CHECKPOINT_DIR/payload_segments/segment_<n>.sqlite``: where and under which name
+is the checkpoint directory's layout, `store/checkpoints/layout.py`; written and made
+durable by `store/checkpoints/segments.py`; this module is given the directory) and then, in write transactions, records the segment in
 ``payload_segments`` (`record_segment`) and points the samples at it (`point_at_segment`,
 a few MiB of payload per transaction), dropping their inline
 BLOBs. From then on no snapshot copies that payload again: each snapshot's store file
@@ -47,7 +48,6 @@ from ..sqlite.readonly import open_readonly
 from .codec import TOKEN_DTYPE
 from .schema import T
 
-SEGMENTS_DIR = "payload_segments"  # under the checkpoint directory
 SEGMENT_TABLE = "payload"
 SEGMENT_FORMAT = 1  # PRAGMA user_version of a segment file
 SEGMENT_DDL = (f"CREATE TABLE {SEGMENT_TABLE} (sample_id INTEGER PRIMARY KEY, token_ids BLOB NOT NULL, "
@@ -72,14 +72,6 @@ class SegmentRef:
     rows: int
 
 
-def segment_file_name(segment_id: int) -> str:
-    return f"segment_{int(segment_id)}.sqlite"
-
-
-def segments_dir_of(checkpoint_dir: str | Path) -> Path:
-    return Path(checkpoint_dir) / SEGMENTS_DIR
-
-
 # --------------------------------------------------------------------------- reading
 
 
@@ -88,7 +80,8 @@ def read_samples(conn: Connection | sqlite3.Connection, group_ids: Sequence[int]
     """The samples of `group_ids` as rows (group_id, generation_index, prompt_id,
     token_ids, logprobs, reward, version_token_counts), by group then generation, with
     the payload BLOBs (still encoded, `codec`) taken inline or from their segment.
-    `segments_dir`: where the store's segments are (`segments_dir_of(CHECKPOINT_DIR)`);
+    `segments_dir`: where the store's segments are (the caller knows the checkpoint
+    directory: `checkpoints.layout.segments_dir_of`);
     None only for a store that references none. Raises SegmentMissing naming the
     segment when one cannot give a payload it should."""
     ids = json.dumps([int(g) for g in group_ids])

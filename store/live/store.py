@@ -85,7 +85,7 @@ class Store:
         self.path = db.path
         self.tx_time = TransactionClock()
         # Where the payload segments its samples reference are (CHECKPOINT_DIR/
-        # payload_segments, `payload.segments_dir_of`): set by whoever knows the
+        # payload_segments, `checkpoints.layout.segments_dir_of`): set by whoever knows the
         # checkpoint directory (the snapshot pump); read by `samples_of`.
         self.segments_dir: Path | None = None
 

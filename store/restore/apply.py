@@ -3,8 +3,10 @@ weights are loaded from the snapshot's anchor and before the pumps start.
 
 `restore_snapshot` (this module: the order of work and the file I/O) works on a copy
 beside the live store and replaces the live file only when every check has passed. The
-checks and the plan it returns are in `plan.py`, restart normalization in `normalize.py`,
-the overlapped copy and integrity check in `copying.py`. In this order:
+checks, the plan it returns and what it read of the snapshot (`SnapshotReading`: the
+manifest, the store file's revision, the segment list, each read once and handed to
+every phase) are in `plan.py`, restart normalization in `normalize.py`, the overlapped
+copy and integrity check in `copying.py`. In this order:
 
 1. manifest and checksums: every file the manifest lists, hashed; the store file is
    hashed as it is copied beside the live store (the hash covers the copy's bytes); the
@@ -63,7 +65,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from ..checkpoints.layout import ENV_EXPORT, SNAPSHOT_DB, anchor_step
+from ..checkpoints.layout import ENV_EXPORT
+from ..checkpoints.manifest import Manifest
 from ..errors import RecordDamaged, RestoreError, SnapshotDamaged
 from ..fsio import SQLITE_SIDE_SUFFIXES, remove_sqlite_file, replace_file, temp_path_beside
 from ..live import pools
@@ -80,7 +83,7 @@ from .plan import (
     check_run_meta,
     check_spare_and_cursor,
     connect,
-    read_snapshot_manifest,
+    read_snapshot,
     refuse_on_invariants,
     stamp_config_fingerprint,
     verify_and_copy,
@@ -138,6 +141,7 @@ def restore_snapshot(
     trainer_step: int | None = None,
     run_id: str | None = None,
     earlier_config_fingerprint: str | None = None,
+    manifest: Manifest | None = None,
 ) -> RestorePlan:
     """Restore `snapshot_dir` into `live_store_path` (see the module docstring).
 
@@ -146,17 +150,15 @@ def restore_snapshot(
     (the weights the caller loaded); `run_id`, when given, must be the snapshot's run id
     (the live store's: a snapshot of another run never replaces it); `earlier_config_fingerprint`,
     when given, is accepted in place of `config_fingerprint` (the same config under the
-    fingerprint's earlier formula) and replaced by it in the restored store. Raises a
-    `RestoreError` subclass on any refusal."""
+    fingerprint's earlier formula) and replaced by it in the restored store. `manifest`: the
+    snapshot's, when the caller has read it (the listing that chose the snapshot); it
+    is not read again, and every file is checked against it. Raises a `RestoreError`
+    subclass on any refusal."""
     snapshot_dir, live = Path(snapshot_dir), Path(live_store_path)
     phases = _Phases()
-    source = snapshot_dir / SNAPSHOT_DB
     with phases("manifest"):
-        manifest = read_snapshot_manifest(snapshot_dir)
-        try:
-            step = anchor_step(manifest.anchor) or 0
-        except ValueError as e:
-            raise SnapshotDamaged(f"{snapshot_dir}: {e}; restore another snapshot", snapshot_dir) from None
+        snapshot = read_snapshot(snapshot_dir, manifest)
+    source, step, manifest = snapshot.source, snapshot.step, snapshot.manifest
     if trainer_step is not None and trainer_step != step:
         raise RestoreError(f"{snapshot_dir}: anchored to {manifest.anchor} but the trainer loaded step {trainer_step}; "
                            f"load the weights of {manifest.anchor} before restoring its snapshot")
@@ -173,11 +175,11 @@ def restore_snapshot(
     segment_check = None
     try:
         with phases("checksums"):
-            segment_check = verify_and_copy(snapshot_dir, manifest, copy)
+            segment_check = verify_and_copy(snapshot, copy)
         with phases("schema"):
-            revision, upgraded_from = bring_to_head(copy, source, manifest, source_check)
+            bring_to_head(copy, snapshot, source_check)
         with phases("integrity"):
-            if upgraded_from is None:
+            if snapshot.upgraded_from is None:
                 check_integrity(copy, source, source_check.result())
             else:  # the migrated copy is new bytes
                 check_integrity(copy, source)
@@ -233,8 +235,8 @@ def restore_snapshot(
         sequence=manifest.sequence,
         cut_time=manifest.cut_time,
         trained_step=step,
-        schema_revision=revision,
-        upgraded_from=upgraded_from,
+        schema_revision=snapshot.revision,
+        upgraded_from=snapshot.upgraded_from,
         ledger_dispatch=mode,
         redispatch=redispatch,
         to_finalize=to_finalize,

@@ -161,7 +161,9 @@ def select_and_restore(
             tried += [s.path for s in scan(checkpoint_dir).snapshots if s.anchor == anchor]
         else:
             try:
-                plan = restore_snapshot(selection.snapshot.path, live_store_path, run_id=run_id, **restore_kwargs)
+                # The manifest the listing read is passed down: restore reads it no more.
+                plan = restore_snapshot(selection.snapshot.path, live_store_path, run_id=run_id,
+                                        manifest=selection.snapshot.manifest, **restore_kwargs)
             except (SnapshotDamaged, SnapshotInconsistent) as e:
                 if not latest:
                     raise

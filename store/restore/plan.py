@@ -1,6 +1,13 @@
 """The restore plan and the checks a snapshot must pass before the live store changes
 (phases 1-5 and 8 of `apply.restore_snapshot`; the module docstring there gives the
 order). Each check raises a `RestoreError` subclass (`store/errors.py`) with one line.
+
+What the restore reads of the snapshot it reads once, into a `SnapshotReading` that every
+phase is handed: the manifest (read by the listing that chose the snapshot, or here), the
+store file's revision (phase 2, one question to the sqlite floor) and the segment list
+(the manifest's `segments`, where they live, and which samples the copy points at each:
+phase 1, one read of the copy). No phase reads the manifest again, asks for the revision
+again or works out where the segments are.
 """
 
 from __future__ import annotations
@@ -12,14 +19,16 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..checkpoints.layout import SNAPSHOT_DB, SNAPSHOTS_DIR
-from ..checkpoints.segments import missing_payload, read_sample_references, unlisted_references, verify_segments
+from ..checkpoints.hashing import Hashing
+from ..checkpoints.layout import SNAPSHOT_DB, SNAPSHOTS_DIR, anchor_step
+from ..checkpoints.segments import missing_payload, read_sample_references, unlisted_segments, verify_segments
 from ..checkpoints.manifest import (
     KIND_SNAPSHOT,
+    MANIFEST_NAME,
     Manifest,
     ManifestError,
     describe_files_names,
-    member_path,
+    member_paths,
     read_manifest,
 )
 from ..errors import (
@@ -35,9 +44,9 @@ from ..errors import (
 from ..live import pools
 from ..live.invariants import check_invariants
 from ..live.ledger import Reservation
-from ..sqlite.identity import check_schema
+from ..sqlite.identity import read_revision
 from ..sqlite.integrity import first_problem, integrity_problems
-from ..sqlite.revision import classify_revision, file_revision, head_revision, known_revisions, run_migrations
+from ..sqlite.revision import head_revision, run_migrations
 from .copying import SourceIntegrityCheck, copy_hashing
 
 
@@ -91,6 +100,54 @@ class RestorePlan:
     config_fingerprint_was: str | None = None
 
 
+@dataclass
+class SnapshotReading:
+    """A snapshot as the restore read it, handed to every phase (the module docstring).
+    `revision`, `upgraded_from` and `references` are filled in by phases 1-2."""
+
+    snapshot_dir: Path
+    manifest: Manifest
+    hashing: Hashing  # the hash the manifest's digests are of
+    step: int  # optimizer steps in the anchor (bootstrap: 0)
+    # The checkpoint directory the snapshot was published in (its payload_segments/ are
+    # there); None for a snapshot directory anywhere else (it may list no segment).
+    checkpoint_dir: Path | None
+    revision: str | None = None  # the store file's, read on the copy (phase 2)
+    upgraded_from: str | None = None  # set when the copy was migrated to head
+    # The segment list of the copy: file name -> the ids of the samples pointed at it.
+    references: dict[str, list[int]] = field(default_factory=dict)
+
+    @property
+    def source(self) -> Path:
+        return self.snapshot_dir / SNAPSHOT_DB
+
+    @property
+    def where(self) -> str:
+        return str(self.snapshot_dir / MANIFEST_NAME)
+
+
+def read_snapshot(snapshot_dir: Path, manifest: Manifest | None = None) -> SnapshotReading:
+    """The reading a restore starts from: `manifest` when the caller read it (the listing
+    that chose the snapshot), else the manifest read here; refused unless it is a rollout
+    snapshot's with an anchor name."""
+    if manifest is None:
+        try:
+            manifest = read_manifest(snapshot_dir)
+        except ManifestError as e:
+            raise SnapshotDamaged(f"{e}; restore another snapshot (`rolloutdb snapshots` lists them)",
+                                  snapshot_dir / MANIFEST_NAME) from None
+    if manifest.kind != KIND_SNAPSHOT:
+        raise SnapshotDamaged(f"{snapshot_dir}: manifest kind {manifest.kind}, not a rollout snapshot; "
+                              "pass a rollout_snapshots/snapshot_<N> directory", snapshot_dir)
+    try:
+        step = anchor_step(manifest.anchor) or 0
+    except ValueError as e:
+        raise SnapshotDamaged(f"{snapshot_dir}: {e}; restore another snapshot", snapshot_dir) from None
+    published = snapshot_dir.parent.name == SNAPSHOTS_DIR  # CHECKPOINT_DIR/<anchor>/rollout_snapshots/
+    return SnapshotReading(snapshot_dir, manifest, manifest.hashing, step,
+                           snapshot_dir.parent.parent.parent if published else None)
+
+
 def _canonical(settings: object) -> str:
     return json.dumps(settings, sort_keys=True, separators=(",", ":"))
 
@@ -104,31 +161,16 @@ def connect(path: Path) -> sqlite3.Connection:
 # --------------------------------------------------------------------------- phases 1-3
 
 
-def read_snapshot_manifest(snapshot_dir: Path) -> Manifest:
-    try:
-        manifest = read_manifest(snapshot_dir)
-    except ManifestError as e:
-        raise SnapshotDamaged(f"{e}; restore another snapshot (`rolloutdb snapshots` lists them)",
-                              snapshot_dir / "manifest.json") from None
-    if manifest.kind != KIND_SNAPSHOT:
-        raise SnapshotDamaged(f"{snapshot_dir}: manifest kind {manifest.kind}, not a rollout snapshot; "
-                              "pass a rollout_snapshots/snapshot_<N> directory", snapshot_dir)
-    return manifest
-
-
-def verify_and_copy(snapshot_dir: Path, manifest: Manifest, copy: Path) -> SegmentCheck:
+def verify_and_copy(snapshot: SnapshotReading, copy: Path) -> SegmentCheck:
     """Phase 1: every listed file against its size and checksum (the hash the
     manifest's format names; the store file while it is copied to `copy`), and no
     unlisted file. Returns the check of the payload segments, started on its own thread
     (`SegmentCheck`): the caller waits for it before the live store is replaced."""
-    where = str(snapshot_dir / "manifest.json")
-    hashing = manifest.hashing
+    snapshot_dir, manifest, hashing = snapshot.snapshot_dir, snapshot.manifest, snapshot.hashing
     listed = set()
-    for entry in manifest.files:
-        try:
-            path = member_path(snapshot_dir, entry.path, where)
-        except ManifestError as e:
-            raise SnapshotDamaged(str(e), snapshot_dir) from None
+    for entry, path in member_paths(snapshot_dir, manifest.files, snapshot.where):
+        if isinstance(path, ManifestError):
+            raise SnapshotDamaged(str(path), snapshot_dir) from None
         listed.add(entry.path)
         if not path.is_file():
             raise SnapshotDamaged(f"{path}: missing (the manifest lists it); restore another snapshot", path)
@@ -146,7 +188,7 @@ def verify_and_copy(snapshot_dir: Path, manifest: Manifest, copy: Path) -> Segme
         if name not in listed:
             raise SnapshotDamaged(f"{snapshot_dir / name}: not listed in the manifest (added after publication?); "
                                   "restore another snapshot", snapshot_dir / name)
-    return verify_listed_segments(snapshot_dir, manifest, copy)
+    return verify_listed_segments(snapshot, copy)
 
 
 class SegmentCheck:
@@ -159,20 +201,20 @@ class SegmentCheck:
     `result()` waits and raises SnapshotDamaged naming the first damaged segment. A
     restore refused earlier leaves the thread to finish its reads (it writes nothing)."""
 
-    def __init__(self, snapshot_dir: Path, manifest: Manifest, references: dict[str, list[int]] | None = None):
-        self.snapshot_dir = snapshot_dir
+    def __init__(self, snapshot: SnapshotReading):
+        self.snapshot_dir = snapshot.snapshot_dir
         self.problems: list[str] | None = None
         self.error: BaseException | None = None
         self._thread: threading.Thread | None = None
-        if manifest.segments:
-            where = str(snapshot_dir / "manifest.json")
-            checkpoint_dir = snapshot_dir.parents[2]
+        manifest, checkpoint_dir = snapshot.manifest, snapshot.checkpoint_dir
+        if manifest.segments and checkpoint_dir is not None:
+            references = snapshot.references
 
             def run() -> None:
                 try:
-                    self.problems = verify_segments(checkpoint_dir, manifest.segments, manifest.hashing, where)
+                    self.problems = verify_segments(checkpoint_dir, manifest.segments, snapshot.hashing, snapshot.where)
                     if not self.problems:  # `verify`'s check: each sample's payload in the segment named
-                        self.problems = missing_payload(checkpoint_dir, references or {}, str(snapshot_dir / SNAPSHOT_DB))
+                        self.problems = missing_payload(checkpoint_dir, references, str(snapshot.source))
                 except BaseException as e:  # noqa: BLE001 - re-raised by result()
                     self.error = e
 
@@ -189,27 +231,28 @@ class SegmentCheck:
             raise SnapshotDamaged(f"{self.problems[0]}; restore another snapshot", self.snapshot_dir)
 
 
-def verify_listed_segments(snapshot_dir: Path, manifest: Manifest, copy: Path) -> SegmentCheck:
-    """The payload stays where it was published. Each segment the
-    manifest lists is read and hashed (not copied: `SegmentCheck`, on its own thread);
-    the restored store references the same files in CHECKPOINT_DIR/payload_segments/.
-    Every segment the copy references must be listed. An older snapshot lists none: its
-    payload is inline in the copy."""
-    where = str(snapshot_dir / "manifest.json")
+def verify_listed_segments(snapshot: SnapshotReading, copy: Path) -> SegmentCheck:
+    """The payload stays where it was published. Each segment the manifest lists is
+    read and hashed (not copied: `SegmentCheck`, on its own thread); the restored store
+    references the same files in CHECKPOINT_DIR/payload_segments/. Every segment the
+    copy references must be listed. An older snapshot lists none: its payload is inline
+    in the copy. The copy's segment list is read once, into `snapshot.references`
+    (here: the copy changes once the thread runs)."""
+    snapshot_dir, manifest, where = snapshot.snapshot_dir, snapshot.manifest, snapshot.where
     try:
-        unlisted = unlisted_references(copy, manifest.segments)
-        references = read_sample_references(copy)  # read here: the copy changes once the thread runs
+        snapshot.references = read_sample_references(copy)
     except (NotAStoreError, sqlite3.DatabaseError) as e:
         raise SnapshotDamaged(f"{snapshot_dir / SNAPSHOT_DB}: unreadable payload references ({e}); "
                               "restore another snapshot", snapshot_dir / SNAPSHOT_DB) from None
+    unlisted = unlisted_segments(snapshot.references, manifest.segments)
     if unlisted:
         raise SnapshotDamaged(f"{snapshot_dir / SNAPSHOT_DB}: references payload segment {unlisted[0]}, which its "
                               "manifest does not list; restore another snapshot", snapshot_dir / SNAPSHOT_DB)
-    if manifest.segments and snapshot_dir.parent.name != SNAPSHOTS_DIR:
+    if manifest.segments and snapshot.checkpoint_dir is None:
         raise SnapshotDamaged(f"{where}: lists payload segments, which are found only where the snapshot was "
                               "published (CHECKPOINT_DIR/<anchor>/rollout_snapshots/); restore it from there",
                               snapshot_dir)
-    return SegmentCheck(snapshot_dir, manifest, references)
+    return SegmentCheck(snapshot)
 
 
 def check_integrity(copy: Path, source: Path, rows: list[str] | None = None) -> None:
@@ -226,38 +269,38 @@ def check_integrity(copy: Path, source: Path, rows: list[str] | None = None) -> 
         raise SnapshotDamaged(f"{source}: integrity_check failed ({first}); restore another snapshot", source)
 
 
-def bring_to_head(copy: Path, source: Path, manifest: Manifest,
-                   source_check: SourceIntegrityCheck) -> tuple[str, str | None]:
-    """Phase 2: (snapshot revision, revision upgraded from or None). A newer revision is
-    refused; an older one is migrated on the copy once the snapshot passed its integrity
-    check."""
+def bring_to_head(copy: Path, snapshot: SnapshotReading, source_check: SourceIntegrityCheck) -> None:
+    """Phase 2: sets `snapshot.revision` (the copy's) and `snapshot.upgraded_from` (that
+    revision when the copy was migrated, else None). A newer revision is refused; an
+    older one is migrated on the copy once the snapshot passed its integrity check."""
+    source, manifest = snapshot.source, snapshot.manifest
     try:
         with contextlib.closing(connect(copy)) as conn:
-            revision = file_revision(conn, source)  # exactly one row: refuses none, two, NULL
-            if revision in known_revisions():
-                check_schema(conn, source, revision)  # the schema is that revision's
+            # Exactly one row (refuses none, two, NULL); a known revision's schema checked.
+            found = read_revision(conn, source)
     except sqlite3.DatabaseError as e:
         raise SnapshotDamaged(f"{source}: unreadable SQLite file ({e}); restore another snapshot", source) from None
     except NotAStoreError as e:
         raise SnapshotDamaged(str(e), source) from None
+    revision = snapshot.revision = found.revision
     if revision is None:
         raise SnapshotDamaged(f"{source}: not a rolloutdb store (no alembic_version); restore another snapshot", source)
     if manifest.schema_revision not in (None, revision):
         raise SnapshotDamaged(f"{source}: schema revision {revision} but the manifest says {manifest.schema_revision}; "
                               "restore another snapshot", source)
-    try:
-        kind = classify_revision(source, revision)
-    except SchemaTooNewError as e:
-        raise SnapshotTooNew(f"{e}, then resume again; the snapshot is left as it is") from None
-    if kind == "head":
-        return revision, None
+    if isinstance(found.refusal, SchemaTooNewError):
+        raise SnapshotTooNew(f"{found.refusal}, then resume again; the snapshot is left as it is") from None
+    if found.refusal is not None:
+        raise found.refusal
+    if found.status == "head":
+        return
     check_integrity(copy, source, source_check.result())
     try:
         run_migrations(copy)
     except Exception as e:  # noqa: BLE001 - any failure leaves the snapshot as is
         raise RestoreError(f"{source}: migrating a copy from {revision} to {head_revision()} failed "
                            f"({type(e).__name__}: {e}); the snapshot is left as it is") from e
-    return revision, revision
+    snapshot.upgraded_from = revision
 
 
 # --------------------------------------------------------------------------- phases 4-5

@@ -46,7 +46,7 @@ class Selection:
 def anchor_problem(anchor: Entry) -> str | None:
     """Why the trainer must not load this anchor's files (checksums, missing or unlisted
     files), or None when they match its manifest."""
-    report = verify_trainer_dir(anchor.path, with_snapshots=False)
+    report = verify_trainer_dir(anchor.path, with_snapshots=False, manifest=anchor.manifest)  # the listing's
     return None if report.ok else report.problems[0]
 
 
@@ -112,7 +112,7 @@ def select_for_restore(checkpoint_dir: str | Path, *, verify: bool = True, verif
             reasons.append(f"{snap.path.name} ({snap.anchor}): {problem}")
             continue
         if verify:
-            report = verify_snapshot_dir(snap.path)
+            report = verify_snapshot_dir(snap.path, snap.manifest)  # the listing read it
             if not report.ok:
                 reasons.append(f"{snap.path.name} ({snap.anchor}): fails verification: {report.problems[0]}")
                 continue

@@ -24,6 +24,7 @@ from ..checkpoints.layout import (
     SNAPSHOTS_DIR,
     anchor_step,
     scan,
+    segments_dir_of,
     snapshot_name,
 )
 from ..checkpoints.manifest import (
@@ -35,7 +36,7 @@ from ..checkpoints.manifest import (
     read_manifest,
     verify_files,
 )
-from ..checkpoints.segments import missing_payload, read_sample_references, unlisted_references, verify_segments
+from ..checkpoints.segments import missing_payload, read_sample_references, unlisted_segments, verify_segments
 from ..sqlite.identity import identify
 from ..sqlite.integrity import integrity_problems
 from ..sqlite.readonly import listing_manifest, open_readonly
@@ -82,8 +83,9 @@ def verify_store_file(path: str | Path, *, manifest: Manifest | None = None, bes
         report.problems.append(str(e))
         return report
     try:
-        _check_open_file(path, conn, report)
-        revision = _revision_of(conn)
+        revision = _check_open_file(path, conn, report)
+        if revision is _UNREAD:  # refused before its revision was read: read it for the cross-check
+            revision = _revision_of(conn)
     finally:
         conn.close()
     if beside and manifest is None and (path.parent / MANIFEST_NAME).exists():
@@ -108,22 +110,27 @@ def _revision_of(conn: sqlite3.Connection) -> str | None:
         return None
 
 
-def _check_open_file(path: Path, conn: sqlite3.Connection, report: Report) -> None:
+_UNREAD = "<unread>"  # `_check_open_file` stopped before reading the revision
+
+
+def _check_open_file(path: Path, conn: sqlite3.Connection, report: Report) -> str | None:
+    """The file's checks, into `report`; returns the revision it read (`_UNREAD` when
+    a refusal came first)."""
     try:
         rows = integrity_problems(conn, INTEGRITY_LINES + 1)
     except sqlite3.DatabaseError as e:
         report.problems.append(f"{path}: integrity_check failed: {e}; restore it from another snapshot")
-        return
+        return _UNREAD
     if rows:
         more = " ..." if len(rows) > INTEGRITY_LINES else ""
         report.problems.append(f"{path}: integrity_check failed: {'; '.join(rows[:INTEGRITY_LINES])}{more}; "
                                "restore it from another snapshot")
-        return
+        return _UNREAD
     try:
         revision, status = identify(conn, path)  # one alembic_version row, known, its schema
     except (NotAStoreError, SchemaTooNewError) as e:
         report.problems.append(str(e))
-        return
+        return _UNREAD
     if status == "old":
         if listing_manifest(path) is not None:  # a published file is never changed in place
             how = (f"it is a published snapshot file, so upgrade a copy: `rolloutdb upgrade {path} --out COPY.sqlite` "
@@ -135,26 +142,29 @@ def _check_open_file(path: Path, conn: sqlite3.Connection, report: Report) -> No
         inv = check_invariants(conn)
     except sqlite3.DatabaseError as e:
         report.problems.append(f"{path}: could not check invariants: {e}")
-        return
+        return revision
     except RecordDamaged as e:  # the settled record's decoder names the table and row
         report.problems.append(f"{path}: {e}")
-        return
+        return revision
     report.problems += [f"{path}: {p}" for p in inv.problems]
+    return revision
 
 
 def _skip(manifest: Manifest) -> tuple[str, ...]:
     return (SNAPSHOTS_DIR,) if manifest.kind == KIND_TRAINER else ()
 
 
-def verify_snapshot_dir(path: str | Path) -> Report:
-    """Every file against the manifest, then the snapshot file's own checks."""
+def verify_snapshot_dir(path: str | Path, manifest: Manifest | None = None) -> Report:
+    """Every file against the manifest, then the snapshot file's own checks. `manifest`:
+    the snapshot's, when the caller has read it (a listing); not read again."""
     path = Path(path)
     report = Report(checked=[str(path)])
-    try:
-        manifest = read_manifest(path)
-    except ManifestError as e:
-        report.problems.append(str(e))
-        return report
+    if manifest is None:
+        try:
+            manifest = read_manifest(path)
+        except ManifestError as e:
+            report.problems.append(str(e))
+            return report
     if manifest.kind != KIND_SNAPSHOT:
         report.problems.append(f"{path / MANIFEST_NAME}: kind {manifest.kind}, expected {KIND_SNAPSHOT}")
         return report
@@ -186,10 +196,11 @@ def _verify_snapshot_segments(path: Path, db: Path, manifest: Manifest) -> Repor
     report = Report()
     where = str(path / MANIFEST_NAME)
     try:
-        unlisted = unlisted_references(db, manifest.segments)
+        references = read_sample_references(db)  # the segment list, read once
     except (NotAStoreError, sqlite3.DatabaseError) as e:
         report.problems.append(f"{db}: could not read its payload segment references: {e}")
         return report
+    unlisted = unlisted_segments(references, manifest.segments)
     report.problems += [f"{db}: references payload segment {n}, which its manifest does not list" for n in unlisted]
     if not manifest.segments:
         return report
@@ -200,18 +211,20 @@ def _verify_snapshot_segments(path: Path, db: Path, manifest: Manifest) -> Repor
     checkpoint_dir = path.parents[2]
     report.problems += verify_segments(checkpoint_dir, manifest.segments, manifest.hashing, where)
     if not report.problems:  # every sample's payload in the segment its store file names
-        report.problems += missing_payload(checkpoint_dir, read_sample_references(db), str(db))
-    report.checked += [str(checkpoint_dir / "payload_segments" / e.path) for e in manifest.segments]
+        report.problems += missing_payload(checkpoint_dir, references, str(db))
+    report.checked += [str(segments_dir_of(checkpoint_dir) / e.path) for e in manifest.segments]
     return report
 
 
-def verify_trainer_dir(path: str | Path, *, with_snapshots: bool = True) -> Report:
+def verify_trainer_dir(path: str | Path, *, with_snapshots: bool = True, manifest: Manifest | None = None) -> Report:
     """A trainer checkpoint's files against its manifest (its rollout_snapshots/
-    excluded), then, with `with_snapshots`, every snapshot anchored to it."""
+    excluded), then, with `with_snapshots`, every snapshot anchored to it. `manifest`:
+    the checkpoint's, when the caller has read it (a listing); not read again."""
     path = Path(path)
     report = Report(checked=[str(path)])
     try:
-        manifest = read_manifest(path)
+        if manifest is None:
+            manifest = read_manifest(path)
     except ManifestError as e:
         report.problems.append(f"{e} (a trainer checkpoint without a manifest is not durable)")
     else:

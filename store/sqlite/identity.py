@@ -21,9 +21,10 @@ from __future__ import annotations
 
 import functools
 import sqlite3
+from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import NotAStoreError
+from ..errors import NotAStoreError, SchemaTooNewError, StoreError
 from .revision import alembic_config, classify_revision, file_revision, known_revisions
 
 # (table name -> (sorted columns, sorted indexes)), plus ("view"/"trigger", name) entries.
@@ -136,3 +137,29 @@ def identify(conn: sqlite3.Connection, path: str | Path) -> tuple[str, str]:
     status = classify_revision(Path(path), revision)
     check_schema(conn, path, revision)
     return revision, status
+
+
+@dataclass(frozen=True)
+class RevisionRead:
+    """A store file's revision, read once (`read_revision`): the id (None: no
+    ``alembic_version`` table), 'head' or 'old' (None when the id is none of ours), and
+    for an id that is none of ours the refusal `classify_revision` gives it, for the
+    caller to raise when its own checks come first."""
+
+    revision: str | None
+    status: str | None
+    refusal: StoreError | None = None
+
+
+def read_revision(conn: sqlite3.Connection, path: str | Path) -> RevisionRead:
+    """The revision of an open file and where it stands, in one question: exactly one
+    ``alembic_version`` row (or none: `revision` None), the schema of a known revision
+    checked (both raise NotAStoreError, as `identify`); an id outside our history is
+    returned with its refusal, not raised."""
+    revision = file_revision(conn, path)
+    if revision in known_revisions():
+        check_schema(conn, path, revision)
+    try:
+        return RevisionRead(revision, classify_revision(Path(path), revision))
+    except (SchemaTooNewError, NotAStoreError) as e:
+        return RevisionRead(revision, None, e)
