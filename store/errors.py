@@ -81,7 +81,7 @@ class SnapshotInconsistent(RestoreError):
 
 
 class PayloadInventoryMismatch(SnapshotInconsistent):
-    """Payload rows (samples, chunks, episodes, finalizer results) no live ledger row
+    """Payload rows (samples, chunks, episodes) no live ledger row
     references, found *before* normalization: refused rather than silently cleared."""
 
     def __init__(self, message: str):

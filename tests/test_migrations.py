@@ -109,9 +109,11 @@ def test_each_fixture_is_at_its_own_revision_sound_and_standalone(fixture_copy):
         assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "delete"
         states = dict(conn.execute("SELECT state, count(*) FROM prompt_groups GROUP BY state"))
         reasons = {r for (r,) in conn.execute("SELECT DISTINCT abandon_reason FROM rollouts WHERE abandon_reason IS NOT NULL")}
-        for table in ("samples", "replay_groups", "finalizer_results", "spare_prompts", "step_shortfall",
+        for table in ("samples", "replay_groups", "spare_prompts", "step_shortfall",
                       "token_chunks", "env_episodes", "snapshot_attempts", "run_meta", "sampler_state"):
             assert conn.execute(f"SELECT count(*) FROM {table}").fetchone()[0] > 0, table
+        if revision < "v1_7_a":  # the table's last revision: rows to drop on upgrade
+            assert conn.execute("SELECT count(*) FROM finalizer_results").fetchone()[0] > 0
     if revision >= "v1_4_a":  # settled groups are a record, not rows (make_fixture._settled_ranges, _settled_steps)
         with _connect(path) as conn:
             states.update(queries.settled_counts(conn))
@@ -175,10 +177,13 @@ def test_each_fixture_upgrades_to_head_keeping_every_row(fixture_copy):
     if "settled_steps" in old:
         outcomes = None  # already at v1_5_a: its rows must be kept as they are (checked with the others)
     old.pop("settled_ranges", None)
+    old.pop("finalizer_results", None)  # v1_7_a: the table goes with its rows (nothing wrote or read them)
     with _connect(path) as after:
         assert after.execute("SELECT version_num FROM alembic_version").fetchall() == [(HEAD,)]
         assert after.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
-        assert set(_tables(after)) >= set(tables) - {"settled_ranges"}  # v1_5_a: settled_steps instead
+        # v1_5_a: settled_steps instead of settled_ranges; v1_7_a: no finalizer_results
+        assert set(_tables(after)) >= set(tables) - {"settled_ranges", "finalizer_results"}
+        assert "finalizer_results" not in _tables(after)
         for table, (columns, rows) in old.items():
             if table == "alembic_version":
                 continue

@@ -52,7 +52,7 @@ def test_the_pumps_reads_match_what_a_second_connection_sees(tmp_path):
         assert queries.episode_keys(conn, "abandoned") == [f"{b}.1-a0"]
         assert queries.episode_keys(conn, "abandoned", except_reason="restart") == []  # b1 was abandoned by a restart
         assert queries.episode_keys(conn, "abandoned", except_reason="error") == [f"{b}.1-a0"]
-        assert [tuple(r) for r in queries.abandoned_by_restart(conn, since)] == [(b, 11, 1, 0, 3)]
+        assert [tuple(r) for r in queries.abandoned_by_restart(conn, since)] == [(b, 11, 1, 0, 3, 1)]  # its version: b's dispatch
         assert queries.abandoned_by_restart(conn, time.time() + 60) == []
     with contextlib.closing(sqlite3.connect(path)) as raw:
         assert queries.episode_keys(raw, "running") == [f"{b}.1-a1"]  # a snapshot cut's raw connection

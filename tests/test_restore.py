@@ -92,7 +92,6 @@ def build_ledger_run(tmp_path: Path) -> SimpleNamespace:
         (b1_retry,) = ledger.start_attempts(tx, [(B, 1)], policy_version=1)
         pools.add_chunk(tx, b1_retry, [7, 8], prefix_count=0, max_tokens=8, min_tokens=0, policy_version=1)
         pools.put_episode(tx, b1_retry, turn=1, state={"turn": 1})
-        pools.put_finalizer_result(tx, A, {"advantage": 0.5})
     store.dispatch([F], policy_version=1)
     store.discard([F], reason="zero_reward_variance")
     with store.atomic() as tx:
@@ -281,9 +280,10 @@ def test_every_difference_is_named_at_once(tmp_path):
 
 def test_a_payload_row_no_ledger_row_references_is_refused_before_normalization(tmp_path):
     run = build_ledger_run(tmp_path)
-    rewrite_snapshot(run.snap, f"INSERT INTO finalizer_results VALUES ({run.t0}, '{{}}', 0.0);")
+    rewrite_snapshot(run.snap, "INSERT INTO env_episodes (episode_key, attempt_id, turn, state, updated_at) "
+                               "SELECT 'orphan', attempt_id, 1, '{}', 0.0 FROM rollouts WHERE state = 'finished' LIMIT 1;")
     err = assert_refused_and_unchanged(run, PayloadInventoryMismatch, "invariant 3")
-    assert err.invariant == 3 and f"finalizer {run.t0}" in str(err)
+    assert err.invariant == 3 and "episode orphan" in str(err)
 
 
 def test_restoring_a_snapshot_over_other_weights_is_refused(tmp_path):
@@ -302,16 +302,18 @@ def test_a_snapshot_that_saw_training_beyond_its_anchor_is_refused(tmp_path):
 # --------------------------------------------------------------------------- old revisions
 
 
-def test_an_old_revision_snapshot_is_restored_by_upgrading_a_copy(tmp_path, second_connection):
-    fixture = FIXTURES / "store_v1_0_a.sqlite"
+@pytest.mark.parametrize("revision", ["v1_0_a", "v1_6_a"])  # the first and the last with finalizer_results rows
+def test_an_old_revision_snapshot_is_restored_by_upgrading_a_copy(tmp_path, second_connection, revision):
+    fixture = FIXTURES / f"store_{revision}.sqlite"
     pub = Publisher(tmp_path / "ckpt")
     publish_anchor(pub, 5)
     snap = pub.publish_rollout_snapshot("step_5", lambda p: shutil.copyfile(fixture, p)).path
-    assert read_manifest(snap).schema_revision == "v1_0_a"
+    assert read_manifest(snap).schema_revision == revision
     with sqlite3.connect(f"file:{fixture}?mode=ro", uri=True) as conn:
         cfg, data, forest = conn.execute("SELECT config_fingerprint, dataset_fingerprint, forest_training FROM run_meta").fetchone()
         groups = {s: n for s, n in conn.execute("SELECT state, count(*) FROM prompt_groups GROUP BY state")}
         running = conn.execute("SELECT count(*) FROM rollouts WHERE state = 'running'").fetchone()[0]
+        assert conn.execute("SELECT count(*) FROM finalizer_results").fetchone()[0] > 0  # v1_7_a drops them
     conn.close()
     before = tree_digest(snap)
     live = tmp_path / "run" / "rollout_state.sqlite"
@@ -320,7 +322,7 @@ def test_an_old_revision_snapshot_is_restored_by_upgrading_a_copy(tmp_path, seco
     plan = restore_snapshot(snap, live, config_fingerprint=cfg, dataset_fingerprint=data,
                             forest_training=json.loads(forest), groups_per_step=4)
 
-    assert (plan.schema_revision, plan.upgraded_from, plan.trained_step) == ("v1_0_a", "v1_0_a", 5)
+    assert (plan.schema_revision, plan.upgraded_from, plan.trained_step) == (revision, revision, 5)
     assert plan.counts["abandoned_attempts"] == running
     assert plan.counts["published_at_restore"] == groups["sealed"]
     assert len(plan.redispatch) + len(plan.to_finalize) == groups["dispatched"] + groups["reserved"]
@@ -328,6 +330,7 @@ def test_an_old_revision_snapshot_is_restored_by_upgrading_a_copy(tmp_path, seco
     assert tree_digest(snap) == before
     conn = second_connection(live)
     assert conn.execute("SELECT version_num FROM alembic_version").fetchone()[0] == head_revision()
+    assert conn.execute("SELECT count(*) FROM sqlite_master WHERE name = 'finalizer_results'").fetchone()[0] == 0
     assert conn.execute("SELECT count(*) FROM replay_groups").fetchone()[0] == groups["published"] + groups["sealed"]
     assert conn.execute("SELECT count(*) FROM samples WHERE version_token_counts IS NULL").fetchone()[0] == 0
     assert check_invariants(conn).ok

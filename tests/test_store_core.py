@@ -412,10 +412,12 @@ def test_the_wal_stays_bounded_under_a_writer_that_never_pauses(store, second_co
     no readers the checkpointer must let the WAL restart, or it grows past any bound."""
     wal = store.path.with_name(store.path.name + "-wal")
     payload_bytes = 128 * 1024
+    (gid,) = store.reserve([Reservation(0, 0, 0)], num_generations=1, target_step=1)
+    (attempt,) = store.dispatch([gid], policy_version=0)
     written = largest = 0
     while written < 2 * JOURNAL_SIZE_LIMIT:
-        with store.atomic() as tx:
-            pools.put_finalizer_result(tx, 1, {"x": os.urandom(payload_bytes // 2).hex()})
+        with store.atomic() as tx:  # a running episode's state, saved again and again
+            pools.put_episode(tx, attempt, turn=1, state={"x": os.urandom(payload_bytes // 2).hex()})
         written += payload_bytes
         largest = max(largest, wal.stat().st_size)
     bound = JOURNAL_SIZE_LIMIT + 32 * 1024 * 1024

@@ -296,9 +296,9 @@ def announce(ctl, done: Restored) -> None:
         }
     )
     RolloutTrace(ctl.tracer).abandoned(_abandoned_at_restore(done.store, done.t0), "restart")
-    ctl.tracer.emit(
-        "restore_done",
+    RolloutTrace(ctl.tracer).restore_done(
         step=ctl.trainer.step,
+        policy_version=ctl.engine.policy_version,
         cut_time=plan.cut_time,
         snapshot_seq=plan.sequence,
         anchor=plan.anchor,

@@ -323,8 +323,8 @@ class SnapshotPump:
         timings = {**r.timings, "held_s": t_pub - held_at, "publish": time.perf_counter() - t_pub}
         self._last_counter = held.capture.mutation_counter
         self._last_decoded = held.capture.check_result.decoded
-        self.p.tracer.emit("snapshot_cut", cut_time=held.capture.cut_time, snapshot_seq=published.sequence,
-                           anchor=r.anchor, step=trainer.step)
+        self.trace.snapshot_cut(cut_time=held.capture.cut_time, snapshot_seq=published.sequence, anchor=r.anchor,
+                                step=trainer.step, snapshot=str(published.path), group_states=held.capture.group_states)
         self.trace.cut(held.capture.check_result.cut_calls, held.capture.cut_time)
         self.trace.fallback(held.capture.check_result.fallbacks, held.capture.cut_time)
         return AttemptResult("published", r.anchor, published.sequence, timings, None, r.mutation_counter)
@@ -438,7 +438,8 @@ class SnapshotPump:
         timings["total"] = time.perf_counter() - t0
         self._last_counter = capture.mutation_counter
         self._last_decoded = capture.check_result.decoded
-        self.p.tracer.emit("snapshot_cut", cut_time=capture.cut_time, snapshot_seq=published.sequence, anchor=anchor, step=step)
+        self.trace.snapshot_cut(cut_time=capture.cut_time, snapshot_seq=published.sequence, anchor=anchor, step=step,
+                                snapshot=str(published.path), group_states=capture.group_states)
         self.trace.cut(capture.check_result.cut_calls, capture.cut_time)
         self.trace.fallback(capture.check_result.fallbacks, capture.cut_time)
         return AttemptResult("published", anchor, published.sequence, timings, None, capture.mutation_counter)

@@ -281,9 +281,11 @@ class RolloutPump:
         what is durable, except `call_finished`), stamped with the batch's time."""
         if pending.retries and self.trace.enabled:
             for why in sorted({reason for _, reason in pending.retries}):  # as the ledger records them
+                lost = [live for live, reason in pending.retries if reason == why]
                 self.trace.at(t_commit).abandoned(
                     [(live.group.group_id, live.group.reservation.prompt_id, live.index, live.attempt,
-                      live.group.target_step) for live, reason in pending.retries if reason == why], why)
+                      live.group.target_step, live.group.policy_version) for live in lost],
+                    why, tokens=[live.episode.policy_tokens for live in lost])
             # Their new attempts (_retry_lost), one generation each.
             self.trace.at(t_commit).dispatched_generations([(live.group, live.index) for live, _ in pending.retries])
         if new_groups or restored:

@@ -7,7 +7,7 @@ once when the tracer is not `enabled`, so the pumps pay nothing for what nobody 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 from rolloutdb.controller.run.dispatch import GroupHandle
 from rolloutdb.store import NullTracer, Tracer
@@ -42,11 +42,13 @@ class RolloutTrace:
         return self.tracer.enabled
 
     def reserved(self, groups: Sequence[GroupHandle], group_size: int) -> None:
+        """Groups reserved and dispatched in one commit batch: `policy_version` is the
+        version they were dispatched under, the engine's at their reservation."""
         if not self.tracer.enabled:
             return
         for g in groups:
             self.tracer.emit("group_reserved", group_id=g.group_id, prompt_id=g.reservation.prompt_id, step=g.target_step,
-                        epoch=g.reservation.epoch, group_size=group_size)
+                        policy_version=g.policy_version, epoch=g.reservation.epoch, group_size=group_size)
 
     def dispatched(self, groups: Sequence[GroupHandle], prefix_tokens: Mapping[tuple[int, int], int] | None = None) -> None:
         """`prefix_tokens`: (group id, generation index) -> the prefix a restored call
@@ -119,13 +121,34 @@ class RolloutTrace:
             self.tracer.emit("group_discarded", group_id=g.group_id, prompt_id=g.reservation.prompt_id,
                         step=g.target_step, policy_version=g.policy_version, reason=reason)
 
-    def abandoned(self, rows: Iterable[tuple], reason: str) -> None:
-        """rows: (group_id, prompt_id, generation_index, attempt, step)."""
+    def abandoned(self, rows: Sequence[tuple], reason: str, tokens: Sequence[int] | None = None) -> None:
+        """rows: (group_id, prompt_id, generation_index, attempt, step, policy_version);
+        `tokens`: per row, the policy tokens the attempt's episode had decoded, where this
+        process knows them (not at a restore: the stopped run decoded them)."""
         if not self.tracer.enabled:
             return
-        for group_id, prompt_id, generation_index, attempt, step in rows:
+        for k, (group_id, prompt_id, generation_index, attempt, step, policy_version) in enumerate(rows):
+            extra = {} if tokens is None else {"tokens": tokens[k]}
             self.tracer.emit("attempt_abandoned", group_id=group_id, prompt_id=prompt_id,
-                        generation_index=generation_index, attempt=attempt, step=step, reason=reason)
+                        generation_index=generation_index, attempt=attempt, step=step,
+                        policy_version=policy_version, reason=reason, **extra)
+
+    def snapshot_cut(self, *, cut_time: float, snapshot_seq: int | None, anchor: str, step: int, snapshot: str,
+                     group_states: Mapping[str, int]) -> None:
+        """A snapshot was published. `group_states`: the ledger's groups per state at the
+        cut (`Capture.group_states`); `step`: the anchor's step, whose weights (version
+        `step`) a run restoring the snapshot generates with."""
+        if self.tracer.enabled:
+            self.tracer.emit("snapshot_cut", cut_time=cut_time, snapshot_seq=snapshot_seq, anchor=anchor, step=step,
+                             policy_version=step, snapshot=snapshot,
+                             groups_in_flight=group_states.get("reserved", 0) + group_states.get("dispatched", 0))
+
+    def restore_done(self, *, step: int, policy_version: int, cut_time: float | None, snapshot_seq: int | None,
+                     anchor: str | None, snapshot: str, groups_restored: int, replay_restored: int) -> None:
+        if self.tracer.enabled:
+            self.tracer.emit("restore_done", step=step, policy_version=policy_version, cut_time=cut_time,
+                             snapshot_seq=snapshot_seq, anchor=anchor, snapshot=snapshot,
+                             groups_restored=groups_restored, replay_restored=replay_restored)
 
     def _attempt(self, g: GroupHandle, generation_index: int) -> dict:
         return dict(group_id=g.group_id, prompt_id=g.reservation.prompt_id, generation_index=generation_index,
@@ -161,7 +184,8 @@ class RolloutTrace:
 
     def refit(self, old_version: int, new_version: int, running: dict[str, int]) -> None:
         if self.tracer.enabled:
-            self.tracer.emit("refit", step=new_version, old_version=old_version, new_version=new_version, running=running)
+            self.tracer.emit("refit", step=new_version, policy_version=new_version, old_version=old_version,
+                             new_version=new_version, running=running)
 
     def train_step(self, step: int, group_ids: Sequence[int], batch_age: float, tokens: int) -> None:
         if self.tracer.enabled:

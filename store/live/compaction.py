@@ -31,7 +31,7 @@ Each settled group's (epoch, prompt id) sets a bit of its epoch's bitmap in
 `settled_prompts` in the same transaction (schema.SettledPrompts): the record proves
 each position once, the bitmaps each prompt once (`invariants.audit_prompts`).
 
-The payload rows (samples, replay, finalizer results, chunks, episodes) are dropped by
+The payload rows (samples, replay, chunks, episodes) are dropped by
 the ledger's transitions before this runs; here only the ledger and attempt rows go.
 """
 

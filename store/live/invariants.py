@@ -9,8 +9,7 @@
 2. A group is in the replay buffer or in flight, never both: replay rows belong to
    `published` groups only, every published group holds one permit below capacity, and
    no group in replay has a running attempt.
-3. Every payload row is referenced by a live ledger row (samples, chunks, episodes,
-   finalizer results of groups that are neither trained nor discarded).
+3. Every payload row is referenced by a live ledger row (samples, chunks, episodes).
 4. The sampler cursor covers every saved group, spare prompt and settled position.
 
 Plain SQL over a sqlite3 connection, so `verify` can run it on a read-only file. With
@@ -62,13 +61,6 @@ _LEDGER_CHECKS: list[tuple[int, str, str]] = [
         """SELECT 'sample ' || s.sample_id || ' (group ' || s.group_id || ')' FROM samples s
            LEFT JOIN prompt_groups g ON g.group_id = s.group_id
            WHERE g.state IS NULL OR g.state IN ('trained', 'discarded', 'reserved')""",
-    ),
-    (
-        3,
-        "finalizer results of no live group",
-        """SELECT 'finalizer ' || f.group_id FROM finalizer_results f
-           LEFT JOIN prompt_groups g ON g.group_id = f.group_id
-           WHERE g.state IS NULL OR g.state IN ('trained', 'discarded')""",
     ),
     (
         3,

@@ -34,7 +34,6 @@ groups = T["prompt_groups"]
 rollouts = T["rollouts"]
 samples = T["samples"]
 replay = T["replay_groups"]
-finalizers = T["finalizer_results"]
 chunks = T["token_chunks"]
 episodes = T["env_episodes"]
 run_meta = T["run_meta"]
@@ -148,7 +147,6 @@ _DROP_PAYLOADS = tuple(
     for stmt in (
         delete(replay).where(in_json(replay.c.group_id)),
         delete(samples).where(in_json(samples.c.group_id)),
-        delete(finalizers).where(in_json(finalizers.c.group_id)),
         delete(chunks).where(chunks.c.attempt_id.in_(_ATTEMPTS_OF_GROUPS)),
         delete(episodes).where(episodes.c.attempt_id.in_(_ATTEMPTS_OF_GROUPS)),
     )

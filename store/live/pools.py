@@ -1,5 +1,5 @@
 """Runtime state beside the ledger: sampler cursor, spare-prompt pool, per-step shortfall,
-finalizer results, prefix chunks and environment episodes. Functions over an open
+prefix chunks and environment episodes. Functions over an open
 transaction, like `ledger.py`."""
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ from .schema import T
 sampler = T["sampler_state"]
 spare = T["spare_prompts"]
 shortfall = T["step_shortfall"]
-finalizers = T["finalizer_results"]
 chunks = T["token_chunks"]
 episodes = T["env_episodes"]
 rollouts = T["rollouts"]
@@ -137,21 +136,6 @@ def add_shortfall(conn: Connection, step: int, delta: int) -> int:
 
 def get_shortfall(conn: Connection) -> dict[int, int]:
     return dict(_GET_SHORTFALL.run(conn).fetchall())
-
-
-# ---------------------------------------------------------------- finalizer results
-# No writer in this version: the restore and invariant 3 already handle the table (tests
-# fill it through `put_finalizer_result`); a per-group finalizer writes it when one lands.
-
-
-def put_finalizer_result(conn: Connection, group_id: int, payload: dict) -> None:
-    stmt = sqlite_insert(finalizers).values(group_id=group_id, payload=json.dumps(payload), created_at=time.time())
-    conn.execute(stmt.on_conflict_do_update(index_elements=["group_id"], set_={"payload": stmt.excluded.payload}))
-
-
-def get_finalizer_result(conn: Connection, group_id: int) -> dict | None:
-    text = conn.execute(select(finalizers.c.payload).where(finalizers.c.group_id == group_id)).scalar()
-    return None if text is None else json.loads(text)
 
 
 # ---------------------------------------------------------------- prefix chunks

@@ -242,16 +242,6 @@ class ReplayGroup(Base):
     published_at: Mapped[float] = mapped_column(Float)
 
 
-class FinalizerResult(Base):
-    """Per-group finalizer output (JSON), kept until the group is trained."""
-
-    __tablename__ = "finalizer_results"
-
-    group_id: Mapped[int] = mapped_column(Integer, primary_key=True)
-    payload: Mapped[str] = mapped_column(Text)
-    created_at: Mapped[float] = mapped_column(Float)
-
-
 class SparePrompt(Base):
     """Prompts read from the dataloader and not yet dispatched."""
 

@@ -20,7 +20,7 @@ from .plan import RestoredGroup
 
 
 groups_t, rollouts_t, samples_t = T["prompt_groups"], T["rollouts"], T["samples"]
-finalizers_t, chunks_t, episodes_t = T["finalizer_results"], T["token_chunks"], T["env_episodes"]
+chunks_t, episodes_t = T["token_chunks"], T["env_episodes"]
 replay_t = T["replay_groups"]
 
 
@@ -31,10 +31,6 @@ def _clear_unreferenced(tx: Connection) -> int:
     running = select(rollouts_t.c.attempt_id).where(rollouts_t.c.state == "running")
     statements = (
         delete(samples_t).where(samples_t.c.group_id.in_(dead) | samples_t.c.group_id.not_in(live_groups)),
-        delete(finalizers_t).where(
-            finalizers_t.c.group_id.in_(dead.where(groups_t.c.state != "reserved"))
-            | finalizers_t.c.group_id.not_in(live_groups)
-        ),
         delete(chunks_t).where(chunks_t.c.attempt_id.not_in(running)),
         delete(episodes_t).where(episodes_t.c.attempt_id.not_in(running)),
     )
@@ -120,7 +116,6 @@ def normalize_without_ledger(tx: Connection, source: Path, step: int, groups_per
                                    "group(s); restore another snapshot", 1)
     in_replay = select(replay_t.c.group_id)
     cleared = tx.execute(delete(samples_t).where(samples_t.c.group_id.not_in(in_replay))).rowcount
-    cleared += tx.execute(delete(finalizers_t).where(finalizers_t.c.group_id.not_in(in_replay))).rowcount
     cleared += tx.execute(delete(chunks_t)).rowcount + tx.execute(delete(episodes_t)).rowcount
     counts["payload_rows_cleared"] = cleared
     saved = pools.get_shortfall(tx)
