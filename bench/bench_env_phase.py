@@ -197,7 +197,7 @@ def _timed_phase(ck, row: dict, refill: Refill) -> dict:
     # An acknowledged attempt missing from the export: the server lost it, unless its
     # outcome had arrived by now (it finished, and the client's DELETE reached the server
     # before its commit: see the report in BENCHMARKS.md). The pump's check
-    # (`_checked_export`) refuses the snapshot for such a key if the ledger still runs it
+    # (`CutContents.checked_export`) refuses the snapshot for such a key if the ledger still runs it
     # at the cut, i.e. if the finish is not committed by then.
     missing = ck.expected_keys() - set(export)
     finished = refill.finished_among(missing)

@@ -190,7 +190,7 @@ def test_the_cut_keeps_an_agent_call_by_its_servers_mode_and_names_why_it_cannot
     import yaml
 
     from rolloutdb.config import config_from_dict
-    from rolloutdb.controller.recovery.snapshot_pump import SnapshotPump
+    from rolloutdb.controller.recovery.cut_contents import CutContents
 
     cfg = yaml.safe_load((Path(__file__).resolve().parents[1] / "examples" / "agent_server.yaml").read_text())
     cfg["environment"]["servers"] = [{"name": "agents", "mode": "export_restore"},
@@ -198,7 +198,7 @@ def test_the_cut_keeps_an_agent_call_by_its_servers_mode_and_names_why_it_cannot
                                      {"name": "single", "mode": "stateless", "turns": 1}]
     servers = config_from_dict(cfg).environment.servers
     exported = {10: 2, 11: 0}  # attempt id -> the turn its agent's export is at
-    why = SnapshotPump._agent_call
+    why = CutContents._agent_call
     assert why(servers, 3, 10, 2, exported) is None  # agents: the call of the exported turn
     assert why(servers, 3, 11, 0, exported) is None
     assert why(servers, 3, 10, 3, exported) == "export_at_other_turn:agents"  # started after the export

@@ -324,8 +324,8 @@ def test_the_snapshot_pump_records_a_bad_copy_as_a_failed_attempt_and_publishes_
 
         plant = True
 
-        def _cut(self, db_path, step):
-            capture = super()._cut(db_path, step)
+        def _cut(self, db_path, *args):
+            capture = super()._cut(db_path, *args)
             if self.plant:
                 _break_invariant(db_path)
             return capture

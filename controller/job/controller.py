@@ -94,7 +94,9 @@ class Controller:
         self.env_steps = build.build_env_stepper(cfg, self.env, policy_dir)
         self.publisher = build.build_publisher(cfg, self.dirs.checkpoints)
         if self.resume:
-            done = resuming.restore_run(self)
+            parts = resuming.ResumeParts(config=cfg, dirs=self.dirs, resume=self.resume, plan=self.resume_plan,
+                                         trainer=self.trainer, engine=self.engine, dataset=self.dataset)
+            done = resuming.restore_run(parts, on_writing=self._writing_starts)
         self.writing = True
         self.dirs.create()
         if done is not None and done.moved_to is not None:
@@ -114,7 +116,7 @@ class Controller:
         # snapshots (a store resumed with rollout_checkpointing off still references them).
         self.store.segments_dir = segments_dir_of(self.dirs.checkpoints)
         if done is not None:
-            resuming.announce(self, done)
+            resuming.announce(done, metrics=self.metrics, tracer=self.tracer)
         self.agents = build.build_agents(cfg, self.engine, config_path=self.dirs.config, policy_dir=policy_dir,
                                          log_dir=self.dirs.logs, token_path=self.dirs.agent_token, log_event=self._log)
         env_checkpoint = build.build_env_checkpoint(cfg, self.agents)
@@ -126,6 +128,10 @@ class Controller:
         # setup fails, the scope takes them off again.
         with env_checkpoint.restore_scope(self._saved_agents()):
             self._setup_pumps(env_checkpoint)
+
+    def _writing_starts(self) -> None:
+        """The restore is about to change the run directory: a failure from now on is no refusal."""
+        self.writing = True
 
     def _saved_agents(self) -> dict[str, dict]:
         """What the restored snapshot's env_episodes hold, keyed by the abandoned attempt's

@@ -6,12 +6,13 @@ redo first.
    before building anything): the (snapshot, anchor) pair to restore, whose anchor's
    files match its manifest and whose store is this run's (the live store's run id);
    or a start over; or a refusal that says what to do.
-2. `restore_run`: the weights first (the anchor's trainer checkpoint, pushed to the
-   engine), then the store (`rolloutdb.store.restore`: schema, integrity, run settings,
-   replay, ledger with restart normalization, spare pool, cursor check). With `latest`,
-   a pair that fails (its store, or an anchor the trainer cannot load) is passed over
-   for the next sound one. The live store is the first
-   thing written; a refusal before it leaves the run directory as it was.
+2. `restore_run`, from the parts the controller built (`ResumeParts`, passed explicitly):
+   the weights first (the anchor's trainer checkpoint, pushed to the engine), then the
+   store (`rolloutdb.store.restore`: schema, integrity, run settings, replay, ledger with
+   restart normalization, spare pool, cursor check). With `latest`, a pair that fails
+   (its store, or an anchor the trainer cannot load) is passed over for the next sound
+   one. The live store is the first thing written; a refusal before it leaves the run
+   directory as it was.
 3. `announce`, once the logs are open: every snapshot or anchor passed over and why,
    the anchors of the cut-off branch removed, on stderr and in the metrics.
 
@@ -26,25 +27,31 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from rolloutdb.config import Config
+from rolloutdb.controller.protocols import PromptDataset, Trainer
 from rolloutdb.controller.recovery.earlier_fingerprint import earlier_config_fingerprint
 from rolloutdb.controller.run.dispatch import GroupHandle
+from rolloutdb.controller.run.metrics_backends import RunMetrics
 from rolloutdb.controller.run.run_dir import RunDir
 from rolloutdb.controller.run.tracing import RolloutTrace
+from rolloutdb.gpu_capture.protocol import GenerationEngine
 from rolloutdb.store import (
     BOOTSTRAP,
     AnchorDamaged,
     LATEST,
     NoRestorableSnapshot,
     NothingToRestore,
+    NullTracer,
     RestorePlan,
     Selection,
     Store,
     TrainerCheckpointOnly,
+    Tracer,
     choose_snapshot,
     drop_checkpoints_after,
     faults,
@@ -76,6 +83,20 @@ class ResumePlan:
 
 
 @dataclass
+class ResumeParts:
+    """What a resume reads from the run: built by the controller once its parts are built
+    and before any store is open (controller/job/controller.py)."""
+
+    config: Config
+    dirs: RunDir
+    resume: str  # "latest" or a snapshot directory (--resume)
+    plan: ResumePlan  # plan_resume's decision, carried out by restore_run
+    trainer: Trainer  # loaded from the anchor, then its weights pushed to the engine
+    engine: GenerationEngine
+    dataset: PromptDataset  # its fingerprint must be the snapshot's
+
+
+@dataclass
 class Restored:
     """What `restore_run` did, for the controller and `announce`."""
 
@@ -86,6 +107,9 @@ class Restored:
     dropped: list[str] = field(default_factory=list)
     moved_to: Path | None = None
     t0: float = 0.0
+    step: int = 0  # the trainer's step once restored (0: the run starts over)
+    policy_version: int = 0  # the engine's, once the anchor's weights are pushed to it
+    config_fingerprint: str = ""  # the one the restored store carries
 
 
 def _inside(path: Path, root: Path) -> bool:
@@ -130,45 +154,45 @@ def plan_resume(dirs: RunDir, resume: str, *, start_over: bool = False) -> Resum
                       f"into {dirs.discarded}/ and train from step 0")
 
 
-def restore_run(ctl) -> Restored:
-    """Carry out `ctl.resume_plan` for `ctl` (a Controller whose parts are built, with no
-    store open). Sets `ctl.writing` once the run directory is about to change."""
-    dirs = ctl.dirs
-    plan = ctl.resume_plan
+def restore_run(parts: ResumeParts, *, on_writing: Callable[[], None]) -> Restored:
+    """Carry out `parts.plan`. Calls `on_writing` once the run directory is about to
+    change: from then on a failure is no refusal (it has not left the directory as it was)."""
+    dirs, plan, trainer = parts.dirs, parts.plan, parts.trainer
     t0 = time.time()
     if plan.action == START_OVER:
-        ctl.writing = True
+        on_writing()
         return Restored(plan, moved_to=_move_aside(dirs), t0=t0)
     if plan.action == START_OVER_EMPTY:
-        ctl.writing = True
+        on_writing()
         remove_sqlite_file(dirs.store)
         return Restored(plan, t0=t0)
 
     def load_weights(selection: Selection) -> None:
-        load_anchor(ctl.trainer, selection.anchor.path)  # its files were checked against its manifest
-        ctl.engine.load_weights(ctl.trainer.export_weights(), ctl.trainer.step)
+        load_anchor(trainer, selection.anchor.path)  # its files were checked against its manifest
+        parts.engine.load_weights(trainer.export_weights(), trainer.step)
 
-    check_server_modes(ctl.config, plan.selection.snapshot.path if plan.selection else None)
-    check_packing(ctl.config, plan.selection.snapshot.path if plan.selection else None)
+    check_server_modes(parts.config, plan.selection.snapshot.path if plan.selection else None)
+    check_packing(parts.config, plan.selection.snapshot.path if plan.selection else None)
     try:
-        restore_plan = _restore(ctl, plan, load_weights)
+        restore_plan = _restore(parts, load_weights)
     except NoRestorableSnapshot as e:  # every pair failed at restore: still nothing written
         raise ResumeError(f"{e}; or pass --start-over to move this run's state into {dirs.discarded}/ and train "
                           "from step 0") from None
-    ctl.writing = True  # the live store was replaced
+    on_writing()  # the live store was replaced
     faults.point("resume.after_restore")
     # The trainer checkpoints of the branch the stop cut off: the resumed run publishes
     # those steps again (their snapshot numbers are never handed out again).
-    dropped = drop_checkpoints_after(dirs.checkpoints, ctl.trainer.step)
+    dropped = drop_checkpoints_after(dirs.checkpoints, trainer.step)
     store = Store.open(dirs.store)
     groups = [
         (GroupHandle(g.group_id, g.reservation, g.target_step, g.num_generations, attempts={}), list(g.generations_to_run))
         for g in sorted(restore_plan.redispatch + restore_plan.to_finalize, key=lambda g: g.sample_seq)
     ]
-    return Restored(plan, store, groups, restore_plan, dropped, t0=t0)
+    return Restored(plan, store, groups, restore_plan, dropped, t0=t0, step=trainer.step,
+                    policy_version=parts.engine.policy_version, config_fingerprint=parts.config.fingerprint())
 
 
-def load_anchor(trainer, path: Path) -> None:
+def load_anchor(trainer: Trainer, path: Path) -> None:
     """`trainer.load_checkpoint(path)`; a failure to load is the anchor's: its files
     match their manifest, but the trainer that wrote them wrote them bad (a truncated
     safetensors file sealed as it was, weights of another shape), so no resume can start
@@ -186,7 +210,7 @@ def load_anchor(trainer, path: Path) -> None:
                             f"manifest ({type(e).__name__}: {detail}); it was written bad", path) from e
 
 
-def check_server_modes(config, snapshot_dir: Path | None) -> None:
+def check_server_modes(config: Config, snapshot_dir: Path | None) -> None:
     """Refuse (before anything is written) a restore whose agent servers run in other
     checkpoint modes than they did when the snapshot was taken: an export_restore
     snapshot's agents would go to a server that cannot take them, or a restart_only
@@ -213,7 +237,7 @@ def check_server_modes(config, snapshot_dir: Path | None) -> None:
                           "modes the run had (environment.servers[].mode), or pass --start-over")
 
 
-def check_packing(config, snapshot_dir: Path | None) -> None:
+def check_packing(config: Config, snapshot_dir: Path | None) -> None:
     """Refuse (before anything is written) a restore whose `algorithm.shared_prefix_packing`
     differs from the snapshot's (its config.yaml; a snapshot from before the key has it
     off). The two layouts train the same loss but not the same floating-point sums
@@ -240,26 +264,27 @@ def check_packing(config, snapshot_dir: Path | None) -> None:
                           "--start-over to train the run again from step 0 with the new setting")
 
 
-def _restore(ctl, plan: ResumePlan, load_weights):
-    cfg, dirs = ctl.config, ctl.dirs
+def _restore(parts: ResumeParts, load_weights: Callable[[Selection], None]) -> RestorePlan:
+    cfg, dirs, plan = parts.config, parts.dirs, parts.plan
     return select_and_restore(
         dirs.checkpoints,
         dirs.store,
-        resume=ctl.resume,
+        resume=parts.resume,
         selection=plan.selection,
         run_id=plan.run_id,
         before_restore=load_weights,
         config_fingerprint=cfg.fingerprint(),
         earlier_config_fingerprint=earlier_config_fingerprint(cfg),
-        dataset_fingerprint=ctl.dataset.fingerprint(),
+        dataset_fingerprint=parts.dataset.fingerprint(),
         forest_training={},  # no forest rollouts in this version: "off" (schema.py, run_meta)
         groups_per_step=cfg.algorithm.groups_per_step,
         ledger_dispatch=cfg.ledger_dispatch,
     )
 
 
-def announce(ctl, done: Restored) -> None:
-    """Say what the resume did: stderr, the metrics log and the trace (opened by now)."""
+def announce(done: Restored, *, metrics: RunMetrics, tracer: Tracer | NullTracer) -> None:
+    """Say what the resume did: stderr, the metrics log and the trace (opened after the
+    restore, so that a refused resume writes nothing)."""
     say = lambda text: print(f"rolloutdb: {text}", file=sys.stderr)  # noqa: E731
     if done.store is None:
         if done.plan.action == START_OVER:
@@ -267,7 +292,7 @@ def announce(ctl, done: Restored) -> None:
                 "starting the run over from step 0")
         else:
             say(f"no rollout snapshot yet and the live store held no work; starting the run over ({done.plan.why})")
-        ctl.metrics.write({"kind": "restore", "t": time.time(), "snapshot": None, "step": 0,
+        metrics.write({"kind": "restore", "t": time.time(), "snapshot": None, "step": 0,
                            "started_over": done.plan.action, "moved_to": str(done.moved_to) if done.moved_to else None})
         return
     plan = done.restore_plan
@@ -276,10 +301,10 @@ def announce(ctl, done: Restored) -> None:
     if plan.config_fingerprint_was is not None:
         say(f"{plan.snapshot_dir.parent.parent.name}/{plan.snapshot_dir.name} carries config fingerprint "
             f"{plan.config_fingerprint_was}, this config's under the fingerprint's earlier formula: accepted, and the "
-            f"run now carries {ctl.config.fingerprint()} (its later snapshots are resumed by that)")
+            f"run now carries {done.config_fingerprint} (its later snapshots are resumed by that)")
     for anchor in done.dropped:
         say(f"removed {anchor}: newer than the restored anchor, its step is trained again")
-    ctl.metrics.write(
+    metrics.write(
         {
             "kind": "restore",
             "t": time.time(),
@@ -287,7 +312,7 @@ def announce(ctl, done: Restored) -> None:
             "anchor": plan.anchor,
             "snapshot_seq": plan.sequence,
             "cut_time": plan.cut_time,
-            "step": ctl.trainer.step,
+            "step": done.step,
             "groups_restored": len(done.groups),
             "passed_over": plan.passed_over,
             "dropped_anchors": done.dropped,
@@ -295,10 +320,10 @@ def announce(ctl, done: Restored) -> None:
             "restore_s": time.time() - done.t0,
         }
     )
-    RolloutTrace(ctl.tracer).abandoned(_abandoned_at_restore(done.store, done.t0), "restart")
-    RolloutTrace(ctl.tracer).restore_done(
-        step=ctl.trainer.step,
-        policy_version=ctl.engine.policy_version,
+    RolloutTrace(tracer).abandoned(_abandoned_at_restore(done.store, done.t0), "restart")
+    RolloutTrace(tracer).restore_done(
+        step=done.step,
+        policy_version=done.policy_version,
         cut_time=plan.cut_time,
         snapshot_seq=plan.sequence,
         anchor=plan.anchor,
@@ -306,7 +331,7 @@ def announce(ctl, done: Restored) -> None:
         groups_restored=len(done.groups),
         replay_restored=plan.counts.get("replay_groups", 0),
     )
-    say(f"resumed from {plan.anchor}/snapshot_{plan.sequence} at step {ctl.trainer.step}: "
+    say(f"resumed from {plan.anchor}/snapshot_{plan.sequence} at step {done.step}: "
         f"{len(done.groups)} groups to redo first")
 
 

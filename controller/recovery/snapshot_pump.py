@@ -18,9 +18,9 @@ An attempt, in order:
 4. the cut: take the commit lock without waiting, begin the read transaction, re-check
    the trainer has not moved and the environment's export against the ledger as of the
    cut, release the commit lock, and copy the store as of that cut (the checked export
-   goes into the copy's `env_episodes`: the snapshot's own file). The pumps are never
-   stopped: the only exclusive hold is the commit lock, for the time it takes to begin a
-   read transaction;
+   goes into the copy's `env_episodes`: the snapshot's own file; cut_contents.py has
+   what a cut adds to the copy). The pumps are never stopped: the only exclusive hold
+   is the commit lock, for the time it takes to begin a read transaction;
 5. leave the environment phase (resume) before any fsync;
 6. publish through the one commit protocol (`stage.publish`, store/checkpoints/publish.py),
    outside every lock but the save lock.
@@ -47,20 +47,21 @@ them); a snapshot's read transaction, the one consistent state it copies, is its
 from __future__ import annotations
 
 import logging
-import re
+import sqlite3
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
 from collections.abc import Callable
-from typing import Any
+from pathlib import Path
 
+from rolloutdb.controller.recovery.cut_contents import AtCut, CutContents, into_copy
 from rolloutdb.controller.recovery.env_checkpoint import EnvironmentCheckpoint
 from rolloutdb.controller.run.runtime import RolloutParts
 from rolloutdb.controller.run.tracing import RolloutTrace
 from rolloutdb.gpu_capture.protocol import PrefixCapture
-from rolloutdb.store import (CallPrefix, EpisodeProgress, Publisher, PublishError, anchor_name, faults, pools, queries,
-                             scan, seal_inline_payload, segments_dir_of)
+from rolloutdb.store import (Capture, Published, Publisher, PublishError, SnapshotStage, TrainerStage, anchor_name, faults,
+                             queries, scan, seal_inline_payload, segments_dir_of)
 
 log = logging.getLogger("rolloutdb.controller")
 
@@ -84,38 +85,6 @@ class AbortedCommit(Exception):
     """An optimizer commit started between resolving the anchor and the cut."""
 
 
-class ExportMismatch(RuntimeError):
-    """The environment's export disagrees with the ledger at the cut."""
-
-
-@dataclass
-class _AtCut:
-    """What the cut adds to the snapshot's file, and the engine's decode count at it."""
-
-    episodes: list[EpisodeProgress] = field(default_factory=list)
-    prefixes: list[CallPrefix] = field(default_factory=list)
-    decoded: int | None = None
-    hold_s: float | None = None  # how long the prefix read held the engine's output step
-    cut_calls: list[dict] = field(default_factory=list)  # the trace's call_cut events, once published
-    fallbacks: list[dict] = field(default_factory=list)  # the trace's call_fallback events, once published
-
-
-def _into_copy(out, at: _AtCut) -> dict[str, int]:
-    """The checked export into the snapshot's own `env_episodes`, the running calls'
-    prefixes into its `token_chunks` (capture's `into_copy`)."""
-    if at.episodes:
-        pools.put_episodes(out, at.episodes)
-    chunks = pools.put_prefixes(out, at.prefixes) if at.prefixes else 0
-    return {"env_episodes": len(at.episodes), "token_chunks": chunks}
-
-
-# The engine request id of an in-process episode's call: `g<group>.<generation>-a<attempt>-t<turn>`
-# (controller/rollout/pump.py `_live`, episodes.Episode.request), and of an agent server's
-# call (`<group>.<generation>-a<attempt>-t<turn>`, no `g`: the policy endpoint's `<key>-t<turn>`).
-_IN_PROCESS_CALL = re.compile(r"^g([0-9]+)\.([0-9]+)-a([0-9]+)-t([0-9]+)$")
-_AGENT_CALL = re.compile(r"^([0-9]+)\.([0-9]+)-a([0-9]+)-t([0-9]+)$")
-
-
 @dataclass
 class AttemptResult:
     """One attempt's outcome: the source of its `snapshot_attempts` row and its metrics line."""
@@ -130,12 +99,40 @@ class AttemptResult:
     mutation_counter: int | None = None
 
 
+@dataclass
+class _Attempt:
+    """What flows between one attempt's steps (`_attempt_locked`), once its anchor is resolved."""
+
+    t0: float
+    step: int
+    anchor: str
+    pending: TrainerStage | None  # the unpublished checkpoint the cut is held for (async checkpoints)
+    timings: dict[str, float]  # shared with every result of the attempt: the environment's hold lands after
+    contents: CutContents
+
+    def ended(self, outcome: str, error: str | None = None) -> AttemptResult:
+        """The result of an attempt that ends before its cut is taken."""
+        return AttemptResult(outcome, self.anchor, timings=self.timings, error=error)
+
+
+@dataclass
+class _Cut:
+    """A cut taken: the stage it was copied into, and what the copy saw."""
+
+    stage: SnapshotStage
+    capture: Capture
+
+    @property
+    def at(self) -> AtCut:
+        return self.capture.check_result
+
+
 @dataclass(eq=False)
 class _Held:
     """A cut anchored to a pending checkpoint, published once the checkpoint is."""
 
-    stage: Any  # SnapshotStage inside the pending checkpoint's temporary directory
-    capture: Any
+    stage: SnapshotStage  # inside the pending checkpoint's temporary directory
+    capture: Capture
     result: AttemptResult
 
 
@@ -168,9 +165,8 @@ class SnapshotPump:
         self._waiters: list[_CutWaiter] = []
         self._waiters_lock = threading.Lock()
         self._last_counter: int | None = None
-        self._pending: Any = None  # store.TrainerStage: an async checkpoint not yet published
+        self._pending: TrainerStage | None = None  # an async checkpoint not yet published
         self._held: list[_Held] = []  # touched under the save lock only
-        self._retired: set[str] = set()  # the keys this attempt's retire named
         self._seal_owed = False  # an attempt skipped its seal: `seal_payload` seals after it
         # Prefix level: every cut saves the running calls' prefixes, and a snapshot whose
         # store did not change is still due when the engine decoded since the last one.
@@ -186,8 +182,6 @@ class SnapshotPump:
         self.flush_rollouts: Callable[[float], bool] | None = None
         # Prefix level: the rollout pump's `uncommitted_calls`, set by the controller.
         self.uncommitted_calls: Callable[[], dict] | None = None
-        self._export: dict[str, dict] = {}  # this attempt's export, read after drain
-        self._expected: set[str] = set()
         # The latest attempts, for tests and benchmarks; bounded for runs of days.
         self.results: deque[AttemptResult] = deque(maxlen=1024)
 
@@ -225,7 +219,8 @@ class SnapshotPump:
         self._force = self._force or force
         self._wake.set()
 
-    def anchor_new_checkpoint(self, step: int, *, pending: Any = None, timeout: float = ANCHOR_WAIT_S) -> bool:
+    def anchor_new_checkpoint(self, step: int, *, pending: TrainerStage | None = None,
+                              timeout: float = ANCHOR_WAIT_S) -> bool:
         """Called by the train pump right after it published `step_<step>`: a forced
         attempt anchored to it, and a wait until that attempt's *cut* is taken (or the
         attempt ended). The copy and the fsyncs then run on the snapshot pump while
@@ -321,12 +316,7 @@ class SnapshotPump:
             return AttemptResult("failed", r.anchor, r.sequence, r.timings, f"{type(e).__name__}: {e}",
                                  r.mutation_counter)
         timings = {**r.timings, "held_s": t_pub - held_at, "publish": time.perf_counter() - t_pub}
-        self._last_counter = held.capture.mutation_counter
-        self._last_decoded = held.capture.check_result.decoded
-        self.trace.snapshot_cut(cut_time=held.capture.cut_time, snapshot_seq=published.sequence, anchor=r.anchor,
-                                step=trainer.step, snapshot=str(published.path), group_states=held.capture.group_states)
-        self.trace.cut(held.capture.check_result.cut_calls, held.capture.cut_time)
-        self.trace.fallback(held.capture.check_result.fallbacks, held.capture.cut_time)
+        self._account_published(held.capture, published, r.anchor, trainer.step)
         return AttemptResult("published", r.anchor, published.sequence, timings, None, r.mutation_counter)
 
     def _record(self, result: AttemptResult) -> None:
@@ -341,8 +331,27 @@ class SnapshotPump:
                           "timings": result.timings, "error": result.error, "t": time.time()})
 
     def _attempt_locked(self, force: bool, t0: float) -> AttemptResult:
-        rt = self.p.runtime
-        if rt.commit_lock.locked():
+        """Steps 1-6 of the module docstring, under the save lock. Each step returns the
+        attempt's outcome where the attempt ends, None where it goes on."""
+        a = self._resolve_anchor(force, t0)
+        if isinstance(a, AttemptResult):
+            return a
+        ended = self._seal(a)
+        if ended is not None:
+            return ended
+        cut = self._environment_and_cut(a)
+        if isinstance(cut, AttemptResult):
+            return cut
+        faults.point("snapshot.after_cut")
+        a.timings.update({f"cut_{k}": v for k, v in cut.capture.timings.items()})
+        if cut.at.hold_s is not None:
+            a.timings["prefix_hold"] = cut.at.hold_s
+        return self._hold(a, cut) if a.pending is not None else self._publish(a, cut)
+
+    def _resolve_anchor(self, force: bool, t0: float) -> AttemptResult | _Attempt:
+        """Steps 1-2: the skip checks, and the durable anchor (or the pending checkpoint
+        this attempt's cut is held for)."""
+        if self.p.runtime.commit_lock.locked():
             return AttemptResult("skipped_commit")
         counter = self.p.store.mutation_counter
         if not force and counter == self._last_counter and (
@@ -358,106 +367,130 @@ class SnapshotPump:
         # One held cut per pending checkpoint: the one its step boundary asked for.
         if pending is not None and (not force or any(h.stage.pending is pending for h in self._held)):
             return AttemptResult("skipped_not_durable", anchor)
-        timings = {"lock_and_anchor": time.perf_counter() - t0}
+        servers = self.p.config.environment.servers if self.p.config is not None else []
+        contents = CutContents(servers, self.uncommitted_calls)
+        return _Attempt(t0, step, anchor, pending, {"lock_and_anchor": time.perf_counter() - t0}, contents)
 
-        # 2b. Seal before the environment phase (dispatch stays open meanwhile) and the cut
-        # (which then copies references). Not while the train pump waits for this cut: it
-        # copies what finished since the last seal inline, sealed right after (`seal_payload`).
+    def _seal(self, a: _Attempt) -> AttemptResult | None:
+        """Step 2b. Seal before the environment phase (dispatch stays open meanwhile) and the
+        cut (which then copies references). Not while the train pump waits for this cut: it
+        copies what finished since the last seal inline, sealed right after (`seal_payload`)."""
         waited_for = bool(self._waiters)  # unlocked read: a waiter arriving just after waits out this one seal
         self._seal_owed = self._seal_owed or waited_for
-        if not waited_for:
-            t_seal = time.perf_counter()
-            try:
-                sealed = seal_inline_payload(self.p.store, self.publisher.root)
-            except Exception as e:  # noqa: BLE001 - a full disk fails this attempt, not the run; the payload stays inline
-                return AttemptResult("failed", anchor, timings=timings, error=f"sealing payload: {_one_line(e)}")
-            if sealed is not None:
-                timings.update(sealed.timings, seal=time.perf_counter() - t_seal)
+        if waited_for:
+            return None
+        t_seal = time.perf_counter()
+        try:
+            sealed = seal_inline_payload(self.p.store, self.publisher.root)
+        except Exception as e:  # noqa: BLE001 - a full disk fails this attempt, not the run; the payload stays inline
+            return a.ended("failed", f"sealing payload: {_one_line(e)}")
+        if sealed is not None:
+            a.timings.update(sealed.timings, seal=time.perf_counter() - t_seal)
+        return None
 
+    def _environment_and_cut(self, a: _Attempt) -> AttemptResult | _Cut:
+        """Steps 3-5: retire, the environment phase, the cut. Once past the retire, the
+        environment leaves its phase (resume) whatever happens, before any fsync."""
         t_env = time.perf_counter()
         try:
-            self._retired = set(self._abandoned_episode_keys())
-            self.env.retire(sorted(self._retired))
+            a.contents.retired = set(self._abandoned_episode_keys())
+            self.env.retire(sorted(a.contents.retired))
         except Exception as e:  # noqa: BLE001 - a server that does not answer fails this attempt, not the run
-            return AttemptResult("failed", anchor, timings=timings, error=f"environment retire: {type(e).__name__}: {e}")
+            return a.ended("failed", f"environment retire: {type(e).__name__}: {e}")
         try:
-            try:
-                self.env.prepare()
-                faults.point("env.after_prepare")
-                self.env.commit()
-                faults.point("env.after_commit")
-                self.env.drain()
-                faults.point("env.after_drain")
-                # Read before the cut: the export was fixed at commit, and the cut's
-                # exclusive hold (the commit lock) must not wait on a server.
-                self._export = self.env.export()
-                self._expected = set(self.env.expected_keys()) if hasattr(self.env, "expected_keys") else set()
-                faults.point("env.after_export")
-            except Exception as e:  # noqa: BLE001 - as above
-                return AttemptResult("failed", anchor, timings=timings,
-                                     error=f"environment phase: {type(e).__name__}: {e}")
-            timings["environment"] = time.perf_counter() - t_env
-            if self.flush_rollouts is not None:
-                t_flush = time.perf_counter()
-                self.flush_rollouts(FLUSH_WAIT_S)  # what finished before the cut goes into it
-                timings["flush"] = time.perf_counter() - t_flush
-            if rt.commit_lock.locked() or self.p.read_progress().step != step:
-                return AttemptResult("aborted_commit", anchor, timings=timings)
-            try:
-                stage = self.publisher.begin_snapshot(anchor, pending=pending)
-            except PublishError as e:  # a full disk, a failed deferred publish: an outcome, like a failed publish
-                return AttemptResult("failed", anchor, timings=timings, error=f"{type(e).__name__}: {e}")
-            try:
-                capture = self._cut(stage.db_path, step)
-            except AbortedCommit:
-                stage.abort()
-                return AttemptResult("aborted_commit", anchor, timings=timings)
-            except BaseException as e:
-                stage.abort()  # the number is used up all the same: the row names it
-                return AttemptResult("failed", anchor, stage.sequence, timings, f"{type(e).__name__}: {e}")
+            ended = self._export_environment(a, t_env)
+            return ended if ended is not None else self._flush_and_cut(a)
         finally:
             self.env.resume()  # dispatch reopens before any fsync of the snapshot
             if self.env.holds_rollout_state:
-                timings["environment_hold"] = time.perf_counter() - t_env
-        faults.point("snapshot.after_cut")
-        timings.update({f"cut_{k}": v for k, v in capture.timings.items()})
-        if capture.check_result.hold_s is not None:
-            timings["prefix_hold"] = capture.check_result.hold_s
-        if pending is not None:
-            timings["_held_at"] = time.perf_counter()
-            result = AttemptResult(HELD, anchor, stage.sequence, timings, None, capture.mutation_counter)
-            self._held.append(_Held(stage, capture, result))
-            return result
+                a.timings["environment_hold"] = time.perf_counter() - t_env
+
+    def _export_environment(self, a: _Attempt, t_env: float) -> AttemptResult | None:
+        """Step 3: prepare, commit, drain and read the export of the environment's servers."""
+        try:
+            self.env.prepare()
+            faults.point("env.after_prepare")
+            self.env.commit()
+            faults.point("env.after_commit")
+            self.env.drain()
+            faults.point("env.after_drain")
+            # Read before the cut: the export was fixed at commit, and the cut's
+            # exclusive hold (the commit lock) must not wait on a server.
+            a.contents.export = self.env.export()
+            a.contents.expected = set(self.env.expected_keys()) if hasattr(self.env, "expected_keys") else set()
+            faults.point("env.after_export")
+        except Exception as e:  # noqa: BLE001 - a server that fails its phase fails this attempt, not the run
+            return a.ended("failed", f"environment phase: {type(e).__name__}: {e}")
+        a.timings["environment"] = time.perf_counter() - t_env
+        return None
+
+    def _flush_and_cut(self, a: _Attempt) -> AttemptResult | _Cut:
+        """Step 4: what finished goes into the cut, then the copy as of the cut, unless an
+        optimizer commit started since the anchor was resolved."""
+        if self.flush_rollouts is not None:
+            t_flush = time.perf_counter()
+            self.flush_rollouts(FLUSH_WAIT_S)  # what finished before the cut goes into it
+            a.timings["flush"] = time.perf_counter() - t_flush
+        if self.p.runtime.commit_lock.locked() or self.p.read_progress().step != a.step:
+            return a.ended("aborted_commit")
+        try:
+            stage = self.publisher.begin_snapshot(a.anchor, pending=a.pending)
+        except PublishError as e:  # a full disk, a failed deferred publish: an outcome, like a failed publish
+            return a.ended("failed", f"{type(e).__name__}: {e}")
+        try:
+            return _Cut(stage, self._cut(stage.db_path, a.step, a.contents))
+        except AbortedCommit:
+            stage.abort()
+            return a.ended("aborted_commit")
+        except BaseException as e:
+            stage.abort()  # the number is used up all the same: the row names it
+            return AttemptResult("failed", a.anchor, stage.sequence, a.timings, f"{type(e).__name__}: {e}")
+
+    def _hold(self, a: _Attempt, cut: _Cut) -> AttemptResult:
+        """Step 6 deferred: the cut waits for its checkpoint (`publish_held`)."""
+        a.timings["_held_at"] = time.perf_counter()
+        result = AttemptResult(HELD, a.anchor, cut.stage.sequence, a.timings, None, cut.capture.mutation_counter)
+        self._held.append(_Held(cut.stage, cut.capture, result))
+        return result
+
+    def _publish(self, a: _Attempt, cut: _Cut) -> AttemptResult:
+        """Step 6: publish, then account for what was published."""
         t_pub = time.perf_counter()
         try:
-            published = stage.publish(capture, self.config_text)
+            published = cut.stage.publish(cut.capture, self.config_text)
         except Exception as e:  # noqa: BLE001 - a failed publish is an outcome, the run goes on
-            return AttemptResult("failed", anchor, stage.sequence, timings, f"{type(e).__name__}: {e}",
-                                 capture.mutation_counter)
-        timings["publish"] = time.perf_counter() - t_pub
-        timings["total"] = time.perf_counter() - t0
+            return AttemptResult("failed", a.anchor, cut.stage.sequence, a.timings, f"{type(e).__name__}: {e}",
+                                 cut.capture.mutation_counter)
+        a.timings["publish"] = time.perf_counter() - t_pub
+        a.timings["total"] = time.perf_counter() - a.t0
+        self._account_published(cut.capture, published, a.anchor, a.step)
+        return AttemptResult("published", a.anchor, published.sequence, a.timings, None, cut.capture.mutation_counter)
+
+    def _account_published(self, capture: Capture, published: Published, anchor: str | None, step: int) -> None:
+        """What a published cut changes: the next attempt's skip check, and the trace's
+        `snapshot_cut` with its calls' `call_cut` and `call_fallback` events."""
+        at: AtCut = capture.check_result
         self._last_counter = capture.mutation_counter
-        self._last_decoded = capture.check_result.decoded
+        self._last_decoded = at.decoded
         self.trace.snapshot_cut(cut_time=capture.cut_time, snapshot_seq=published.sequence, anchor=anchor, step=step,
                                 snapshot=str(published.path), group_states=capture.group_states)
-        self.trace.cut(capture.check_result.cut_calls, capture.cut_time)
-        self.trace.fallback(capture.check_result.fallbacks, capture.cut_time)
-        return AttemptResult("published", anchor, published.sequence, timings, None, capture.mutation_counter)
+        self.trace.cut(at.cut_calls, capture.cut_time)
+        self.trace.fallback(at.fallbacks, capture.cut_time)
 
-    def _cut(self, db_path, step: int):
+    def _cut(self, db_path: Path, step: int, contents: CutContents) -> Capture:
         """Capture at a cut taken while the commit lock is held."""
         rt = self.p.runtime
         if not rt.commit_lock.acquire(blocking=False):
             raise AbortedCommit()
         held = [True]
 
-        def at_cut(conn):
+        def at_cut(conn: sqlite3.Connection) -> AtCut:
             try:
                 if self.p.read_progress().step != step:
                     raise AbortedCommit()
-                at = _AtCut(episodes=self._checked_export(conn))
+                at = AtCut(episodes=contents.checked_export(conn))
                 if self.capture is not None:
-                    self._prefixes_at_cut(conn, self.capture, at)
+                    contents.prefixes_at_cut(conn, self.capture, at)
                 self._release_waiters(step, True)  # the train pump may commit again
                 return at
             finally:
@@ -465,131 +498,10 @@ class SnapshotPump:
                 held[0] = False
 
         try:
-            return self.p.store.capture(db_path, at_cut=at_cut, into_copy=_into_copy)
+            return self.p.store.capture(db_path, at_cut=at_cut, into_copy=into_copy)
         finally:
             if held[0]:
                 rt.commit_lock.release()
-
-    def _checked_export(self, conn) -> list[EpisodeProgress]:
-        """The environment's export, checked against the ledger as of the cut, as the
-        rows the snapshot's `env_episodes` gets (attempts still running at the cut).
-
-        Refused (the attempt fails with this message, nothing is published): a key the
-        ledger does not know or that this attempt retired (the server kept an episode it
-        was told to forget), and an attempt the server had acknowledged before the
-        export, that the ledger still runs at the cut, missing from it (the server lost
-        an agent). An exported attempt that finished after the export is dropped: its
-        sample is in the cut; so is one whose group settled meanwhile (trained or
-        discarded: its rows have left the live store, `queries.settled_episode_keys`)."""
-        export, expected = self._export, self._expected
-        if not export and not expected:
-            return []
-        known = queries.attempts_by_key(conn, set(export) | expected)
-        settled = queries.settled_episode_keys(conn, [k for k in export if k not in known])
-        unknown = sorted(k for k in export if (k not in known and k not in settled) or k in self._retired)
-        missing = sorted(k for k in expected if known.get(k, (0, ""))[1] == "running" and k not in export)
-        if unknown or missing:
-            said = []
-            if unknown:
-                said.append(f"{len(unknown)} unknown or retired episodes ({', '.join(unknown[:3])})")
-            if missing:
-                said.append(f"{len(missing)} running attempts missing ({', '.join(missing[:3])})")
-            raise ExportMismatch(f"the environment's export disagrees with the ledger at the cut: {'; '.join(said)}; "
-                                 "the snapshot was refused")
-        rows = []
-        for key, agent in sorted(export.items()):
-            attempt_id, state = known.get(key, (0, "settled"))
-            if state != "running":
-                continue
-            rollout, attempt = key.rsplit("-a", 1)
-            group, generation = rollout.split(".", 1)
-            rows.append(EpisodeProgress(
-                attempt_id=attempt_id, group_id=int(group), generation_index=int(generation), attempt=int(attempt),
-                turn=agent["turn"], state=agent["state"], token_ids=agent.get("token_ids"),
-                logprobs=agent.get("logprobs"), token_versions=agent.get("token_versions")))
-        return rows
-
-    def _prefixes_at_cut(self, conn, engine: PrefixCapture, at: _AtCut) -> None:
-        """The running calls' prefixes that belong to the cut: the engine's calls read
-        once, under its lock (the hold), matched to attempts the ledger runs at the cut
-        whose saved episode is at the call's turn (a call whose previous turn is not yet
-        committed at the cut would resume into the wrong turn: it restarts its turn).
-        An agent server's call is matched the same way against the export checked at
-        this cut (`at.episodes`), by its server's mode (`_agent_call`). A call that cannot
-        be saved is a `call_fallback` of the trace, with its reason."""
-        calls = engine.running_calls()
-        at.hold_s = engine.cut_hold_s  # the output step's wait, not ours for the step in progress
-        at.decoded = engine.decoded_rows
-        if self.uncommitted_calls is not None:
-            # Read after the engine: a call that finished meanwhile is in transit to the
-            # pump or absorbed by it, and found there (`RolloutPump.uncommitted_calls`).
-            calls = {**self.uncommitted_calls(), **calls}
-        # An in-process attempt may have two: a finished turn's call not yet committed and
-        # the next turn's call already running; the one at the saved episode's turn is kept.
-        wanted: dict[str, dict[int, Any]] = {}
-        remote: set[str] = set()
-        servers = self.p.config.environment.servers if self.p.config is not None else []
-        for rid, call in calls.items():
-            m = _IN_PROCESS_CALL.match(rid)
-            if m is not None and call.token_ids:
-                wanted.setdefault(f"{m[1]}.{m[2]}-a{m[3]}", {})[int(m[4])] = call
-            elif servers and (m := _AGENT_CALL.match(rid)) is not None:
-                # Empty ones too: a restart_only server's call falls back whatever it decoded.
-                wanted.setdefault(f"{m[1]}.{m[2]}-a{m[3]}", {})[int(m[4])] = call
-                remote.add(f"{m[1]}.{m[2]}-a{m[3]}")
-        if not wanted:
-            return
-        known = queries.attempts_by_key(conn, wanted)
-        running = {key: attempt_id for key, (attempt_id, state) in known.items() if state == "running"}
-        turns = queries.episode_turns(conn, [a for k, a in running.items() if k not in remote])
-        exported = {ep.attempt_id: ep.turn for ep in at.episodes}
-        prompts = queries.group_prompts(conn, (int(k.split(".", 1)[0]) for k in running))
-        for key, attempt_id in sorted(running.items()):
-            by_turn = wanted[key]
-            turn = turns.get(attempt_id, 0) if key not in remote and turns.get(attempt_id, 0) in by_turn else max(by_turn)
-            call = by_turn[turn]
-            rollout, attempt = key.rsplit("-a", 1)
-            group, generation = (int(x) for x in rollout.split(".", 1))
-            prompt_id, step = prompts.get(group, (None, None))
-            if call.cut_refused:  # the engine could not continue it exactly (cut_support): its turn restarts
-                reason = call.cut_refused
-            elif key in remote:
-                reason = self._agent_call(servers, prompt_id, attempt_id, turn, exported)
-            else:
-                reason = None if turns.get(attempt_id, 0) == turn else "turn_not_committed"
-            if reason is not None:
-                at.fallbacks.append({"attempt_id": attempt_id, "turn": turn, "reason": reason})
-                continue
-            if not call.token_ids:
-                continue  # nothing decoded yet: nothing to keep, nothing lost
-            complete = len(call.logprobs) == len(call.token_ids)
-            at.prefixes.append(CallPrefix(attempt_id, call.token_ids, call.logprobs if complete else None,
-                                          call.token_versions, call.max_tokens, call.min_tokens))
-            at.cut_calls.append({"group_id": group, "prompt_id": prompt_id, "generation_index": generation,
-                                 "attempt": int(attempt), "step": step, "policy_version": call.token_versions[-1],
-                                 "tokens": len(call.token_ids)})
-
-    @staticmethod
-    def _agent_call(servers, prompt_id: int | None, attempt_id: int, turn: int,
-                    exported: dict[int, int]) -> str | None:
-        """Why an agent server's call running at the cut cannot be saved, or None when it
-        can. An `export_restore` agent continues from its exported turn (`turn` finished
-        turns: its next call is that turn) and makes that turn's call again with the
-        same prompt, seed and limits, so a call of exactly that turn continues from its
-        prefix; a call of a later turn started after the export (its turn restarts). A
-        `stateless` server's episode has one turn that restarts identically (same prompt,
-        same seed): its turn-0 call continues too. A `restart_only` server's agents
-        restart from turn 0 with state the store never saw: its calls fall back."""
-        if prompt_id is None:
-            return "unknown_prompt"
-        spec = servers[prompt_id % len(servers)]  # the pool's rule (AgentPool.server_for)
-        if spec.mode == "restart_only":
-            return f"restart_only_server:{spec.name}"
-        if spec.mode == "stateless":
-            return None if turn == 0 else f"stateless_server_turn:{spec.name}"
-        if attempt_id not in exported:
-            return f"not_exported:{spec.name}"
-        return None if exported[attempt_id] == turn else f"export_at_other_turn:{spec.name}"
 
     def _abandoned_episode_keys(self) -> list[str]:
         if not self.env.holds_rollout_state:

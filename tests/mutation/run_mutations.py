@@ -164,7 +164,7 @@ MUTANTS = [
     Mutant(
         "cut_drops_the_last_decoded_token",
         "prefix level: a cut saves exactly what the engine decoded",
-        "controller/recovery/snapshot_pump.py",
+        "controller/recovery/cut_contents.py",
         [("""            at.prefixes.append(CallPrefix(attempt_id, call.token_ids, call.logprobs if complete else None,
                                           call.token_versions, call.max_tokens, call.min_tokens))""",
           """            keep = max(1, len(call.token_ids) - 1)  # MUTANT: the newest token is lost
@@ -184,7 +184,7 @@ MUTANTS = [
     Mutant(
         "cut_saves_prefixes_of_ended_attempts",
         "prefix level: a cut saves prefixes only of attempts the ledger runs at the cut",
-        "controller/recovery/snapshot_pump.py",
+        "controller/recovery/cut_contents.py",
         [("""        running = {key: attempt_id for key, (attempt_id, state) in known.items() if state == "running"}""",
           """        running = {key: attempt_id for key, (attempt_id, state) in known.items()}  # MUTANT: no filter""")],
         ["tests/test_hostile_proofs_pump.py::test_a_cut_saves_no_prefix_of_a_call_the_engine_still_runs_whose_"

@@ -1,0 +1,183 @@
+"""What a rollout snapshot's cut adds to the snapshot's file besides the store's rows, read
+inside the cut's read transaction (snapshot_pump.py, step 4): the environment's export
+checked against the ledger as of the cut (the copy's `env_episodes`), and at prefix level
+the running calls' prefixes (its `token_chunks`), with the reason for each call that
+cannot be saved (the trace's `call_fallback`)."""
+
+from __future__ import annotations
+
+import re
+import sqlite3
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from rolloutdb.config import EnvironmentServerSection
+from rolloutdb.gpu_capture.protocol import PrefixCapture
+from rolloutdb.store import CallPrefix, EpisodeProgress, pools, queries
+
+
+class ExportMismatch(RuntimeError):
+    """The environment's export disagrees with the ledger at the cut."""
+
+
+@dataclass
+class AtCut:
+    """What the cut adds to the snapshot's file, and the engine's decode count at it."""
+
+    episodes: list[EpisodeProgress] = field(default_factory=list)
+    prefixes: list[CallPrefix] = field(default_factory=list)
+    decoded: int | None = None
+    hold_s: float | None = None  # how long the prefix read held the engine's output step
+    cut_calls: list[dict] = field(default_factory=list)  # the trace's call_cut events, once published
+    fallbacks: list[dict] = field(default_factory=list)  # the trace's call_fallback events, once published
+
+
+def into_copy(out: sqlite3.Connection, at: AtCut) -> dict[str, int]:
+    """The checked export into the snapshot's own `env_episodes`, the running calls'
+    prefixes into its `token_chunks` (capture's `into_copy`)."""
+    if at.episodes:
+        pools.put_episodes(out, at.episodes)
+    chunks = pools.put_prefixes(out, at.prefixes) if at.prefixes else 0
+    return {"env_episodes": len(at.episodes), "token_chunks": chunks}
+
+
+# The engine request id of an in-process episode's call: `g<group>.<generation>-a<attempt>-t<turn>`
+# (controller/rollout/pump.py `_live`, episodes.Episode.request), and of an agent server's
+# call (`<group>.<generation>-a<attempt>-t<turn>`, no `g`: the policy endpoint's `<key>-t<turn>`).
+_IN_PROCESS_CALL = re.compile(r"^g([0-9]+)\.([0-9]+)-a([0-9]+)-t([0-9]+)$")
+_AGENT_CALL = re.compile(r"^([0-9]+)\.([0-9]+)-a([0-9]+)-t([0-9]+)$")
+
+
+@dataclass
+class CutContents:
+    """One attempt's view of what its cut must check and may save: filled by the attempt's
+    environment phase before the cut, read inside the cut's read transaction."""
+
+    servers: Sequence[EnvironmentServerSection] = ()  # environment.servers: an agent call's server
+    # Prefix level: the rollout pump's `uncommitted_calls` (calls finished but not yet committed).
+    uncommitted_calls: Callable[[], dict] | None = None
+    retired: set[str] = field(default_factory=set)  # the keys this attempt's retire named
+    export: dict[str, dict] = field(default_factory=dict)  # the environment's export, read after drain
+    expected: set[str] = field(default_factory=set)  # the attempts the servers acknowledged before it
+
+    def checked_export(self, conn: sqlite3.Connection) -> list[EpisodeProgress]:
+        """The environment's export, checked against the ledger as of the cut, as the
+        rows the snapshot's `env_episodes` gets (attempts still running at the cut).
+
+        Refused (the attempt fails with this message, nothing is published): a key the
+        ledger does not know or that this attempt retired (the server kept an episode it
+        was told to forget), and an attempt the server had acknowledged before the
+        export, that the ledger still runs at the cut, missing from it (the server lost
+        an agent). An exported attempt that finished after the export is dropped: its
+        sample is in the cut; so is one whose group settled meanwhile (trained or
+        discarded: its rows have left the live store, `queries.settled_episode_keys`)."""
+        export, expected = self.export, self.expected
+        if not export and not expected:
+            return []
+        known = queries.attempts_by_key(conn, set(export) | expected)
+        settled = queries.settled_episode_keys(conn, [k for k in export if k not in known])
+        unknown = sorted(k for k in export if (k not in known and k not in settled) or k in self.retired)
+        missing = sorted(k for k in expected if known.get(k, (0, ""))[1] == "running" and k not in export)
+        if unknown or missing:
+            said = []
+            if unknown:
+                said.append(f"{len(unknown)} unknown or retired episodes ({', '.join(unknown[:3])})")
+            if missing:
+                said.append(f"{len(missing)} running attempts missing ({', '.join(missing[:3])})")
+            raise ExportMismatch(f"the environment's export disagrees with the ledger at the cut: {'; '.join(said)}; "
+                                 "the snapshot was refused")
+        rows = []
+        for key, agent in sorted(export.items()):
+            attempt_id, state = known.get(key, (0, "settled"))
+            if state != "running":
+                continue
+            rollout, attempt = key.rsplit("-a", 1)
+            group, generation = rollout.split(".", 1)
+            rows.append(EpisodeProgress(
+                attempt_id=attempt_id, group_id=int(group), generation_index=int(generation), attempt=int(attempt),
+                turn=agent["turn"], state=agent["state"], token_ids=agent.get("token_ids"),
+                logprobs=agent.get("logprobs"), token_versions=agent.get("token_versions")))
+        return rows
+
+    def prefixes_at_cut(self, conn: sqlite3.Connection, engine: PrefixCapture, at: AtCut) -> None:
+        """The running calls' prefixes that belong to the cut: the engine's calls read
+        once, under its lock (the hold), matched to attempts the ledger runs at the cut
+        whose saved episode is at the call's turn (a call whose previous turn is not yet
+        committed at the cut would resume into the wrong turn: it restarts its turn).
+        An agent server's call is matched the same way against the export checked at
+        this cut (`at.episodes`), by its server's mode (`_agent_call`). A call that cannot
+        be saved is a `call_fallback` of the trace, with its reason."""
+        calls = engine.running_calls()
+        at.hold_s = engine.cut_hold_s  # the output step's wait, not ours for the step in progress
+        at.decoded = engine.decoded_rows
+        if self.uncommitted_calls is not None:
+            # Read after the engine: a call that finished meanwhile is in transit to the
+            # pump or absorbed by it, and found there (`RolloutPump.uncommitted_calls`).
+            calls = {**self.uncommitted_calls(), **calls}
+        # An in-process attempt may have two: a finished turn's call not yet committed and
+        # the next turn's call already running; the one at the saved episode's turn is kept.
+        wanted: dict[str, dict[int, Any]] = {}
+        remote: set[str] = set()
+        servers = self.servers
+        for rid, call in calls.items():
+            m = _IN_PROCESS_CALL.match(rid)
+            if m is not None and call.token_ids:
+                wanted.setdefault(f"{m[1]}.{m[2]}-a{m[3]}", {})[int(m[4])] = call
+            elif servers and (m := _AGENT_CALL.match(rid)) is not None:
+                # Empty ones too: a restart_only server's call falls back whatever it decoded.
+                wanted.setdefault(f"{m[1]}.{m[2]}-a{m[3]}", {})[int(m[4])] = call
+                remote.add(f"{m[1]}.{m[2]}-a{m[3]}")
+        if not wanted:
+            return
+        known = queries.attempts_by_key(conn, wanted)
+        running = {key: attempt_id for key, (attempt_id, state) in known.items() if state == "running"}
+        turns = queries.episode_turns(conn, [a for k, a in running.items() if k not in remote])
+        exported = {ep.attempt_id: ep.turn for ep in at.episodes}
+        prompts = queries.group_prompts(conn, (int(k.split(".", 1)[0]) for k in running))
+        for key, attempt_id in sorted(running.items()):
+            by_turn = wanted[key]
+            turn = turns.get(attempt_id, 0) if key not in remote and turns.get(attempt_id, 0) in by_turn else max(by_turn)
+            call = by_turn[turn]
+            rollout, attempt = key.rsplit("-a", 1)
+            group, generation = (int(x) for x in rollout.split(".", 1))
+            prompt_id, step = prompts.get(group, (None, None))
+            if call.cut_refused:  # the engine could not continue it exactly (cut_support): its turn restarts
+                reason = call.cut_refused
+            elif key in remote:
+                reason = self._agent_call(servers, prompt_id, attempt_id, turn, exported)
+            else:
+                reason = None if turns.get(attempt_id, 0) == turn else "turn_not_committed"
+            if reason is not None:
+                at.fallbacks.append({"attempt_id": attempt_id, "turn": turn, "reason": reason})
+                continue
+            if not call.token_ids:
+                continue  # nothing decoded yet: nothing to keep, nothing lost
+            complete = len(call.logprobs) == len(call.token_ids)
+            at.prefixes.append(CallPrefix(attempt_id, call.token_ids, call.logprobs if complete else None,
+                                          call.token_versions, call.max_tokens, call.min_tokens))
+            at.cut_calls.append({"group_id": group, "prompt_id": prompt_id, "generation_index": generation,
+                                 "attempt": int(attempt), "step": step, "policy_version": call.token_versions[-1],
+                                 "tokens": len(call.token_ids)})
+
+    @staticmethod
+    def _agent_call(servers: Sequence[EnvironmentServerSection], prompt_id: int | None, attempt_id: int, turn: int,
+                    exported: dict[int, int]) -> str | None:
+        """Why an agent server's call running at the cut cannot be saved, or None when it
+        can. An `export_restore` agent continues from its exported turn (`turn` finished
+        turns: its next call is that turn) and makes that turn's call again with the
+        same prompt, seed and limits, so a call of exactly that turn continues from its
+        prefix; a call of a later turn started after the export (its turn restarts). A
+        `stateless` server's episode has one turn that restarts identically (same prompt,
+        same seed): its turn-0 call continues too. A `restart_only` server's agents
+        restart from turn 0 with state the store never saw: its calls fall back."""
+        if prompt_id is None:
+            return "unknown_prompt"
+        spec = servers[prompt_id % len(servers)]  # the pool's rule (AgentPool.server_for)
+        if spec.mode == "restart_only":
+            return f"restart_only_server:{spec.name}"
+        if spec.mode == "stateless":
+            return None if turn == 0 else f"stateless_server_turn:{spec.name}"
+        if attempt_id not in exported:
+            return f"not_exported:{spec.name}"
+        return None if exported[attempt_id] == turn else f"export_at_other_turn:{spec.name}"
