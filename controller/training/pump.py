@@ -23,8 +23,9 @@ commit k: prepare only lengthens that interval, in which cuts were always taken 
 this pump waits for the batch of step k).
 So a resume from that cut loads `step_<k-1>`, finds the same batch in replay for step
 k, and trains it again from scratch: the work of the interrupted prepare is lost (it is
-recomputed), and the batch is trained exactly once in the run's history, because its
-`trained` mark and the weights of step k become visible together or not at all. A kill
+recomputed), and the batch is trained exactly once in the run's history: a cut sees it
+`trained` only together with the trainer at step k (both change under the commit lock),
+so only a cut anchored to `step_<k>`, whose weights hold that step, does. A kill
 during the prepare (`train.prepared`, after the backward, before the commit) is the same
 case: the resume restores a snapshot anchored at k-1 or earlier, in which the batch is
 not `trained` (or not yet made: then it is generated again).
