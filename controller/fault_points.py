@@ -13,6 +13,8 @@ POINTS: tuple[str, ...] = faults.register(
     "pump.after_enter_replay",
     "pump.after_turn_commit",
     "pump.call_finished_uncommitted",
+    # a StagedTrainer's step computed (after the backward), not committed
+    "train.prepared",
     "train.after_commit",
     "train.after_checkpoint",
     # checkpointing.async: the state copied and the cut held (train pump); the files

@@ -32,9 +32,8 @@ class TrainGroup:
 
 class NonFiniteTraining(ValueError):
     """A step met a non-finite number (a sample's logprob, the loss, the gradient, the
-    weights an optimizer step made) and stops the run: nothing of that step is committed,
-    refit or checkpointed, so no published checkpoint holds NaN weights. A trainer raises
-    it too; the message is one line naming the step and the value."""
+    weights an optimizer step made) and stops the run before that step is committed,
+    refit or checkpointed. A trainer raises it too; the message is one line."""
 
     def __init__(self, step: int, what: str, value: float, advice: str):
         super().__init__(f"step {step}: {what} is {value}, so the run stops before that step is committed, "
@@ -54,7 +53,7 @@ class Trainer(Protocol):
         ...
 
     def train_step(self, groups: Sequence[TrainGroup]) -> dict[str, float]:
-        """One optimizer step on these groups; returns metrics (loss, ...)."""
+        """One optimizer step on these groups, all under the commit lock unless a `StagedTrainer`; returns metrics."""
         ...
 
     def export_weights(self) -> Mapping[str, Any]:
@@ -63,8 +62,7 @@ class Trainer(Protocol):
 
     def save_checkpoint(self, directory: Path) -> list[Path]:
         """Write the trainer's state (weights in safetensors, the rest as JSON) into an
-        existing empty directory; return the files written. Publication (temporary
-        directory, fsync, rename) is the caller's job."""
+        existing empty directory; return the files written (publishing is the caller's)."""
         ...
 
     def load_checkpoint(self, directory: Path) -> None:
@@ -72,14 +70,26 @@ class Trainer(Protocol):
         ...
 
 
+@runtime_checkable
+class StagedTrainer(Protocol):
+    """Optional, beside `Trainer`: the train pump runs `prepare_step` holding no lock (snapshots are cut meanwhile)
+    and only `commit_step` under the commit lock, never `train_step` (offer it as the two in a row); why a cut
+    taken during `prepare_step` is consistent: controller/training/pump.py."""
+
+    def prepare_step(self, groups: Sequence[TrainGroup]) -> Any:
+        """Forward, backward, loss and gradient checks, leaving `step`, weights and optimizer state as they were."""
+        ...
+
+    def commit_step(self, prepared: Any) -> dict[str, float]:
+        """Apply what prepare_step returned: the optimizer step, the weight check, `step` + 1; returns the metrics."""
+        ...
+
+
 @dataclass
 class CheckpointState:
-    """A trainer's state as of one step boundary, handed to a writer on another thread
-    (`checkpointing.async`). Every tensor is the trainer's own copy, which training no
-    longer touches; the writer (`trainer_checkpoints.write_checkpoint_state`) writes each
-    mapping of `tensors` as one safetensors file, each value of `documents` as one JSON
-    file and copies each of `copies` (files that never change during the run) as is.
-    Keys are plain file names."""
+    """A trainer's state at a step boundary, its tensors the trainer's own copies, for a writer thread
+    (`checkpointing.async`; training/checkpoints.py write_checkpoint_state): per plain file name, `tensors`
+    a safetensors file, `documents` a JSON file, `copies` a file that never changes during the run."""
 
     tensors: dict[str, Mapping[str, Any]] = field(default_factory=dict)  # file -> {name: tensor}
     documents: dict[str, Any] = field(default_factory=dict)  # file -> JSON-able value
@@ -89,14 +99,12 @@ class CheckpointState:
 
 @runtime_checkable
 class AsyncCheckpointing(Protocol):
-    """Optional, beside `Trainer`: what `checkpointing.async: true` needs. A trainer
-    with only `save_checkpoint` is checkpointed synchronously (async off)."""
+    """Optional, beside `Trainer`: what `checkpointing.async: true` needs (without it: synchronous only)."""
 
     def checkpoint_state(self) -> CheckpointState:
         """Copy the state (to CPU memory) at a step boundary, on the train pump; the
-        files `load_checkpoint` reads are then written from the copy while training goes
-        on. rolloutdb calls it again only after the previous state was written (one
-        write at a time), so a trainer may reuse its copy buffers."""
+        files `load_checkpoint` reads are written from the copy while training goes on.
+        Called again only once the previous state is written: buffers may be reused."""
         ...
 
 

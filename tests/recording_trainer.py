@@ -11,7 +11,7 @@ identically: readers compare sets.
 
 With `algorithm.shared_prefix_packing: true` each record also holds `packed`: per
 generation, what the packed batch's loss reads (targets, old logprobs as float32, loss
-mask), laid out by the same `pack_shared_prefix` call train_step makes.
+mask), laid out by the same `pack_shared_prefix` call prepare_step makes.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ class RecordingTrainer(GRPOTrainer):
         super().__init__(policy_dir, config)
         self.record = record
 
-    def train_step(self, groups):
+    def prepare_step(self, groups):  # the train pump's first call of a step (and train_step's)
         with open(self.record, "a") as f:
             for g in groups:
                 row = {"prompt_id": g.prompt_id, "group_id": g.group_id,
@@ -43,7 +43,7 @@ class RecordingTrainer(GRPOTrainer):
                 f.write(json.dumps(row) + "\n")
             f.flush()
             os.fsync(f.fileno())
-        return super().train_step(groups)
+        return super().prepare_step(groups)
 
 
 def make_trainer(context, record: str):

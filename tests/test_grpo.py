@@ -12,12 +12,13 @@ import torch
 from rolloutdb.controller.training.grpo import (
     GRPOConfig,
     GRPOTrainer,
+    PreparedStep,
     aggregate,
     clipped_token_losses,
     config_from_dict,
     group_advantages,
 )
-from rolloutdb.controller.protocols import Completion, TrainGroup, Trainer
+from rolloutdb.controller.protocols import Completion, NonFiniteTraining, StagedTrainer, TrainGroup, Trainer
 from rolloutdb.controller.tasks.digits import TASK_ALPHABET
 from rolloutdb.gpu_capture.tiny_policy import build_tiny_policy
 
@@ -154,6 +155,57 @@ def test_a_few_steps_on_a_fixed_batch_raise_the_probability_of_the_better_comple
     assert end_good > start_good + 0.5
     assert end_bad < start_bad - 0.5
     assert metrics["ratio_mean"] != pytest.approx(1.0)  # the ratio did see the drift
+
+
+# ------------------------------------------------------------ prepare, then commit
+
+
+def test_a_prepared_step_changes_nothing_a_cut_or_checkpoint_sees_and_its_commit_is_the_whole_step(policy_dir):
+    """prepare_step leaves the weights, the optimizer's moments and `step` as they were
+    (what a snapshot cut during it relies on); its commit then makes the same weights
+    and metrics as one train_step, bit for bit."""
+    staged, whole = trainer(policy_dir), trainer(policy_dir)
+    assert isinstance(staged, StagedTrainer)
+    batch = fixed_batch(staged)
+    whole.train_step(batch)
+    staged.train_step(batch)  # moments exist now: the next prepare must not touch them either
+    before, moments = weights(staged), {i: {k: v.clone() for k, v in e.items()}
+                                        for i, e in staged.optimizer.state_dict()["state"].items()}
+    prepared = staged.prepare_step(batch)
+    assert prepared.step == 2 and staged.step == 1
+    assert_same_weights(before, weights(staged))
+    for i, entry in staged.optimizer.state_dict()["state"].items():
+        for k, v in entry.items():
+            assert torch.equal(v, moments[i][k]), (i, k)
+    committed = staged.commit_step(prepared)
+    assert committed == whole.train_step(batch) and staged.step == whole.step == 2
+    assert_same_weights(weights(staged), weights(whole))
+
+
+def test_a_step_prepared_at_another_step_is_not_committed(policy_dir):
+    tr = trainer(policy_dir)
+    batch = fixed_batch(tr)
+    stale = tr.prepare_step(batch)
+    tr.train_step(batch)
+    before = weights(tr)
+    with pytest.raises(ValueError, match="prepared as step 1 cannot be committed at step 2"):
+        tr.commit_step(stale)
+    with pytest.raises(ValueError, match="prepared as step 5"):
+        tr.commit_step(PreparedStep(5, {}))
+    assert tr.step == 1
+    assert_same_weights(before, weights(tr))
+
+
+def test_a_non_finite_loss_stops_the_prepare_before_anything_is_committed(policy_dir):
+    tr = trainer(policy_dir)
+    prompt, replies = [3, 4, 5], [[6, 7], [8, 9]]
+    group = TrainGroup(0, 0, [Completion(prompt, r, tr.logprobs_of(prompt, r), [0, 0], reward)
+                              for r, reward in zip(replies, [math.inf, 0.0])])
+    before = weights(tr)
+    with pytest.raises(NonFiniteTraining, match=r"^step 1: the loss is nan"):
+        tr.prepare_step([group])
+    assert tr.step == 0 and not any(tr.optimizer.state.values())
+    assert_same_weights(before, weights(tr))
 
 
 # -------------------------------------------------------------------- checkpoints

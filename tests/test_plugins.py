@@ -28,7 +28,7 @@ from rolloutdb.controller.tasks.plugins import (
     protocol_members,
 )
 from rolloutdb.plugin_specs import resolve_relative_paths
-from rolloutdb.controller.protocols import Environment, Trainer
+from rolloutdb.controller.protocols import Environment, StagedTrainer, Trainer
 from rolloutdb.controller.tasks.digits import DigitPromptDataset
 from rolloutdb.gpu_capture.tiny_policy import DEFAULT_ALPHABET, build_tiny_policy, build_tokenizer
 
@@ -250,7 +250,34 @@ def test_the_example_trainer_factory_builds_a_trainer_from_the_policy_and_its_op
     context = PluginContext(policy_dir=policy_dir)
     trainer = make_trainer(f"{EXAMPLE / 'trainer.py'}:make_trainer", context, {"lr": 0.01})
     assert isinstance(trainer, Trainer) and trainer.step == 0
+    assert isinstance(trainer, StagedTrainer)  # the train pump holds the commit lock only for its commit
     assert trainer.config.lr == 0.01
+
+
+def test_a_trainer_with_half_of_the_staged_form_is_refused_and_one_with_train_step_alone_is_not(tmp_path):
+    write(tmp_path, "trainers.py", """
+        class Whole:
+            step = 0
+            def train_step(self, groups): return {}
+            def export_weights(self): return {}
+            def save_checkpoint(self, directory): return []
+            def load_checkpoint(self, directory): pass
+
+        class HalfStaged(Whole):
+            def prepare_step(self, groups): return None
+
+        class Staged(HalfStaged):
+            def commit_step(self, prepared): return {}
+
+        def make(context, kind):
+            return {"whole": Whole, "half": HalfStaged, "staged": Staged}[kind]()
+    """)
+    made = {kind: make_trainer("./trainers.py:make", PluginContext(), {"kind": kind}, base_dir=tmp_path)
+            for kind in ("whole", "staged")}
+    assert not isinstance(made["whole"], StagedTrainer) and isinstance(made["staged"], StagedTrainer)
+    message = refused(lambda: make_trainer("./trainers.py:make", PluginContext(), {"kind": "half"}, base_dir=tmp_path),
+                      "trainer.factory")
+    assert "HalfStaged, which is not a(n) StagedTrainer: lacks commit_step" in message
 
 
 def test_a_trainer_factory_returning_something_that_cannot_train_is_refused(tmp_path):

@@ -9,7 +9,8 @@ paths work too). The callable may be dotted (``"mod:Class.make"``).
 - A factory is called as ``factory(context, **options)``: `PluginContext` carries what a
   run has built (config, policy directory, tokenizer, dataset, reward); `options` is the
   section's free-form ``options:`` mapping. An environment factory returns an
-  `Environment`, a trainer factory a `Trainer` (`controller/protocols.py`).
+  `Environment`, a trainer factory a `Trainer` (`controller/protocols.py`), which may
+  also be a `StagedTrainer` (then with both of its methods).
 
 Everything is checked at start, before the run directory is touched where it can be
 (`check_plugins`): the module imports, the attribute exists and is callable, it accepts
@@ -44,7 +45,7 @@ from typing import Any
 
 from rolloutdb.plugin_specs import is_file_target
 from rolloutdb.controller.tasks.datasets import DatasetError, DatasetSection, FileDataset, PromptFormatter
-from rolloutdb.controller.protocols import Environment, PromptDataset, Trainer, Turn
+from rolloutdb.controller.protocols import Environment, PromptDataset, StagedTrainer, Trainer, Turn
 from rolloutdb.controller.tasks.digits import as_codec
 from rolloutdb.controller.tasks.user_code import (
     USER_ROOTS,
@@ -253,6 +254,8 @@ def make_trainer(spec: str, context: PluginContext, options: Mapping[str, Any] |
     factory = load_factory(spec, context, options, key=key, base_dir=base_dir)
     trainer = _call_factory(factory, context, options, key=key)
     check_protocol(trainer, Trainer, key=key, made_by=spec)
+    if hasattr(trainer, "prepare_step") or hasattr(trainer, "commit_step"):  # half a staged trainer is a mistake
+        check_protocol(trainer, StagedTrainer, key=key, made_by=spec)
     _count(trainer.step, key=key, what=f"the trainer's step ({type(trainer).__name__})", least=0)
     return trainer
 

@@ -1,6 +1,9 @@
 """GRPO on torch: the embedded default `Trainer`.
 
-One `train_step` is one optimizer step on a batch of finished groups:
+One `train_step` is one optimizer step on a batch of finished groups, in two stages
+(`StagedTrainer`): `prepare_step` computes it (forward, backward, checks, gradient
+clipping) and `commit_step` applies it (optimizer step, weight check, step counter), so
+the train pump holds the commit lock only around the second. The step:
 - advantages are group-normalized: (reward - group mean) / (group std + eps), the std
   taken over the group (population std, as GRPO papers write it); `scale_rewards=False`
   keeps only the mean subtraction (Dr. GRPO);
@@ -89,6 +92,15 @@ class GRPOConfig:
         if not 0 < self.clip_eps < 1:
             raise ValueError("clip_eps must be in (0, 1)")
         self.betas = tuple(self.betas)
+
+
+@dataclass
+class PreparedStep:
+    """A step `prepare_step` computed and `commit_step` has not applied: the gradients
+    stay in the parameters' `.grad`; these are the step it makes and its metrics."""
+
+    step: int  # the trainer's `step` + 1 when prepared: committed only as that step
+    metrics: dict[str, float]
 
 
 # ------------------------------------------------------------------- pure computations
@@ -202,6 +214,13 @@ class GRPOTrainer:
     # ----------------------------------------------------------------------- training
 
     def train_step(self, groups: Sequence[TrainGroup]) -> dict[str, float]:
+        """One whole step: `commit_step(prepare_step(groups))`."""
+        return self.commit_step(self.prepare_step(groups))
+
+    def prepare_step(self, groups: Sequence[TrainGroup]) -> PreparedStep:
+        """Forward and backward over the batch, the loss and gradient checks and the
+        gradient clipping; the gradients stay in the parameters' `.grad` for
+        `commit_step`. Changes no weight, no optimizer state and not `step`."""
         cfg = self.config
         completions: list[Completion] = []
         advantages: list[float] = []
@@ -245,8 +264,7 @@ class GRPOTrainer:
             clipped_sum += float((was_clipped.float() * mask).sum())
             ratio_sum += float((torch.exp(new.detach() - old) * mask).sum())
         # Nothing non-finite reaches the weights: the loss and the gradient are checked
-        # before the optimizer step, the weights it made before anyone sees them (refit,
-        # checkpoint). The weight check is one pass over the parameters per step.
+        # here, before the optimizer step; the weights it makes in commit_step.
         step = self._step + 1
         if not math.isfinite(loss_sum):
             raise NonFiniteTraining(step, "the loss", loss_sum, NON_FINITE_ADVICE)
@@ -257,15 +275,9 @@ class GRPOTrainer:
             grad_norm = float(torch.nn.utils.get_total_norm([p.grad for p in params]))
         if not math.isfinite(grad_norm):
             raise NonFiniteTraining(step, "the gradient's norm", grad_norm, NON_FINITE_ADVICE)
-        self.optimizer.step()
-        for name, weight in self.model.named_parameters():
-            if not bool(torch.isfinite(weight).all()):
-                value = float(weight.detach()[~torch.isfinite(weight.detach())].flatten()[0])
-                raise NonFiniteTraining(step, f"weight {name} after the optimizer step", value, NON_FINITE_ADVICE)
-        self._step += 1
         n_tok = float(total_tokens)
         rewards = [c.reward for c in completions]
-        return {
+        return PreparedStep(step, {
             "loss": loss_sum,
             "reward_mean": sum(rewards) / len(rewards),
             "clip_fraction": clipped_sum / n_tok,
@@ -275,7 +287,22 @@ class GRPOTrainer:
             "grad_norm": grad_norm,
             "policy_tokens": n_tok,
             "sequences": float(B),
-        }
+        })
+
+    def commit_step(self, prepared: PreparedStep) -> dict[str, float]:
+        """The optimizer step on the gradients `prepare_step` left, the check of the
+        weights it made (before anyone sees them: refit, checkpoint) and the step
+        counter. The weight check is one pass over the parameters."""
+        if prepared.step != self._step + 1:
+            raise ValueError(f"a step prepared as step {prepared.step} cannot be committed at step {self._step + 1}")
+        self.optimizer.step()
+        for name, weight in self.model.named_parameters():
+            if not bool(torch.isfinite(weight).all()):
+                value = float(weight.detach()[~torch.isfinite(weight.detach())].flatten()[0])
+                raise NonFiniteTraining(prepared.step, f"weight {name} after the optimizer step", value,
+                                        NON_FINITE_ADVICE)
+        self._step += 1
+        return dict(prepared.metrics)
 
     @torch.no_grad()
     def logprobs_of(self, prompt_ids: Sequence[int], token_ids: Sequence[int]) -> list[float]:

@@ -1,6 +1,36 @@
 """The train pump: for each step, wait for the groups stamped for it, train, release
 their replay permits, refit the engine and publish trainer checkpoints.
 
+The commit lock covers only the optimizer commit. A `StagedTrainer` computes step k
+(forward, backward, gradient checks: `prepare_step`) holding no lock, and only
+`commit_step` (the optimizer step and the step counter) and the store's `trained`
+transaction for the batch run under the commit lock, so interval snapshots are cut
+during the long part of a step and skipped (`skipped_commit`) only during the commit.
+A cut taken during `prepare_step` is a consistent cut:
+- the trainer's `step` is still k-1 and its weights are still version k-1's: the
+  snapshot pump anchors the cut to `step_<k-1>` (and at the cut re-checks that the step
+  has not moved, under the commit lock: a commit cannot fall inside a cut), a durable
+  checkpoint holding exactly the weights, optimizer state and counter of the boundary
+  before step k (a checkpoint is written only at a boundary, after a commit, on this
+  thread; nothing prepare computes is in any checkpoint);
+- the batch of step k is still in the replay buffer in the store as of the cut, not
+  `trained`: the `trained` transaction commits with the optimizer step, under the lock;
+- the engine still generates with version k-1 (the refit comes after the commit), so
+  every sample in the cut was made by a version <= k-1, as at any cut anchored to
+  `step_<k-1>`.
+In short, nothing a cut reads changes between the end of commit k-1 and the start of
+commit k: prepare only lengthens that interval, in which cuts were always taken (while
+this pump waits for the batch of step k).
+So a resume from that cut loads `step_<k-1>`, finds the same batch in replay for step
+k, and trains it again from scratch: the work of the interrupted prepare is lost (it is
+recomputed), and the batch is trained exactly once in the run's history: a cut sees it
+`trained` only together with the trainer at step k (both change under the commit lock),
+so only a cut anchored to `step_<k>`, whose weights hold that step, does. A kill
+during the prepare (`train.prepared`, after the backward, before the commit) is the same
+case: the resume restores a snapshot anchored at k-1 or earlier, in which the batch is
+not `trained` (or not yet made: then it is generated again).
+A trainer with only `train_step` cannot be split: its whole step runs under the lock.
+
 Batch age is computed here from the samples' per-version token counts: for step k
 (trained on policy version k-1) each policy token produced by version v is k-1-v
 updates old. Environment tokens (version -1) are not the policy's and do not count.
@@ -15,7 +45,7 @@ from collections.abc import Callable
 import numpy as np
 from rolloutdb.controller.rollout.episodes import ENV_TOKEN_VERSION
 from rolloutdb.controller.run.runtime import RolloutParts
-from rolloutdb.controller.protocols import Completion, NonFiniteTraining, TrainGroup
+from rolloutdb.controller.protocols import Completion, NonFiniteTraining, StagedTrainer, TrainGroup
 from rolloutdb.controller.run.tracing import RolloutTrace
 from rolloutdb.store import faults, codec, queries
 
@@ -35,6 +65,14 @@ def batch_age(step: int, version_runs: list[list[tuple[int, int]]]) -> float:
     return weighted / total if total else 0.0
 
 
+def _check_finite(step: int, metrics: dict[str, float]) -> None:
+    """Any trainer's: a non-finite metric is never committed, refit or checkpointed."""
+    broken = next(((k, v) for k, v in metrics.items() if not math.isfinite(float(v))), None)
+    if broken is not None:
+        raise NonFiniteTraining(step, f"the trainer's {broken[0]}", float(broken[1]),
+                                "lower the learning rate and check the rewards and the model's weights")
+
+
 class TrainPump:
     def __init__(
         self,
@@ -45,6 +83,8 @@ class TrainPump:
         self.p = parts
         self.trace = RolloutTrace(parts.tracer)
         self.on_step_done = on_step_done or (lambda step: None)
+        trainer = parts.trainer
+        self.staged: StagedTrainer | None = trainer if isinstance(trainer, StagedTrainer) else None
 
     def run(self) -> None:
         total = self.p.bound.total_steps
@@ -101,15 +141,20 @@ class TrainPump:
             return
         t0 = time.time()
         groups, stats = self._load_groups(step, ids)
-        with self.p.runtime.commit_lock:  # the optimizer commit: no snapshot cut inside
-            metrics = self.p.trainer.train_step(groups)
-            # Any trainer's: a non-finite metric is never committed, refit or checkpointed.
-            broken = next(((k, v) for k, v in metrics.items() if not math.isfinite(float(v))), None)
-            if broken is not None:
-                raise NonFiniteTraining(step, f"the trainer's {broken[0]}", float(broken[1]),
-                                        "lower the learning rate and check the rewards and the model's weights")
-            with self.p.store.atomic() as tx:
-                self.p.dispatcher.trained(tx, ids, step=step)
+        if self.staged is not None:
+            prepared = self.staged.prepare_step(groups)  # no lock: snapshots are cut meanwhile
+            faults.point("train.prepared")
+            with self.p.runtime.commit_lock:  # the optimizer commit: no snapshot cut inside
+                metrics = self.staged.commit_step(prepared)
+                _check_finite(step, metrics)
+                with self.p.store.atomic() as tx:
+                    self.p.dispatcher.trained(tx, ids, step=step)
+        else:
+            with self.p.runtime.commit_lock:  # the whole step: no snapshot cut inside
+                metrics = self.p.trainer.train_step(groups)
+                _check_finite(step, metrics)
+                with self.p.store.atomic() as tx:
+                    self.p.dispatcher.trained(tx, ids, step=step)
         faults.point("train.after_commit")
         running = {rid: len(toks) for rid, toks in self.p.engine.running_tokens().items()} if self.trace.enabled else {}
         self.p.engine.load_weights(self.p.trainer.export_weights(), step)

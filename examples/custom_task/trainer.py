@@ -3,6 +3,12 @@
 Any object with the members of `rolloutdb.controller.protocols.Trainer` works; this one
 is the built-in GRPO trainer, configured from the section's `options:` mapping, to show
 the shape of a factory: factory(context, **options) -> Trainer.
+
+It is also a `StagedTrainer` (same module): `prepare_step` runs the forward and backward
+passes and `commit_step` the optimizer step, so the train pump holds the commit lock
+only around the commit and snapshots are cut during the rest of a step. A trainer of
+your own gets that by offering both methods (and `train_step` as the two in a row);
+with `train_step` alone no snapshot is cut while a step runs.
 """
 
 from __future__ import annotations

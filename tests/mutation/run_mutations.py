@@ -210,6 +210,20 @@ MUTANTS = [
         ["tests/test_hostile_proofs_pump.py::"
          "test_the_trace_holds_a_finish_event_for_every_generation_of_every_sealed_group_across_a_resume"],
     ),
+    # ---- the commit window (controller/training/pump.py)
+    Mutant(
+        "commit_lock_around_the_whole_staged_step",
+        "snapshots are skipped only during the optimizer commit",
+        "controller/training/pump.py",
+        [("            prepared = self.staged.prepare_step(groups)  # no lock: snapshots are cut meanwhile\n",
+          "            self.p.runtime.commit_lock.acquire()  # MUTANT: the lock around the prepare too\n"
+          "            try:\n"
+          "                prepared = self.staged.prepare_step(groups)\n"
+          "            finally:\n"
+          "                self.p.runtime.commit_lock.release()\n")],
+        ["tests/test_commit_window.py::"
+         "test_snapshots_are_cut_while_a_staged_trainer_prepares_and_skipped_while_a_whole_step_trainer_trains"],
+    ),
 ]
 
 
