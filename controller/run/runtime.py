@@ -12,7 +12,8 @@ no code starts:
 
 - `MainThread`: the train pump (`TrainPump.run`, called by `Controller.run`). Owns the
   trainer and the optimizer commit (holds the commit lock from the optimizer step until
-  its groups are marked trained), the refit of the engine, trainer checkpoints
+  its groups are marked trained; a trainer with `train_step` alone, no `StagedTrainer`:
+  across its whole step), the refit of the engine, trainer checkpoints
   (`TrainerCheckpoints`; with `checkpointing.async` it copies the state at the step
   boundary and renames the written checkpoint into place at a later one, under the save
   lock, trying it without waiting), and waits in `SnapshotPump.anchor_new_checkpoint`
@@ -81,7 +82,8 @@ the left of a lock it holds):
   `stage.publish` and removes the anchor the snapshot is being written under. There is
   no second save lock in the controller: one lock serializes saves.
 - The commit lock (`RuntimeState.commit_lock`): held by the train pump from the optimizer
-  step until its groups are marked trained, so a snapshot's cut falls entirely before or
+  step until its groups are marked trained (a `StagedTrainer` prepares its step, forward
+  and backward, outside it; a trainer with `train_step` alone holds it for the whole step), so a snapshot's cut falls entirely before or
   after an optimizer commit. The snapshot pump only tries it (`acquire(blocking=False)`)
   and skips or aborts when it is held, so it never waits for the train pump.
 - The database write lock (`Database._write_lock`, per file): every `atomic()`
