@@ -30,7 +30,8 @@ from rolloutdb.controller.run.sampler import PromptOrder, StalenessBound
 from rolloutdb.controller.recovery.snapshot_pump import SnapshotPump
 from rolloutdb.controller.training.pump import TrainPump
 from rolloutdb.controller.training.checkpoints import TrainerCheckpoints
-from rolloutdb.store import Store, faults, open_tracer, segments_dir_of
+from rolloutdb.controller.tasks.plugins import TaskPlugins
+from rolloutdb.store import Chunk, SavedEpisode, Store, faults, open_tracer, segments_dir_of
 
 if TYPE_CHECKING:  # aiohttp is imported only when a run has agent servers
     from rolloutdb.controller.agent_server.client import AgentPool
@@ -52,7 +53,8 @@ class Controller:
     lock and `resume.plan_resume`); taken and made here when not given."""
 
     def __init__(self, config: Config, run_dir: str | Path, *, resume: str | None = None, start_over: bool = False,
-                 lock: RunLock | None = None, resume_plan=None, plugins=None):
+                 lock: RunLock | None = None, resume_plan: resuming.ResumePlan | None = None,
+                 plugins: TaskPlugins | None = None):
         self.config = config
         self.dirs = RunDir(Path(run_dir))
         self.resume = "latest" if start_over and not resume else resume
@@ -63,8 +65,9 @@ class Controller:
         self.writing = False  # set once the run directory is about to change
         self.runtime = RuntimeState()
         self.restored: list[tuple[GroupHandle, list[int]]] = []
-        self.saved_episodes: dict = {}  # (group, generation) -> SavedEpisode, for turn-level recovery
-        self.saved_prefixes: dict = {}  # (group, generation) -> [Chunk], for prefix-level recovery
+        # (group, generation) -> what turn- and prefix-level recovery restore
+        self.saved_episodes: dict[tuple[int, int], SavedEpisode] = {}
+        self.saved_prefixes: dict[tuple[int, int], list[Chunk]] = {}
         self.restored_cut: float | None = None  # the restored snapshot's cut time
         self.snapshotter: SnapshotPump | None = None
         self.agents: AgentPool | None = None  # with environment.servers
