@@ -210,6 +210,21 @@ def load_anchor(trainer: Trainer, path: Path) -> None:
                             f"manifest ({type(e).__name__}: {detail}); it was written bad", path) from e
 
 
+def _snapshot_config(snapshot_dir: Path | None) -> object | None:
+    """The snapshot's config.yaml as parsed ({} when it has none), or None when there is
+    no snapshot or the file cannot be read (the snapshot's own checks report a damaged
+    file)."""
+    if snapshot_dir is None:
+        return None
+    import yaml
+
+    path = snapshot_dir / "config.yaml"
+    try:
+        return yaml.safe_load(path.read_text()) if path.is_file() else {}
+    except (OSError, yaml.YAMLError):
+        return None
+
+
 def check_server_modes(config: Config, snapshot_dir: Path | None) -> None:
     """Refuse (before anything is written) a restore whose agent servers run in other
     checkpoint modes than they did when the snapshot was taken: an export_restore
@@ -217,15 +232,9 @@ def check_server_modes(config: Config, snapshot_dir: Path | None) -> None:
     snapshot would be read as holding agents. The snapshot's config.yaml records the
     modes. The config fingerprint holds them too; this check runs before the restore so
     that the refusal names the server."""
-    if snapshot_dir is None:
+    old = _snapshot_config(snapshot_dir)
+    if old is None:
         return
-    import yaml
-
-    path = snapshot_dir / "config.yaml"
-    try:
-        old = yaml.safe_load(path.read_text()) if path.is_file() else {}
-    except (OSError, yaml.YAMLError):
-        return  # the snapshot's own checks report a damaged file
     servers = ((old or {}).get("environment") or {}).get("servers") or [] if isinstance(old, dict) else []
     then = {s.get("name"): s.get("mode", "export_restore") for s in servers if isinstance(s, dict)}
     now = {s.name: s.mode for s in config.environment.servers}
@@ -244,15 +253,9 @@ def check_packing(config: Config, snapshot_dir: Path | None) -> None:
     (tests/test_shared_prefix_packing.py), so a resumed run that switched would no longer
     take the steps the uninterrupted run takes. The config fingerprint holds the setting
     too; this check runs before the restore so that the refusal names it."""
-    if snapshot_dir is None:
+    old = _snapshot_config(snapshot_dir)
+    if old is None:
         return
-    import yaml
-
-    path = snapshot_dir / "config.yaml"
-    try:
-        old = yaml.safe_load(path.read_text()) if path.is_file() else {}
-    except (OSError, yaml.YAMLError):
-        return  # the snapshot's own checks report a damaged file
     algorithm = (old.get("algorithm") or {}) if isinstance(old, dict) else {}
     then = bool(algorithm.get("shared_prefix_packing", False)) if isinstance(algorithm, dict) else False
     now = bool(config.algorithm.shared_prefix_packing)
