@@ -582,6 +582,25 @@ RESUMABLE_KEYS: dict[str, str] = {
 }
 
 
+def snapshot_interval_warning(config: Config) -> str | None:
+    """One line when interval snapshots will be skipped for whole steps, or None.
+
+    A rollout snapshot is anchored to the trainer checkpoint of the weights in force: its
+    rollouts are only restorable together with those weights. After a step whose
+    checkpoint is not due (`checkpointing.interval_steps` > 1) no durable anchor holds the
+    current weights, so every interval attempt until the next checkpoint is
+    `skipped_not_durable`: snapshots happen in one step of every N, and a stop in the
+    other steps rolls back to the last checkpoint. Checkpoints every step, written off the
+    train pump (`checkpointing.async`), keep the train step's stall small."""
+    ckpt, snaps = config.checkpointing, config.rollout_checkpointing
+    if not (snaps.enabled and ckpt.enabled and ckpt.interval_steps > 1):
+        return None
+    return (f"rollout snapshots are taken only while the current weights have a trainer checkpoint: with "
+            f"checkpointing.interval_steps: {ckpt.interval_steps}, in one train step of every {ckpt.interval_steps} "
+            f"(the other steps' attempts are skipped_not_durable and a stop there loses their rollouts); set "
+            f"checkpointing.interval_steps: 1 and checkpointing.async: true to snapshot every step")
+
+
 def frozen_settings(config: BaseModel, prefix: str = "") -> dict[str, Any]:
     """What the fingerprint hashes: every key of `config` but RESUMABLE_KEYS whose value
     is not its default, by dotted key (an agent server's keys under

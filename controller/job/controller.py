@@ -300,8 +300,9 @@ class Controller:
 
     def finish(self, wall_s: float) -> RunSummary:
         steps = read_metrics(self.dirs.metrics, "train_step")
+        snapshots = read_metrics(self.dirs.metrics, "snapshot")  # every stop's: the metrics file is appended
         plot = plot_rewards(steps, self.dirs.plots / "reward_curve.png") if self.config.logging.plot and steps else None
-        return RunSummary(self.dirs.root, len(steps), summary_line(steps), plot, wall_s)
+        return RunSummary(self.dirs.root, len(steps), summary_line(steps, snapshots), plot, wall_s)
 
     def close(self) -> None:
         # The environment workers before the engine: the engine pool shuts its Ray cluster down.

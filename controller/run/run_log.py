@@ -7,6 +7,8 @@ import json
 import sys
 import threading
 import time
+from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TextIO
 
@@ -126,11 +128,19 @@ def plot_rewards(steps: list[dict], out: Path) -> Path:
     return out
 
 
-def summary_line(steps: list[dict]) -> str:
+def summary_line(steps: list[dict], snapshots: Sequence[dict] = ()) -> str:
+    """The run in one line: steps and reward gain; with rollout snapshots, how many were
+    published and how many attempts found no durable anchor (`skipped_not_durable`: the
+    weights in force had no trainer checkpoint yet, so a stop then loses that step's
+    rollouts; config.snapshot_interval_warning says which setting causes it)."""
     ordered = latest_per_step(steps)
     if not ordered:
         return "no train steps completed"
     first = [e["reward_mean"] for e in ordered[:5]]
     last = [e["reward_mean"] for e in ordered[-5:]]
     f, l = sum(first) / len(first), sum(last) / len(last)
-    return f"steps={ordered[-1]['step']} reward first5={f:.3f} last5={l:.3f} gain={l - f:+.3f}"
+    line = f"steps={ordered[-1]['step']} reward first5={f:.3f} last5={l:.3f} gain={l - f:+.3f}"
+    if snapshots:
+        outcomes = Counter(e.get("outcome") for e in snapshots)
+        line += f" snapshots={outcomes['published']} skipped_not_durable={outcomes['skipped_not_durable']}"
+    return line

@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from rolloutdb.config import ConfigError, load_config
+from rolloutdb.config import ConfigError, load_config, snapshot_interval_warning
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -84,6 +84,9 @@ def run(args: argparse.Namespace) -> int:
     from rolloutdb.controller.job.controller import Controller
 
     print(f"rolloutdb: {'resuming' if resume else 'training'} {config.run.name} in {run_dir}", file=sys.stderr)
+    warning = snapshot_interval_warning(config)
+    if warning is not None:
+        print(f"rolloutdb: warning: {warning}", file=sys.stderr)
     summary = Controller(config, run_dir, resume=resume, start_over=args.start_over, lock=lock, resume_plan=plan,
                          plugins=plugins).run()
     if summary.plot is not None:
