@@ -229,6 +229,9 @@ OVERRIDES = [
     "rollout_recovery.target_level=prefix",
     "algorithm.groups_per_step=4",
     "checkpointing.interval_steps=1",
+    # Synchronous: every step's snapshot is published at its boundary, not held until a
+    # background write ends, so the cut this module waits for comes within a few steps.
+    "checkpointing.async=false",
     "rollout_checkpointing.interval_s=0.1",
     "trace.enabled=true",
     "logging.progress=false",

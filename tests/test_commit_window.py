@@ -79,6 +79,30 @@ def test_snapshots_are_cut_while_a_staged_trainer_prepares_and_skipped_while_a_w
     assert whole and set(whole) == {"skipped_commit"}, whole
 
 
+@pytest.mark.timeout(900)  # one run, ~25 s on 2 idle cores
+def test_with_async_checkpoints_snapshots_during_a_step_anchor_to_the_previous_step_once_its_write_ends(tmp_path):
+    """`checkpointing.async: true` every step: step_<k-1> is written in the background
+    while step k prepares. It is published as soon as the write ends (the snapshot pump
+    does it before its next attempt), so attempts during the prepare publish snapshots
+    anchored to it; published only at the next step boundary, every attempt of the
+    prepare would be `skipped_not_durable` (the planted bug: the snapshot pump's
+    `publish_written_checkpoint` left unset)."""
+    run_dir, windows = tmp_path / "run", tmp_path / "windows.jsonl"
+    cmd = _command(run_dir, False, GROUP_LEVEL, [*_trainer(windows=windows), "algorithm.total_steps=4",
+                                                 "checkpointing.async=true"])
+    proc = subprocess.run(cmd, env=train_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    by_step = {w["step"]: w for w in _windows(windows)}
+    assert sorted(by_step) == [1, 2, 3, 4]
+    anchored = []
+    for step in (2, 3, 4):
+        inside = _attempts_inside(run_dir, [by_step[step]])
+        anchored += [e for e in inside if e["outcome"] == "published" and e.get("anchor") == f"step_{step - 1}"]
+    published = [e for e in metrics(run_dir, "checkpoint") if e["outcome"] == "published"]
+    assert [e["step"] for e in published] == [1, 2, 3, 4], published
+    assert len(anchored) >= 2, [(e["outcome"], e.get("anchor")) for e in metrics(run_dir, "snapshot")]
+
+
 def _replay_and_trained(snapshot_db: Path, step: int) -> tuple[int, int]:
     uri = f"file:{snapshot_db}?mode=ro&immutable=1"
     with contextlib.closing(sqlite3.connect(uri, uri=True)) as conn:

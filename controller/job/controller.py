@@ -201,8 +201,9 @@ class Controller:
         only until its cut is taken (the copy and fsyncs run on the snapshot pump), so
         no optimizer commit lands first and every durable step gets its snapshot unless
         the process dies in between. With `checkpointing.async` the checkpoint is only
-        begun here (a copy of the state) and the cut is held until a later boundary
-        publishes it (`poll`; training/checkpoints.py, snapshot_pump.py)."""
+        begun here (a copy of the state) and the cut is held until the checkpoint is
+        published: by the snapshot pump once its write ends, or at a later boundary
+        (`publish_if_written`, `poll`; training/checkpoints.py, snapshot_pump.py)."""
         self.checkpoints.poll()  # async: an earlier checkpoint whose write has ended
         if not self.checkpoints.maybe_publish(step):
             return
@@ -246,6 +247,8 @@ class Controller:
                 # killed from then on always has a snapshot to resume from, and one
                 # killed earlier holds no work, so its resume may start over (resume.py).
                 self.snapshotter.attempt(force=True)
+                if self.checkpoints.asynchronous:
+                    self.snapshotter.publish_written_checkpoint = self.checkpoints.publish_if_written
                 threads.append(threading.Thread(target=self.snapshotter.run, name="snapshot-pump", daemon=True))
             # Setup leaves ~440k long-lived objects (torch, transformers, SQLAlchemy,
             # Alembic); every full collection walked them all with every thread stopped,

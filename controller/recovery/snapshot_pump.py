@@ -182,6 +182,10 @@ class SnapshotPump:
         self.flush_rollouts: Callable[[float], bool] | None = None
         # Prefix level: the rollout pump's `uncommitted_calls`, set by the controller.
         self.uncommitted_calls: Callable[[], dict] | None = None
+        # Async trainer checkpoints: `TrainerCheckpoints.publish_if_written`, set by the
+        # controller, tried before each attempt (holding no lock: it takes the save lock
+        # itself), so an attempt anchors to new weights once their write has ended.
+        self.publish_written_checkpoint: Callable[[], object] | None = None
         # The latest attempts, for tests and benchmarks; bounded for runs of days.
         self.results: deque[AttemptResult] = deque(maxlen=1024)
 
@@ -196,6 +200,8 @@ class SnapshotPump:
                 if rt.stop.is_set():
                     return
                 force, self._force = self._force, False
+                if self.publish_written_checkpoint is not None:
+                    self.publish_written_checkpoint()
                 self.attempt(force=force)
                 self.publish_held()
                 self.seal_payload()

@@ -15,8 +15,8 @@ no code starts:
   its groups are marked trained; a trainer with `train_step` alone, no `StagedTrainer`:
   across its whole step), the refit of the engine, trainer checkpoints
   (`TrainerCheckpoints`; with `checkpointing.async` it copies the state at the step
-  boundary and renames the written checkpoint into place at a later one, under the save
-  lock, trying it without waiting), and waits in `SnapshotPump.anchor_new_checkpoint`
+  boundary, and renames the written checkpoint into place at a later one unless the
+  snapshot pump did it first, under the save lock, trying it without waiting), and waits in `SnapshotPump.anchor_new_checkpoint`
   for the cut of the snapshot anchored to each new checkpoint. Also setup, restore and
   shutdown.
 - `rollout-pump`: the rollout pump (`RolloutPump.run`). Owns the sampler, dispatch and
@@ -25,7 +25,9 @@ no code starts:
   one `atomic()` transaction per window: finishes, turn progress, seals, replay entries
   and new dispatches.
 - `snapshot-pump`: the snapshot pump (`SnapshotPump.run`). Owns rollout snapshots: one
-  attempt at a time under the save lock (snapshot_pump.py has the order of work).
+  attempt at a time under the save lock (snapshot_pump.py has the order of work). With
+  `checkpointing.async`, before each attempt it publishes the pending trainer checkpoint
+  whose write has ended (`TrainerCheckpoints.publish_if_written`, holding no lock).
 - `rolloutdb-checkpointer:<file name>`: a WAL checkpointer (`store/sqlite/database.py`),
   one per open `Database`: one for the live store (`store.sqlite`) and, with tracing on,
   one for the trace file. Owns the PASSIVE checkpoints of its file's WAL; takes that
@@ -72,7 +74,7 @@ no code starts:
 Lock order (a thread holding one may take only those to its right; nobody takes one to
 the left of a lock it holds):
 
-    save lock -> commit lock (tried, never waited for) -> database write lock
+    checkpoints lock -> save lock -> commit lock (tried, never waited for) -> database write lock
     commit lock -> database write lock
 
 - The save lock is the `Publisher`'s own lock (`Publisher.lock`, re-entrant): one save at
@@ -81,6 +83,9 @@ the left of a lock it holds):
   so no trainer checkpoint (and no retention) runs between `begin_snapshot` and
   `stage.publish` and removes the anchor the snapshot is being written under. There is
   no second save lock in the controller: one lock serializes saves.
+- The checkpoints lock (`TrainerCheckpoints._lock`): the pending asynchronous trainer
+  checkpoint, begun and published by the train pump, published by the snapshot pump
+  (which only tries it, never waits for it). Taken before the save lock, never inside it.
 - The commit lock (`RuntimeState.commit_lock`): held by the train pump from the optimizer
   step until its groups are marked trained (a `StagedTrainer` prepares its step, forward
   and backward, outside it; a trainer with `train_step` alone holds it for the whole step), so a snapshot's cut falls entirely before or

@@ -8,9 +8,13 @@ the step boundary, so it stalls for the whole write.
 Asynchronous (`checkpointing.async: true`, a trainer with `checkpoint_state`): at the
 step boundary the train pump only copies the state into CPU memory and makes the
 temporary directory; the Publisher's background thread writes and seals it
-(`store/checkpoints/staged.py`), and the train pump publishes it (rename, parent fsync)
-at the first later step boundary where the write has ended. Until then the anchor in
-force is the previous one. One write at a time: a checkpoint that falls due while the
+(`store/checkpoints/staged.py`), and it is published (rename, parent fsync) as soon as
+the write has ended: by the snapshot pump before its next attempt (`publish_if_written`,
+so interval snapshots anchor to it within the write's time, not a whole train step
+later), or by the train pump at a later step boundary, whichever comes first. Until then
+the anchor in force is the previous one, and no snapshot can anchor to the new weights:
+with a train step of tens of seconds, waiting for the next boundary made every interval
+snapshot of that step `skipped_not_durable`. One write at a time: a checkpoint that falls due while the
 previous one is still being written is *skipped* (a `checkpoint` line with outcome
 `skipped_busy`), so the train pump never waits for the disk; the last step's checkpoint
 is never skipped (the train pump waits for the earlier write, then begins it), and the
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -74,6 +79,10 @@ class TrainerCheckpoints:
         self.log_event = log_event or (lambda event: None)
         self.on_published = on_published or (lambda: None)
         self.pending: TrainerStage | None = None  # async: begun, not yet published
+        # `pending` is read and published by the train pump and by the snapshot pump
+        # (`publish_if_written`). Taken before the save lock, never inside it (runtime.py's
+        # lock order); re-entrant: `maybe_publish` polls inside it.
+        self._lock = threading.RLock()
 
     def _write(self, tmp: Path) -> None:
         self.trainer.save_checkpoint(tmp)
@@ -98,6 +107,10 @@ class TrainerCheckpoints:
         its checkpoint when one is due. Returns whether it did."""
         if not self.config.enabled or step % self.config.interval_steps:
             return False
+        with self._lock:
+            return self._publish_or_begin(step)
+
+    def _publish_or_begin(self, step: int) -> bool:
         t0, cpu0 = time.perf_counter(), time.thread_time()
         if not self.asynchronous:
             published = self.publisher.publish_trainer_checkpoint(step, self._write)  # takes the save lock
@@ -121,11 +134,26 @@ class TrainerCheckpoints:
         write_checkpoint_state(state, tmp)
         faults.point("checkpoint.files_written")
 
+    def publish_if_written(self) -> Published | None:
+        """From the snapshot pump, before each attempt, holding no lock: publish the
+        pending checkpoint if its write has ended. Never waits: when the train pump is in
+        its own checkpoint work (or another save holds the save lock) it is left for the
+        next try. A failed write raises PublishError, as at a step boundary."""
+        if not self._lock.acquire(blocking=False):
+            return None
+        try:
+            return self.poll()
+        finally:
+            self._lock.release()
+
     def poll(self, *, wait: bool = False) -> Published | None:
-        """Async, at a step boundary: publish the pending checkpoint if its write has
-        ended and the save lock is free (else leave it for a later boundary); with
-        `wait`, wait for both. A failed write raises PublishError: the previous anchor
-        stays in force."""
+        """Async: publish the pending checkpoint if its write has ended and the save
+        lock is free (else leave it for a later try); with `wait`, wait for both. A
+        failed write raises PublishError: the previous anchor stays in force."""
+        with self._lock:
+            return self._poll(wait)
+
+    def _poll(self, wait: bool) -> Published | None:
         stage = self.pending
         if stage is None or not (wait or stage.written()):
             return None
@@ -151,6 +179,7 @@ class TrainerCheckpoints:
 
     def abandon(self) -> None:
         """A run that fails: remove the pending checkpoint (waits for its write to end)."""
-        if self.pending is not None:
-            self.pending.abort()
-            self.pending = None
+        with self._lock:
+            if self.pending is not None:
+                self.pending.abort()
+                self.pending = None
