@@ -66,8 +66,8 @@ class RecordingEngine(ReferenceEngine):
         self.in_progress = 0
         self.most_in_progress = 0
 
-    def running_calls(self):
-        self.at_cut = super().running_calls()
+    def running_calls(self, since=None):
+        self.at_cut = super().running_calls(since)
         return self.at_cut
 
     def submit(self, request):

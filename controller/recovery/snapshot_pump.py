@@ -15,12 +15,14 @@ An attempt, in order:
    hold rollout state (controller/agent_server/client.py); a server that fails it fails
    the attempt, never the run; abort if an optimizer commit starts meanwhile
    (`aborted_commit`);
-4. the cut: take the commit lock without waiting, begin the read transaction, re-check
-   the trainer has not moved and the environment's export against the ledger as of the
-   cut, release the commit lock, and copy the store as of that cut (the checked export
-   goes into the copy's `env_episodes`: the snapshot's own file; cut_contents.py has
-   what a cut adds to the copy). The pumps are never stopped: the only exclusive hold
-   is the commit lock, for the time it takes to begin a read transaction;
+4. the cut: at prefix level read the running calls first (no lock of ours held), then
+   take the commit lock without waiting, begin the read transaction, re-check the
+   trainer has not moved, release the commit lock; then check the environment's export
+   against the ledger as of the cut, match the calls to it, and copy the store as of
+   that cut (the checked export goes into the copy's `env_episodes`: the snapshot's own
+   file; cut_contents.py has what a cut adds to the copy; `_cut` the order and why).
+   The pumps are never stopped: the only exclusive hold is the commit lock, for the
+   time it takes to begin a read transaction and read the trainer's step;
 5. leave the environment phase (resume) before any fsync;
 6. publish through the one commit protocol (`stage.publish`, store/checkpoints/publish.py),
    outside every lock but the save lock.
@@ -478,7 +480,23 @@ class SnapshotPump:
         self.trace.fallback(at.fallbacks, capture.cut_time)
 
     def _cut(self, db_path: Path, step: int, contents: CutContents) -> Capture:
-        """Capture at a cut taken while the commit lock is held."""
+        """Capture at a cut, in this order (the commit lock is held for steps 2-4 only,
+        so its hold is independent of how many calls run and how long they are):
+
+        1. at prefix level, read the running calls (`CutContents.read_engine`: the
+           engine, then the rollout pump's uncommitted calls), with no lock of ours held;
+        2. take the commit lock without waiting (an optimizer commit in progress: abort);
+        3. begin the read transaction: its first read is the cut;
+        4. check the trainer is still at `step`, and release the commit lock;
+        5. as of the cut: check the environment's export against the ledger, and match
+           the calls read in step 1 to the attempts the ledger runs (`prefixes_at_cut`,
+           which keeps no token of a version newer than `step`).
+
+        Step 1 before the cut is what makes it consistent (`CutContents.read_engine`
+        argues it); step 4 makes the cut fall wholly before or after an optimizer
+        commit: the commit cannot start while the lock is held, and one that ended
+        before step 2 moved the step (checked in 4)."""
+        read = contents.read_engine(self.capture) if self.capture is not None else None
         rt = self.p.runtime
         if not rt.commit_lock.acquire(blocking=False):
             raise AbortedCommit()
@@ -488,14 +506,14 @@ class SnapshotPump:
             try:
                 if self.p.read_progress().step != step:
                     raise AbortedCommit()
-                at = AtCut(episodes=contents.checked_export(conn))
-                if self.capture is not None:
-                    contents.prefixes_at_cut(conn, self.capture, at)
-                self._release_waiters(step, True)  # the train pump may commit again
-                return at
             finally:
                 rt.commit_lock.release()
                 held[0] = False
+            self._release_waiters(step, True)  # the train pump may commit again
+            at = AtCut(episodes=contents.checked_export(conn))
+            if read is not None:
+                contents.prefixes_at_cut(conn, read, at, version=step)
+            return at
 
         try:
             return self.p.store.capture(db_path, at_cut=at_cut, into_copy=into_copy)
