@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import shutil
 import sqlite3
 import subprocess
 import sys
@@ -34,6 +33,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from chunk_bytes import inline_copy
 from crash_harness import kill_when, metrics, newest_usable_snapshot, train_env
 
 REPO = Path(__file__).resolve().parents[1]
@@ -122,10 +122,10 @@ def _kill_with_prefixes_saved(run_dir: Path, proc: subprocess.Popen, keep: Path)
         if newest is None:
             return None
         db = Path(newest[1]) / "rollout_state.sqlite"
-        n = _prefixed_calls(db)
+        n = _prefixed_calls(inline_copy(db))
         if not n:
             return None
-        shutil.copyfile(db, keep)
+        inline_copy(db, keep)  # the chunks' bytes with it: retention may remove their segments later
         return n
 
     return kill_when(proc, look, timeout=TIMEOUT_S)

@@ -12,11 +12,11 @@ import re
 import sqlite3
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from rolloutdb.config import EnvironmentServerSection
 from rolloutdb.gpu_capture.protocol import PrefixCapture, RunningCall
-from rolloutdb.store import CallPrefix, EpisodeProgress, pools, queries
+from rolloutdb.controller.recovery.prefix_chunks import CutChunks, PrefixChunks, SavedCall
+from rolloutdb.store import EpisodeProgress, pools, queries
 
 
 class ExportMismatch(RuntimeError):
@@ -48,7 +48,8 @@ class AtCut:
     """What the cut adds to the snapshot's file, and the engine's decode count at it."""
 
     episodes: list[EpisodeProgress] = field(default_factory=list)
-    prefixes: list[CallPrefix] = field(default_factory=list)
+    prefixes: list[SavedCall] = field(default_factory=list)
+    chunks: CutChunks | None = None  # the prefixes' chunks, once written (`PrefixChunks.cut`)
     decoded: int | None = None
     hold_s: float | None = None  # how long the prefix read held the engine's output step
     cut_calls: list[dict] = field(default_factory=list)  # the trace's call_cut events, once published
@@ -56,11 +57,11 @@ class AtCut:
 
 
 def into_copy(out: sqlite3.Connection, at: AtCut) -> dict[str, int]:
-    """The checked export into the snapshot's own `env_episodes`, the running calls'
-    prefixes into its `token_chunks` (capture's `into_copy`)."""
+    """The checked export into the snapshot's own `env_episodes`, the references to the
+    running calls' chunks into its `token_chunks` (capture's `into_copy`)."""
     if at.episodes:
         pools.put_episodes(out, at.episodes)
-    chunks = pools.put_prefixes(out, at.prefixes) if at.prefixes else 0
+    chunks = pools.put_chunk_references(out, at.chunks.references) if at.chunks is not None else 0
     return {"env_episodes": len(at.episodes), "token_chunks": chunks}
 
 
@@ -150,7 +151,8 @@ class CutContents:
                     calls[rid] = call
         return read
 
-    def prefixes_at_cut(self, conn: sqlite3.Connection, read: EngineRead, at: AtCut, version: int) -> None:
+    def prefixes_at_cut(self, conn: sqlite3.Connection, read: EngineRead, at: AtCut, version: int,
+                        durable: PrefixChunks) -> None:
         """The running calls' prefixes that belong to the cut, inside its read
         transaction (the commit lock already released): the calls read before the cut
         (`read_engine`) matched to attempts the ledger runs at the cut whose saved
@@ -161,22 +163,23 @@ class CutContents:
         saved is a `call_fallback` of the trace, with its reason. No token of a policy
         version newer than `version` (the cut's trainer step) is saved: the anchor's
         weights did not decode it, so a resume could not continue from it (versions only
-        grow along a call, so that is a truncation)."""
+        grow along a call, so that is a truncation). `durable`: what earlier snapshots
+        made durable of each call, which a call read from an offset continues."""
         at.hold_s = read.hold_s  # the output step's wait, not ours for the step in progress
         at.decoded = read.decoded
         calls = read.calls
         # An in-process attempt may have two: a finished turn's call not yet committed and
         # the next turn's call already running; the one at the saved episode's turn is kept.
-        wanted: dict[str, dict[int, Any]] = {}
+        wanted: dict[str, dict[int, tuple[str, RunningCall]]] = {}
         remote: set[str] = set()
         servers = self.servers
         for rid, call in calls.items():
             m = _IN_PROCESS_CALL.match(rid)
             if m is not None and call.end:
-                wanted.setdefault(f"{m[1]}.{m[2]}-a{m[3]}", {})[int(m[4])] = call
+                wanted.setdefault(f"{m[1]}.{m[2]}-a{m[3]}", {})[int(m[4])] = (rid, call)
             elif servers and (m := _AGENT_CALL.match(rid)) is not None:
                 # Empty ones too: a restart_only server's call falls back whatever it decoded.
-                wanted.setdefault(f"{m[1]}.{m[2]}-a{m[3]}", {})[int(m[4])] = call
+                wanted.setdefault(f"{m[1]}.{m[2]}-a{m[3]}", {})[int(m[4])] = (rid, call)
                 remote.add(f"{m[1]}.{m[2]}-a{m[3]}")
         if not wanted:
             return
@@ -188,7 +191,7 @@ class CutContents:
         for key, attempt_id in sorted(running.items()):
             by_turn = wanted[key]
             turn = turns.get(attempt_id, 0) if key not in remote and turns.get(attempt_id, 0) in by_turn else max(by_turn)
-            call = by_turn[turn]
+            rid, call = by_turn[turn]
             rollout, attempt = key.rsplit("-a", 1)
             group, generation = (int(x) for x in rollout.split(".", 1))
             prompt_id, step = prompts.get(group, (None, None))
@@ -202,14 +205,17 @@ class CutContents:
                 at.fallbacks.append({"attempt_id": attempt_id, "turn": turn, "reason": reason})
                 continue
             call = up_to_version(call, version)
-            if not call.token_ids:
+            if not call.end:
                 continue  # nothing decoded yet: nothing to keep, nothing lost
-            complete = len(call.logprobs) == len(call.token_ids)
-            at.prefixes.append(CallPrefix(attempt_id, call.token_ids, call.logprobs if complete else None,
-                                          call.token_versions, call.max_tokens, call.min_tokens))
+            if not durable.can_continue(rid, attempt_id, call):  # not reached: the offsets asked were durable's
+                at.fallbacks.append({"attempt_id": attempt_id, "turn": turn, "reason": "prefix_offset_unknown"})
+                continue
+            at.prefixes.append(SavedCall(rid, attempt_id, turn, call))
             at.cut_calls.append({"group_id": group, "prompt_id": prompt_id, "generation_index": generation,
-                                 "attempt": int(attempt), "step": step, "policy_version": call.token_versions[-1],
-                                 "tokens": len(call.token_ids)})
+                                 "attempt": int(attempt), "step": step,
+                                 "policy_version": call.token_versions[-1] if call.token_versions
+                                 else durable.last_version(rid),
+                                 "tokens": call.end})
 
     @staticmethod
     def _agent_call(servers: Sequence[EnvironmentServerSection], prompt_id: int | None, attempt_id: int, turn: int,

@@ -59,11 +59,12 @@ from pathlib import Path
 
 from rolloutdb.controller.recovery.cut_contents import AtCut, CutContents, into_copy
 from rolloutdb.controller.recovery.env_checkpoint import EnvironmentCheckpoint
+from rolloutdb.controller.recovery.prefix_chunks import PrefixChunks
 from rolloutdb.controller.run.runtime import RolloutParts
 from rolloutdb.controller.run.tracing import RolloutTrace
 from rolloutdb.gpu_capture.protocol import PrefixCapture
-from rolloutdb.store import (Capture, Published, Publisher, PublishError, SnapshotStage, TrainerStage, anchor_name, faults,
-                             queries, scan, seal_inline_payload, segments_dir_of)
+from rolloutdb.store import (Capture, Published, Publisher, PublishError, SegmentRef, SnapshotStage, TrainerStage, anchor_name,
+                             faults, queries, scan, seal_inline_payload, segments_dir_of, write_chunk_segment)
 
 log = logging.getLogger("rolloutdb.controller")
 
@@ -179,6 +180,8 @@ class SnapshotPump:
             and isinstance(engine, PrefixCapture) else None)
         self.prefix = self.capture is not None
         self._last_decoded: int | None = None
+        # Prefix level: what the published snapshots made durable of each running call.
+        self.chunks = PrefixChunks()
         self.trace = RolloutTrace(parts.tracer)
         # Turn and prefix level: the rollout pump's `flush`, set by the controller.
         self.flush_rollouts: Callable[[float], bool] | None = None
@@ -348,6 +351,9 @@ class SnapshotPump:
         a.timings.update({f"cut_{k}": v for k, v in cut.capture.timings.items()})
         if cut.at.hold_s is not None:
             a.timings["prefix_hold"] = cut.at.hold_s
+        if cut.at.chunks is not None:  # what this cut wrote of the running calls: their new tokens only
+            a.timings["prefix_new_tokens"] = float(cut.at.chunks.new_tokens)
+            a.timings["prefix_segment_bytes"] = float(cut.at.chunks.segment.bytes if cut.at.chunks.segment else 0)
         return self._hold(a, cut) if a.pending is not None else self._publish(a, cut)
 
     def _resolve_anchor(self, force: bool, t0: float) -> AttemptResult | _Attempt:
@@ -474,6 +480,8 @@ class SnapshotPump:
         at: AtCut = capture.check_result
         self._last_counter = capture.mutation_counter
         self._last_decoded = at.decoded
+        if at.chunks is not None:
+            self.chunks.published(at.chunks)
         self.trace.snapshot_cut(cut_time=capture.cut_time, snapshot_seq=published.sequence, anchor=anchor, step=step,
                                 snapshot=str(published.path), group_states=capture.group_states)
         self.trace.cut(at.cut_calls, capture.cut_time)
@@ -496,7 +504,10 @@ class SnapshotPump:
         argues it); step 4 makes the cut fall wholly before or after an optimizer
         commit: the commit cannot start while the lock is held, and one that ended
         before step 2 moved the step (checked in 4)."""
-        read = contents.read_engine(self.capture) if self.capture is not None else None
+        read = None
+        if self.capture is not None:
+            self.chunks.forget_missing(segments_dir_of(self.publisher.root))
+            read = contents.read_engine(self.capture, self.chunks.since())
         rt = self.p.runtime
         if not rt.commit_lock.acquire(blocking=False):
             raise AbortedCommit()
@@ -512,7 +523,8 @@ class SnapshotPump:
             self._release_waiters(step, True)  # the train pump may commit again
             at = AtCut(episodes=contents.checked_export(conn))
             if read is not None:
-                contents.prefixes_at_cut(conn, read, at, version=step)
+                contents.prefixes_at_cut(conn, read, at, version=step, durable=self.chunks)
+                at.chunks = self.chunks.cut(at.prefixes, self._write_chunks)
             return at
 
         try:
@@ -520,6 +532,10 @@ class SnapshotPump:
         finally:
             if held[0]:
                 rt.commit_lock.release()
+
+    def _write_chunks(self, rows: list[tuple[int, bytes, bytes]]) -> SegmentRef:
+        """A cut's new prefix chunks, durable in one new segment (`PrefixChunks.cut`)."""
+        return write_chunk_segment(self.p.store, self.publisher.root, rows)
 
     def _abandoned_episode_keys(self) -> list[str]:
         if not self.env.holds_rollout_state:
