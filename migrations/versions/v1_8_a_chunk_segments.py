@@ -45,8 +45,9 @@ _TOKEN_CHUNKS_V1_7_A = sa.Table(
     sa.Column("logprobs", sa.LargeBinary, nullable=True),
     sa.PrimaryKeyConstraint("chunk_id", name="pk_token_chunks"),
     sa.UniqueConstraint("attempt_id", "chunk_index", name="uq_token_chunks_attempt_id_chunk_index"),
-    sa.ForeignKeyConstraint(["attempt_id"], ["rollouts.attempt_id"], ondelete="CASCADE",
-                            name="fk_token_chunks_attempt_id_rollouts"),
+    # Its foreign key to rollouts (ON DELETE CASCADE) is created again in `upgrade`, after
+    # the others: batch mode copies a table's constraints in set order, and a file's CREATE
+    # statement must come out the same at every run (tests/fixtures/ compares them).
 )
 
 
@@ -55,6 +56,8 @@ def upgrade() -> None:
         batch.alter_column("token_ids", existing_type=sa.LargeBinary, nullable=True)
         batch.add_column(sa.Column("segment_id", sa.Integer, nullable=True))
         batch.add_column(sa.Column("segment_row", sa.Integer, nullable=True))
+        batch.create_foreign_key("fk_token_chunks_attempt_id_rollouts", "rollouts", ["attempt_id"], ["attempt_id"],
+                                 ondelete="CASCADE")
         batch.create_foreign_key("fk_token_chunks_segment_id_payload_segments", "payload_segments",
                                  ["segment_id"], ["segment_id"])
         batch.create_check_constraint("ck_token_chunks_chunk_inline_or_segment",
