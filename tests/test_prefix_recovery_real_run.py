@@ -121,12 +121,9 @@ def _kill_with_prefixes_saved(run_dir: Path, proc: subprocess.Popen, keep: Path)
         newest = newest_usable_snapshot(run_dir / "checkpoints")
         if newest is None:
             return None
-        db = Path(newest[1]) / "rollout_state.sqlite"
-        n = _prefixed_calls(inline_copy(db))
-        if not n:
-            return None
-        inline_copy(db, keep)  # the chunks' bytes with it: retention may remove their segments later
-        return n
+        # The copy holds the chunks' bytes: retention may remove their segments later.
+        n = _prefixed_calls(inline_copy(Path(newest[1]) / "rollout_state.sqlite", keep))
+        return n or None
 
     return kill_when(proc, look, timeout=TIMEOUT_S)
 
