@@ -44,6 +44,14 @@ FIGURES = {
         *((f"single p50 ms, {step}", ("single", "store_by_step", step, "p50_ms"), False)
           for step in ("reserve", "dispatch", "finish", "seal", "enter_replay", "trained")),
     ],
+    "bench_prefix_cut.py": [  # run with --calls 256 (the figures name that size)
+        ("whole read: hold p50 ms", ("by", "256_whole", "hold_ms_p50"), False),
+        ("whole read: hold p99 ms", ("by", "256_whole", "hold_ms_p99"), False),
+        ("whole read: hold late/early", ("by", "256_whole", "hold_growth"), False),
+        ("since read: hold p99 ms", ("by", "256_since", "hold_ms_p99"), False),
+        ("since read: bytes per cut, late", ("by", "256_since", "late", "bytes_per_cut_mean"), False),
+        ("since read: bytes late/early", ("by", "256_since", "bytes_growth"), False),
+    ],
     "bench_group_commit.py": [
         ("batched calls/s", ("batched", "calls_per_s"), True),
         ("batched window p99 ms", ("batched", "window_p99_ms"), False),

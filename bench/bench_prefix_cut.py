@@ -1,19 +1,33 @@
-"""The prefix cut's hold: how long `running_calls()` keeps the reference engine's output
-step waiting, at 16 and 256 running calls, side by side in one run, next to the decode
-step it delays.
+"""The prefix cut's cost against the tokens decoded so far: how long a cut's read of the
+reference engine keeps its output step waiting (the hold), how long the read takes in
+all, and how many payload bytes the cut writes, early in the calls and late, at 16 and
+256 running calls, side by side in one run.
 
-    python bench/bench_prefix_cut.py [--calls 16 256] [--tokens 96] [--cuts 40] [--json OUT]
+    python bench/bench_prefix_cut.py [--calls 16 256] [--tokens 384] [--cuts 60] [--json OUT]
+    python bench/bench_ab.py --rev a80a9d1 bench_prefix_cut.py --calls 256 --tokens 384
 
 Each size: N seeded calls of `--tokens` tokens decode in one engine; a thread cuts every
-~5 ms (`running_calls()`, what a snapshot at target_level prefix does under the commit
-lock) and records the engine's `cut_hold_s` (the time inside the engine lock: the
-output step's wait, not the cut's own wait for the step in progress) and the copy's size.
-The hold is a copy of Python lists, O(tokens decoded so far); the goal is <= 5 ms at 256.
+~5 ms as a snapshot at target_level prefix does, and records the engine's `cut_hold_s`
+(the time inside the engine lock: the output step's wait, not the cut's own wait for the
+step in progress), the read's wall time, the tokens decoded so far and the payload the
+cut writes (int32 token + float32 logprob = 8 bytes a token; chunk metadata, a few
+dozen bytes a call, not counted):
+
+* `whole`: `running_calls()`, every call's whole output, written whole: what every cut
+  did before incremental cuts;
+* `since`: `running_calls(since=...)` from the offsets the previous cut saved, writing
+  only the new tokens (controller/recovery/prefix_chunks.py). An engine without `since`
+  (a revision before it, under bench_ab.py) is read whole here too.
+
+The hold and the bytes are reported for the first and the last quarter of the cuts (by
+tokens decoded so far), so their growth with the prefix shows as a ratio (late / early):
+~1 means independent of prefix length.
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import statistics
 import tempfile
@@ -23,21 +37,37 @@ from pathlib import Path
 
 from rolloutdb.gpu_capture import GenerationRequest, ReferenceEngine, SamplingParams, build_tiny_policy
 
+BYTES_PER_TOKEN = 8  # int32 token id + float32 logprob (store/live/codec.py)
 
-def measure(policy: Path, calls: int, tokens: int, cuts: int) -> dict:
+
+def _p(values: list[float], q: float) -> float | None:
+    s = sorted(values)
+    return s[min(len(s) - 1, int(q * len(s)))] if s else None
+
+
+def measure(policy: Path, calls: int, tokens: int, cuts: int, mode: str) -> dict:
+    incremental = mode == "since" and "since" in inspect.signature(ReferenceEngine.running_calls).parameters
     with ReferenceEngine(policy, max_batch_size=calls) as eng:
         reqs = [GenerationRequest(f"c{i}", [1, 5 + i % 7, 6, 7], SamplingParams(max_tokens=tokens, min_tokens=tokens,
                                                                                  seed=i)) for i in range(calls)]
         futures = [eng.submit(r) for r in reqs]
-        holds, saved = [], []
+        rows: list[tuple[int, float, float, int]] = []  # (decoded so far, hold s, read s, bytes written)
         stop = threading.Event()
+        saved: dict[str, int] = {}
 
         def cutter() -> None:
-            while not stop.is_set() and len(holds) < cuts:
-                running = eng.running_calls()
+            while not stop.is_set() and len(rows) < cuts:
+                t0 = time.perf_counter()
+                running = eng.running_calls(since=dict(saved)) if incremental else eng.running_calls()
+                read = time.perf_counter() - t0
                 if running:
-                    holds.append(eng.cut_hold_s)
-                    saved.append(sum(len(c.token_ids) for c in running.values()))
+                    start = {rid: getattr(c, "start", 0) for rid, c in running.items()}
+                    decoded = sum(start[rid] + len(c.token_ids) for rid, c in running.items())
+                    new = sum(len(c.token_ids) for c in running.values())
+                    rows.append((decoded, eng.cut_hold_s, read, BYTES_PER_TOKEN * new))
+                    if incremental:
+                        saved.clear()
+                        saved.update({rid: start[rid] + len(c.token_ids) for rid, c in running.items()})
                 time.sleep(0.005)
 
         t = threading.Thread(target=cutter)
@@ -48,21 +78,35 @@ def measure(policy: Path, calls: int, tokens: int, cuts: int) -> dict:
         wall = time.perf_counter() - t0
         stop.set()
         t.join()
-        steps = tokens  # one decode step per token when every call runs at once
-        ms = sorted(h * 1000 for h in holds)
-        return {
-            "calls": calls, "cuts": len(ms), "hold_ms_p50": statistics.median(ms) if ms else None,
-            "hold_ms_p99": ms[min(len(ms) - 1, int(0.99 * len(ms)))] if ms else None,
-            "hold_ms_max": ms[-1] if ms else None, "tokens_per_cut_mean": statistics.mean(saved) if saved else 0,
-            "step_ms_mean": 1000 * wall / steps,
-        }
+    rows.sort()
+    quarter = max(1, len(rows) // 4)
+    early, late = rows[:quarter], rows[-quarter:]
+
+    def part(sample: list[tuple[int, float, float, int]]) -> dict:
+        return {"decoded_tokens_mean": statistics.mean(r[0] for r in sample),
+                "hold_ms_p50": 1000 * statistics.median(r[1] for r in sample),
+                "read_ms_p50": 1000 * statistics.median(r[2] for r in sample),
+                "bytes_per_cut_mean": statistics.mean(r[3] for r in sample)}
+
+    e, la = part(early), part(late)
+    return {
+        "calls": calls, "mode": mode, "incremental": incremental, "cuts": len(rows),
+        "hold_ms_p50": 1000 * statistics.median(r[1] for r in rows),
+        "hold_ms_p99": 1000 * (_p([r[1] for r in rows], 0.99) or 0.0),
+        "read_ms_p50": 1000 * statistics.median(r[2] for r in rows),
+        "bytes_per_cut_mean": statistics.mean(r[3] for r in rows),
+        "early": e, "late": la,
+        "hold_growth": la["hold_ms_p50"] / e["hold_ms_p50"] if e["hold_ms_p50"] else None,
+        "bytes_growth": la["bytes_per_cut_mean"] / e["bytes_per_cut_mean"] if e["bytes_per_cut_mean"] else None,
+        "step_ms_mean": 1000 * wall / tokens,
+    }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--calls", type=int, nargs="+", default=[16, 256])
-    ap.add_argument("--tokens", type=int, default=96)
-    ap.add_argument("--cuts", type=int, default=40)
+    ap.add_argument("--tokens", type=int, default=384)
+    ap.add_argument("--cuts", type=int, default=60)
     ap.add_argument("--quick", action="store_true", help="4 and 16 calls, 12 tokens: a smoke run")
     ap.add_argument("--dir", default=None, help="where the tiny policy is built (a temporary directory if unset)")
     ap.add_argument("--json", default=None)
@@ -71,16 +115,17 @@ def main() -> None:
         args.calls, args.tokens, args.cuts = [4, 16], 12, 5
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         policy = build_tiny_policy(Path(tmp) / "policy", seed=0)
-        rows = [measure(policy, n, args.tokens, args.cuts) for n in args.calls]
+        rows = [measure(policy, n, args.tokens, args.cuts, mode) for n in args.calls for mode in ("whole", "since")]
     for r in rows:
-        print(f"{r['calls']:4d} calls: hold p50 {r['hold_ms_p50']:.3f} ms, p99 {r['hold_ms_p99']:.3f} ms, "
-              f"max {r['hold_ms_max']:.3f} ms over {r['cuts']} cuts of {r['tokens_per_cut_mean']:.0f} tokens; "
-              f"decode step {r['step_ms_mean']:.1f} ms")
-    lo, hi = rows[0], rows[-1]
-    ratio = hi["hold_ms_p50"] / lo["hold_ms_p50"] if lo["hold_ms_p50"] else None
-    print(f"hold p50 {hi['calls']} / {lo['calls']} calls: {ratio:.1f}x" if ratio else "")
+        print(f"{r['calls']:4d} calls, {r['mode']:5s}: hold p50 {r['hold_ms_p50']:.3f} ms (early {r['early']['hold_ms_p50']:.3f}, "
+              f"late {r['late']['hold_ms_p50']:.3f}: {r['hold_growth'] or 0:.1f}x), p99 {r['hold_ms_p99']:.3f} ms; "
+              f"read p50 {r['read_ms_p50']:.3f} ms; bytes per cut early {r['early']['bytes_per_cut_mean']:.0f}, "
+              f"late {r['late']['bytes_per_cut_mean']:.0f} ({r['bytes_growth'] or 0:.1f}x) at "
+              f"{r['early']['decoded_tokens_mean']:.0f} -> {r['late']['decoded_tokens_mean']:.0f} tokens decoded; "
+              f"{r['cuts']} cuts; decode step {r['step_ms_mean']:.1f} ms")
+    by = {f"{r['calls']}_{r['mode']}": r for r in rows}
     if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "sizes": rows, "ratio_p50": ratio}, indent=2))
+        Path(args.json).write_text(json.dumps({"args": vars(args), "sizes": rows, "by": by}, indent=2))
 
 
 if __name__ == "__main__":

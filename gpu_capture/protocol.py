@@ -21,10 +21,10 @@ others. Why a submit-and-future seam rather than `async def generate`:
 `generate_all(engine, requests)` is the blocking convenience: submit every request, wait
 for all.
 
-Prefix recovery needs two things from an engine beyond generating: to report, under the
-lock around its output step, the tokens each running call has decoded so far
-(`running_tokens`), and to continue a call from such a prefix exactly as if it had never
-stopped (`GenerationRequest.prefix_ids`).
+Prefix recovery needs two things from an engine beyond generating: to report the tokens
+each running call has decoded since a given offset, consistent with its output step
+(`PrefixCapture.running_calls`), and to continue a call from such a prefix exactly as if
+it had never stopped (`GenerationRequest.prefix_ids`).
 """
 
 from __future__ import annotations
@@ -127,10 +127,13 @@ class GenerationEngine(Protocol):
 
 @dataclass(frozen=True)
 class RunningCall:
-    """A call in progress as a prefix cut sees it: its output so far (prefix included),
-    with the logprob and the policy version of each token. `logprobs` is shorter than
-    `token_ids` only for a resumed call still waiting for its prefill without saved
-    prefix logprobs (the engine recomputes them then)."""
+    """A call in progress as a prefix cut sees it: its output from position `start` on
+    (prefix included: position 0 is the first output token), with the logprob and the
+    policy version of each token. `start` is 0 for the whole output, or the offset the
+    reader asked for (`running_calls(since=...)`): the tokens before it were reported
+    by an earlier read and never change (a call's output only grows). `logprobs` is
+    shorter than `token_ids` only for a resumed call still waiting for its prefill
+    without saved prefix logprobs (the engine recomputes them then)."""
 
     token_ids: list[int]
     logprobs: list[float]
@@ -140,6 +143,21 @@ class RunningCall:
     # The engine's `cut_support` verdict on the call: None, or why a cut of it could not
     # be continued exactly (the snapshot then saves no prefix of it and traces why).
     cut_refused: str | None = None
+    start: int = 0
+
+    @property
+    def end(self) -> int:
+        """How many output tokens the call had at the read: `start` + the tokens here."""
+        return self.start + len(self.token_ids)
+
+
+def tail_offset(since: Mapping[str, int] | None, request_id: str, length: int) -> int:
+    """Where an engine's answer to `running_calls(since)` starts for a call of `length`
+    output tokens: the offset asked for, or 0 (the whole output) when none was asked or
+    it lies past the call's end (an offset of another call of the same id, a call that
+    was restarted). Shared by the engines, so they answer the same way."""
+    offset = since.get(request_id, 0) if since else 0
+    return offset if 0 <= offset <= length else 0
 
 
 @runtime_checkable
@@ -160,9 +178,18 @@ class PrefixCapture(Protocol):
         wait for the step in progress)."""
         ...
 
-    def running_calls(self) -> dict[str, RunningCall]:
-        """request id -> the call's output so far, for every call in progress, read
-        atomically with respect to the engine's output step (the step waits meanwhile)."""
+    def running_calls(self, since: Mapping[str, int] | None = None) -> dict[str, RunningCall]:
+        """request id -> the call's output so far, for every call in progress, as of one
+        point between two output steps. `since` (request id -> offset) asks for a
+        call's tokens from that offset on only (`RunningCall.start`); a call it does not
+        name, or whose offset lies past its end (`tail_offset`), is answered whole, so
+        `running_calls()` is everything (restore paths, tests).
+
+        Cost: the output step waits only for what is O(calls) (each call's length and a
+        reference to its append-only lists, or the positions past the offset); copying
+        the tokens is O(tokens since the offsets) and may happen after the step goes on.
+        A prefix cut asks with the offsets its snapshots already saved, so its cost is
+        the tokens decoded since the last published cut, not since the call began."""
         ...
 
     def cut_support(self, request: GenerationRequest) -> str | None:

@@ -149,15 +149,17 @@ class EngineWorker:
         result.extra["worker_pid"] = os.getpid()  # which worker ran it (logs, tests)
         return result
 
-    async def running_calls(self, acked: Sequence[str]) -> tuple[dict[str, RunningCall], int, float]:
-        """(calls in progress and finished-unacknowledged, decoded rows, own hold). On a
-        thread: the read waits for the engine's step in progress, and the loop keeps
-        taking calls meanwhile."""
-        return await asyncio.to_thread(self._cut, acked)
+    async def running_calls(self, acked: Sequence[str], since: Mapping[str, int] | None = None,
+                            ) -> tuple[dict[str, RunningCall], int, float]:
+        """(calls in progress, from the offsets `since` names on, and finished-
+        unacknowledged ones, whole; decoded rows; own hold). On a thread: the read waits
+        for the engine's step in progress, and the loop keeps taking calls meanwhile."""
+        return await asyncio.to_thread(self._cut, acked, since)
 
-    def _cut(self, acked: Sequence[str]) -> tuple[dict[str, RunningCall], int, float]:
+    def _cut(self, acked: Sequence[str], since: Mapping[str, int] | None = None,
+             ) -> tuple[dict[str, RunningCall], int, float]:
         self._forget(acked)
-        calls = self.engine.running_calls()  # then the finished ones: a call is in one or the other
+        calls = self.engine.running_calls(since)  # then the finished ones: a call is in one or the other
         return {**self._finished, **calls}, self.engine.decoded_rows, self.engine.cut_hold_s
 
     async def running_tokens(self) -> dict[str, list[int]]:
@@ -441,9 +443,12 @@ class RayEnginePool(WorkerSlots):
         sum changes, which is all a snapshot compares)."""
         return sum(n for _, n in self._gather("decoded_rows"))
 
-    def running_calls(self) -> dict[str, RunningCall]:
+    def running_calls(self, since: Mapping[str, int] | None = None) -> dict[str, RunningCall]:
+        """Every worker's answer (module docstring, "The cut"); `since` goes to each
+        worker as the offsets of the calls it runs, so each copies only their tails."""
         t0 = time.perf_counter()
-        answers = self._gather("running_calls", lambda s: s.take_acks())
+        answers = self._gather("running_calls", lambda s: s.take_acks(),
+                               lambda s: {rid: since[rid] for rid in list(s.calls) if rid in since} if since else None)
         self.gather_s = time.perf_counter() - t0
         calls: dict[str, RunningCall] = {}
         self.cut_hold_s = max((a[2] for _, a in answers), default=0.0)

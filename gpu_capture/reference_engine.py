@@ -51,7 +51,7 @@ from pathlib import Path
 import torch
 
 from .invariant_forward import InvariantLlama
-from .protocol import GenerationRequest, GenerationResult, RunningCall, check_request
+from .protocol import GenerationRequest, GenerationResult, RunningCall, check_request, tail_offset
 from .sampling import RowChoice, choose_tokens, find_stop, position_uniform, request_seed, token_logprobs
 from .tiny_policy import load_policy
 
@@ -215,18 +215,32 @@ class ReferenceEngine:
         with self._exclusive():
             return {c.request.request_id: list(c.tokens) for c in (*self._active, *self._waiting)}
 
-    def running_calls(self) -> dict[str, RunningCall]:
+    def running_calls(self, since: Mapping[str, int] | None = None) -> dict[str, RunningCall]:
         """What a prefix cut saves (`PrefixCapture`): tokens, logprobs and versions of
-        every call not yet finished, copied under the engine lock (the next step waits
-        for the copy: measured by bench/bench_prefix_cut.py)."""
+        every call not yet finished, from the offset `since` names on (`tail_offset`).
+
+        Under the engine lock only what is O(calls) is taken: each call's three lists
+        (references, not copies) and their lengths. The copy of each tail happens after
+        the lock is released, while the next step runs: that is sound because a call's
+        lists only grow while it runs (`_append`), and whatever shortens or rewrites one
+        binds a new list instead of changing the old one (`_finish_reason_before_decoding`,
+        the prefill's recomputed logprobs in `_step`), so positions below the lengths
+        taken never change under the copy. Appending from the worker meanwhile is safe
+        under the GIL (a slice is one C operation). So `cut_hold_s` (how long the next
+        step waited) is independent of how many tokens the calls have decoded
+        (bench/bench_prefix_cut.py measures both)."""
         with self._exclusive():
             t0 = time.perf_counter()
-            calls = {c.request.request_id: RunningCall(list(c.tokens), list(c.logprobs), list(c.versions),
-                                                       c.request.params.max_tokens, c.request.params.min_tokens,
-                                                       c.cut_refused)
-                     for c in (*self._active, *self._waiting)}
+            held = [(c.request, c.cut_refused, c.tokens, c.logprobs, c.versions, len(c.tokens), len(c.logprobs))
+                    for c in (*self._active, *self._waiting)]
             self.cut_hold_s = time.perf_counter() - t0
-            return calls
+        calls = {}
+        for request, refused, tokens, logprobs, versions, n, n_logprobs in held:
+            rid, p = request.request_id, request.params
+            start = tail_offset(since, rid, n)
+            calls[rid] = RunningCall(tokens[start:n], logprobs[start:min(n, n_logprobs)], versions[start:n],
+                                     p.max_tokens, p.min_tokens, refused, start)
+        return calls
 
     def cut_support(self, request: GenerationRequest) -> str | None:
         """Every call can be cut and continued exactly here (`PrefixCapture`): greedy and
@@ -385,7 +399,9 @@ class ReferenceEngine:
         if end is None:
             return None
         reason, n, stop_reason, text = end
-        del call.tokens[n:], call.logprobs[n:], call.versions[n:]  # nothing past the end was the call's
+        # Nothing past the end was the call's. New lists, not `del`: a cut may be copying
+        # the old ones outside the engine lock (`running_calls`).
+        call.tokens, call.logprobs, call.versions = call.tokens[:n], call.logprobs[:n], call.versions[:n]
         self._finish(call, reason, stop_reason=stop_reason, text=text)
         return reason
 

@@ -51,7 +51,7 @@ from pathlib import Path
 from typing import Any
 
 from .orphan_guard import OrphanGuard, children_of
-from .protocol import GenerationRequest, GenerationResult, RunningCall, check_request
+from .protocol import GenerationRequest, GenerationResult, RunningCall, check_request, tail_offset
 from .sampling import find_stop, request_seed
 
 TESTED_VLLM_VERSION = "0.32.0"
@@ -89,14 +89,19 @@ def engine_environment(work_dir: str | Path) -> dict[str, str]:
 # ---- the one place that reads vLLM internals ----------------------------------------------
 
 
-def read_request_states(llm, request_ids: Sequence[str]) -> dict[str, tuple[list[int], list[float], list[tuple[str, int]]]]:
-    """request id -> (output token ids, their logprobs, weight-version starts) of the
-    requests vLLM's output processor holds now. Request states have no public API: this
-    reads `OutputProcessor.request_states` (keyed by internal ids `f"{id}-{suffix}"`,
-    mapped from ours by `external_req_ids`), its detokenizer's `output_token_ids`, the
-    logprobs processor's per-position maps and `weight_version_starts`. Must run on the
-    engine's loop thread: `process_outputs` updates these synchronously on that thread,
-    so a read there never sees half of an output step. A vLLM version where any of this
+def read_request_states(llm, request_ids: Sequence[str], since: Mapping[str, int] | None = None,
+                        ) -> dict[str, tuple[list[int], list[float], list[tuple[str, int]], int]]:
+    """request id -> (output token ids from the offset on, their logprobs, weight-version
+    starts, the offset) of the requests vLLM's output processor holds now. `since`
+    gives each request's offset into vLLM's own output (0 when absent or past its end):
+    only the positions past it are read, so a cut costs the tokens decoded since the
+    last one, not the call's whole output (the per-position logprob maps are what made
+    a whole read cost ~2.3 us a token). Request states have no public API: this reads
+    `OutputProcessor.request_states` (keyed by internal ids `f"{id}-{suffix}"`, mapped
+    from ours by `external_req_ids`), its detokenizer's `output_token_ids`, the logprobs
+    processor's per-position maps and `weight_version_starts`. Must run on the engine's
+    loop thread: `process_outputs` updates these synchronously on that thread, so a
+    read there never sees half of an output step. A vLLM version where any of this
     moved fails here with its version named (tests/test_vllm_engine.py checks it)."""
     try:
         processor = llm.output_processor
@@ -107,10 +112,14 @@ def read_request_states(llm, request_ids: Sequence[str]) -> dict[str, tuple[list
                 state = states.get(internal)
                 if state is None:
                     continue
-                tokens = list(state.detokenizer.output_token_ids)
+                output = state.detokenizer.output_token_ids
+                n = len(output)
+                first = tail_offset(since, rid, n)
+                tokens = list(output[first:n])
                 per_position = state.logprobs_processor.logprobs or []
-                logprobs = [per_position[i][t].logprob for i, t in enumerate(tokens[: len(per_position)])]
-                found[rid] = (tokens, logprobs, list(state.weight_version_starts))
+                logprobs = [per_position[i][t].logprob
+                            for i, t in zip(range(first, min(n, len(per_position))), tokens)]
+                found[rid] = (tokens, logprobs, list(state.weight_version_starts), first)
         return found
     except (AttributeError, TypeError, KeyError) as error:
         import vllm
@@ -121,13 +130,43 @@ def read_request_states(llm, request_ids: Sequence[str]) -> dict[str, tuple[list
         ) from error
 
 
-def _versions(starts: Sequence[tuple[str, int]], n: int, default: int) -> list[int]:
-    """Per-token versions from (label, first token index) starts over n tokens."""
-    out = [default] * n
+def _versions(starts: Sequence[tuple[str, int]], n: int, default: int, first: int = 0) -> list[int]:
+    """Per-token versions of positions [first, n) from (label, first token index) starts."""
+    out = [default] * (n - first)
     for j, (label, start) in enumerate(starts):
-        end = starts[j + 1][1] if j + 1 < len(starts) else n
-        out[start:end] = [int(label)] * (min(end, n) - start)
+        end = min(starts[j + 1][1] if j + 1 < len(starts) else n, n)
+        lo = max(start, first)
+        if lo < end:
+            out[lo - first:end - first] = [int(label)] * (end - lo)
     return out
+
+
+def tail_of_call(prefix: Sequence[int], prefix_logprobs: Sequence[float], prefix_versions: Sequence[int],
+                 offset: int, vllm_tail: tuple[list[int], list[float], list[tuple[str, int]], int] | None,
+                 default_version: int) -> tuple[list[int], list[float], list[int], int]:
+    """One call's output from `offset` on, in the call's coordinates (our prefix, then
+    what vLLM decoded after it), as (tokens, logprobs, versions, start). vLLM was asked
+    from `offset - len(prefix)` on (`vllm_offset`); `start` is where the answer really
+    begins (0 when the offset lay past the call's end). Logprobs are left empty
+    (incomplete) when the prefix was submitted without them."""
+    head = len(prefix)
+    tokens, logprobs, starts, first = vllm_tail or ([], [], [], 0)
+    if first > 0:
+        start = head + first
+    elif offset <= head:
+        start = offset
+    else:
+        start = 0  # vLLM answered whole: the offset lies past the call's end
+    complete = start >= head or len(prefix_logprobs) >= head
+    return (list(prefix[start:head]) + tokens,
+            list(prefix_logprobs[start:head]) + logprobs if complete else [],
+            list(prefix_versions[start:head]) + _versions(starts, first + len(tokens), default_version, first),
+            start)
+
+
+def vllm_offset(offset: int, prefix_length: int) -> int:
+    """The offset into vLLM's own output (which excludes the prefix we gave it)."""
+    return max(0, offset - prefix_length)
 
 
 @dataclass(eq=False)
@@ -313,9 +352,11 @@ class VLLMEngine:
     def running_tokens(self) -> dict[str, list[int]]:
         return {rid: call.token_ids for rid, call in self.running_calls().items()}
 
-    def running_calls(self) -> dict[str, RunningCall]:
-        """Every call not yet finished: its output so far (prefix included), read on the
-        engine's loop thread between two output steps (the next output step waits)."""
+    def running_calls(self, since: Mapping[str, int] | None = None) -> dict[str, RunningCall]:
+        """Every call not yet finished: its output from the offset `since` names on
+        (prefix included; `PrefixCapture`), read on the engine's loop thread between two
+        output steps (the next output step waits, for the positions past the offsets
+        only: `read_request_states`)."""
         box: Future = Future()
 
         def read() -> None:
@@ -323,16 +364,15 @@ class VLLMEngine:
                 t0 = time.perf_counter()
                 with self._lock:
                     calls = list(self._calls.values())
-                states = read_request_states(self._llm, [c.request.request_id for c in calls])
+                asked = {c.request.request_id: since.get(c.request.request_id, 0) if since else 0 for c in calls}
+                states = read_request_states(self._llm, list(asked), {
+                    c.request.request_id: vllm_offset(asked[c.request.request_id], len(c.prefix)) for c in calls})
                 out = {}
                 for c in calls:
-                    p = c.request.params
-                    tokens, logprobs, starts = states.get(c.request.request_id, ([], [], []))
-                    head = len(c.prefix)
-                    out[c.request.request_id] = RunningCall(
-                        c.prefix + tokens, c.logprobs[:head] + logprobs if len(c.logprobs) >= head else logprobs,
-                        c.versions[:head] + _versions(starts, len(tokens), self._version), p.max_tokens, p.min_tokens,
-                        c.cut_refused)
+                    p, rid = c.request.params, c.request.request_id
+                    tokens, logprobs, versions, start = tail_of_call(
+                        c.prefix, c.logprobs, c.versions, asked[rid], states.get(rid), self._version)
+                    out[rid] = RunningCall(tokens, logprobs, versions, p.max_tokens, p.min_tokens, c.cut_refused, start)
                 self.cut_hold_s = time.perf_counter() - t0
                 box.set_result(out)
             except BaseException as error:

@@ -50,7 +50,7 @@ from .live import codec, ledger, pools, queries
 from .live.capture import Capture, capture_snapshot
 from .live.invariants import InvariantReport, check_invariants
 from .live.ledger import FinishedGeneration, Reservation
-from .live.pools import CallPrefix, Chunk, EpisodeProgress, SavedEpisode
+from .live.pools import CallPrefix, Chunk, ChunkReference, EpisodeProgress, SavedEpisode
 from .live.schema import ABANDON_REASONS, GROUP_STATES, ROLLOUT_STATES, STATE_TABLES
 from .live.store import Store
 
@@ -66,9 +66,9 @@ from .checkpoints.publish import (
     SnapshotStage,
 )
 from .checkpoints.staged import TrainerStage, begin_trainer_checkpoint
-from .checkpoints.segments import Sealed, seal_inline_payload, store_segment_problems
+from .checkpoints.segments import Sealed, seal_inline_payload, store_segment_problems, write_chunk_segment
 from .checkpoints.layout import segments_dir_of
-from .live.payload import payload_counts, segment_summary
+from .live.payload import SegmentRef, payload_counts, segment_summary
 from .checkpoints.retention import (
     KeepNewestSnapshotPerAnchor,
     KeepNewestSnapshots,
@@ -145,6 +145,7 @@ __all__ = [
     "payload_counts",
     "Capture",
     "CallPrefix",
+    "ChunkReference",
     "Chunk",
     "EpisodeProgress",
     "FinishedGeneration",
@@ -177,6 +178,7 @@ __all__ = [
     "Retention",
     "SnapshotStage",
     "Sealed",
+    "SegmentRef",
     "TrainerStage",
     "begin_trainer_checkpoint",
     "anchor_name",
@@ -184,6 +186,7 @@ __all__ = [
     "read_manifest",
     "scan",
     "seal_inline_payload",
+    "write_chunk_segment",
     "segment_summary",
     "segments_dir_of",
     "store_segment_problems",

@@ -32,6 +32,7 @@ from rolloutdb.controller.agent_server.http_loop import HttpLoop
 from rolloutdb.controller.agent_server.policy_endpoint import PolicyEndpoint
 from rolloutdb.controller.rollout.episodes import call_seed
 from rolloutdb.gpu_capture.reference_engine import ReferenceEngine
+from chunk_bytes import inline_copy
 from crash_harness import kill_when, metrics, newest_usable_snapshot, read_sql, server_pids, train_env
 from rolloutdb.store import CallPrefix
 
@@ -251,7 +252,7 @@ def _train(run_dir: Path, *, resume: bool = False) -> subprocess.Popen:
 def _saved_prefixes(db: Path) -> dict[int, dict]:
     """attempt id -> its call's prefix in a snapshot file's token_chunks (chunks joined in
     order, decoded here), with its attempt, prompt and exported turn."""
-    rows = read_sql(db, "SELECT c.attempt_id, r.group_id, r.generation_index, r.attempt, g.prompt_id, c.prefix_count, "
+    rows = read_sql(inline_copy(db), "SELECT c.attempt_id, r.group_id, r.generation_index, r.attempt, g.prompt_id, c.prefix_count, "
                         "c.token_ids, e.turn FROM token_chunks c JOIN rollouts r USING (attempt_id) "
                         "JOIN prompt_groups g USING (group_id) LEFT JOIN env_episodes e USING (attempt_id) "
                         "ORDER BY c.attempt_id, c.chunk_index")

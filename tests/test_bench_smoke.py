@@ -200,10 +200,12 @@ def test_the_environment_phase_benchmark_holds_running_episodes_on_a_real_agent_
     assert r["episodes_finished"] > 0
 
 
-def test_the_prefix_cut_benchmark_measures_the_hold_at_two_sizes(tmp_path):
+def test_the_prefix_cut_benchmark_measures_the_hold_and_bytes_of_whole_and_incremental_reads_at_two_sizes(tmp_path):
     r = _run_bench("bench_prefix_cut.py", tmp_path)
-    assert [s["calls"] for s in r["sizes"]] == [4, 16]
+    assert [(s["calls"], s["mode"]) for s in r["sizes"]] == [(4, "whole"), (4, "since"), (16, "whole"), (16, "since")]
     assert all(s["cuts"] > 0 and s["hold_ms_p50"] >= 0 for s in r["sizes"])
+    # An incremental read writes only what is new: never more than the whole read at the end.
+    assert r["by"]["16_since"]["late"]["bytes_per_cut_mean"] <= r["by"]["16_whole"]["late"]["bytes_per_cut_mean"]
 
 
 def test_the_ray_workers_benchmark_runs_in_process_and_one_and_two_workers_side_by_side(tmp_path):

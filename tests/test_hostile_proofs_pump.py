@@ -66,8 +66,8 @@ class RecordingEngine(ReferenceEngine):
         self.in_progress = 0
         self.most_in_progress = 0
 
-    def running_calls(self):
-        self.at_cut = super().running_calls()
+    def running_calls(self, since=None):
+        self.at_cut = super().running_calls(since)
         return self.at_cut
 
     def submit(self, request):
@@ -150,9 +150,13 @@ def _saved_calls(snap: Path) -> dict[str, tuple[list[int], list[float], list[int
     keys = {a: f"g{g}.{i}-a{n}-t0" for a, g, i, n in _rows(
         snap, "SELECT attempt_id, group_id, generation_index, attempt FROM rollouts")}
     saved: dict[str, tuple[list[int], list[float], list[int]]] = {}
-    for attempt_id, ids, lps, version in _rows(
-            snap, "SELECT attempt_id, token_ids, logprobs, policy_version FROM token_chunks "
-                  "ORDER BY attempt_id, chunk_index"):
+    segments = snap.parents[3] / "payload_segments"  # CHECKPOINT_DIR/<anchor>/rollout_snapshots/snapshot_<n>/
+    for attempt_id, ids, lps, version, file_name, row in _rows(
+            snap, "SELECT c.attempt_id, c.token_ids, c.logprobs, c.policy_version, p.file_name, c.segment_row "
+                  "FROM token_chunks c LEFT JOIN payload_segments p ON p.segment_id = c.segment_id "
+                  "ORDER BY c.attempt_id, c.chunk_index"):
+        if file_name is not None:  # written once into a segment by this cut or an earlier one
+            ((ids, lps),) = _rows(segments / file_name, "SELECT token_ids, logprobs FROM payload WHERE sample_id = ?", row)
         tokens, logprobs, versions = saved.setdefault(keys[attempt_id], ([], [], []))
         ids_now = np.frombuffer(ids, "<i4").tolist()
         tokens += ids_now

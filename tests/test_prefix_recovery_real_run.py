@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import shutil
 import sqlite3
 import subprocess
 import sys
@@ -34,6 +33,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from chunk_bytes import inline_copy
 from crash_harness import kill_when, metrics, newest_usable_snapshot, train_env
 
 REPO = Path(__file__).resolve().parents[1]
@@ -121,12 +121,9 @@ def _kill_with_prefixes_saved(run_dir: Path, proc: subprocess.Popen, keep: Path)
         newest = newest_usable_snapshot(run_dir / "checkpoints")
         if newest is None:
             return None
-        db = Path(newest[1]) / "rollout_state.sqlite"
-        n = _prefixed_calls(db)
-        if not n:
-            return None
-        shutil.copyfile(db, keep)
-        return n
+        # The copy holds the chunks' bytes: retention may remove their segments later.
+        n = _prefixed_calls(inline_copy(Path(newest[1]) / "rollout_state.sqlite", keep))
+        return n or None
 
     return kill_when(proc, look, timeout=TIMEOUT_S)
 

@@ -1,20 +1,22 @@
 """What a rollout snapshot's cut adds to the snapshot's file besides the store's rows, read
-inside the cut's read transaction (snapshot_pump.py, step 4): the environment's export
+at the cut (snapshot_pump.py, step 4; the running calls are read just before it): the environment's export
 checked against the ledger as of the cut (the copy's `env_episodes`), and at prefix level
 the running calls' prefixes (its `token_chunks`), with the reason for each call that
 cannot be saved (the trace's `call_fallback`)."""
 
 from __future__ import annotations
 
+import bisect
+import dataclasses
 import re
 import sqlite3
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from rolloutdb.config import EnvironmentServerSection
-from rolloutdb.gpu_capture.protocol import PrefixCapture
-from rolloutdb.store import CallPrefix, EpisodeProgress, pools, queries
+from rolloutdb.gpu_capture.protocol import PrefixCapture, RunningCall
+from rolloutdb.controller.recovery.prefix_chunks import CutChunks, PrefixChunks, SavedCall
+from rolloutdb.store import EpisodeProgress, pools, queries
 
 
 class ExportMismatch(RuntimeError):
@@ -22,11 +24,32 @@ class ExportMismatch(RuntimeError):
 
 
 @dataclass
+class EngineRead:
+    """The running calls read before a cut (`CutContents.read_engine`): the engine's,
+    and the rollout pump's finished but uncommitted ones, by request id."""
+
+    calls: dict[str, RunningCall]
+    hold_s: float  # how long the read held the engine's output step
+    decoded: int  # the engine's decode count at the read
+
+
+def up_to_version(call: RunningCall, version: int) -> RunningCall:
+    """The call without its tokens of a policy version newer than `version`."""
+    versions = call.token_versions
+    if not versions or versions[-1] <= version:
+        return call
+    keep = bisect.bisect_right(versions, version)  # versions only grow along a call
+    return dataclasses.replace(call, token_ids=call.token_ids[:keep], logprobs=call.logprobs[:keep],
+                               token_versions=versions[:keep])
+
+
+@dataclass
 class AtCut:
     """What the cut adds to the snapshot's file, and the engine's decode count at it."""
 
     episodes: list[EpisodeProgress] = field(default_factory=list)
-    prefixes: list[CallPrefix] = field(default_factory=list)
+    prefixes: list[SavedCall] = field(default_factory=list)
+    chunks: CutChunks | None = None  # the prefixes' chunks, once written (`PrefixChunks.cut`)
     decoded: int | None = None
     hold_s: float | None = None  # how long the prefix read held the engine's output step
     cut_calls: list[dict] = field(default_factory=list)  # the trace's call_cut events, once published
@@ -34,11 +57,11 @@ class AtCut:
 
 
 def into_copy(out: sqlite3.Connection, at: AtCut) -> dict[str, int]:
-    """The checked export into the snapshot's own `env_episodes`, the running calls'
-    prefixes into its `token_chunks` (capture's `into_copy`)."""
+    """The checked export into the snapshot's own `env_episodes`, the references to the
+    running calls' chunks into its `token_chunks` (capture's `into_copy`)."""
     if at.episodes:
         pools.put_episodes(out, at.episodes)
-    chunks = pools.put_prefixes(out, at.prefixes) if at.prefixes else 0
+    chunks = pools.put_chunk_references(out, at.chunks.references) if at.chunks is not None else 0
     return {"env_episodes": len(at.episodes), "token_chunks": chunks}
 
 
@@ -100,33 +123,63 @@ class CutContents:
                 logprobs=agent.get("logprobs"), token_versions=agent.get("token_versions")))
         return rows
 
-    def prefixes_at_cut(self, conn: sqlite3.Connection, engine: PrefixCapture, at: AtCut) -> None:
-        """The running calls' prefixes that belong to the cut: the engine's calls read
-        once, under its lock (the hold), matched to attempts the ledger runs at the cut
-        whose saved episode is at the call's turn (a call whose previous turn is not yet
-        committed at the cut would resume into the wrong turn: it restarts its turn).
-        An agent server's call is matched the same way against the export checked at
-        this cut (`at.episodes`), by its server's mode (`_agent_call`). A call that cannot
-        be saved is a `call_fallback` of the trace, with its reason."""
-        calls = engine.running_calls()
-        at.hold_s = engine.cut_hold_s  # the output step's wait, not ours for the step in progress
-        at.decoded = engine.decoded_rows
+    def read_engine(self, engine: PrefixCapture, since: Mapping[str, int] | None = None) -> EngineRead:
+        """The running calls a prefix cut may save, read BEFORE the cut and outside the
+        commit lock (snapshot_pump.py `_cut` has the order): the engine's calls from the
+        offsets `since` names on, then the rollout pump's uncommitted calls.
+
+        Why reading before the cut is consistent: the engine read is the cut's decode
+        point, so what the cut owes is the tokens decoded by then. A call running at
+        the read either still runs at the cut (the ledger runs its attempt: its tokens
+        are saved), or finished meanwhile: then its result is in the cut's samples (its
+        batch committed before the cut: the ledger's attempt is `finished`, nothing to
+        save) or not yet committed, and then it is in the pump's uncommitted calls,
+        which are read after the engine: the engine finishes a call under the lock its
+        read takes, and the pump's `uncommitted_calls` finds it in transit or absorbed
+        (`RolloutPump.uncommitted_calls`). A call that starts after the read starts a
+        turn the cut's ledger may already show committed: it resumes from that turn's
+        start, having decoded nothing the cut owed. Tokens decoded after the read are
+        not "decoded by the cut" and are not saved; nor is any token of a policy
+        version newer than the cut's trainer step (`prefixes_at_cut`)."""
+        calls = dict(engine.running_calls(since))  # ours to extend: the engine's answer stays as it gave it
+        read = EngineRead(calls, engine.cut_hold_s, engine.decoded_rows)
         if self.uncommitted_calls is not None:
-            # Read after the engine: a call that finished meanwhile is in transit to the
-            # pump or absorbed by it, and found there (`RolloutPump.uncommitted_calls`).
-            calls = {**self.uncommitted_calls(), **calls}
+            # A call in both (it finished between the two reads) is kept whole, from the
+            # pump: the longer of the two, and a finished call resumes to its end at once.
+            for rid, call in self.uncommitted_calls().items():
+                if rid not in calls or call.end >= calls[rid].end:
+                    calls[rid] = call
+        return read
+
+    def prefixes_at_cut(self, conn: sqlite3.Connection, read: EngineRead, at: AtCut, version: int,
+                        durable: PrefixChunks) -> None:
+        """The running calls' prefixes that belong to the cut, inside its read
+        transaction (the commit lock already released): the calls read before the cut
+        (`read_engine`) matched to attempts the ledger runs at the cut whose saved
+        episode is at the call's turn (a call whose previous turn is not yet committed
+        at the cut would resume into the wrong turn: it restarts its turn). An agent
+        server's call is matched the same way against the export checked at this cut
+        (`at.episodes`), by its server's mode (`_agent_call`). A call that cannot be
+        saved is a `call_fallback` of the trace, with its reason. No token of a policy
+        version newer than `version` (the cut's trainer step) is saved: the anchor's
+        weights did not decode it, so a resume could not continue from it (versions only
+        grow along a call, so that is a truncation). `durable`: what earlier snapshots
+        made durable of each call, which a call read from an offset continues."""
+        at.hold_s = read.hold_s  # the output step's wait, not ours for the step in progress
+        at.decoded = read.decoded
+        calls = read.calls
         # An in-process attempt may have two: a finished turn's call not yet committed and
         # the next turn's call already running; the one at the saved episode's turn is kept.
-        wanted: dict[str, dict[int, Any]] = {}
+        wanted: dict[str, dict[int, tuple[str, RunningCall]]] = {}
         remote: set[str] = set()
         servers = self.servers
         for rid, call in calls.items():
             m = _IN_PROCESS_CALL.match(rid)
-            if m is not None and call.token_ids:
-                wanted.setdefault(f"{m[1]}.{m[2]}-a{m[3]}", {})[int(m[4])] = call
+            if m is not None and call.end:
+                wanted.setdefault(f"{m[1]}.{m[2]}-a{m[3]}", {})[int(m[4])] = (rid, call)
             elif servers and (m := _AGENT_CALL.match(rid)) is not None:
                 # Empty ones too: a restart_only server's call falls back whatever it decoded.
-                wanted.setdefault(f"{m[1]}.{m[2]}-a{m[3]}", {})[int(m[4])] = call
+                wanted.setdefault(f"{m[1]}.{m[2]}-a{m[3]}", {})[int(m[4])] = (rid, call)
                 remote.add(f"{m[1]}.{m[2]}-a{m[3]}")
         if not wanted:
             return
@@ -138,7 +191,7 @@ class CutContents:
         for key, attempt_id in sorted(running.items()):
             by_turn = wanted[key]
             turn = turns.get(attempt_id, 0) if key not in remote and turns.get(attempt_id, 0) in by_turn else max(by_turn)
-            call = by_turn[turn]
+            rid, call = by_turn[turn]
             rollout, attempt = key.rsplit("-a", 1)
             group, generation = (int(x) for x in rollout.split(".", 1))
             prompt_id, step = prompts.get(group, (None, None))
@@ -151,14 +204,18 @@ class CutContents:
             if reason is not None:
                 at.fallbacks.append({"attempt_id": attempt_id, "turn": turn, "reason": reason})
                 continue
-            if not call.token_ids:
+            call = up_to_version(call, version)
+            if not call.end:
                 continue  # nothing decoded yet: nothing to keep, nothing lost
-            complete = len(call.logprobs) == len(call.token_ids)
-            at.prefixes.append(CallPrefix(attempt_id, call.token_ids, call.logprobs if complete else None,
-                                          call.token_versions, call.max_tokens, call.min_tokens))
+            if not durable.can_continue(rid, attempt_id, call):  # not reached: the offsets asked were durable's
+                at.fallbacks.append({"attempt_id": attempt_id, "turn": turn, "reason": "prefix_offset_unknown"})
+                continue
+            at.prefixes.append(SavedCall(rid, attempt_id, turn, call))
             at.cut_calls.append({"group_id": group, "prompt_id": prompt_id, "generation_index": generation,
-                                 "attempt": int(attempt), "step": step, "policy_version": call.token_versions[-1],
-                                 "tokens": len(call.token_ids)})
+                                 "attempt": int(attempt), "step": step,
+                                 "policy_version": call.token_versions[-1] if call.token_versions
+                                 else durable.last_version(rid),
+                                 "tokens": call.end})
 
     @staticmethod
     def _agent_call(servers: Sequence[EnvironmentServerSection], prompt_id: int | None, attempt_id: int, turn: int,

@@ -15,12 +15,14 @@ An attempt, in order:
    hold rollout state (controller/agent_server/client.py); a server that fails it fails
    the attempt, never the run; abort if an optimizer commit starts meanwhile
    (`aborted_commit`);
-4. the cut: take the commit lock without waiting, begin the read transaction, re-check
-   the trainer has not moved and the environment's export against the ledger as of the
-   cut, release the commit lock, and copy the store as of that cut (the checked export
-   goes into the copy's `env_episodes`: the snapshot's own file; cut_contents.py has
-   what a cut adds to the copy). The pumps are never stopped: the only exclusive hold
-   is the commit lock, for the time it takes to begin a read transaction;
+4. the cut: at prefix level read the running calls first (no lock of ours held), then
+   take the commit lock without waiting, begin the read transaction, re-check the
+   trainer has not moved, release the commit lock; then check the environment's export
+   against the ledger as of the cut, match the calls to it, and copy the store as of
+   that cut (the checked export goes into the copy's `env_episodes`: the snapshot's own
+   file; cut_contents.py has what a cut adds to the copy; `_cut` the order and why).
+   The pumps are never stopped: the only exclusive hold is the commit lock, for the
+   time it takes to begin a read transaction and read the trainer's step;
 5. leave the environment phase (resume) before any fsync;
 6. publish through the one commit protocol (`stage.publish`, store/checkpoints/publish.py),
    outside every lock but the save lock.
@@ -57,11 +59,12 @@ from pathlib import Path
 
 from rolloutdb.controller.recovery.cut_contents import AtCut, CutContents, into_copy
 from rolloutdb.controller.recovery.env_checkpoint import EnvironmentCheckpoint
+from rolloutdb.controller.recovery.prefix_chunks import PrefixChunks
 from rolloutdb.controller.run.runtime import RolloutParts
 from rolloutdb.controller.run.tracing import RolloutTrace
 from rolloutdb.gpu_capture.protocol import PrefixCapture
-from rolloutdb.store import (Capture, Published, Publisher, PublishError, SnapshotStage, TrainerStage, anchor_name, faults,
-                             queries, scan, seal_inline_payload, segments_dir_of)
+from rolloutdb.store import (Capture, Published, Publisher, PublishError, SegmentRef, SnapshotStage, TrainerStage, anchor_name,
+                             faults, queries, scan, seal_inline_payload, segments_dir_of, write_chunk_segment)
 
 log = logging.getLogger("rolloutdb.controller")
 
@@ -177,6 +180,8 @@ class SnapshotPump:
             and isinstance(engine, PrefixCapture) else None)
         self.prefix = self.capture is not None
         self._last_decoded: int | None = None
+        # Prefix level: what the published snapshots made durable of each running call.
+        self.chunks = PrefixChunks()
         self.trace = RolloutTrace(parts.tracer)
         # Turn and prefix level: the rollout pump's `flush`, set by the controller.
         self.flush_rollouts: Callable[[float], bool] | None = None
@@ -352,6 +357,9 @@ class SnapshotPump:
         a.timings.update({f"cut_{k}": v for k, v in cut.capture.timings.items()})
         if cut.at.hold_s is not None:
             a.timings["prefix_hold"] = cut.at.hold_s
+        if cut.at.chunks is not None:  # what this cut wrote of the running calls: their new tokens only
+            a.timings["prefix_new_tokens"] = float(cut.at.chunks.new_tokens)
+            a.timings["prefix_segment_bytes"] = float(cut.at.chunks.segment.bytes if cut.at.chunks.segment else 0)
         return self._hold(a, cut) if a.pending is not None else self._publish(a, cut)
 
     def _resolve_anchor(self, force: bool, t0: float) -> AttemptResult | _Attempt:
@@ -478,13 +486,34 @@ class SnapshotPump:
         at: AtCut = capture.check_result
         self._last_counter = capture.mutation_counter
         self._last_decoded = at.decoded
+        if at.chunks is not None:
+            self.chunks.published(at.chunks)
         self.trace.snapshot_cut(cut_time=capture.cut_time, snapshot_seq=published.sequence, anchor=anchor, step=step,
                                 snapshot=str(published.path), group_states=capture.group_states)
         self.trace.cut(at.cut_calls, capture.cut_time)
         self.trace.fallback(at.fallbacks, capture.cut_time)
 
     def _cut(self, db_path: Path, step: int, contents: CutContents) -> Capture:
-        """Capture at a cut taken while the commit lock is held."""
+        """Capture at a cut, in this order (the commit lock is held for steps 2-4 only,
+        so its hold is independent of how many calls run and how long they are):
+
+        1. at prefix level, read the running calls (`CutContents.read_engine`: the
+           engine, then the rollout pump's uncommitted calls), with no lock of ours held;
+        2. take the commit lock without waiting (an optimizer commit in progress: abort);
+        3. begin the read transaction: its first read is the cut;
+        4. check the trainer is still at `step`, and release the commit lock;
+        5. as of the cut: check the environment's export against the ledger, and match
+           the calls read in step 1 to the attempts the ledger runs (`prefixes_at_cut`,
+           which keeps no token of a version newer than `step`).
+
+        Step 1 before the cut is what makes it consistent (`CutContents.read_engine`
+        argues it); step 4 makes the cut fall wholly before or after an optimizer
+        commit: the commit cannot start while the lock is held, and one that ended
+        before step 2 moved the step (checked in 4)."""
+        read = None
+        if self.capture is not None:
+            self.chunks.forget_missing(segments_dir_of(self.publisher.root))
+            read = contents.read_engine(self.capture, self.chunks.since())
         rt = self.p.runtime
         if not rt.commit_lock.acquire(blocking=False):
             raise AbortedCommit()
@@ -494,20 +523,25 @@ class SnapshotPump:
             try:
                 if self.p.read_progress().step != step:
                     raise AbortedCommit()
-                at = AtCut(episodes=contents.checked_export(conn))
-                if self.capture is not None:
-                    contents.prefixes_at_cut(conn, self.capture, at)
-                self._release_waiters(step, True)  # the train pump may commit again
-                return at
             finally:
                 rt.commit_lock.release()
                 held[0] = False
+            self._release_waiters(step, True)  # the train pump may commit again
+            at = AtCut(episodes=contents.checked_export(conn))
+            if read is not None:
+                contents.prefixes_at_cut(conn, read, at, version=step, durable=self.chunks)
+                at.chunks = self.chunks.cut(at.prefixes, self._write_chunks)
+            return at
 
         try:
             return self.p.store.capture(db_path, at_cut=at_cut, into_copy=into_copy)
         finally:
             if held[0]:
                 rt.commit_lock.release()
+
+    def _write_chunks(self, rows: list[tuple[int, bytes, bytes]]) -> SegmentRef:
+        """A cut's new prefix chunks, durable in one new segment (`PrefixChunks.cut`)."""
+        return write_chunk_segment(self.p.store, self.publisher.root, rows)
 
     def _abandoned_episode_keys(self) -> list[str]:
         if not self.env.holds_rollout_state:

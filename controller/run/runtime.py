@@ -101,7 +101,8 @@ the left of a lock it holds):
   lock, waits at most 0.1 s for the rollout pump to commit what finished before its cut
   (`RolloutPump.flush`); the rollout pump never takes the save lock, so it always
   answers (or the wait times out and the cut goes ahead). At prefix level the cut reads
-  the engine's running calls under the engine lock (a leaf) while holding the commit lock.
+  the engine's running calls (the engine lock, a leaf, for O(calls)) before it tries the
+  commit lock, holding only the save lock (`SnapshotPump._cut`).
 """
 
 from __future__ import annotations

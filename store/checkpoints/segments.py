@@ -57,6 +57,7 @@ from ..live.payload import (
     SEGMENT_DDL,
     SEGMENT_FORMAT,
     SEGMENT_TABLE,
+    SegmentRef,
     inline_payloads,
     next_segment_id,
     point_at_segment,
@@ -186,6 +187,28 @@ def seal_inline_payload(store, checkpoint_dir: str | Path, *, hashing: Hashing =
     return Sealed(name, path, len(rows), pointed, out["size"], out["digest"], {
         "seal_read": t_read - t0, "seal_write": t_written - t_read, "seal_reference": t_referenced - t_written,
         "seal_vacuum": time.perf_counter() - t_referenced})
+
+
+def write_chunk_segment(store, checkpoint_dir: str | Path, rows: list[tuple[int, bytes, bytes]], *,
+                        hashing: Hashing = BLAKE3) -> SegmentRef:
+    """A prefix cut's new chunks, (row, token_ids, logprobs) each, written once into a new
+    segment through the same file commit as a seal (`write_file_atomic`: temporary name,
+    fsync, rename, fsync the directory), hashed before the rename. Numbered from the
+    live store's sequence and above every name on disk, as a seal's. Nothing references it yet: the snapshot whose cut wrote it records it in its
+    own file (`pools.put_chunk_references`); if that snapshot is never published,
+    retention removes the file (`remove_unreferenced`: no kept snapshot lists it). The
+    caller holds the save lock."""
+    with store.read() as conn:
+        from_store = next_segment_id(conn)
+    directory = segments_dir_of(checkpoint_dir)
+    if not directory.is_dir():
+        directory.mkdir(parents=True, exist_ok=True)
+        fsync_dir(directory.parent)
+    number = max(from_store, _highest_on_disk(directory) + 1)
+    name = segment_file_name(number)
+    out: dict = {}
+    write_file_atomic(directory / name, _build(rows, hashing, out), tag="seal")
+    return SegmentRef(number, name, out["digest"], out["size"], len(rows))
 
 
 # --------------------------------------------------------------------------- manifests
@@ -357,4 +380,4 @@ def remove_unreferenced(checkpoint_dir: str | Path, keep: set[str]) -> SegmentRe
 
 __all__ = ["SEGMENTS_DIR", "Sealed", "SegmentReport", "copy_problems", "missing_payload", "read_sample_references", "referenced_entries",
            "remove_unreferenced", "seal_inline_payload", "segment_number", "segment_path", "unlisted_segments",
-           "verify_segments"]
+           "verify_segments", "write_chunk_segment"]

@@ -24,6 +24,14 @@ returns the same bytes whichever place a payload is in. The price is SQLite's pa
 overhead (~1-2% for payloads of hundreds of tokens) against Parquet's compression, which
 buys little on random token ids and float logprobs.
 
+A prefix segment (revision v1_8_a) is the same file: a prefix cut writes the tokens its
+running calls decoded since the last published cut into one, its rows keyed by chunk
+(`token_chunks.segment_row`; an empty `logprobs` BLOB for a chunk without them), and
+the snapshot's `token_chunks` reference its rows; `pools.read_chunks` reads them back
+through `read_segment`. A store file records each segment it references in
+``payload_segments``, samples' and chunks' alike, so one listing
+(`referenced_segments`) feeds the manifest, retention and the checks.
+
 Every reader of payload goes through `read_samples`: it reads the rows from the store,
 then, per segment, opens the segment once with the project's one read-only open
 (`open_readonly`: ``immutable``, no side file, writes refused) and takes the payload of
@@ -104,8 +112,9 @@ def read_samples(conn: Connection | sqlite3.Connection, group_ids: Sequence[int]
 
 
 def read_segment(segments_dir: str | Path | None, file_name: str, sample_ids: Sequence[int]) -> dict[int, tuple[bytes, bytes]]:
-    """sample id -> (token_ids, logprobs) of `sample_ids` from one segment, opened once,
-    read-only. Every id must be there."""
+    """row id -> (token_ids, logprobs) of `sample_ids` from one segment, opened once,
+    read-only (a payload segment's rows are samples, a prefix segment's are chunks).
+    Every id must be there."""
     if segments_dir is None:
         raise SegmentMissing(f"samples reference payload segment {file_name} but no segments directory was given; "
                              "open the store with its checkpoint directory's payload_segments/")
@@ -129,21 +138,34 @@ def read_segment(segments_dir: str | Path | None, file_name: str, sample_ids: Se
 # --------------------------------------------------------------------------- references
 
 
+def _chunk_references(conn: sqlite3.Connection | Connection) -> bool:
+    """Whether the file's `token_chunks` can reference segments (revision v1_8_a on)."""
+    sql = "SELECT count(*) FROM pragma_table_info('token_chunks') WHERE name = 'segment_id'"
+    if isinstance(conn, sqlite3.Connection):
+        return bool(conn.execute(sql).fetchone()[0])
+    return bool(conn.exec_driver_sql(sql).scalar())
+
+
 def referenced_segments(conn: Connection | sqlite3.Connection) -> list[SegmentRef]:
-    """The segments the store's samples reference, by id."""
-    sql = ("SELECT segment_id, file_name, blake3, bytes, rows FROM payload_segments WHERE segment_id IN "
-           "(SELECT DISTINCT segment_id FROM samples WHERE segment_id IS NOT NULL) ORDER BY segment_id")
+    """The segments the store's samples and (in a snapshot file) its running calls'
+    prefix chunks reference, by id: what its manifest lists and retention keeps."""
     if isinstance(conn, sqlite3.Connection):
         tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
         if "payload_segments" not in tables:  # a file from before v1_6_a: payload inline
             return []
+    chunks = " UNION SELECT segment_id FROM token_chunks WHERE segment_id IS NOT NULL" if _chunk_references(conn) else ""
+    sql = ("SELECT segment_id, file_name, blake3, bytes, rows FROM payload_segments WHERE segment_id IN "
+           f"(SELECT segment_id FROM samples WHERE segment_id IS NOT NULL{chunks}) ORDER BY segment_id")
+    if isinstance(conn, sqlite3.Connection):
         return [SegmentRef(*r) for r in conn.execute(sql).fetchall()]
     return [SegmentRef(*r) for r in conn.exec_driver_sql(sql).all()]
 
 
 def sample_references(conn: sqlite3.Connection) -> dict[str, list[int]]:
-    """Segment file name -> the ids of the samples that point at it (sorted): what a
-    store file says each segment must hold. Empty for a file from before v1_6_a."""
+    """Segment file name -> the row ids that must be in it (sorted): the samples that
+    point at it, or the prefix chunks (`token_chunks.segment_row`, v1_8_a) that do; a
+    segment holds one kind only (a seal's samples or a cut's chunks). What a store file
+    says each segment must hold. Empty for a file from before v1_6_a."""
     tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
     if "payload_segments" not in tables:
         return {}
@@ -151,6 +173,11 @@ def sample_references(conn: sqlite3.Connection) -> dict[str, list[int]]:
     for name, sid in conn.execute("SELECT p.file_name, s.sample_id FROM samples s JOIN payload_segments p "
                                   "ON p.segment_id = s.segment_id ORDER BY p.file_name, s.sample_id"):
         out.setdefault(name, []).append(sid)
+    if _chunk_references(conn):
+        for name, row in conn.execute("SELECT DISTINCT p.file_name, c.segment_row FROM token_chunks c "
+                                      "JOIN payload_segments p ON p.segment_id = c.segment_id "
+                                      "ORDER BY p.file_name, c.segment_row"):
+            out.setdefault(name, []).append(row)
     return out
 
 

@@ -9,6 +9,7 @@ import sqlite3
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 from sqlalchemy import Connection, bindparam, delete, insert, literal_column, select, update
@@ -28,6 +29,7 @@ from .codec import (
 from ..errors import IllegalTransition
 from ..sqlite.prepared import Prepared
 from .ledger import Reservation
+from .payload import SegmentRef, read_segment
 from .schema import T
 
 sampler = T["sampler_state"]
@@ -140,10 +142,12 @@ def get_shortfall(conn: Connection) -> dict[int, int]:
 
 # ---------------------------------------------------------------- prefix chunks
 # Prefix-level recovery: at a snapshot's cut the tokens every running call had
-# decoded go into the snapshot's own file (`put_prefixes` on the copy, from the snapshot
-# pump); the live store never holds them, so there is nothing to delete when a call
-# finishes. A restore reads the chunks of the attempts it abandons (`read_chunks`) and
-# the pump continues each call from its prefix (`CallPrefix.of`).
+# decoded go into the snapshot's own file (`put_chunk_references` on the copy, from the
+# snapshot pump: rows naming the segment each chunk's bytes were written to once;
+# `put_prefixes` writes them inline, as files before v1_8_a hold them); the live store
+# never holds them, so there is nothing to delete when a call finishes. A restore reads
+# the chunks of the attempts it abandons (`read_chunks`, inline or from their segment)
+# and the pump continues each call from its prefix (`CallPrefix.of`).
 
 
 @dataclass(frozen=True)
@@ -251,18 +255,78 @@ def add_chunk(
     return index
 
 
-def read_chunks(conn: Connection, attempt_id: int) -> list[Chunk]:
-    rows = conn.execute(
-        select(
-            chunks.c.attempt_id, chunks.c.chunk_index, chunks.c.prefix_count, chunks.c.token_ids,
-            chunks.c.max_tokens, chunks.c.min_tokens, chunks.c.policy_version, chunks.c.logprobs,
-        )
-        .where(chunks.c.attempt_id == attempt_id)
-        .order_by(chunks.c.chunk_index)
-    ).all()
-    return [Chunk(a, i, p, decode_tokens(t).tolist(), mx, mn, v,
-                  None if lp is None else [float(x) for x in decode_logprobs(lp)])
-            for a, i, p, t, mx, mn, v, lp in rows]
+@dataclass(frozen=True)
+class ChunkReference:
+    """A prefix chunk whose bytes are row `segment_row` of the segment `segment`: what a
+    snapshot's `token_chunks` row says of a chunk written once, by this cut or an
+    earlier one (revision v1_8_a)."""
+
+    attempt_id: int
+    chunk_index: int
+    prefix_count: int
+    max_tokens: int
+    min_tokens: int
+    policy_version: int
+    segment: SegmentRef
+    segment_row: int
+
+
+_REFERENCE_COLUMNS = ("attempt_id", "chunk_index", "prefix_count", "max_tokens", "min_tokens", "policy_version",
+                      "created_at", "segment_id", "segment_row")
+_INSERT_REFERENCES = Prepared(insert(chunks).values({c: bindparam(c) for c in _REFERENCE_COLUMNS}))
+
+
+def put_chunk_references(conn: sqlite3.Connection, references: Sequence[ChunkReference]) -> int:
+    """In a snapshot file's transaction (the cut's `into_copy`): record each segment the
+    chunks name in `payload_segments` (the file's one list of what it references: its
+    manifest lists and hashes them; a row the file already has is kept), then one
+    `token_chunks` row per chunk. Returns the chunks written."""
+    segments = {r.segment.segment_id: r.segment for r in references}
+    conn.executemany("INSERT OR IGNORE INTO payload_segments (segment_id, file_name, blake3, bytes, rows, created_at) "
+                     "VALUES (?, ?, ?, ?, ?, ?)",
+                     [(g.segment_id, g.file_name, g.blake3, g.bytes, g.rows, time.time()) for g in segments.values()])
+    now = time.time()
+    _INSERT_REFERENCES.many(conn, [{
+        "attempt_id": r.attempt_id, "chunk_index": r.chunk_index, "prefix_count": r.prefix_count,
+        "max_tokens": r.max_tokens, "min_tokens": r.min_tokens, "policy_version": r.policy_version,
+        "created_at": now, "segment_id": r.segment.segment_id, "segment_row": r.segment_row} for r in references])
+    return len(references)
+
+
+def read_chunks(conn: Connection, attempt_id: int, segments_dir: str | Path | None = None) -> list[Chunk]:
+    """One attempt's chunks, in order (`read_chunks_of`)."""
+    return read_chunks_of(conn, [attempt_id], segments_dir).get(attempt_id, [])
+
+
+def read_chunks_of(conn: Connection, attempt_ids: Sequence[int],
+                   segments_dir: str | Path | None = None) -> dict[int, list[Chunk]]:
+    """attempt id -> its chunks in order, their bytes inline or from the segment each
+    names (revision v1_8_a; `segments_dir`: the checkpoint directory's payload_segments/,
+    needed only when a chunk references a segment), each segment opened once through the
+    one segment reader (`payload.read_segment`). Raises SegmentMissing naming the
+    segment when one cannot give a chunk it should. A segment's empty logprobs BLOB is a
+    chunk without logprobs."""
+    has_refs = "segment_id" in {r[1] for r in conn.exec_driver_sql("PRAGMA table_info(token_chunks)").all()}
+    refs = "c.segment_row, p.file_name" if has_refs else "NULL, NULL"
+    join = " LEFT JOIN payload_segments p ON p.segment_id = c.segment_id" if has_refs else ""
+    sql = (f"SELECT c.attempt_id, c.chunk_index, c.prefix_count, c.token_ids, c.max_tokens, c.min_tokens, "
+           f"c.policy_version, c.logprobs, {refs} FROM token_chunks c{join} "
+           "WHERE c.attempt_id IN (SELECT value FROM json_each(?)) ORDER BY c.attempt_id, c.chunk_index")
+    rows = [list(r) for r in conn.exec_driver_sql(sql, (json.dumps([int(a) for a in attempt_ids]),)).all()]
+    by_file: dict[str, list[list]] = {}
+    for r in rows:
+        if r[9] is not None:
+            by_file.setdefault(r[9], []).append(r)
+    for name, wanted in sorted(by_file.items()):
+        found = read_segment(segments_dir, name, sorted({r[8] for r in wanted}))
+        for r in wanted:
+            r[3], logprobs = found[r[8]]
+            r[7] = logprobs or None
+    out: dict[int, list[Chunk]] = {}
+    for a, i, p, t, mx, mn, v, lp, _, _ in rows:
+        out.setdefault(a, []).append(Chunk(a, i, p, decode_tokens(t).tolist(), mx, mn, v,
+                                           None if lp is None else [float(x) for x in decode_logprobs(lp)]))
+    return out
 
 
 def delete_chunks(conn: Connection, attempt_ids: Sequence[int]) -> None:

@@ -156,10 +156,19 @@ class TokenChunk(Base):
     call was started with, so a resumed call can continue exactly. One chunk per run of
     tokens of one policy version (a call that ran across a refit has several);
     `logprobs` (revision v1_3_a) float32 little-endian, one per token; NULL in chunks
-    written before it (the engine then recomputes them from the prefill)."""
+    written before it (the engine then recomputes them from the prefill).
+
+    Its bytes are inline, or (revision v1_8_a) row `segment_row` of the segment
+    `segment_id` names, written once by the cut that first saw those tokens and
+    referenced by every later snapshot that needs them (`pools.read_chunks` takes either);
+    the segment's empty `logprobs` BLOB stands for NULL."""
 
     __tablename__ = "token_chunks"
-    __table_args__ = (UniqueConstraint("attempt_id", "chunk_index"),)
+    __table_args__ = (
+        UniqueConstraint("attempt_id", "chunk_index"),
+        CheckConstraint("(segment_id IS NULL) = (token_ids IS NOT NULL)", name="chunk_inline_or_segment"),
+        CheckConstraint("(segment_id IS NULL) = (segment_row IS NULL)", name="chunk_row_with_segment"),
+    )
 
     chunk_id: Mapped[int] = mapped_column(Integer, primary_key=True)
     attempt_id: Mapped[int] = mapped_column(
@@ -167,12 +176,14 @@ class TokenChunk(Base):
     )
     chunk_index: Mapped[int] = mapped_column(Integer)
     prefix_count: Mapped[int] = mapped_column(Integer)
-    token_ids: Mapped[bytes] = mapped_column(LargeBinary)
+    token_ids: Mapped[bytes | None] = mapped_column(LargeBinary)
     max_tokens: Mapped[int] = mapped_column(Integer)
     min_tokens: Mapped[int] = mapped_column(Integer)
     policy_version: Mapped[int] = mapped_column(Integer)
     created_at: Mapped[float] = mapped_column(Float)
     logprobs: Mapped[bytes | None] = mapped_column(LargeBinary)
+    segment_id: Mapped[int | None] = mapped_column(ForeignKey("payload_segments.segment_id"))
+    segment_row: Mapped[int | None] = mapped_column(Integer)
 
 
 class PayloadSegment(Base):

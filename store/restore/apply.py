@@ -65,7 +65,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from ..checkpoints.layout import ENV_EXPORT
+from ..checkpoints.layout import ENV_EXPORT, segments_dir_of
 from ..checkpoints.manifest import Manifest
 from ..errors import RecordDamaged, RestoreError, SnapshotDamaged
 from ..fsio import SQLITE_SIDE_SUFFIXES, remove_sqlite_file, replace_file, temp_path_beside
@@ -201,7 +201,8 @@ def restore_snapshot(
         try:
             with phases("ledger" if mode else "shortfall"), store.atomic() as tx:
                 if mode:
-                    redispatch, to_finalize = normalize_ledger(tx, source, step, counts, saved)
+                    chunks_dir = segments_dir_of(snapshot.checkpoint_dir) if snapshot.checkpoint_dir else None
+                    redispatch, to_finalize = normalize_ledger(tx, source, step, counts, saved, chunks_dir)
                 else:
                     counts.update(abandoned_attempts=0, reserved_to_dispatched=0, published_at_restore=0)
                     normalize_without_ledger(tx, source, step, groups_per_step, counts)

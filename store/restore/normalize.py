@@ -13,6 +13,7 @@ from sqlalchemy import Connection, delete, func, literal_column, select
 
 from ..errors import ReplayFullError, SnapshotInconsistent
 from ..live import ledger, pools, queries
+from ..live.payload import SegmentMissing
 from ..live.schema import T
 from .plan import RestoredGroup
 
@@ -37,20 +38,27 @@ def _clear_unreferenced(tx: Connection) -> int:
     return sum(tx.execute(s).rowcount for s in statements)
 
 
-def _read_saved_progress(tx: Connection) -> tuple[dict, dict]:
+def _read_saved_progress(tx: Connection, segments_dir: Path | None) -> tuple[dict, dict]:
     """Prefix chunks and environment episodes of the attempts about to be abandoned (the
-    running ones), both keyed by (group id, generation index)."""
+    running ones), both keyed by (group id, generation index). Chunks whose segment
+    cannot give them are left out (their calls restart their turn): the segments' own
+    verdict, read before the live store is replaced, refuses a damaged snapshot whole."""
     where = {a: (g, i) for a, g, i in tx.execute(
         select(rollouts_t.c.attempt_id, rollouts_t.c.group_id, rollouts_t.c.generation_index)
         .where(rollouts_t.c.attempt_id.in_(select(chunks_t.c.attempt_id)), rollouts_t.c.state == "running")
     ).all()}
-    prefixes = {where[a]: pools.read_chunks(tx, a) for a in sorted(where)}
+    try:
+        chunks = pools.read_chunks_of(tx, sorted(where), segments_dir)
+    except SegmentMissing:
+        chunks = {}
+    prefixes = {where[a]: chunks[a] for a in sorted(where) if a in chunks}
     return prefixes, pools.read_episodes(tx, running_only=True)
 
 
 def normalize_ledger(tx: Connection, source: Path, step: int, counts: dict[str, int],
-                      saved: dict) -> tuple[list, list]:
-    """Phase 6, inside one transaction on the copy."""
+                      saved: dict, segments_dir: Path | None = None) -> tuple[list, list]:
+    """Phase 6, inside one transaction on the copy. `segments_dir`: where the prefix
+    chunks the snapshot references are (its checkpoint directory's payload_segments/)."""
     beyond = tx.execute(
         select(func.count()).where(groups_t.c.state == "trained", groups_t.c.trained_step > step)
     ).scalar_one() + sum(  # and the settled ones (live/compaction.py)
@@ -58,7 +66,7 @@ def normalize_ledger(tx: Connection, source: Path, step: int, counts: dict[str, 
     if beyond:
         raise SnapshotInconsistent(f"{source}: {beyond} group(s) trained after step {step}, the snapshot's anchor; "
                                    "the snapshot does not match its trainer checkpoint; restore another snapshot", 1)
-    saved["prefixes"], saved["episodes"] = _read_saved_progress(tx)
+    saved["prefixes"], saved["episodes"] = _read_saved_progress(tx, segments_dir)
     counts["abandoned_attempts"] = ledger.abandon_every_running_attempt(tx, "restart")
 
     reserved = list(tx.execute(

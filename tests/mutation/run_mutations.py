@@ -165,11 +165,11 @@ MUTANTS = [
         "cut_drops_the_last_decoded_token",
         "prefix level: a cut saves exactly what the engine decoded",
         "controller/recovery/cut_contents.py",
-        [("""            at.prefixes.append(CallPrefix(attempt_id, call.token_ids, call.logprobs if complete else None,
-                                          call.token_versions, call.max_tokens, call.min_tokens))""",
+        [("""            at.prefixes.append(SavedCall(rid, attempt_id, turn, call))""",
           """            keep = max(1, len(call.token_ids) - 1)  # MUTANT: the newest token is lost
-            at.prefixes.append(CallPrefix(attempt_id, call.token_ids[:keep], call.logprobs[:keep] if complete else None,
-                                          call.token_versions[:keep], call.max_tokens, call.min_tokens))""")],
+            call = dataclasses.replace(call, token_ids=call.token_ids[:keep], logprobs=call.logprobs[:keep],
+                                       token_versions=call.token_versions[:keep])
+            at.prefixes.append(SavedCall(rid, attempt_id, turn, call))""")],
         ["tests/test_hostile_proofs_pump.py::"
          "test_a_cut_saves_exactly_the_tokens_logprobs_and_versions_the_engine_had_decoded_for_each_call"],
     ),
