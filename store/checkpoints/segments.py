@@ -160,19 +160,8 @@ def seal_inline_payload(store, checkpoint_dir: str | Path, *, hashing: Hashing =
         from_store = next_segment_id(conn)
     if not rows:
         return None
-    directory = segments_dir_of(checkpoint_dir)
-    if not directory.is_dir():
-        directory.mkdir(parents=True, exist_ok=True)
-        fsync_dir(directory.parent)
-    # Above the store's sequence and above every name on disk: a restore to an older
-    # snapshot rewinds the store's sequence, while the newer branch's segments may still be
-    # there (until retention removes them); a name is never reused for other bytes.
-    number = max(from_store, _highest_on_disk(directory) + 1)
-    name = segment_file_name(number)
-    path = directory / name
     t_read = time.perf_counter()
-    out: dict = {}
-    write_file_atomic(path, _build(rows, hashing, out), tag="seal")
+    number, name, path, out = _write_new_segment(checkpoint_dir, from_store, rows, hashing)
     faults.point("segment.durable")
     t_written = time.perf_counter()
     pointed = 0
@@ -200,15 +189,27 @@ def write_chunk_segment(store, checkpoint_dir: str | Path, rows: list[tuple[int,
     caller holds the save lock."""
     with store.read() as conn:
         from_store = next_segment_id(conn)
+    number, name, _, out = _write_new_segment(checkpoint_dir, from_store, rows, hashing)
+    return SegmentRef(number, name, out["digest"], out["size"], len(rows))
+
+
+def _write_new_segment(checkpoint_dir: str | Path, from_store: int, rows: list, hashing: Hashing,
+                       ) -> tuple[int, str, Path, dict]:
+    """Write `rows` into a new segment file under a fresh number; returns (number, name,
+    path, {"digest", "size"}). The number is above the store's sequence and above every
+    name on disk: a restore to an older snapshot rewinds the store's sequence, while the
+    newer branch's segments may still be there (until retention removes them); a name is
+    never reused for other bytes."""
     directory = segments_dir_of(checkpoint_dir)
     if not directory.is_dir():
         directory.mkdir(parents=True, exist_ok=True)
         fsync_dir(directory.parent)
     number = max(from_store, _highest_on_disk(directory) + 1)
     name = segment_file_name(number)
+    path = directory / name
     out: dict = {}
-    write_file_atomic(directory / name, _build(rows, hashing, out), tag="seal")
-    return SegmentRef(number, name, out["digest"], out["size"], len(rows))
+    write_file_atomic(path, _build(rows, hashing, out), tag="seal")
+    return number, name, path, out
 
 
 # --------------------------------------------------------------------------- manifests
