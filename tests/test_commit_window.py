@@ -103,6 +103,30 @@ def test_with_async_checkpoints_snapshots_during_a_step_anchor_to_the_previous_s
     assert len(anchored) >= 2, [(e["outcome"], e.get("anchor")) for e in metrics(run_dir, "snapshot")]
 
 
+@pytest.mark.timeout(900)  # one run, ~25 s on 2 idle cores
+def test_with_async_checkpoints_the_boundary_snapshot_is_published_when_its_checkpoint_is_written_not_a_step_later(tmp_path):
+    """The cut a step boundary takes for its asynchronous checkpoint is held until the
+    checkpoint is published. With no interval attempts (`interval_s` 600), it is published
+    during the next step's prepare, once the background write ends: the write's end wakes
+    the snapshot pump. Without that wake (the planted bug), each held cut waited for the next
+    step boundary, a whole train step later (on a GPU, tens of seconds of generation a kill
+    then loses)."""
+    run_dir, windows = tmp_path / "run", tmp_path / "windows.jsonl"
+    cmd = _command(run_dir, False, GROUP_LEVEL, [*_trainer(windows=windows), "algorithm.total_steps=4",
+                                                 "checkpointing.async=true", "rollout_checkpointing.interval_s=600"])
+    proc = subprocess.run(cmd, env=train_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    by_step = {w["step"]: w for w in _windows(windows)}
+    assert sorted(by_step) == [1, 2, 3, 4]
+    snapshots = [e for e in metrics(run_dir, "snapshot") if e["outcome"] == "published"]
+    for step in (2, 3, 4):
+        held = [e for e in snapshots if e.get("anchor") == f"step_{step - 1}"]
+        assert held, (step, [(e["outcome"], e.get("anchor")) for e in metrics(run_dir, "snapshot")])
+        assert held[0]["t"] <= by_step[step]["t_end"], (
+            f"step_{step - 1}'s snapshot published {held[0]['t'] - by_step[step]['t_end']:.2f} s after step {step}'s "
+            "prepare ended")
+
+
 def _replay_and_trained(snapshot_db: Path, step: int) -> tuple[int, int]:
     uri = f"file:{snapshot_db}?mode=ro&immutable=1"
     with contextlib.closing(sqlite3.connect(uri, uri=True)) as conn:

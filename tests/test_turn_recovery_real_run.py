@@ -131,3 +131,63 @@ def test_the_resumed_run_lost_and_duplicated_nothing(job):
     assert job["verify"].returncode == 0, job["verify"].stdout + job["verify"].stderr
     figures = json.loads(job["verify"].stdout)
     assert figures["duplicated"] == 0 and figures["lost"] == 0, figures
+
+
+def _carried(snapshot_db: Path, saved: dict[tuple[int, int, int], tuple[int, int]]) -> dict:
+    """For every generation `saved` (an earlier snapshot's episodes) names: what the later
+    snapshot shows of it, read by hand: its running attempt's saved turn, 'finished', or
+    'settled' (its group left the live store or is no longer dispatched)."""
+    uri = f"file:{snapshot_db}?mode=ro&immutable=1"
+    with contextlib.closing(sqlite3.connect(uri, uri=True)) as conn:
+        states = dict(conn.execute("SELECT group_id, state FROM prompt_groups").fetchall())
+        finished = set(conn.execute("SELECT group_id, generation_index FROM rollouts WHERE state = 'finished'").fetchall())
+        turns = {(g, i): t for g, i, t in conn.execute(
+            "SELECT r.group_id, r.generation_index, e.turn FROM env_episodes e JOIN rollouts r USING (attempt_id) "
+            "WHERE r.state = 'running' AND e.token_ids IS NOT NULL").fetchall()}
+    out = {}
+    for g, i, _a in saved:
+        if states.get(g) not in ("dispatched", "sealed"):
+            out[(g, i)] = "settled"
+        elif (g, i) in finished:
+            out[(g, i)] = "finished"
+        else:
+            out[(g, i)] = turns.get((g, i))
+    return out
+
+
+@pytest.mark.timeout(900)  # three processes, ~40 s on 2 idle cores
+def test_a_resume_stopped_again_at_its_first_snapshot_still_holds_the_turns_it_restored(tmp_path):
+    """Preempted again soon after a resume: the first snapshot the resumed process
+    publishes must still hold every restored episode's committed turns (or its finished
+    attempt), or a second stop loses them for good. Two planted bugs fail it: a forced
+    snapshot cut at the resume before the pump starts the restored attempts (it held none
+    of their turns), and restored turns written only when the next turn commits (a cut
+    before that held none)."""
+    run_dir = tmp_path / "run"
+    first = None
+    for attempt in range(KILL_TRIES):
+        run_dir = tmp_path / f"run{attempt}"
+        first = _kill_with_turns_saved(run_dir, _train(run_dir), tmp_path / f"cut{attempt}.sqlite")
+        if first is not None:
+            break
+    assert first is not None, f"{KILL_TRIES} runs ended before a snapshot held an episode with a committed turn"
+    sequence = int(Path(first["snapshot"]).name.split("_")[1])
+
+    def first_of_the_resume() -> dict | None:
+        newest = newest_usable_snapshot(run_dir / "checkpoints")
+        if newest is None or newest[0] <= sequence:
+            return None
+        return {"snapshot": newest[1], "carried": _carried(Path(newest[1]) / "rollout_state.sqlite", first["saved"])}
+
+    second = kill_when(_train(run_dir, resume=True), first_of_the_resume, timeout=TIMEOUT_S, poll_s=0.02)
+    assert second is not None, "the resumed run ended before it published a snapshot"
+    saved = {(g, i): turn for (g, i, _a), (turn, _tokens) in first["saved"].items()}
+    lost = {k: (saved[k], got) for k, got in second["carried"].items()
+            if got not in ("settled", "finished") and (got is None or got < saved[k])}
+    assert not lost, f"(group, generation): (turn restored, turn in {second['snapshot']}): {lost}"
+    resumed = _train(run_dir, resume=True)
+    _, err = resumed.communicate(timeout=TIMEOUT_S)
+    assert resumed.returncode == 0, err[-2000:]
+    verify = subprocess.run([sys.executable, "-m", "rolloutdb", "verify", str(run_dir), "--json"],
+                            capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert verify.returncode == 0, verify.stdout + verify.stderr

@@ -149,7 +149,8 @@ class Controller:
     def _setup_pumps(self, env_checkpoint) -> None:
         cfg = self.config
         self.checkpoints = TrainerCheckpoints(cfg, self.trainer, self.publisher, log_event=self._log,
-                                              on_published=self._checkpoint_published)
+                                              on_published=self._checkpoint_published,
+                                              on_written=self._checkpoint_written)
         self.checkpoints.publish_bootstrap()
         self.bar = ProgressBar(cfg.algorithm.total_steps, enabled=cfg.logging.progress, start_step=self.trainer.step)
         if cfg.ledger_dispatch:
@@ -215,6 +216,13 @@ class Controller:
             faults.point("train.after_checkpoint")
             self.snapshotter.anchor_new_checkpoint(step)
 
+    def _checkpoint_written(self) -> None:
+        """On the Publisher's background thread: the snapshot pump publishes the checkpoint
+        and the boundary's cut held for it now, not at its next interval or the next step
+        boundary (the cut would otherwise wait up to `interval_s`, or a whole train step)."""
+        if self.snapshotter is not None:
+            self.snapshotter.wake()
+
     def _checkpoint_published(self) -> None:
         if self.snapshotter is not None:
             self.snapshotter.wake()  # the cut held for it can be published now
@@ -243,10 +251,15 @@ class Controller:
                     self.snapshotter.uncommitted_calls = pump.uncommitted_calls
             threads = [threading.Thread(target=pump.run, name="rollout-pump", daemon=True)]
             if self.snapshotter is not None:
-                # The first snapshot before the rollout pump hands out a prompt: a run
-                # killed from then on always has a snapshot to resume from, and one
+                # A fresh run's first snapshot before the rollout pump hands out a prompt: a
+                # run killed from then on always has a snapshot to resume from, and one
                 # killed earlier holds no work, so its resume may start over (resume.py).
-                self.snapshotter.attempt(force=True)
+                # Not after a restore: the snapshot restored is that point, and one cut now,
+                # before the pump starts the restored attempts, would hold none of the turns
+                # and prefixes they continue from (they are in the pump until then): a second
+                # stop before the next snapshot would restore it and lose them all.
+                if self.restored_cut is None:
+                    self.snapshotter.attempt(force=True)
                 if self.checkpoints.asynchronous:
                     self.snapshotter.publish_written_checkpoint = self.checkpoints.publish_if_written
                 threads.append(threading.Thread(target=self.snapshotter.run, name="snapshot-pump", daemon=True))

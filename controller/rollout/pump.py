@@ -77,6 +77,9 @@ class RolloutPump:
         self.groups_per_step = cfg.algorithm.groups_per_step
         self.max_inflight = cfg.generation.max_inflight_calls
         self.turn_level = cfg.rollout_recovery.keeps_turns
+        # Turn level in the controller (not on agent servers, whose export holds their
+        # agents): the pump writes each episode's saved turns to the store itself.
+        self._writes_episodes = self.turn_level and agents is None
         # Prefix level: a call a restore hands back continues from its saved prefix
         self.prefix_level = cfg.rollout_recovery.target_level == "prefix"
         g = cfg.generation  # every call's settings, in process or on an agent server (each episode seeds its calls)
@@ -239,6 +242,14 @@ class RolloutPump:
                 self.p.dispatcher.finish(tx, list(by_group.values()))
             retried = self._retry_lost(tx, pending.retries, progress.policy_version)
             restored_started, finalize = self._dispatch_restored(tx, progress.policy_version)
+            if self._writes_episodes:
+                # The turns a restored episode continues from, under its new attempt, in the
+                # transaction that starts it: until its next turn commits they were only in
+                # this pump, and a snapshot cut meanwhile (a stop soon after a resume, as on a
+                # preemptible cluster) lost them for good.
+                resumed = [live.progress() for live in restored_started if live.from_attempt is not None]
+                if resumed:
+                    pools.put_episodes(tx, resumed)
             completed += finalize
             keep, drop = self._split_by_variance(tx, completed)
             if drop:

@@ -63,10 +63,12 @@ class TrainerCheckpoints:
     (`checkpointing.async`) from a copy written in the background (module docstring).
     `log_event` gets one `checkpoint` line per due checkpoint: outcome `published`
     (sync), `begun` then `published` (async), or `skipped_busy`, with `stall_s`, the
-    train pump's time in it; `on_published` is called after an asynchronous publication."""
+    train pump's time in it; `on_written` is called (on the Publisher's background thread)
+    when an asynchronous write ends, `on_published` after an asynchronous publication."""
 
     def __init__(self, config: Config, trainer: Trainer, publisher: Publisher, *,
-                 log_event: Callable[[dict], None] | None = None, on_published: Callable[[], None] | None = None):
+                 log_event: Callable[[dict], None] | None = None, on_published: Callable[[], None] | None = None,
+                 on_written: Callable[[], None] | None = None):
         self.config = config.checkpointing
         self.total_steps = config.algorithm.total_steps
         self.trainer = trainer
@@ -78,6 +80,7 @@ class TrainerCheckpoints:
                              "save_checkpoint: set checkpointing.async: false or implement it")
         self.log_event = log_event or (lambda event: None)
         self.on_published = on_published or (lambda: None)
+        self.on_written = on_written or (lambda: None)
         self.pending: TrainerStage | None = None  # async: begun, not yet published
         # `pending` is read and published by the train pump and by the snapshot pump
         # (`publish_if_written`). Taken before the save lock, never inside it (runtime.py's
@@ -125,6 +128,8 @@ class TrainerCheckpoints:
         state = self.trainer.checkpoint_state()  # type: ignore[attr-defined]
         copied, copied_cpu = time.perf_counter(), time.thread_time()
         self.pending = begin_trainer_checkpoint(self.publisher, step, lambda tmp: self._write_state(state, tmp))
+        if self.pending.future is not None:  # tell whoever publishes it that it can, at once
+            self.pending.future.add_done_callback(lambda _done: self.on_written())
         self._log(step, "begun", time.perf_counter() - t0, cpu0, copy_s=copied - t0, copy_cpu_s=copied_cpu - cpu0)
         return True
 
