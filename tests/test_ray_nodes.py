@@ -82,7 +82,7 @@ def test_a_node_that_leaves_takes_its_worker_the_pool_serves_on_the_node_left_an
             assert (pool.replacements, pool.node_losses) == (1, 1)
             # Calls, cuts and refits go on with the worker left; none waits for the slot without a node.
             short = [pool.submit(req(f"left{i}", i, 4, temperature=0.0)) for i in range(4)]
-            assert {f.result(timeout=120).extra["worker_pid"] for f in short} == {kept_pid}
+            assert {f.result(timeout=60).extra["worker_pid"] for f in short} == {kept_pid}
             cut = pool.submit(long_req("cut", 5))
             wait_until(lambda: len(pool.running_tokens().get("cut", [])) >= 2)
             assert "cut" in pool.running_calls()
@@ -123,10 +123,10 @@ def newest(kind: str, slot: int):
 
 def described(kind: str, slot: int) -> dict | None:
     """The newest worker's `describe` (pid, node_id, served), None while it is not placed."""
-    actor, generation = newest(kind, slot)
     try:
+        actor, generation = newest(kind, slot)
         return {**ray.get(actor.describe.remote(), timeout=5), "generation": generation} if actor else None
-    except (ray.exceptions.RayError, TimeoutError):
+    except (ray.exceptions.RayError, TimeoutError, ValueError):  # ValueError: it died after the listing
         return None
 
 
@@ -142,7 +142,7 @@ def test_a_run_that_loses_a_node_mid_rollout_redoes_its_attempts_on_the_node_lef
     run_dir = tmp_path / "run"
     command = [sys.executable, "-m", "rolloutdb", "train", "--config", str(TURN_LEVEL.example), "--run-dir",
                str(run_dir), *TURN_LEVEL.overrides, "cluster.backend=ray", "cluster.engine_workers=2",
-               "cluster.environment_workers=2", f"cluster.address={cluster.address}", "algorithm.total_steps=120"]
+               "cluster.environment_workers=2", f"cluster.address={cluster.address}", "algorithm.total_steps=150"]
     proc = subprocess.Popen(command, env=train_cli.env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         wait_until(lambda: (busy(0) and busy(1)) if proc.poll() is None else True, timeout=300)
@@ -156,7 +156,7 @@ def test_a_run_that_loses_a_node_mid_rollout_redoes_its_attempts_on_the_node_lef
         cluster.remove_node(lost_node)
         # The run trains on with the node left (the abandoned attempts redone there).
         wait_until(lambda: len(train_cli.metrics(run_dir, "train_step")) >= steps + 3 or proc.poll() is not None,
-                   timeout=300)
+                   timeout=180)
         assert proc.poll() is None, f"the run ended (exit {proc.returncode}) with a node gone: " \
                                     f"{proc.communicate()[1][-3000:]}"
         for kind in ("engine", "env"):  # the node left kept its workers
