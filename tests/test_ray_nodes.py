@@ -154,9 +154,14 @@ def test_a_run_that_loses_a_node_mid_rollout_redoes_its_attempts_on_the_node_lef
                 for kind in ("engine", "env")}
         steps = len(train_cli.metrics(run_dir, "train_step"))
         cluster.remove_node(lost_node)
-        # The run trains on with the node left (the abandoned attempts redone there).
-        wait_until(lambda: len(train_cli.metrics(run_dir, "train_step")) >= steps + 3 or proc.poll() is not None,
-                   timeout=180)
+        # The run trains on with the node left, and the attempts the lost workers held,
+        # abandoned with reason error, are redone there (the trace: a later attempt finished).
+        def redone_on_the_node_left() -> bool:
+            lost_attempts = abandoned(run_dir, "error")
+            return len(train_cli.metrics(run_dir, "train_step")) >= steps + 3 and bool(lost_attempts) \
+                and all(r for *_, r in lost_attempts)
+
+        wait_until(lambda: redone_on_the_node_left() or proc.poll() is not None, timeout=180, every=0.5)
         assert proc.poll() is None, f"the run ended (exit {proc.returncode}) with a node gone: " \
                                     f"{proc.communicate()[1][-3000:]}"
         for kind in ("engine", "env"):  # the node left kept its workers
