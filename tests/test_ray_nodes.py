@@ -14,6 +14,7 @@ No Ray process may outlive a test."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from functools import partial
@@ -35,10 +36,15 @@ from rolloutdb.gpu_capture.protocol import EngineWorkerLost  # noqa: E402
 from rolloutdb.gpu_capture.ray_workers import NAMESPACE, RayEnginePool  # noqa: E402
 
 
-def start_cluster(worker_nodes: int, cpus_per_node: int):
+def start_cluster(monkeypatch, worker_nodes: int, cpus_per_node: int):
     """(cluster, its worker nodes, Ray's temp dir): a head without CPUs, joined by this
-    process, and `worker_nodes` nodes of `cpus_per_node` CPUs each."""
-    temp = short_temp_dir()
+    process, and `worker_nodes` nodes of `cpus_per_node` CPUs each. Cluster writes the
+    cluster's address under $RAY_TMPDIR/ray, so that is where all of Ray's files go (and
+    the runs' processes inherit it)."""
+    base = short_temp_dir()
+    monkeypatch.setenv("RAY_TMPDIR", base)
+    temp = os.path.join(base, "ray")
+    os.mkdir(temp)
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "temp_dir": temp,
                                                             "include_dashboard": False})
     nodes = [cluster.add_node(num_cpus=cpus_per_node) for _ in range(worker_nodes)]
@@ -60,8 +66,8 @@ def policy_dir(tmp_path):
 
 @pytest.mark.timeout(600)
 def test_a_node_that_leaves_takes_its_worker_the_pool_serves_on_the_node_left_and_a_node_that_joins_serves_again(
-        policy_dir):
-    cluster, (kept_node, lost_node), temp = start_cluster(2, 1)
+        policy_dir, monkeypatch):
+    cluster, (kept_node, lost_node), temp = start_cluster(monkeypatch, 2, 1)
     try:
         config = Config.model_validate({"generation": {"max_batch_size": 8}})
         with RayEnginePool(partial(build_local_engine, config, policy_dir), workers=2) as pool:
@@ -133,12 +139,12 @@ def described(kind: str, slot: int) -> dict | None:
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
 def test_a_run_that_loses_a_node_mid_rollout_redoes_its_attempts_on_the_node_left_and_serves_on_a_node_that_joins(
-        tmp_path):
+        tmp_path, monkeypatch):
     """The multi-turn task at turn level on two engine and two environment workers, one of
     each on each worker node (cluster.worker_placement: spread). The node holding engine
     worker 1 is removed while both engine workers decode; the run must train on with the
     node left before a node joins, then the replacements land on the new node and serve."""
-    cluster, (kept_node, lost_node), temp = start_cluster(2, 2)
+    cluster, (kept_node, lost_node), temp = start_cluster(monkeypatch, 2, 2)
     run_dir = tmp_path / "run"
     command = [sys.executable, "-m", "rolloutdb", "train", "--config", str(TURN_LEVEL.example), "--run-dir",
                str(run_dir), *TURN_LEVEL.overrides, "cluster.backend=ray", "cluster.engine_workers=2",
