@@ -40,11 +40,14 @@ worker's step in progress included (bench/bench_ray_workers.py measures both).
 
 Faults: a worker that dies (killed, SIGKILLed, crashed) fails every call it held with
 `EngineWorkerLost`; the rollout pump abandons those attempts with reason `error` and
-starts them again. The pool replaces the worker before it routes anything to that slot
-again: a new actor built with the current weights and version (its constructor installs
-them, so no call reaches it first). A slot whose worker dies `MAX_DEATHS_IN_A_ROW` times
-without finishing a call is given up (a worker that dies on every call is broken); when
-every slot is given up, `submit` raises RuntimeError and the run stops.
+starts them again. The pool starts a replacement in the slot at once: a new actor built
+with the current weights and version (its constructor installs them, so no call reaches
+it first). A slot whose worker dies `MAX_DEATHS_IN_A_ROW` times without finishing a call
+is given up (a worker that dies on every call is broken); when every slot is given up,
+`submit` raises RuntimeError and the run stops.
+
+Nodes: a node that leaves takes all its workers at once; what the pool does then is
+`WorkerSlots`'s (gpu_capture/ray_slots.py), shared with the environment workers.
 
 Measured here (2 shared cores under load 5-9, Ray 2.60, bench/bench_ray_workers.py): a
 1-token call 5.6 ms through one worker vs 1.8 ms in process (about 4 ms of Ray per call);
@@ -63,6 +66,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field, fields
+from functools import partial
 from typing import Any
 
 from .protocol import (
@@ -73,9 +77,11 @@ from .protocol import (
     SamplingParams,
     check_request,
 )
+from .ray_slots import MAX_DEATHS_IN_A_ROW, WorkerSlots, node_id, placement_strategy
+
+__all__ = ["MAX_DEATHS_IN_A_ROW", "NAMESPACE", "EngineWorker", "RayEnginePool", "WorkerSlots", "import_ray"]
 
 NAMESPACE = "rolloutdb"  # the Ray namespace of the pool's named actors
-MAX_DEATHS_IN_A_ROW = 3
 MAX_CUT_VERDICTS = 4096  # cached cut_support verdicts (one per kind of call)
 INSTALL_HINT = "cluster.backend: ray needs Ray, which is not installed: pip install -e '.[ray]'"
 
@@ -116,9 +122,11 @@ class EngineWorker:
         self._finished: dict[str, RunningCall] = {}  # finished, result not yet acknowledged
         self._known: set[str] = set()  # calls submitted here and not finished
         self._early_aborts: set[str] = set()  # aborts that arrived before their call
+        self.served = 0  # calls finished here (placement checks: a worker on a new node serves)
 
     async def describe(self) -> dict:
-        return {"pid": os.getpid(), "vocab_size": getattr(self.engine, "vocab_size", None),
+        return {"pid": os.getpid(), "node_id": node_id(), "served": self.served,
+                "vocab_size": getattr(self.engine, "vocab_size", None),
                 "max_model_len": getattr(self.engine, "max_model_len", None),
                 "policy_version": self.engine.policy_version}
 
@@ -137,6 +145,7 @@ class EngineWorker:
             # lock, inside the step), so a cut reads the call running or finished here.
             if f.exception() is None:
                 self._finished[rid] = _whole(request, f.result(), refused)
+                self.served += 1
             self._known.discard(rid)
 
         self._known.add(rid)
@@ -194,49 +203,12 @@ class _Slot:
     acks: list[str] = field(default_factory=list)  # results the driver completed, to tell the worker
     deaths: int = 0  # deaths since its last finished call
     broken: str | None = None  # why the slot was given up
+    ready: bool = False  # its worker is placed, built and current (it takes calls)
+    node: str | None = None  # the Ray node of its worker, once ready
 
     def take_acks(self) -> list[str]:
         acks, self.acks = self.acks, []
         return acks
-
-
-class WorkerSlots:
-    """What both Ray pools (engine workers here, environment workers in
-    controller/rollout/ray_environments.py) share about their slots: a dead actor is replaced
-    once, a slot that keeps dying is given up, and the live actors are listed. A pool
-    sets `_lock`, `_slots`, `_closed`, `replacements`, `_ray`, `_kind` and `_start(slot)`."""
-
-    _kind = "worker"
-    _lock: threading.Lock
-    _slots: list[Any]
-    _closed: bool
-    replacements: int
-    _ray: Any
-
-    def _start(self, slot: Any) -> None:
-        raise NotImplementedError
-
-    def _lost(self, slot: Any, actor: Any, error: BaseException) -> None:
-        """`actor` (which ran in `slot`) is gone: replace it, once, unless the slot keeps dying."""
-        with self._lock:
-            if slot.actor is not actor or self._closed:
-                return  # already replaced
-            slot.deaths += 1
-            slot.generation += 1
-            self.replacements += 1
-            if slot.deaths > MAX_DEATHS_IN_A_ROW:
-                slot.broken = f"{self._kind} {slot.index} died {slot.deaths} times in a row; the last: {error}"
-                slot.actor = None
-                return
-            self._start(slot)
-
-    def workers(self) -> list[Any]:
-        """The live actors, slot by slot (None for a slot given up)."""
-        with self._lock:
-            return [s.actor for s in self._slots]
-
-    def worker_pids(self) -> list[int]:
-        return [d["pid"] for d in self._ray.get([a.describe.remote() for a in self.workers() if a is not None])]
 
 
 class RayEnginePool(WorkerSlots):
@@ -245,15 +217,17 @@ class RayEnginePool(WorkerSlots):
     local cluster (`ray.init`, `num_cpus` CPUs, Ray's files under `temp_dir` or
     $RAY_TMPDIR) unless Ray is already initialised in this process; else the address of
     a running cluster to join. Each worker reserves `worker_cpus` CPUs and `worker_gpus`
-    GPUs. See the module docstring for routing, the cut and faults."""
+    GPUs, placed by `placement` ("spread" or Ray's "default"). See the module docstring for
+    routing, the cut, faults and nodes."""
 
     _kind = "engine worker"
 
     def __init__(self, factory: Callable[[], Any], *, workers: int = 1, address: str | None = None,
                  num_cpus: int | None = None, worker_cpus: float = 1.0, worker_gpus: float = 0.0,
-                 temp_dir: str | None = None, name: str | None = None):
+                 temp_dir: str | None = None, name: str | None = None, placement: str = "spread"):
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
+        strategy = placement_strategy(placement)
         ray = self._ray = import_ray()
         from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
 
@@ -277,7 +251,7 @@ class RayEnginePool(WorkerSlots):
                 self._guard = OrphanGuard(children_of(os.getpid()) - before)
         self._factory = factory
         self._options = {"num_cpus": worker_cpus, "num_gpus": worker_gpus, "max_restarts": 0,
-                         "max_concurrency": 1000, "namespace": NAMESPACE}
+                         "max_concurrency": 1000, "namespace": NAMESPACE, "scheduling_strategy": strategy}
         self._actor_class = ray.remote(EngineWorker)
         self._name = name or f"engine-{os.getpid()}-{id(self):x}"
         self._lock = threading.Lock()  # guards the slots and the call table
@@ -292,6 +266,7 @@ class RayEnginePool(WorkerSlots):
         self.cut_hold_s = 0.0  # the longest worker's own hold at the last cut
         self.gather_s = 0.0  # the last cut's wall time across workers
         self.replacements = 0
+        self.node_losses = 0
         self._cut_verdicts: dict[tuple, str | None] = {}  # _params_key -> the engines' cut_support verdict
         self.cut_support_asks = 0  # remote cut_support asks (the cache's misses)
         try:
@@ -301,6 +276,7 @@ class RayEnginePool(WorkerSlots):
         except BaseException:
             self.close()
             raise
+        self._started(info)
         self.vocab_size = info[0]["vocab_size"]
         self.max_model_len = info[0]["max_model_len"]
         self._version = info[0]["policy_version"]
@@ -314,6 +290,13 @@ class RayEnginePool(WorkerSlots):
         slot.actor = self._actor_class.options(name=name, **self._options).remote(
             self._factory, self._weights, self._version)
         slot.acks = []
+
+    def _catch_up(self, actor: Any, answer: dict) -> Any:
+        """A replacement built before a refit that skipped it (it was not placed yet)
+        gets that refit before it takes a call."""
+        if answer["policy_version"] == self._version:
+            return None
+        return actor.load_weights.remote(self._weights, self._version)
 
     def load_per_worker(self) -> list[int]:
         """Calls in progress on each slot's worker (what routing compares)."""
@@ -335,28 +318,15 @@ class RayEnginePool(WorkerSlots):
                 raise RuntimeError("engine is closed")
             if rid in self._calls:
                 raise ValueError(f"request id already running: {rid!r}")
-            live = [s for s in self._slots if s.broken is None]
-            if not live:
-                raise RuntimeError("; ".join(s.broken or "" for s in self._slots))
-            slot = min(live, key=lambda s: (len(s.calls), s.index))  # least loaded (module docstring)
+            slot = self._route(lambda s: len(s.calls))  # placed, then least loaded (module docstring)
             actor = slot.actor
             ref = actor.generate.remote(request, slot.take_acks())
             slot.calls.add(rid)
             self._calls[rid] = (slot, actor, future)
-        # Ray's callback thread only queues the answer: a Ray call made on that thread
-        # (starting a replacement actor) hung here, so the pool's own thread handles it.
-        ref.future().add_done_callback(lambda done: self._answers.put((rid, slot, actor, done, future)))
+        self._when_done(ref, self._finish, rid, slot, actor, future)  # on the pool's thread (`_complete`)
         return future
 
-    def _complete(self) -> None:
-        """The `ray-engine-pool` thread: completes the callers' futures, in arrival order."""
-        while True:
-            item = self._answers.get()
-            if item is None:
-                return
-            self._finish(*item)
-
-    def _finish(self, rid: str, slot: _Slot, actor: Any, done: Future, future: Future) -> None:
+    def _finish(self, rid: str, slot: _Slot, actor: Any, future: Future, done: Future) -> None:
         """Complete the caller's future from the actor's answer (a lost worker: replace it)."""
         try:
             result = done.result()
@@ -389,12 +359,13 @@ class RayEnginePool(WorkerSlots):
                 slot.deaths = 0
 
     def load_weights(self, state_dict: Mapping[str, object], version: int) -> None:
-        """One `ray.put` of the state dict, its reference to every worker; waits for all.
-        A worker that died meanwhile is replaced (with these weights)."""
+        """One `ray.put` of the state dict, its reference to every placed worker; waits for
+        all. A worker that died meanwhile is replaced (with these weights); one not placed
+        yet gets them when it is (`_catch_up`)."""
         ref = self._ray.put(dict(state_dict))
         with self._lock:
             self._weights, self._version = ref, version
-            sent = [(s, s.actor, s.actor.load_weights.remote(ref, version)) for s in self._slots if s.actor is not None]
+            sent = [(s, s.actor, s.actor.load_weights.remote(ref, version)) for s in self._slots if s.ready]
         for slot, actor, done in sent:
             try:
                 self._ray.get(done)
@@ -404,11 +375,12 @@ class RayEnginePool(WorkerSlots):
                 raise (e.cause if isinstance(e.cause, BaseException) else e) from None
 
     def _gather(self, method: str, *per_slot_args) -> list[tuple[_Slot, Any]]:
-        """Ask every live worker at once; (slot, answer) for those that answered (a dead
-        worker is replaced; its calls fail on their own)."""
+        """Ask every placed worker at once; (slot, answer) for those that answered (a dead
+        worker is replaced; its calls fail on their own). One still waiting for a node
+        would hold the gather until a node joins; it has run nothing yet."""
         with self._lock:
             sent = [(s, s.actor, getattr(s.actor, method).remote(*(a(s) for a in per_slot_args)))
-                    for s in self._slots if s.actor is not None]
+                    for s in self._slots if s.ready]
         out = []
         for slot, actor, ref in sent:
             try:
@@ -478,7 +450,7 @@ class RayEnginePool(WorkerSlots):
 
     def _gather_one(self, method: str, *args) -> list[tuple[_Slot, Any]]:
         with self._lock:
-            live = [s for s in self._slots if s.actor is not None]
+            live = [s for s in self._slots if s.ready]
             if not live:
                 return []
             slot = min(live, key=lambda s: (len(s.calls), s.index))
@@ -496,11 +468,12 @@ class RayEnginePool(WorkerSlots):
         local cluster if this pool started it."""
         with self._lock:
             self._closed = True
-            actors = [s.actor for s in self._slots if s.actor is not None]
+            actors = [(s.actor, s.ready) for s in self._slots if s.actor is not None]
         ray = self._ray
-        for actor in actors:
+        for actor, ready in actors:
             try:
-                ray.get(actor.close.remote(), timeout=30)
+                if ready:  # one waiting for a node would hold this for the whole timeout
+                    ray.get(actor.close.remote(), timeout=30)
             except Exception:  # noqa: BLE001 - a dead or stuck worker is killed below anyway
                 pass
             ray.kill(actor)

@@ -405,6 +405,10 @@ class ClusterSection(Section):
     # > 0: environment steps run on that many Ray actors (controller/rollout/ray_environments.py).
     environment_workers: int = Field(0, ge=0, le=4096, description="backend ray: environment actors the steps are "
                                      "spread over (0: the environment runs in the driver).")
+    # spread: each worker on the node with the fewest (Ray's SPREAD), so losing a node loses
+    # the fewest workers; default: Ray's default placement (gpu_capture/ray_slots.py).
+    worker_placement: Literal["spread", "default"] = Field(
+        "spread", description="backend ray: how the workers are placed over the cluster's nodes.")
 
     @model_validator(mode="after")
     def _environment_workers_need_ray(self):
@@ -579,6 +583,7 @@ RESUMABLE_KEYS: dict[str, str] = {
     "cluster.ray_num_cpus": "the local Ray cluster's size",
     "cluster.worker_gpus": "what each engine worker reserves",
     "cluster.environment_workers": "where the same environment steps run",
+    "cluster.worker_placement": "which nodes the same calls and steps run on",
 }
 
 

@@ -95,7 +95,9 @@ def busy(slot: int, generation: int = 0):
 @pytest.mark.timeout(600)
 def test_engine_workers_killed_mid_rollout_have_their_attempts_abandoned_as_error_and_redone(tmp_path, cluster):
     run_dir = tmp_path / "run"
-    proc = train_cli.start(run_dir, overrides=[*RAY, f"cluster.address={cluster}", "algorithm.total_steps=12"])
+    # Long enough for a replacement to be placed and take calls: until it answers, calls go
+    # to the other worker (gpu_capture/ray_slots.py), and 12 steps ended first.
+    proc = train_cli.start(run_dir, overrides=[*RAY, f"cluster.address={cluster}", "algorithm.total_steps=300"])
     try:
         # Worker 0 by ray.kill while it decodes.
         ray.kill(wait_until(lambda: busy(0) if proc.poll() is None else True, timeout=240))
@@ -139,7 +141,7 @@ def test_environment_workers_killed_mid_run_have_their_attempts_abandoned_as_err
     run_dir = tmp_path / "run"
     command = [sys.executable, "-m", "rolloutdb", "train", "--config", str(TURN_LEVEL.example), "--run-dir",
                str(run_dir), *TURN_LEVEL.overrides, *RAY, "cluster.environment_workers=2",
-               f"cluster.address={cluster}", "algorithm.total_steps=16"]
+               f"cluster.address={cluster}", "algorithm.total_steps=200"]
     proc = subprocess.Popen(command, env=train_cli.env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         first = wait_until(lambda: serving(0, 0) if proc.poll() is None else True, timeout=240)

@@ -252,6 +252,7 @@ def _killed_worker_is_replaced(pool, policy_dir, kill) -> None:
         victim_future.result(timeout=60)
     new_pids = pool.worker_pids()
     assert new_pids[slot] != pids[slot] and new_pids[1 - slot] == pids[1 - slot]
+    wait_until(lambda: all(pool.worker_nodes()))  # routed to once placed (gpu_capture/ray_slots.py)
     # The replacement runs the current weights at the current version: the same tokens
     # as an in-process engine given the refit, tagged 7.
     with ReferenceEngine(policy_dir, max_batch_size=8, num_threads=1) as fresh:

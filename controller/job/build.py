@@ -108,7 +108,8 @@ def build_engine(config: Config, policy_dir: Path, work_dir: Path | None = None)
         # A local cluster offers one CPU per worker of either kind (each reserves one).
         cpus = cluster.ray_num_cpus or cluster.engine_workers + cluster.environment_workers
         return RayEnginePool(partial(build_local_engine, config, policy_dir, work_dir), workers=cluster.engine_workers,
-                             address=cluster.address, num_cpus=cpus, worker_gpus=cluster.worker_gpus)
+                             address=cluster.address, num_cpus=cpus, worker_gpus=cluster.worker_gpus,
+                             placement=cluster.worker_placement)
     return build_local_engine(config, policy_dir, work_dir)
 
 
@@ -123,7 +124,7 @@ def build_env_stepper(config: Config, env: Environment, policy_dir: Path):
         return LocalStepper(env)
     from rolloutdb.controller.rollout.ray_environments import EnvironmentWorkerPool
 
-    return EnvironmentWorkerPool(config, policy_dir, workers=workers)
+    return EnvironmentWorkerPool(config, policy_dir, workers=workers, placement=config.cluster.worker_placement)
 
 
 def build_local_engine(config: Config, policy_dir: Path, work_dir: Path | None = None):

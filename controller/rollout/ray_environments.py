@@ -18,13 +18,14 @@ engine pool routes calls. A worker runs one step at a time (a plain actor): a sl
 others.
 
 Faults: a worker that dies (ray.kill, its process SIGKILLed, a crash) fails each step it
-held with `EnvironmentWorkerLost`; the pool starts a replacement in its slot before
-routing anything there again (it builds its environment from the config, as the first
-did). A slot whose worker dies more than `MAX_DEATHS_IN_A_ROW` times without finishing a
+held with `EnvironmentWorkerLost`; the pool starts a replacement in its slot at once (it
+builds its environment from the config, as the first did) and routes steps to it once it
+answers. A slot whose worker dies more than `MAX_DEATHS_IN_A_ROW` times without finishing a
 step is given up; with every slot given up, `step` raises RuntimeError and the run stops
-with it. A step's answer comes back on Ray's callback thread, which only queues it: the
-pool's own thread completes the futures and starts replacements (a Ray call made on the
-callback thread hung, as the engine pool found).
+with it. A node that leaves takes all its workers at once: their deaths do not count, and
+each replacement waits for a node that can host it (gpu_capture/ray_slots.py, shared with
+the engine pool). A step's answer comes back on Ray's callback thread, which only queues
+it: the pool's own thread completes the futures and starts replacements.
 
 Ray must already be initialised: `build_engine` starts (or joins) the cluster with the
 engine pool, and sizes a local one for both kinds of worker.
@@ -45,7 +46,8 @@ from typing import Any
 from rolloutdb.config import Config
 from rolloutdb.controller.rollout.env_steps import EnvironmentWorkerLost
 from rolloutdb.controller.rollout.episodes import StepOutcome, step_environment
-from rolloutdb.gpu_capture.ray_workers import NAMESPACE, WorkerSlots, import_ray
+from rolloutdb.gpu_capture.ray_slots import WorkerSlots, node_id, placement_strategy
+from rolloutdb.gpu_capture.ray_workers import NAMESPACE, import_ray
 
 
 class EnvironmentWorker:
@@ -57,12 +59,15 @@ class EnvironmentWorker:
 
         cfg = Config.model_validate(config)
         _, self.env = registry.build_task(cfg, Path(policy_dir), registry.check_plugins(cfg))
+        self.served = 0  # steps done here (placement checks: a worker on a new node serves)
 
     def describe(self) -> dict:
-        return {"pid": os.getpid(), "max_turns": self.env.max_turns}
+        return {"pid": os.getpid(), "node_id": node_id(), "served": self.served, "max_turns": self.env.max_turns}
 
     def step(self, state: dict, reply_ids: list[int], last: bool) -> dict:
-        return step_environment(self.env, state, reply_ids, last=last).to_json()
+        answer = step_environment(self.env, state, reply_ids, last=last).to_json()
+        self.served += 1
+        return answer
 
 
 @dataclass(eq=False)
@@ -73,18 +78,22 @@ class _Slot:
     steps: int = 0  # in progress on this slot's worker
     deaths: int = 0  # deaths since its last finished step
     broken: str | None = None  # why the slot was given up
+    ready: bool = False  # its worker is placed and built (it takes steps)
+    node: str | None = None  # the Ray node of its worker, once ready
 
 
 class EnvironmentWorkerPool(WorkerSlots):
     """`workers` environment actors for the run `config` (policy tokenizer from
-    `policy_dir`), each reserving `worker_cpus` CPUs. See the module docstring."""
+    `policy_dir`), each reserving `worker_cpus` CPUs, placed by `placement` ("spread" or
+    Ray's "default"). See the module docstring."""
 
     _kind = "environment worker"
 
     def __init__(self, config: Config, policy_dir: str | Path, *, workers: int, worker_cpus: float = 1.0,
-                 name: str | None = None):
+                 name: str | None = None, placement: str = "spread"):
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
+        strategy = placement_strategy(placement)
         ray = self._ray = import_ray()
         if not ray.is_initialized():
             raise RuntimeError("environment workers join the Ray cluster the engine pool started or joined; "
@@ -96,7 +105,8 @@ class EnvironmentWorkerPool(WorkerSlots):
         self._config = config.model_dump(mode="json")  # what each worker builds its environment from
         self._policy_dir = str(policy_dir)
         self._actor_class = ray.remote(EnvironmentWorker)
-        self._options = {"num_cpus": worker_cpus, "max_restarts": 0, "namespace": NAMESPACE}
+        self._options = {"num_cpus": worker_cpus, "max_restarts": 0, "namespace": NAMESPACE,
+                         "scheduling_strategy": strategy}
         self._name = name or f"env-{os.getpid()}-{id(self):x}"
         self._lock = threading.Lock()  # guards the slots
         self._slots = [_Slot(i, None) for i in range(workers)]
@@ -106,13 +116,15 @@ class EnvironmentWorkerPool(WorkerSlots):
         self._completer = threading.Thread(target=self._complete, name="ray-env-pool", daemon=True)
         self._completer.start()
         self.replacements = 0
+        self.node_losses = 0
         try:
             for slot in self._slots:
                 self._start(slot)
-            ray.get([s.actor.describe.remote() for s in self._slots])  # a broken build fails here, not mid-run
+            info = ray.get([s.actor.describe.remote() for s in self._slots])  # a broken build fails here, not mid-run
         except BaseException:
             self.close()
             raise
+        self._started(info)
 
     # ---- workers ------------------------------------------------------------------------
 
@@ -132,26 +144,15 @@ class EnvironmentWorkerPool(WorkerSlots):
         with self._lock:
             if self._closed:
                 raise RuntimeError("environment workers are closed")
-            live = [s for s in self._slots if s.broken is None]
-            if not live:
-                raise RuntimeError("; ".join(s.broken or "" for s in self._slots))
-            slot = min(live, key=lambda s: (s.steps, s.index))  # least loaded
+            slot = self._route(lambda s: s.steps)  # placed, then least loaded
             actor = slot.actor
             ref = actor.step.remote(state, [int(t) for t in reply_ids], last)
             slot.steps += 1
             self._pending[future] = (slot, actor)
-        ref.future().add_done_callback(lambda done: self._answers.put((slot, actor, done, future)))
+        self._when_done(ref, self._finish, slot, actor, future)  # on the `ray-env-pool` thread
         return future
 
-    def _complete(self) -> None:
-        """The `ray-env-pool` thread: completes the callers' futures, in arrival order."""
-        while True:
-            item = self._answers.get()
-            if item is None:
-                return
-            self._finish(*item)
-
-    def _finish(self, slot: _Slot, actor: Any, done: Future, future: Future) -> None:
+    def _finish(self, slot: _Slot, actor: Any, future: Future, done: Future) -> None:
         with self._lock:
             slot.steps -= 1
             self._pending.pop(future, None)

@@ -57,8 +57,9 @@ no code starts:
   `AsyncLLM` (`gpu_capture/vllm_engine.py`): `submit` hands each call to it and returns a
   future; `running_calls` runs its read there, so it sees no output step half applied.
 - `ray-engine-pool`: with `cluster.backend: ray`, completes the callers' futures from the
-  engine workers' answers and replaces a lost worker (`gpu_capture/ray_workers.py`);
-  Ray's own threads only queue the answers for it. Takes only the pool's lock (a leaf).
+  engine workers' answers, replaces a lost worker and routes to a replacement once it is
+  placed (`gpu_capture/ray_workers.py`, `gpu_capture/ray_slots.py`); Ray's own threads
+  only queue the answers for it. Takes only the pool's lock (a leaf).
 - `ray-env-pool`: with `cluster.environment_workers` > 0, the same for the environment
   workers' step answers (`controller/rollout/ray_environments.py`): completes the steps' futures
   (the rollout pump takes them from its completion queue) and replaces a lost worker.
