@@ -23,7 +23,9 @@ from rolloutdb.gpu_capture.protocol import WorkerLost
 ray = pytest.importorskip("ray")
 
 from rolloutdb.controller.rollout.ray_environments import EnvironmentWorkerPool  # noqa: E402
-from test_ray_workers import ray_processes, short_temp_dir  # noqa: E402
+from test_ray_workers import HANG_S, ray_processes, short_temp_dir  # noqa: E402
+
+pytestmark = pytest.mark.timeout(900)  # HANG_S per wait: hang detectors, not speed tests
 
 TURNS = 3
 
@@ -97,7 +99,7 @@ def outcome(step) -> tuple:
 def test_steps_through_workers_equal_the_environments_own_steps(pool, env):
     cases = replies(env, 6)
     futures = [pool.step(state, reply, last=last) for state, reply, last in cases]
-    got = [outcome(f.result(timeout=60)) for f in futures]
+    got = [outcome(f.result(timeout=HANG_S)) for f in futures]
     assert got == [expected(env, *case) for case in cases]
     assert any(r is not None and r > 0 for _, _, r in got) and any(obs for _, obs, _ in got)  # both kinds of turn
     assert pool.load_per_worker() == [0, 0]
@@ -114,15 +116,15 @@ def test_an_environment_error_fails_its_step_with_that_error_and_the_worker_serv
     _, state = env.start(0)
     done_state = dict(state, done=True)
     with pytest.raises(ValueError, match="episode already finished"):
-        pool.step(done_state, [1], last=False).result(timeout=60)
+        pool.step(done_state, [1], last=False).result(timeout=HANG_S)
     state, reply, last = replies(env, 1)[0]
-    assert outcome(pool.step(state, reply, last=last).result(timeout=60)) == expected(env, state, reply, last)
+    assert outcome(pool.step(state, reply, last=last).result(timeout=HANG_S)) == expected(env, state, reply, last)
     assert pool.replacements == 0
 
 
 def _next_step_is_served_by_a_replacement(pool, env, slot: int, old_pid: int) -> None:
     state, reply, last = replies(env, 1)[0]
-    assert outcome(pool.step(state, reply, last=last).result(timeout=120)) == expected(env, state, reply, last)
+    assert outcome(pool.step(state, reply, last=last).result(timeout=HANG_S)) == expected(env, state, reply, last)
     pids = pool.worker_pids()
     assert pids[slot] != old_pid and old_pid not in pids
 
@@ -133,7 +135,7 @@ def test_a_worker_killed_with_ray_kill_fails_the_step_sent_to_it_and_the_next_ru
     state, reply, last = replies(env, 1)[0]
     future = pool.step(state, reply, last=last)  # least loaded, ties to the lowest index: worker 0
     with pytest.raises(EnvironmentWorkerLost, match="environment worker 0 is gone") as lost:
-        future.result(timeout=60)
+        future.result(timeout=HANG_S)
     assert isinstance(lost.value, WorkerLost)  # the pump's one rule for lost workers
     _next_step_is_served_by_a_replacement(pool, env, 0, pids[0])
 
@@ -149,7 +151,7 @@ def test_a_worker_sigkilled_mid_step_fails_that_step_and_the_next_runs_on_a_repl
     finally:
         os.kill(pids[0], signal.SIGKILL)
     with pytest.raises(EnvironmentWorkerLost, match="environment worker 0 is gone"):
-        future.result(timeout=60)
+        future.result(timeout=HANG_S)
     _next_step_is_served_by_a_replacement(pool, env, 0, pids[0])
     assert pool.replacements == 2
 
@@ -173,7 +175,7 @@ def test_a_slot_whose_worker_keeps_dying_is_given_up_and_then_steps_are_refused_
             victim = own.workers()[0]
             ray.kill(victim)
             with pytest.raises(EnvironmentWorkerLost):
-                own.step(state, reply, last=last).result(timeout=60)
+                own.step(state, reply, last=last).result(timeout=HANG_S)
             # The step's future fails before the pool has put the replacement in the slot:
             # without this wait the next kill could hit the dead actor again, and the next
             # step then ran on the fresh replacement (seen once in a full run: DID NOT RAISE).
