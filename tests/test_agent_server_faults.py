@@ -229,7 +229,9 @@ def url_server(tmp_path_factory):
         proc.wait(30)
 
 
-@pytest.mark.parametrize("point", ENV_POINTS)
+# One point in the default tier (~30 s each); all four with -m slow (CI time, 2026-12-02).
+@pytest.mark.parametrize("point", [pytest.param(p, marks=() if p == "env.after_export" else pytest.mark.slow)
+                                   for p in ENV_POINTS])
 def test_a_controller_killed_in_the_environment_phase_leaves_a_server_that_reopens_and_a_run_that_resumes(
         point, url_server, tmp_path):
     url, config, run_dir = url_server["url"], url_server["config"], tmp_path / "run"

@@ -216,6 +216,7 @@ def test_the_prefix_cut_benchmark_measures_the_hold_and_bytes_of_whole_and_incre
     assert r["by"]["16_since"]["late"]["bytes_per_cut_mean"] <= r["by"]["16_whole"]["late"]["bytes_per_cut_mean"]
 
 
+@pytest.mark.slow  # ~70 s (starts a Ray cluster twice); the Ray tests run the pool in the default tier
 def test_the_ray_workers_benchmark_runs_in_process_and_one_and_two_workers_side_by_side(tmp_path):
     out = tmp_path / "figures.json"
     proc = subprocess.run([sys.executable, str(REPO / "bench" / "bench_ray_workers.py"), "--quick", "--json", str(out)],

@@ -45,6 +45,7 @@ def test_killing_the_main_job_at_fault_points_and_random_moments_loses_nothing(t
     assert result.restores, "no resume restored a snapshot"
 
 
+@pytest.mark.slow  # ~2 min; the default tier kills turn level in test_turn_recovery_real_run (CI time, 2026-12-02)
 @pytest.mark.timeout(1200)  # ~130 s on 2 cores with 12 kills; 7 since 2026-12-01 (CI time)
 def test_killing_a_multi_turn_run_at_turn_level_keeps_its_committed_turns_and_loses_nothing(tmp_path):
     """Quick tier at turn level: 7 kills in one chain of the multi-turn long-tail task,
@@ -70,6 +71,7 @@ def test_killing_a_multi_turn_run_at_turn_level_keeps_its_committed_turns_and_lo
     assert any(k > 0 for k in result.kept_per_stop), f"no stop kept a token: {result.kept_per_stop}"
 
 
+@pytest.mark.slow  # ~2 min; the default tier kills prefix level in test_prefix_recovery_real_run (CI time, 2026-12-02)
 @pytest.mark.timeout(1200)  # ~90 s on 2 cores with 8 kills; 6 since 2026-12-01 (CI time)
 def test_killing_a_multi_turn_run_at_prefix_level_continues_its_calls_and_loses_nothing(tmp_path):
     """Quick tier at prefix level: 6 kills in one chain of the multi-turn long-tail task

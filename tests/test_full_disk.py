@@ -48,7 +48,7 @@ DEADLINE_S = 120
 
 _CHILD = textwrap.dedent(
     """
-    import json, os, resource, signal, sqlite3, sys
+    import json, os, resource, signal, sqlite3, sys, time
     from pathlib import Path
     from rolloutdb.controller.recovery.env_checkpoint import NoEnvironmentCheckpoint
     from rolloutdb.controller.run.runtime import Progress, RolloutParts, RuntimeState
@@ -91,7 +91,13 @@ _CHILD = textwrap.dedent(
     for seq in range(1, 16):  # the store grows to a few MiB
         fill(seq, 40_000)
     with sqlite3.connect(live) as c:  # an empty WAL: the outcome row fits under any limit
-        c.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        for _ in range(600):  # a reader of the store's own (a pool connection) can keep it busy a moment
+            busy, frames, _moved = c.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
+            if not busy and frames == 0:
+                break
+            time.sleep(0.05)
+        else:
+            raise SystemExit(f"the WAL of {live} could not be emptied")
     print(json.dumps({"store_bytes": live.stat().st_size}), flush=True)
     assert sys.stdin.readline().strip() == "attempt"
     if mode == "rlimit_fsize":

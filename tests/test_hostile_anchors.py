@@ -181,7 +181,7 @@ def _limit_file_size() -> None:  # in the child, before exec; Python ignores SIG
     resource.setrlimit(resource.RLIMIT_FSIZE, (FILE_LIMIT, resource.RLIM_INFINITY))
 
 
-@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("asynchronous", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["sync", "async"])
 def test_a_disk_that_cannot_take_the_trainer_checkpoint_ends_the_run_in_one_line_and_holds_the_data(tmp_path,
                                                                                                     asynchronous):
     run_dir = tmp_path / "run"

@@ -92,6 +92,7 @@ def busy(slot: int, generation: int = 0):
         return None
 
 
+@pytest.mark.slow  # 3-4 min each (a long run outlasting a replacement's start); the pools' kill tests are the default tier
 @pytest.mark.timeout(600)
 def test_engine_workers_killed_mid_rollout_have_their_attempts_abandoned_as_error_and_redone(tmp_path, cluster):
     run_dir = tmp_path / "run"
@@ -132,6 +133,7 @@ def serving(slot: int, generation: int):
         return None
 
 
+@pytest.mark.slow  # 3-4 min each (a long run outlasting a replacement's start); the pools' kill tests are the default tier
 @pytest.mark.timeout(600)
 def test_environment_workers_killed_mid_run_have_their_attempts_abandoned_as_error_and_the_run_verifies(
         tmp_path, cluster):

@@ -251,7 +251,7 @@ def _files(root: Path) -> dict[str, tuple]:
     return out
 
 
-@pytest.mark.parametrize("then,now", [(True, False), (False, True)])
+@pytest.mark.parametrize("then,now", [(True, False), pytest.param(False, True, marks=pytest.mark.slow)])
 def test_a_resume_with_the_other_packing_setting_is_refused_and_changes_nothing(tmp_path, then, now):
     word = {True: "true", False: "false"}
     run_dir = tmp_path / "run"
