@@ -170,7 +170,10 @@ def killed_twin_runs(root: Path, mode: str) -> dict:
             "replies": _replies(root / "twin.jsonl")}
 
 
-@pytest.fixture(scope="module", params=list(SAMPLING))
+# Seeded sampling in the default tier (the case RL runs); greedy with -m slow (~1 min; the
+# vLLM tier's prefix-level run is greedy).
+@pytest.fixture(scope="module", params=[pytest.param(k, marks=pytest.mark.slow) if k == "greedy" else k
+                                        for k in SAMPLING])
 def job(request, tmp_path_factory):
     if request.param == "seeded":
         return request.getfixturevalue("seeded_prefix_run")
