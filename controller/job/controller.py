@@ -149,8 +149,8 @@ class Controller:
     def _setup_pumps(self, env_checkpoint) -> None:
         cfg = self.config
         self.checkpoints = TrainerCheckpoints(cfg, self.trainer, self.publisher, log_event=self._log,
-                                              on_published=self._checkpoint_published,
-                                              on_written=self._checkpoint_written)
+                                              on_published=self._wake_snapshots,
+                                              on_written=self._wake_snapshots)
         self.checkpoints.publish_bootstrap()
         self.bar = ProgressBar(cfg.algorithm.total_steps, enabled=cfg.logging.progress, start_step=self.trainer.step)
         if cfg.ledger_dispatch:
@@ -216,16 +216,12 @@ class Controller:
             faults.point("train.after_checkpoint")
             self.snapshotter.anchor_new_checkpoint(step)
 
-    def _checkpoint_written(self) -> None:
-        """On the Publisher's background thread: the snapshot pump publishes the checkpoint
-        and the boundary's cut held for it now, not at its next interval or the next step
-        boundary (the cut would otherwise wait up to `interval_s`, or a whole train step)."""
+    def _wake_snapshots(self) -> None:
+        """An async checkpoint's write ended (on the Publisher's background thread) or it was
+        published: the snapshot pump publishes it and the boundary's cut held for it now, not
+        at its next interval or the next step boundary (up to a whole train step later)."""
         if self.snapshotter is not None:
             self.snapshotter.wake()
-
-    def _checkpoint_published(self) -> None:
-        if self.snapshotter is not None:
-            self.snapshotter.wake()  # the cut held for it can be published now
 
     # ------------------------------------------------------------------ run
 
