@@ -6,7 +6,9 @@ Per level: a twin to the end, then `--kills` runs, each killed once at a step dr
 its first snapshot past bootstrap plus a fraction of the twin's median step, resumed with
 `--resume latest`, checked with `rolloutdb verify` and reported by `rolloutdb trace RUN
 --baseline TWIN --json` (kept_per_stop, kept_by_attempt). Printed per level: decoded,
-kept and redone tokens, kept / decoded, and the thrown-away time per abandoned attempt.
+kept and redone tokens, kept / decoded, the thrown-away time per abandoned attempt, and
+the tokens decoded by the cut and not kept: per traced reason, and without a reason (prefix
+level; it must be 0).
 
     python bench/bench_prefix_kept.py --kills 4 --steps 20
     python bench/bench_prefix_kept.py --quick          # 8 steps, 1 kill per level
@@ -66,7 +68,7 @@ def level_figures(root: Path, level: str, args, rng: random.Random) -> dict:
     t0 = time.monotonic()
     finish(train(twin, level, args.steps), twin, args.timeout)
     step_s = (time.monotonic() - t0) / max(1, args.steps)
-    stops, attempts, checks = [], [], []
+    stops, attempts, checks, fell = [], [], [], {}
     for i in range(args.kills):
         run = root / f"{level}_run{i}"
         if not kill_once(run, level, args.steps, rng, step_s, args.timeout):
@@ -77,6 +79,8 @@ def level_figures(root: Path, level: str, args, rng: random.Random) -> dict:
         report = trace(run, twin)
         stops += report["kept_per_stop"]
         attempts += report["kept_by_attempt"]
+        for f in report["fallbacks_per_stop"]:
+            fell[f["reason"]] = fell.get(f["reason"], 0) + int(f["tokens"])
         if not args.keep:
             shutil.rmtree(run, ignore_errors=True)
     decoded = sum(int(s["decoded_tokens"]) for s in stops)
@@ -87,6 +91,11 @@ def level_figures(root: Path, level: str, args, rng: random.Random) -> dict:
             "redone_tokens": sum(int(s["redone_tokens"]) for s in stops),
             "turns_kept": sum(int(s["turns_kept"]) for s in stops),
             "decoded_by_cut": by_cut, "kept_share": kept / decoded if decoded else None,
+            # Tokens decoded by the cut and not kept: with a traced reason (per reason),
+            # and without one (None at turn level, where no cut reads the running calls).
+            "fallback_tokens": fell,
+            "unexplained_tokens": sum(int(s["unexplained_tokens"]) for s in stops
+                                      if s["unexplained_tokens"] is not None) if level == "prefix" else None,
             "kept_of_by_cut": kept / by_cut if by_cut else None,
             "thrown_away_s_mean": statistics.mean(thrown) if thrown else None,
             "thrown_away_s_max": max(thrown) if thrown else None,
@@ -122,7 +131,8 @@ def main() -> int:
         thrown = "-" if f["thrown_away_s_mean"] is None else f"{f['thrown_away_s_mean']:.3f} s mean, {f['thrown_away_s_max']:.3f} s max"
         say(f"{level:6s}: {f['stops']} stops, {f['attempts']} attempts running; decoded {f['decoded_tokens']}, kept "
             f"{f['kept_tokens']} ({share}; {of_cut} of the {f['decoded_by_cut']} decoded by the cut), redone {f['redone_tokens']}, turns kept {f['turns_kept']}; thrown away "
-            f"{thrown} per attempt; verify {f['verify']}")
+            f"{thrown} per attempt; not kept with a reason {f['fallback_tokens'] or 0}, without one "
+            f"{'-' if f['unexplained_tokens'] is None else f['unexplained_tokens']}; verify {f['verify']}")
     if args.json:
         write_json(args.json, {"args": vars(args), "levels": figures})
     return 0

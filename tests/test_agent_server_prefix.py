@@ -286,7 +286,7 @@ def saved_agents(snapshot_db: Path) -> dict[tuple[int, int, int], tuple[int, int
 def _kill_when_the_cut_holds_all_three(run_dir: Path, proc: subprocess.Popen, keep: Path) -> dict | None:
     """Freeze the controller until the snapshot a resume would restore holds a prefix of an
     `agents` call and an exported agent past its first turn, and its trace holds a fallback
-    of a `restarts` call at that cut; copy that snapshot's file; SIGKILL the servers and the
+    of a `restarts` call at that cut and the snapshot's `snapshot_cut`; copy that snapshot's file; SIGKILL the servers and the
     controller together."""
     def look() -> dict | None:
         newest = newest_usable_snapshot(run_dir / "checkpoints")
@@ -303,6 +303,10 @@ def _kill_when_the_cut_holds_all_three(run_dir: Path, proc: subprocess.Popen, ke
         fallbacks = read_sql(run_dir / TRACE, "SELECT attempt_id, turn, reason FROM call_fallback WHERE abs(t - ?) < 1e-6",
                              (cut_time,))
         if not any(reason == RESTART_ONLY for _, _, reason in fallbacks):
+            return None
+        # The cut's calls are in the trace before its snapshot is published, its
+        # snapshot_cut (what test_trace_emitted matches a restore to) only after.
+        if not read_sql(run_dir / TRACE, "SELECT 1 FROM snapshot_cut WHERE snapshot_seq = ?", (newest[0],)):
             return None
         shutil.copyfile(snap / "rollout_state.sqlite", keep)
         # Named before the kill: their command lines name this controller while it lives.

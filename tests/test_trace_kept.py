@@ -19,8 +19,10 @@ stopped twice.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
+import sqlite3
 
 import pytest
 
@@ -104,11 +106,13 @@ def write_turn_run_c(path) -> Tracer:
 #     35 att 1 was itself restored with: kept 47 - 35 = 12, redone 8; last committed turn
 #     2; thrown away 205 - max(203, 204.5) = 0.5.
 #   gen 1 att 1: decoded 9, kept 9, redone 0; turn 0 committed at 204.75: 0.25.
+# At turn level the cut reads no call: no fallback, and unexplained_tokens is empty (a
+# finished call whose turn missed the cut is lost by design there).
 BY_ATTEMPT = [
-    (1, 10, 0, 0, 1, 47, 35, 35, 12, 2, 1, 1.5),
-    (1, 10, 1, 0, 1, 9, 9, 0, 9, 0, None, 4.5),
-    (2, 10, 0, 1, 1, 20, 12, 12, 8, 3, 2, 0.5),
-    (2, 10, 1, 1, 1, 9, 9, 9, 0, 1, 0, 0.25),
+    (1, 10, 0, 0, 1, 47, 35, 35, 0, None, 12, 2, 1, 1.5),
+    (1, 10, 1, 0, 1, 9, 9, 0, 0, None, 9, 0, None, 4.5),
+    (2, 10, 0, 1, 1, 20, 12, 12, 0, None, 8, 3, 2, 0.5),
+    (2, 10, 1, 1, 1, 9, 9, 9, 0, None, 0, 1, 0, 0.25),
 ]
 # Per stop (stop, cut_time, attempts, decoded, kept, redone, turns kept, thrown away):
 #   stop 1: 2 attempts, 47 + 9 = 56, 35 + 0 = 35, 12 + 9 = 21, 2 + 0 turns, 1.5 + 4.5 = 6.0
@@ -192,7 +196,7 @@ def test_a_group_level_run_keeps_nothing_and_its_thrown_away_time_is_unchanged(t
         (20, 0, 0, 4.0), (20, 1, 0, 3.5), (30, 0, 0, 3.0), (30, 1, 1, 2.0)]
     assert all(r["committed_at"] is None and r["thrown_away_s"] == r["cut_time"] - r["dispatched_at"] for r in thrown)
     # Decoded: 6 (prompt 20 gen 0) + 5 (prompt 30 gen 0); nothing kept, all redone.
-    assert [(r[1], r[2], r[3], r[5], r[7], r[8], r[9], r[10]) for r in by_attempt] == [
+    assert [(r[1], r[2], r[3], r[5], r[7], r[10], r[11], r[12]) for r in by_attempt] == [
         (20, 0, 0, 6, 0, 6, 0, None), (20, 1, 0, 0, 0, 0, 0, None), (30, 0, 0, 5, 0, 5, 0, None),
         (30, 1, 1, 0, 0, 0, 0, None)]
     assert [(r["attempts_running"], r["decoded_tokens"], r["kept_tokens"], r["redone_tokens"], r["turns_kept"],
@@ -205,12 +209,12 @@ def test_rolloutdb_trace_prints_what_each_stop_kept_and_writes_it_as_csv_json_an
     printed = capsys.readouterr().out
     section = printed.split("What each stop kept\n", 1)[1].split("\n\n", 1)[0].splitlines()
     assert section[0].split() == ["stop_no", "stopped_run", "resumed_run", "cut_time", "attempts_running",
-                                  "decoded_tokens", "decoded_by_cut", "kept_tokens", "redone_tokens", "turns_kept",
-                                  "thrown_away_s"]
+                                  "decoded_tokens", "decoded_by_cut", "kept_tokens", "fallback_tokens",
+                                  "unexplained_tokens", "redone_tokens", "turns_kept", "thrown_away_s"]
     # decoded by the cut: 35 + 9 at stop 1, 12 + 9 at stop 2 (BY_ATTEMPT above)
     assert [line.split()[3:] for line in section[1:]] == [
-        ["1970-01-01T00:01:46Z", "2", "56", "44", "35", "21", "2", "6.000"],
-        ["1970-01-01T00:03:25Z", "2", "29", "21", "21", "8", "4", "0.750"]]
+        ["1970-01-01T00:01:46Z", "2", "56", "44", "35", "0", "-", "21", "2", "6.000"],
+        ["1970-01-01T00:03:25Z", "2", "29", "21", "21", "0", "-", "8", "4", "0.750"]]
     plots = run_dir / "plots"
     with open(plots / "kept_per_stop.csv", newline="") as f:
         got = [(r["stop_no"], r["decoded_tokens"], r["kept_tokens"], r["redone_tokens"]) for r in csv.DictReader(f)]
@@ -280,3 +284,82 @@ def test_a_call_the_cut_saved_whole_before_its_commit_counts_once_as_decoded_and
     #   prefix, redone 9 - 4 = 5.
     assert [(r["generation_index"], r["decoded_tokens"], r["decoded_by_cut"], r["kept_tokens"], r["redone_tokens"])
             for r in rows] == [(0, 16, 16, 16, 0), (1, 9, 4, 4, 5)]
+
+
+def write_prefix_accounting_job(path, *, decoded_at: float | None = 105.9, fallback: bool = True) -> None:
+    """Prefix level, one stop, the cut read the running calls at 105.9 (`decoded_at`)
+    and took its ledger read at 106. Run A, killed at 110:
+      gen 0 attempt 0: its turn-0 call runs at the read with 3 tokens (call_cut 3) and
+        finishes at 105.95, between the read and the cut, with 7: the cut keeps the 3 it
+        read, the 4 after the read were not the cut's;
+      gen 1 attempt 0: its turn-1 call runs at the read with 5 tokens, but its turn 0
+        (8 tokens, finished at 103) was not committed by the cut: the cut leaves it out,
+        with a reason (call_fallback turn_not_committed, 5 tokens; `fallback`).
+    Run B restores the cut: gen 0 continues from its 3-token prefix, gen 1 from turn 0."""
+    tr = Tracer(path, clock=lambda: 100.0)
+    e = tr.emit
+    e("group_reserved", t=100, group_id=1, prompt_id=10, step=1, policy_version=0, group_size=2)
+    e("attempt_dispatched", t=101, **_attempt(10, 0, 0))
+    e("attempt_dispatched", t=101, **_attempt(10, 1, 0))
+    e("call_finished", t=103, turn=0, tokens=8, finish_reason="stop", **_attempt(10, 1, 0))
+    e("call_finished", t=105.95, turn=0, tokens=7, finish_reason="stop", **_attempt(10, 0, 0))
+    e("snapshot_cut", t=106.2, cut_time=106, decoded_at=decoded_at, snapshot_seq=1, anchor="bootstrap")
+    e("call_cut", t=106, step=1, tokens=3, **_attempt(10, 0, 0))
+    if fallback:
+        e("call_fallback", t=106, attempt_id=2, turn=1, reason="turn_not_committed", step=1, tokens=5,
+          **_attempt(10, 1, 0))
+    e("group_reserved", t=110, group_id=2, prompt_id=20, step=2, policy_version=0, group_size=2)
+    tr.close()
+    tr = Tracer(path, clock=lambda: 200.0)
+    e = tr.emit
+    e("attempt_abandoned", t=201, reason="restart", **_attempt(10, 0, 0))
+    e("attempt_abandoned", t=201, reason="restart", **_attempt(10, 1, 0))
+    e("restore_done", t=202, snapshot_seq=1, cut_time=106, decoded_at=decoded_at, anchor="bootstrap",
+      groups_restored=1)
+    e("attempt_dispatched", t=203, prefix_tokens=3, **_attempt(10, 0, 1))
+    e("attempt_dispatched", t=203, **_attempt(10, 1, 1))
+    e("episode_restored", t=203, from_attempt=0, turn=1, tokens=8, total_tokens=12, **_attempt(10, 1, 1))
+    tr.close()
+
+
+def _accounting(path) -> list[tuple]:
+    with TraceAnalysis([path]) as a:
+        rows = a.query("kept_by_attempt").as_dicts()
+        stop = a.query("kept_per_stop").as_dicts()
+        fell = a.query("fallbacks_per_stop").as_dicts()
+    return ([(r["generation_index"], r["decoded_by_cut"], r["kept_tokens"], r["fallback_tokens"],
+              r["unexplained_tokens"]) for r in rows],
+            [(r["decoded_by_cut"], r["kept_tokens"], r["fallback_tokens"], r["unexplained_tokens"]) for r in stop],
+            [(r["reason"], r["calls"], r["tokens"]) for r in fell])
+
+
+def test_every_token_a_prefix_cut_decoded_is_kept_or_has_a_reason(tmp_path):
+    path = tmp_path / TRACE_FILENAME
+    write_prefix_accounting_job(path)
+    # gen 0: decoded by the read 3 (its call finished after it), kept 3.
+    # gen 1: decoded by the read 8 (turn 0) + 5 (the call left out), kept 8, 5 with a reason.
+    assert _accounting(path) == ([(0, 3, 3, 0, 0), (1, 13, 8, 5, 0)], [(16, 11, 5, 0)],
+                                 [("turn_not_committed", 1, 5)])
+
+
+def test_a_token_the_cut_decoded_and_left_without_a_reason_is_reported_unexplained(tmp_path):
+    # Planted: the resumed run lost gen 1's committed turn 0 (8 tokens decoded by the cut,
+    # no episode_restored for them, no fallback): those 8 are reported, per attempt and stop.
+    path = tmp_path / TRACE_FILENAME
+    write_prefix_accounting_job(path, fallback=False)
+    with contextlib.closing(sqlite3.connect(path)) as conn, conn:
+        conn.execute("DELETE FROM episode_restored")
+    by_attempt, per_stop, fell = _accounting(path)
+    assert by_attempt == [(0, 3, 3, 0, 0), (1, 8, 0, 0, 8)]
+    assert per_stop == [(11, 3, 0, 8)] and fell == []
+
+
+def test_measured_against_the_cuts_time_instead_of_its_read_a_call_finished_in_between_looks_lost(tmp_path):
+    # The decode point matters: with the read's time unknown (a trace before trace_v1_4_a,
+    # or below prefix level) the analysis counts gen 0's whole 7-token call as decoded by
+    # the cut and reports nothing as unexplained (it cannot tell).
+    path = tmp_path / TRACE_FILENAME
+    write_prefix_accounting_job(path, decoded_at=None)
+    by_attempt, per_stop, _ = _accounting(path)
+    assert by_attempt == [(0, 7, 3, 0, None), (1, 13, 8, 5, None)]
+    assert per_stop == [(20, 11, 5, None)]

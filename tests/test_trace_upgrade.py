@@ -1,8 +1,9 @@
 """A trace written at revision trace_v1_0_a (one `events` table) is still read: the
 analysis upgrades a copy and gives the same figures, and a new run appending to it
 upgrades the file in place. A trace at trace_v1_1_a (before the turn events) upgrades to
-trace_v1_2_a with every row kept, and one at trace_v1_2_a (before `call_fallback`) to
-trace_v1_3_a.
+trace_v1_2_a with every row kept, one at trace_v1_2_a (before `call_fallback`) to
+trace_v1_3_a, and one at trace_v1_3_a (before the cut's decode point and the fallbacks'
+tokens) to trace_v1_4_a.
 
 The trace_v1_0_a file is the hand-built job of test_trace_analysis, written at head and
 taken down to trace_v1_0_a by the real migrations (Alembic downgrade), then checked to
@@ -36,9 +37,11 @@ from test_trace_analysis import write_baseline, write_run_a, write_run_b
 V1_0_A = importlib.import_module("rolloutdb.migrations.trace.versions.trace_v1_0_a_events")
 V1_1_A = importlib.import_module("rolloutdb.migrations.trace.versions.trace_v1_1_a_event_tables")
 V1_2_A = importlib.import_module("rolloutdb.migrations.trace.versions.trace_v1_2_a_turn_events")
+V1_3_A = importlib.import_module("rolloutdb.migrations.trace.versions.trace_v1_3_a_call_fallback")
+V1_4_A = importlib.import_module("rolloutdb.migrations.trace.versions.trace_v1_4_a_cut_accounting")
 NEW_AT_V1_2_A = ("call_finished", "turn_committed", "episode_restored")
 NEW_AT_V1_3_A = ("call_fallback",)
-HEAD = "trace_v1_3_a"
+HEAD = "trace_v1_4_a"
 
 
 def rows(path, sql):
@@ -65,6 +68,27 @@ def downgrade_to(path, revision: str, tables) -> None:
             assert diff == [], diff
     finally:
         engine.dispose()
+
+
+def upgrade_to(path, revision: str) -> None:
+    """Bring the trace at `path` up to `revision` (not further) with the real migrations."""
+    engine = create_engine(f"sqlite:///{path}", poolclass=NullPool)
+    try:
+        with engine.begin() as conn:
+            cfg = trace_alembic_config()
+            cfg.attributes["connection"] = conn
+            command.upgrade(cfg, revision)
+    finally:
+        engine.dispose()
+
+
+def v1_3_a_tables():
+    """Every table at trace_v1_3_a: trace_v1_2_a's and `call_fallback`."""
+    m = v1_2_a_tables()
+    for table in V1_3_A._tables().sorted_tables:
+        if table.name != "runs":
+            table.to_metadata(m)
+    return m
 
 
 def v1_2_a_tables():
@@ -140,9 +164,9 @@ def test_a_trace_v1_1_a_file_upgrades_to_trace_v1_2_a_with_every_row_kept(tmp_pa
     assert sum(len(v) for k, v in before.items() if k != "events") > 53 and len(before["events"]) == 53
     assert not set(NEW_AT_V1_2_A) & set(before)
 
-    run_trace_migrations(run)
+    upgrade_to(run, "trace_v1_3_a")  # trace_v1_4_a appends columns to old tables: its own test
 
-    assert rows(run, "SELECT version_num FROM alembic_version") == [(HEAD,)]
+    assert rows(run, "SELECT version_num FROM alembic_version") == [("trace_v1_3_a",)]
     after = _every_row(run)
     # Every old table and the `events` view hold exactly what they held; the new tables are empty.
     new = NEW_AT_V1_2_A + NEW_AT_V1_3_A
@@ -187,17 +211,18 @@ def test_a_trace_v1_2_a_file_upgrades_to_trace_v1_3_a_with_every_row_kept_and_sh
     before = _every_row(run)
     assert "call_fallback" not in before and len(before["events"]) == 53
 
-    run_trace_migrations(run)
+    upgrade_to(run, "trace_v1_3_a")
 
-    assert rows(run, "SELECT version_num FROM alembic_version") == [(HEAD,)]
+    assert rows(run, "SELECT version_num FROM alembic_version") == [("trace_v1_3_a",)]
     after = _every_row(run)
     assert {k: v for k, v in after.items() if k != "call_fallback"} == before
     assert after["call_fallback"] == []
     assert rows(run, "PRAGMA foreign_key_check") == []
-    with Tracer(run) as again:
-        again.emit("call_fallback", t=600.0, attempt_id=17, turn=2, reason="restart_only_server:restarts")
+    with contextlib.closing(sqlite3.connect(run)) as conn, conn:
+        conn.execute("INSERT INTO runs VALUES (9, 'r9', 1, 'h', 600.0, 600.0, 60)")
+        conn.execute("INSERT INTO call_fallback VALUES (60, 600.0, 9, 17, 2, 'restart_only_server:restarts')")
     (view,) = rows(run, "SELECT run_id, event, reason, fields FROM events WHERE event = 'call_fallback'")
-    assert view[:3] == (again.run_id, "call_fallback", "restart_only_server:restarts")
+    assert view[:3] == ("r9", "call_fallback", "restart_only_server:restarts")
     assert json.loads(view[3]) == {"attempt_id": 17, "turn": 2}
 
 
@@ -209,3 +234,58 @@ def test_a_trace_holding_a_call_fallback_refuses_the_downgrade_to_trace_v1_2_a_a
         downgrade_to(path, "trace_v1_2_a", v1_2_a_tables())
     assert rows(path, "SELECT version_num FROM alembic_version") == [(HEAD,)]
     assert rows(path, "SELECT attempt_id, turn, reason FROM call_fallback") == [(3, 0, "restart_only_server:restarts")]
+
+
+def _old_columns(path) -> dict[str, list]:
+    """Every row of every table and view as trace_v1_3_a had them: the columns
+    trace_v1_4_a appends left out, the `events` view's JSON without their keys."""
+    new = {t: {c for c, _ in cols} for t, cols in V1_4_A.NEW_COLUMNS.items()}
+    out = {}
+    for name, table_rows in _every_row(path).items():
+        if name == "events":
+            out[name] = sorted(((*r[:-1], json.dumps({k: v for k, v in json.loads(r[-1]).items()
+                                                        if k not in new.get(r[3], ())}, sort_keys=True)
+                                 if r[-1] is not None else None) for r in table_rows), key=repr)
+            continue
+        cols = [c for (_, c, *_rest) in rows(path, f"PRAGMA table_info({name})")]
+        keep = [i for i, c in enumerate(cols) if c not in new.get(name, ())]
+        out[name] = sorted((tuple(r[i] for i in keep) for r in table_rows), key=repr)
+    return out
+
+
+def test_a_trace_v1_3_a_file_upgrades_to_trace_v1_4_a_with_every_row_kept_and_the_new_columns_empty(tmp_path):
+    run, _ = _job(tmp_path, "v1_3_a")
+    with Tracer(run) as tr:  # at head: a fallback with no value in trace_v1_4_a's columns
+        tr.emit("call_fallback", t=600.0, attempt_id=17, turn=2, reason="turn_not_committed")
+    downgrade_to(run, "trace_v1_3_a", v1_3_a_tables())
+    before = _old_columns(run)
+    assert len(before["call_fallback"]) == 1
+
+    run_trace_migrations(run)
+
+    assert rows(run, "SELECT version_num FROM alembic_version") == [(HEAD,)]
+    assert _old_columns(run) == before
+    for table, cols in V1_4_A.NEW_COLUMNS.items():
+        assert rows(run, f"SELECT count(*) FROM {table} WHERE " + " OR ".join(f"{c} IS NOT NULL" for c, _ in cols)) \
+            == [(0,)], table
+    assert rows(run, "PRAGMA foreign_key_check") == []
+    # A new run's fallback carries its attempt and cost, and the `events` view shows them.
+    with Tracer(run) as again:
+        again.emit("call_fallback", t=700.0, attempt_id=18, turn=1, reason="turn_not_committed", group_id=4,
+                   prompt_id=40, generation_index=1, attempt=0, step=3, policy_version=3, tokens=12)
+    (view,) = rows(run, "SELECT prompt_id, generation_index, attempt, fields FROM events "
+                        "WHERE event = 'call_fallback' AND t = 700.0")
+    assert view[:3] == (40, 1, 0)
+    assert json.loads(view[3]) == {"attempt_id": 18, "turn": 1, "tokens": 12}
+
+
+def test_a_trace_holding_a_fallbacks_tokens_refuses_the_downgrade_to_trace_v1_3_a_and_keeps_them(tmp_path):
+    path = tmp_path / TRACE_FILENAME
+    with Tracer(path) as tr:
+        tr.emit("call_fallback", attempt_id=3, turn=0, reason="turn_not_committed", tokens=9)
+        tr.emit("restore_done", step=1, policy_version=1, cut_time=5.0, decoded_at=4.9)
+    with pytest.raises(RuntimeError, match=r"trace_v1_3_a has no column for \(\{'restore_done': 1, 'call_fallback': 1\}\)"):
+        downgrade_to(path, "trace_v1_3_a", v1_3_a_tables())
+    assert rows(path, "SELECT version_num FROM alembic_version") == [(HEAD,)]
+    assert rows(path, "SELECT tokens FROM call_fallback") == [(9,)]
+    assert rows(path, "SELECT decoded_at FROM restore_done") == [(4.9,)]

@@ -10,6 +10,7 @@ import bisect
 import dataclasses
 import re
 import sqlite3
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -17,6 +18,11 @@ from rolloutdb.config import EnvironmentServerSection
 from rolloutdb.gpu_capture.protocol import PrefixCapture, RunningCall
 from rolloutdb.controller.recovery.prefix_chunks import CutChunks, PrefixChunks, SavedCall
 from rolloutdb.store import EpisodeProgress, pools, queries
+
+
+# The `call_fallback` reason of a saved call's tail decoded by weights newer than the
+# cut's trainer step: the call continues from the tokens before it.
+NEWER_POLICY_VERSION = "newer_policy_version"
 
 
 class ExportMismatch(RuntimeError):
@@ -31,6 +37,10 @@ class EngineRead:
     calls: dict[str, RunningCall]
     hold_s: float  # how long the read held the engine's output step
     decoded: int  # the engine's decode count at the read
+    # Wall-clock time of the engine read: the cut's decode point. What a call decoded
+    # after it is not the cut's to keep; the snapshot's manifest and the trace's
+    # `restore_done` carry it so `rolloutdb trace` counts "decoded by the cut" up to here.
+    decoded_at: float = 0.0
 
 
 def up_to_version(call: RunningCall, version: int) -> RunningCall:
@@ -70,6 +80,14 @@ def into_copy(out: sqlite3.Connection, at: AtCut) -> dict[str, int]:
 # call (`<group>.<generation>-a<attempt>-t<turn>`, no `g`: the policy endpoint's `<key>-t<turn>`).
 _IN_PROCESS_CALL = re.compile(r"^g([0-9]+)\.([0-9]+)-a([0-9]+)-t([0-9]+)$")
 _AGENT_CALL = re.compile(r"^([0-9]+)\.([0-9]+)-a([0-9]+)-t([0-9]+)$")
+
+
+def _fallback(who: dict, turn: int, call: RunningCall, reason: str, tokens: int | None = None) -> dict:
+    """A `call_fallback` event: the call's attempt (`who`), its turn, why the cut did not
+    keep it, and how many of its tokens (all it had at the read, or `tokens`) that cost."""
+    return {**who, "turn": turn, "reason": reason,
+            "policy_version": call.token_versions[-1] if call.token_versions else None,
+            "tokens": call.end if tokens is None else tokens}
 
 
 @dataclass
@@ -141,8 +159,9 @@ class CutContents:
         start, having decoded nothing the cut owed. Tokens decoded after the read are
         not "decoded by the cut" and are not saved; nor is any token of a policy
         version newer than the cut's trainer step (`prefixes_at_cut`)."""
+        decoded_at = time.time()
         calls = dict(engine.running_calls(since))  # ours to extend: the engine's answer stays as it gave it
-        read = EngineRead(calls, engine.cut_hold_s, engine.decoded_rows)
+        read = EngineRead(calls, engine.cut_hold_s, engine.decoded_rows, decoded_at)
         if self.uncommitted_calls is not None:
             # A call in both (it finished between the two reads) is kept whole, from the
             # pump: the longer of the two, and a finished call resumes to its end at once.
@@ -159,12 +178,15 @@ class CutContents:
         episode is at the call's turn (a call whose previous turn is not yet committed
         at the cut would resume into the wrong turn: it restarts its turn). An agent
         server's call is matched the same way against the export checked at this cut
-        (`at.episodes`), by its server's mode (`_agent_call`). A call that cannot be
-        saved is a `call_fallback` of the trace, with its reason. No token of a policy
-        version newer than `version` (the cut's trainer step) is saved: the anchor's
-        weights did not decode it, so a resume could not continue from it (versions only
-        grow along a call, so that is a truncation). `durable`: what earlier snapshots
-        made durable of each call, which a call read from an offset continues."""
+        (`at.episodes`), by its server's mode (`_agent_call`). A call of a turn the cut
+        has committed has nothing left to save. Every other token read and not kept is
+        a `call_fallback` of the trace with its reason and count (`rolloutdb trace`
+        reports the tokens decoded by the cut that were neither kept nor given a reason:
+        none, unless this accounting is wrong). No token of a policy version newer than
+        `version` (the cut's trainer step) is saved: the anchor's weights did not decode
+        it, so a resume could not continue from it (versions only grow along a call, so
+        that is a truncation, traced as NEWER_POLICY_VERSION). `durable`: what earlier
+        snapshots made durable of each call, which a call read from an offset continues."""
         at.hold_s = read.hold_s  # the output step's wait, not ours for the step in progress
         at.decoded = read.decoded
         calls = read.calls
@@ -190,32 +212,44 @@ class CutContents:
         prompts = queries.group_prompts(conn, (int(k.split(".", 1)[0]) for k in running))
         for key, attempt_id in sorted(running.items()):
             by_turn = wanted[key]
-            turn = turns.get(attempt_id, 0) if key not in remote and turns.get(attempt_id, 0) in by_turn else max(by_turn)
-            rid, call = by_turn[turn]
             rollout, attempt = key.rsplit("-a", 1)
             group, generation = (int(x) for x in rollout.split(".", 1))
             prompt_id, step = prompts.get(group, (None, None))
+            who = {"attempt_id": attempt_id, "group_id": group, "prompt_id": prompt_id, "generation_index": generation,
+                   "attempt": int(attempt), "step": step}
+            if key in remote:
+                turn = max(by_turn)
+            else:
+                turn = turns.get(attempt_id, 0)  # the saved episode's turn: the call it continues
+                for later in sorted(t for t in by_turn if t > turn):
+                    # A turn before it was not committed by the cut (the pump's flush after
+                    # the read commits it unless the flush timed out): it restarts from `turn`.
+                    at.fallbacks.append(_fallback(who, later, by_turn[later][1], "turn_not_committed"))
+                if turn not in by_turn:
+                    continue  # any earlier call's turn is committed at the cut, whole: nothing more to save
+            rid, call = by_turn[turn]
             if call.cut_refused:  # the engine could not continue it exactly (cut_support): its turn restarts
                 reason = call.cut_refused
             elif key in remote:
                 reason = self._agent_call(servers, prompt_id, attempt_id, turn, exported)
             else:
-                reason = None if turns.get(attempt_id, 0) == turn else "turn_not_committed"
+                reason = None
             if reason is not None:
-                at.fallbacks.append({"attempt_id": attempt_id, "turn": turn, "reason": reason})
+                at.fallbacks.append(_fallback(who, turn, call, reason))
                 continue
-            call = up_to_version(call, version)
+            kept = up_to_version(call, version)
+            if kept.end < call.end:  # decoded by weights newer than the anchor's: decoded again after a stop
+                at.fallbacks.append(_fallback(who, turn, call, NEWER_POLICY_VERSION, call.end - kept.end))
+            call = kept
             if not call.end:
                 continue  # nothing decoded yet: nothing to keep, nothing lost
             if not durable.can_continue(rid, attempt_id, call):  # not reached: the offsets asked were durable's
-                at.fallbacks.append({"attempt_id": attempt_id, "turn": turn, "reason": "prefix_offset_unknown"})
+                at.fallbacks.append(_fallback(who, turn, call, "prefix_offset_unknown"))
                 continue
             at.prefixes.append(SavedCall(rid, attempt_id, turn, call))
-            at.cut_calls.append({"group_id": group, "prompt_id": prompt_id, "generation_index": generation,
-                                 "attempt": int(attempt), "step": step,
-                                 "policy_version": call.token_versions[-1] if call.token_versions
-                                 else durable.last_version(rid),
-                                 "tokens": call.end})
+            version_at_end = call.token_versions[-1] if call.token_versions else durable.last_version(rid)
+            at.cut_calls.append({k: v for k, v in who.items() if k != "attempt_id"}
+                                | {"policy_version": version_at_end, "tokens": call.end})
 
     @staticmethod
     def _agent_call(servers: Sequence[EnvironmentServerSection], prompt_id: int | None, attempt_id: int, turn: int,

@@ -328,6 +328,7 @@ def announce(done: Restored, *, metrics: RunMetrics, tracer: Tracer | NullTracer
         step=done.step,
         policy_version=done.policy_version,
         cut_time=plan.cut_time,
+        decoded_at=plan.decoded_at,
         snapshot_seq=plan.sequence,
         anchor=plan.anchor,
         snapshot=str(plan.snapshot_dir),

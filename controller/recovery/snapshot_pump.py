@@ -16,11 +16,12 @@ An attempt, in order:
    the attempt, never the run; abort if an optimizer commit starts meanwhile
    (`aborted_commit`);
 4. the cut: at prefix level read the running calls first (no lock of ours held), then
-   take the commit lock without waiting, begin the read transaction, re-check the
-   trainer has not moved, release the commit lock; then check the environment's export
-   against the ledger as of the cut, match the calls to it, and copy the store as of
-   that cut (the checked export goes into the copy's `env_episodes`: the snapshot's own
-   file; cut_contents.py has what a cut adds to the copy; `_cut` the order and why).
+   flush the rollout pump (what finished is committed now), take the commit lock
+   without waiting, begin the read transaction, re-check the trainer has not moved,
+   release the commit lock; then check the environment's export against the ledger as
+   of the cut, match the calls to it, and copy the store as of that cut (the checked
+   export goes into the copy's `env_episodes`: the snapshot's own file; cut_contents.py
+   has what a cut adds to the copy; `_cut` the order and why).
    The pumps are never stopped: the only exclusive hold is the commit lock, for the
    time it takes to begin a read transaction and read the trainer's step;
 5. leave the environment phase (resume) before any fsync;
@@ -71,6 +72,10 @@ log = logging.getLogger("rolloutdb.controller")
 # How long a snapshot waits for the rollout pump to commit what finished before its cut
 # (turn and prefix level); past it the cut goes ahead without (one loop turn is ~ms).
 FLUSH_WAIT_S = 0.1
+
+# How long a cut waits for the trace to commit its calls' events (and every event before
+# them) before the snapshot is published; past it, it is published all the same.
+TRACE_WAIT_S = 2.0
 
 # How long the train pump waits for the cut of the snapshot anchored to a new trainer
 # checkpoint before it gives the wait up (`anchor_new_checkpoint`).
@@ -439,12 +444,8 @@ class SnapshotPump:
         return None
 
     def _flush_and_cut(self, a: _Attempt) -> AttemptResult | _Cut:
-        """Step 4: what finished goes into the cut, then the copy as of the cut, unless an
-        optimizer commit started since the anchor was resolved."""
-        if self.flush_rollouts is not None:
-            t_flush = time.perf_counter()
-            self.flush_rollouts(FLUSH_WAIT_S)  # what finished before the cut goes into it
-            a.timings["flush"] = time.perf_counter() - t_flush
+        """Step 4: the copy as of the cut (`_cut`, which flushes the rollout pump first),
+        unless an optimizer commit started since the anchor was resolved."""
         if self.p.runtime.commit_lock.locked() or self.p.read_progress().step != a.step:
             return a.ended("aborted_commit")
         try:
@@ -452,13 +453,29 @@ class SnapshotPump:
         except PublishError as e:  # a full disk, a failed deferred publish: an outcome, like a failed publish
             return a.ended("failed", f"{type(e).__name__}: {e}")
         try:
-            return _Cut(stage, self._cut(stage.db_path, a.step, a.contents))
+            cut = _Cut(stage, self._cut(stage.db_path, a.step, a.contents, a.timings))
         except AbortedCommit:
             stage.abort()
             return a.ended("aborted_commit")
         except BaseException as e:
             stage.abort()  # the number is used up all the same: the row names it
             return AttemptResult("failed", a.anchor, stage.sequence, a.timings, f"{type(e).__name__}: {e}")
+        self._trace_cut(cut.capture)
+        return cut
+
+    def _trace_cut(self, capture: Capture) -> None:
+        """The cut's `call_cut` and `call_fallback` events, committed to the trace before
+        the snapshot can be published, with everything emitted before them (the calls
+        finished by the cut's read among them): a stop right after the publication then
+        loses none of what `rolloutdb trace` needs to account for the cut's tokens. A cut
+        that is never published is never restored, and the analysis reads these events
+        only at a restored cut's time."""
+        at: AtCut = capture.check_result
+        if not self.trace.enabled or (not at.cut_calls and not at.fallbacks):
+            return
+        self.trace.cut(at.cut_calls, capture.cut_time)
+        self.trace.fallback(at.fallbacks, capture.cut_time)
+        self.trace.flush(TRACE_WAIT_S)
 
     def _hold(self, a: _Attempt, cut: _Cut) -> AttemptResult:
         """Step 6 deferred: the cut waits for its checkpoint (`publish_held`)."""
@@ -482,38 +499,45 @@ class SnapshotPump:
 
     def _account_published(self, capture: Capture, published: Published, anchor: str | None, step: int) -> None:
         """What a published cut changes: the next attempt's skip check, and the trace's
-        `snapshot_cut` with its calls' `call_cut` and `call_fallback` events."""
+        `snapshot_cut` (its calls' events are in the trace already: `_trace_cut`)."""
         at: AtCut = capture.check_result
         self._last_counter = capture.mutation_counter
         self._last_decoded = at.decoded
         if at.chunks is not None:
             self.chunks.published(at.chunks)
         self.trace.snapshot_cut(cut_time=capture.cut_time, snapshot_seq=published.sequence, anchor=anchor, step=step,
-                                snapshot=str(published.path), group_states=capture.group_states)
-        self.trace.cut(at.cut_calls, capture.cut_time)
-        self.trace.fallback(at.fallbacks, capture.cut_time)
+                                snapshot=str(published.path), group_states=capture.group_states,
+                                decoded_at=capture.decoded_at)
 
-    def _cut(self, db_path: Path, step: int, contents: CutContents) -> Capture:
-        """Capture at a cut, in this order (the commit lock is held for steps 2-4 only,
+    def _cut(self, db_path: Path, step: int, contents: CutContents, timings: dict[str, float]) -> Capture:
+        """Capture at a cut, in this order (the commit lock is held for steps 3-5 only,
         so its hold is independent of how many calls run and how long they are):
 
         1. at prefix level, read the running calls (`CutContents.read_engine`: the
            engine, then the rollout pump's uncommitted calls), with no lock of ours held;
-        2. take the commit lock without waiting (an optimizer commit in progress: abort);
-        3. begin the read transaction: its first read is the cut;
-        4. check the trainer is still at `step`, and release the commit lock;
-        5. as of the cut: check the environment's export against the ledger, and match
+        2. flush the rollout pump: what finished so far is committed now, not at the end
+           of its window. After the read: the turn a call read in step 1 follows was
+           applied before the read, so this commits it, and the call is saved at its
+           turn instead of restarting it (`turn_not_committed`);
+        3. take the commit lock without waiting (an optimizer commit in progress: abort);
+        4. begin the read transaction: its first read is the cut;
+        5. check the trainer is still at `step`, and release the commit lock;
+        6. as of the cut: check the environment's export against the ledger, and match
            the calls read in step 1 to the attempts the ledger runs (`prefixes_at_cut`,
            which keeps no token of a version newer than `step`).
 
         Step 1 before the cut is what makes it consistent (`CutContents.read_engine`
-        argues it); step 4 makes the cut fall wholly before or after an optimizer
+        argues it); step 5 makes the cut fall wholly before or after an optimizer
         commit: the commit cannot start while the lock is held, and one that ended
-        before step 2 moved the step (checked in 4)."""
+        before step 3 moved the step (checked in 5)."""
         read = None
         if self.capture is not None:
             self.chunks.forget_missing(segments_dir_of(self.publisher.root))
             read = contents.read_engine(self.capture, self.chunks.since())
+        if self.flush_rollouts is not None:
+            t_flush = time.perf_counter()
+            self.flush_rollouts(FLUSH_WAIT_S)  # what finished before the cut goes into it
+            timings["flush"] = time.perf_counter() - t_flush
         rt = self.p.runtime
         if not rt.commit_lock.acquire(blocking=False):
             raise AbortedCommit()
@@ -534,7 +558,9 @@ class SnapshotPump:
             return at
 
         try:
-            return self.p.store.capture(db_path, at_cut=at_cut, into_copy=into_copy)
+            capture = self.p.store.capture(db_path, at_cut=at_cut, into_copy=into_copy)
+            capture.decoded_at = read.decoded_at if read is not None else None
+            return capture
         finally:
             if held[0]:
                 rt.commit_lock.release()

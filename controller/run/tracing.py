@@ -23,6 +23,9 @@ class _AtTime:
     def emit(self, event: str, **fields) -> None:
         self._tracer.emit(event, t=self._t, **fields)
 
+    def flush(self, timeout: float | None = None) -> bool:
+        return self._tracer.flush(timeout)
+
 
 class RolloutTrace:
     def __init__(self, tracer: Tracer | NullTracer | _AtTime):
@@ -40,6 +43,10 @@ class RolloutTrace:
     def enabled(self) -> bool:
         """Whether events are recorded: callers skip work done only for the trace."""
         return self.tracer.enabled
+
+    def flush(self, timeout: float) -> bool:
+        """Wait until every event emitted before this is committed (True), at most `timeout` s."""
+        return self.tracer.flush(timeout)
 
     def reserved(self, groups: Sequence[GroupHandle], group_size: int) -> None:
         """Groups reserved and dispatched in one commit batch: `policy_version` is the
@@ -73,13 +80,14 @@ class RolloutTrace:
             self.tracer.emit("call_cut", t=cut_time, **c)
 
     def fallback(self, calls: Sequence[dict], cut_time: float) -> None:
-        """A published snapshot could not save these running calls (prefix level): each
-        dict is exactly {attempt_id, turn, reason}; the call restarts its turn after a stop."""
+        """A published snapshot did not keep these tokens of running calls (prefix level):
+        each dict has attempt_id, turn, reason, tokens and the attempt's group_id,
+        prompt_id, generation_index, attempt, step, policy_version. The call restarts its
+        turn after a stop (reason `newer_policy_version`: it continues without its tail)."""
         if not self.tracer.enabled:
             return
         for c in calls:
-            self.tracer.emit("call_fallback", t=cut_time, attempt_id=c["attempt_id"], turn=c["turn"],
-                             reason=c["reason"])
+            self.tracer.emit("call_fallback", t=cut_time, **c)
 
     def dispatched_generations(self, owners: Sequence[tuple[GroupHandle, int]]) -> None:
         """New attempts of single generations (an agent server's lost episodes, retried)."""
@@ -134,19 +142,21 @@ class RolloutTrace:
                         policy_version=policy_version, reason=reason, **extra)
 
     def snapshot_cut(self, *, cut_time: float, snapshot_seq: int | None, anchor: str, step: int, snapshot: str,
-                     group_states: Mapping[str, int]) -> None:
+                     group_states: Mapping[str, int], decoded_at: float | None = None) -> None:
         """A snapshot was published. `group_states`: the ledger's groups per state at the
         cut (`Capture.group_states`); `step`: the anchor's step, whose weights (version
         `step`) a run restoring the snapshot generates with."""
         if self.tracer.enabled:
             self.tracer.emit("snapshot_cut", cut_time=cut_time, snapshot_seq=snapshot_seq, anchor=anchor, step=step,
-                             policy_version=step, snapshot=snapshot,
+                             policy_version=step, snapshot=snapshot, decoded_at=decoded_at,
                              groups_in_flight=group_states.get("reserved", 0) + group_states.get("dispatched", 0))
 
     def restore_done(self, *, step: int, policy_version: int, cut_time: float | None, snapshot_seq: int | None,
-                     anchor: str | None, snapshot: str, groups_restored: int, replay_restored: int) -> None:
+                     anchor: str | None, snapshot: str, groups_restored: int, replay_restored: int,
+                     decoded_at: float | None = None) -> None:
         if self.tracer.enabled:
             self.tracer.emit("restore_done", step=step, policy_version=policy_version, cut_time=cut_time,
+                             decoded_at=decoded_at,
                              snapshot_seq=snapshot_seq, anchor=anchor, snapshot=snapshot,
                              groups_restored=groups_restored, replay_restored=replay_restored)
 

@@ -72,6 +72,9 @@ class Manifest:
     schema_revision: str | None = None
     created_at: float = field(default_factory=time.time)
     cut_time: float | None = None
+    # Prefix level: when the running calls it saved were read (the cut's decode point; a
+    # call decoded past it is not the snapshot's to keep). Absent in older manifests.
+    decoded_at: float | None = None
     mutation_counter: int | None = None
     row_counts: dict[str, int] = field(default_factory=dict)
     group_states: dict[str, int] = field(default_factory=dict)
@@ -192,6 +195,7 @@ _FIELD_TYPES = {
     "schema_revision": (_optional(lambda v: isinstance(v, str)), "a string or null"),
     "created_at": (_is_number, "a finite number of seconds"),
     "cut_time": (_optional(_is_number), "a finite number of seconds or null"),
+    "decoded_at": (_optional(_is_number), "a finite number of seconds or null"),
     "mutation_counter": (_optional(_is_int), "an integer or null"),
     "row_counts": (_mapping_of(_is_int), "an object of integers"),
     "group_states": (_mapping_of(_is_int), "an object of integers"),

@@ -547,6 +547,7 @@ class Publisher:
                         kind=KIND_SNAPSHOT, anchor=stage.anchor, files=[], sequence=stage.sequence,
                         schema_revision=revision,
                         cut_time=getattr(capture, "cut_time", None),
+                        decoded_at=getattr(capture, "decoded_at", None),
                         mutation_counter=getattr(capture, "mutation_counter", None),
                         row_counts=getattr(capture, "row_counts", None) or counts,
                         group_states=getattr(capture, "group_states", None) or states,

@@ -38,6 +38,9 @@ class Capture:
     group_states: dict[str, int]
     check_result: Any = None
     timings: dict[str, float] = field(default_factory=dict)
+    # Prefix level: the wall-clock time the running calls the cut saved were read at (its
+    # decode point, before `cut_time`), set by the caller that read them; None otherwise.
+    decoded_at: float | None = None
 
 
 def count_rows(conn: sqlite3.Connection) -> tuple[dict[str, int], dict[str, int]]:

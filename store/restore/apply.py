@@ -235,6 +235,7 @@ def restore_snapshot(
         anchor=manifest.anchor,
         sequence=manifest.sequence,
         cut_time=manifest.cut_time,
+        decoded_at=manifest.decoded_at,
         trained_step=step,
         schema_revision=snapshot.revision,
         upgraded_from=snapshot.upgraded_from,

@@ -76,6 +76,7 @@ class RestorePlan:
     anchor: str
     sequence: int
     cut_time: float | None
+    decoded_at: float | None  # the cut's decode point (prefix level; Manifest.decoded_at)
     trained_step: int  # optimizer steps in the anchor (bootstrap: 0)
     schema_revision: str  # the snapshot file's revision
     upgraded_from: str | None  # set when the copy was migrated to head

@@ -1,7 +1,8 @@
 """The trace's events: each event's fields and their types, and the tables they are
 stored in (revision trace_v1_1_a's scheme: one table per event, one typed column per
 field; list-valued fields as rows of their own tables; trace_v1_2_a adds the per-call and
-per-turn events of streaming rollouts, trace_v1_3_a `call_fallback`). `trace_metadata` is the schema at head;
+per-turn events of streaming rollouts, trace_v1_3_a `call_fallback`, trace_v1_4_a the cut's
+decode point and what each fallback cost). `trace_metadata` is the schema at head;
 the trace's migrations (``rolloutdb/migrations/trace``) build the files, and a test
 compares the two. docs/trace.md describes every event and field; a test checks the two
 agree.
@@ -41,14 +42,18 @@ EVENT_FIELDS: dict[str, tuple[str, ...]] = {
     "group_discarded": _GROUP + ("reason",),
     "refit": ("step", "policy_version", "old_version", "new_version", "running"),
     "train_step": ("step", "policy_version", "group_ids", "batch_age", "tokens"),
-    "snapshot_cut": ("step", "policy_version", "cut_time", "snapshot_seq", "anchor", "snapshot", "groups_in_flight"),
-    "restore_done": ("step", "policy_version", "cut_time", "snapshot_seq", "anchor", "snapshot", "groups_restored", "replay_restored"),
+    # trace_v1_4_a appends `decoded_at` to both (prefix level: the cut's decode point).
+    "snapshot_cut": ("step", "policy_version", "cut_time", "snapshot_seq", "anchor", "snapshot", "groups_in_flight",
+                     "decoded_at"),
+    "restore_done": ("step", "policy_version", "cut_time", "snapshot_seq", "anchor", "snapshot", "groups_restored",
+                     "replay_restored", "decoded_at"),
     # trace_v1_2_a: what a stop kept (streaming pump, turn-level recovery).
     "call_finished": _ATTEMPT + ("turn", "tokens", "finish_reason"),
     "turn_committed": _ATTEMPT + ("turn", "tokens", "total_tokens"),
     "episode_restored": _ATTEMPT + ("from_attempt", "turn", "tokens", "total_tokens"),
-    # trace_v1_3_a: a running call a prefix-level cut could not save (it restarts its turn).
-    "call_fallback": ("attempt_id", "turn", "reason"),
+    # trace_v1_3_a: a running call a prefix-level cut could not save (it restarts its turn);
+    # trace_v1_4_a appends the attempt's fields and the tokens it cost.
+    "call_fallback": ("attempt_id", "turn", "reason") + _ATTEMPT + ("tokens",),
 }
 EVENTS: dict[str, frozenset[str]] = {name: frozenset(fields) for name, fields in EVENT_FIELDS.items()}
 
@@ -59,7 +64,7 @@ FIELD_TYPES = {
          "prefix_tokens", "tokens", "generations", "old_version", "new_version", "snapshot_seq", "groups_in_flight",
          "groups_restored", "replay_restored", "turn", "total_tokens", "from_attempt", "attempt_id"),
         "int"),
-    **dict.fromkeys(("reward", "batch_age", "cut_time"), "float"),
+    **dict.fromkeys(("reward", "batch_age", "cut_time", "decoded_at"), "float"),
     **dict.fromkeys(("reason", "host", "finish_reason", "anchor", "snapshot"), "text"),
     "running": "json",
 }

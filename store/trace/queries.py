@@ -30,14 +30,14 @@ BASE_COLUMNS: dict[str, str] = {
     "published_tokens": "seq, policy_version, tokens",
     "train_step": "seq, t, run, step, policy_version, batch_age",
     "trained_groups": "seq, group_id",
-    "restore_done": "seq, t, run, snapshot_seq, cut_time",
+    "restore_done": "seq, t, run, snapshot_seq, cut_time, decoded_at",
     "attempt_abandoned": "seq, t, run, prompt_id, generation_index, attempt, group_id, reason",
     "attempt_dispatched": "seq, t, run, prompt_id, generation_index, attempt, prefix_tokens",
     "call_cut": "seq, t, run, prompt_id, generation_index, attempt, tokens",
     "call_finished": "seq, t, run, prompt_id, generation_index, attempt, turn, tokens",
     "turn_committed": "seq, t, run, prompt_id, generation_index, attempt, turn, tokens",
     "episode_restored": "seq, t, run, prompt_id, generation_index, attempt, from_attempt, turn, tokens",
-    "call_fallback": "seq, t, run, attempt_id, turn, reason",
+    "call_fallback": "seq, t, run, attempt_id, turn, reason, prompt_id, generation_index, attempt, tokens",
 }
 
 # --------------------------------------------------------------------------- views
@@ -75,15 +75,19 @@ STOPS = """
 --   snapshot_seq, cut_time: the snapshot the resumed run restored (its first
 --     restore_done event); NULL when it restored none;
 --   cut: cut_time, or stopped_at when no snapshot was restored. What happened after
---     the cut was lost with the stop and had to be done again.
+--     the cut was lost with the stop and had to be done again;
+--   decoded_at: the cut's decode point at prefix level (when it read the running calls,
+--     just before cut_time); NULL below prefix level, where a cut reads no call;
+--   decode_point: decoded_at, else cut_time. A token decoded after it was not the cut's.
 SELECT s.job, s.run_no AS stop_no, s.run_id AS stopped_run, r.run_id AS resumed_run,
        s.ended AS stopped_at, r.started AS resumed_at, r.downtime_before AS downtime,
        rd.t AS restored_at, rd.snapshot_seq, rd.cut_time,
-       coalesce(rd.cut_time, s.ended) AS cut
+       coalesce(rd.cut_time, s.ended) AS cut,
+       rd.decoded_at, coalesce(rd.decoded_at, rd.cut_time) AS decode_point
 FROM runs s
 JOIN runs r ON r.job = s.job AND r.run_no = s.run_no + 1
 LEFT JOIN (
-    SELECT job, src, run, t, snapshot_seq, cut_time,
+    SELECT job, src, run, t, snapshot_seq, cut_time, decoded_at,
            row_number() OVER (PARTITION BY job, src, run ORDER BY t, seq) AS nth
     FROM restore_done
 ) rd ON rd.job = r.job AND rd.src = r.src AND rd.run = r.run AND rd.nth = 1
@@ -133,13 +137,14 @@ WITH abandoned AS (
     FROM abandoned a
 ), dispatched AS (
     SELECT x.job, x.stop_no, x.prompt_id, x.generation_index, x.attempt, x.group_id, st.cut_time,
-           max(d.t) AS dispatched_at
+           st.decoded_at, st.decode_point, max(d.t) AS dispatched_at
     FROM assigned x
     JOIN stops st ON st.job = x.job AND st.stop_no = x.stop_no
     LEFT JOIN attempt_dispatched d
            ON d.job = x.job AND d.prompt_id = x.prompt_id AND d.generation_index = x.generation_index
           AND d.attempt = x.attempt AND d.t <= st.cut_time
-    GROUP BY x.job, x.stop_no, x.prompt_id, x.generation_index, x.attempt, x.group_id, st.cut_time
+    GROUP BY x.job, x.stop_no, x.prompt_id, x.generation_index, x.attempt, x.group_id, st.cut_time,
+             st.decoded_at, st.decode_point
 ), committed AS (
     -- The attempt's turns durable by the cut: after its dispatch (a prompt seen in an
     -- earlier epoch reuses its attempt numbers) and at or before the cut.
@@ -171,7 +176,7 @@ WITH abandoned AS (
      AND k.generation_index = x.generation_index AND k.attempt = x.attempt
 )
 SELECT job, stop_no, prompt_id, generation_index, attempt, group_id, dispatched_at, committed_at,
-       last_committed_turn, cut_time,
+       last_committed_turn, cut_time, decoded_at, decode_point,
        CASE WHEN cut_time - working_since < 0 THEN 0.0 ELSE cut_time - working_since END AS thrown_away_s
 FROM since
 """
@@ -189,8 +194,16 @@ KEPT_ATTEMPTS = """
 --     this attempt) continued from, plus the prefix its next attempt was dispatched with
 --     (attempt_dispatched.prefix_tokens), less what this attempt had itself been
 --     restored with at an earlier stop (kept then, not decoded by it);
---   decoded_by_cut: of those, what was decoded by the restored cut (finished calls by
---     then, and the call the cut froze): what a snapshot could have kept;
+--   decoded_by_cut: of those, what was decoded by the restored cut's decode point
+--     (decode_point: finished calls by then, the call the cut froze, and the calls it
+--     read and did not keep): what a snapshot could have kept;
+--   fallback_tokens: what the cut read and did not keep, each with a reason (its
+--     call_fallback events: a turn that restarts, a tail of a newer policy version);
+--   unexplained_tokens: at prefix level (a cut that read the running calls: decoded_at
+--     set), decoded_by_cut - kept_tokens - fallback_tokens when positive: tokens decoded
+--     by the cut that the resumed run neither kept nor has a reason for (0 when recovery
+--     and its accounting agree). NULL below prefix level, whose cuts keep only committed
+--     turns by design;
 --   redone_tokens: decoded_tokens - kept_tokens, the finished calls whose turns were not
 --     in the snapshot and are generated again.
 WITH decoded AS (
@@ -202,22 +215,22 @@ WITH decoded AS (
      AND c.attempt = x.attempt AND c.t <= st.stopped_at AND (x.dispatched_at IS NULL OR c.t >= x.dispatched_at)
     GROUP BY x.job, x.stop_no, x.prompt_id, x.generation_index, x.attempt
 ), by_cut AS (
-    -- What its finished calls had decoded by the restored cut.
+    -- What its finished calls had decoded by the restored cut's decode point.
     SELECT x.job, x.stop_no, x.prompt_id, x.generation_index, x.attempt, sum(c.tokens) AS tokens
     FROM thrown_away_attempts x
     JOIN call_finished c
       ON c.job = x.job AND c.prompt_id = x.prompt_id AND c.generation_index = x.generation_index
-     AND c.attempt = x.attempt AND c.t <= x.cut_time AND (x.dispatched_at IS NULL OR c.t >= x.dispatched_at)
+     AND c.attempt = x.attempt AND c.t <= x.decode_point AND (x.dispatched_at IS NULL OR c.t >= x.dispatched_at)
     GROUP BY x.job, x.stop_no, x.prompt_id, x.generation_index, x.attempt
 ), saved_whole AS (
-    -- Prefix level: a call that finished by the cut but whose turn was committed only
-    -- after it is in the cut's call_cut as a whole prefix (the pump had absorbed it):
-    -- its tokens are in by_cut / decoded already, so its call_cut is not counted again.
+    -- Prefix level: a call that finished by the decode point but whose turn was committed
+    -- only after the cut is in the cut's call_cut as a whole prefix (the pump had absorbed
+    -- it): its tokens are in by_cut / decoded already, so its call_cut is not counted again.
     SELECT DISTINCT x.job, x.stop_no, x.prompt_id, x.generation_index, x.attempt
     FROM thrown_away_attempts x
     JOIN call_finished f
       ON f.job = x.job AND f.prompt_id = x.prompt_id AND f.generation_index = x.generation_index
-     AND f.attempt = x.attempt AND f.t <= x.cut_time AND (x.dispatched_at IS NULL OR f.t >= x.dispatched_at)
+     AND f.attempt = x.attempt AND f.t <= x.decode_point AND (x.dispatched_at IS NULL OR f.t >= x.dispatched_at)
     WHERE NOT EXISTS (
         SELECT 1 FROM turn_committed tc
         WHERE tc.job = x.job AND tc.prompt_id = x.prompt_id AND tc.generation_index = x.generation_index
@@ -235,8 +248,9 @@ WITH decoded AS (
           AND w.generation_index = x.generation_index AND w.attempt = x.attempt)
     GROUP BY x.job, x.stop_no, x.prompt_id, x.generation_index, x.attempt
 ), cut AS (
-    -- The call running at the restored cut, frozen there, unless it finished before the
-    -- stop (then its tokens are in decoded). Cut events carry the cut's own time.
+    -- The call running at the restored cut, frozen there, unless it finished after the
+    -- decode point and before the stop (then its tokens are in decoded). Cut events carry
+    -- the cut's own time.
     SELECT x.job, x.stop_no, x.prompt_id, x.generation_index, x.attempt, max(c.tokens) AS tokens
     FROM thrown_away_attempts x
     JOIN stops st ON st.job = x.job AND st.stop_no = x.stop_no
@@ -246,7 +260,7 @@ WITH decoded AS (
     WHERE NOT EXISTS (
         SELECT 1 FROM call_finished f
         WHERE f.job = x.job AND f.prompt_id = x.prompt_id AND f.generation_index = x.generation_index
-          AND f.attempt = x.attempt AND f.t > x.cut_time AND f.t <= st.stopped_at)
+          AND f.attempt = x.attempt AND f.t > x.decode_point AND f.t <= st.stopped_at)
       AND NOT EXISTS (
         SELECT 1 FROM saved_whole w
         WHERE w.job = x.job AND w.stop_no = x.stop_no AND w.prompt_id = x.prompt_id
@@ -275,7 +289,7 @@ WITH decoded AS (
      AND d.attempt = x.attempt + 1 AND d.t > st.stopped_at
 ), inherited AS (
     -- What this attempt itself started from: its own episode_restored before the stop.
-    SELECT x.job, x.stop_no, x.prompt_id, x.generation_index, x.attempt, e.tokens,
+    SELECT x.job, x.stop_no, x.prompt_id, x.generation_index, x.attempt, e.turn, e.tokens,
            row_number() OVER (PARTITION BY x.job, x.stop_no, x.prompt_id, x.generation_index, x.attempt
                               ORDER BY e.t DESC, e.src DESC, e.seq DESC) AS nth
     FROM thrown_away_attempts x
@@ -294,13 +308,42 @@ WITH decoded AS (
     JOIN attempt_dispatched d
       ON d.job = x.job AND d.prompt_id = x.prompt_id AND d.generation_index = x.generation_index
      AND d.attempt = x.attempt AND d.t <= st.stopped_at
+), fell_calls AS (
+    -- What the restored cut read of its calls and did not keep (call_fallback at the
+    -- cut's time), less the prefix the attempt was itself restored with when the call
+    -- is the one of its restored turn (not this attempt's decoding). open: the call had
+    -- not finished by the decode point (its tokens are in no call_finished of by_cut).
+    SELECT x.job, x.stop_no, x.prompt_id, x.generation_index, x.attempt,
+           CASE WHEN i.turn IS NOT NULL AND fb.turn = i.turn AND fb.reason <> 'newer_policy_version'
+                THEN CASE WHEN coalesce(fb.tokens, 0) > coalesce(o.tokens, 0)
+                          THEN coalesce(fb.tokens, 0) - coalesce(o.tokens, 0) ELSE 0 END
+                ELSE coalesce(fb.tokens, 0) END AS tokens,
+           CASE WHEN EXISTS (
+               SELECT 1 FROM call_finished f
+               WHERE f.job = x.job AND f.prompt_id = x.prompt_id AND f.generation_index = x.generation_index
+                 AND f.attempt = x.attempt AND f.turn = fb.turn AND f.t <= x.decode_point
+                 AND (x.dispatched_at IS NULL OR f.t >= x.dispatched_at)) THEN 0 ELSE 1 END AS open
+    FROM thrown_away_attempts x
+    JOIN call_fallback fb
+      ON fb.job = x.job AND fb.prompt_id = x.prompt_id AND fb.generation_index = x.generation_index
+     AND fb.attempt = x.attempt AND abs(fb.t - x.cut_time) < 1e-6
+    LEFT JOIN inherited i ON i.job = x.job AND i.stop_no = x.stop_no AND i.prompt_id = x.prompt_id
+     AND i.generation_index = x.generation_index AND i.attempt = x.attempt AND i.nth = 1
+    LEFT JOIN own_prefix o ON o.job = x.job AND o.stop_no = x.stop_no AND o.prompt_id = x.prompt_id
+     AND o.generation_index = x.generation_index AND o.attempt = x.attempt AND o.nth = 1
+), fell AS (
+    SELECT job, stop_no, prompt_id, generation_index, attempt, sum(tokens) AS tokens,
+           sum(CASE WHEN open = 1 THEN tokens ELSE 0 END) AS open_tokens
+    FROM fell_calls
+    GROUP BY job, stop_no, prompt_id, generation_index, attempt
 ), kept AS (
     SELECT x.job, x.stop_no, x.prompt_id, x.generation_index, x.attempt,
            coalesce(d.tokens, 0) + CASE WHEN coalesce(c.tokens, 0) > coalesce(o.tokens, 0)
                                         THEN coalesce(c.tokens, 0) - coalesce(o.tokens, 0) ELSE 0 END AS decoded_tokens,
            coalesce(b.tokens, 0) + CASE WHEN coalesce(fz.tokens, 0) > coalesce(o.tokens, 0)
                                         THEN coalesce(fz.tokens, 0) - coalesce(o.tokens, 0) ELSE 0 END
-             AS decoded_by_cut,
+             + coalesce(fl.open_tokens, 0) AS decoded_by_cut,
+           coalesce(fl.tokens, 0) AS fallback_tokens,
            coalesce(r.turn, 0) AS turns_kept,
            coalesce(r.tokens - coalesce(i.tokens, 0), 0)
              + CASE WHEN coalesce(pf.tokens, 0) > coalesce(o.tokens, 0)
@@ -322,9 +365,14 @@ WITH decoded AS (
      AND i.generation_index = x.generation_index AND i.attempt = x.attempt AND i.nth = 1
     LEFT JOIN own_prefix o ON o.job = x.job AND o.stop_no = x.stop_no AND o.prompt_id = x.prompt_id
      AND o.generation_index = x.generation_index AND o.attempt = x.attempt AND o.nth = 1
+    LEFT JOIN fell fl ON fl.job = x.job AND fl.stop_no = x.stop_no AND fl.prompt_id = x.prompt_id
+     AND fl.generation_index = x.generation_index AND fl.attempt = x.attempt
 )
 SELECT x.job, x.stop_no, x.prompt_id, x.generation_index, x.attempt, x.group_id,
-       k.decoded_tokens, k.decoded_by_cut, k.turns_kept, k.kept_tokens,
+       k.decoded_tokens, k.decoded_by_cut, k.turns_kept, k.kept_tokens, k.fallback_tokens,
+       CASE WHEN x.decoded_at IS NULL THEN NULL
+            WHEN k.decoded_by_cut - k.kept_tokens - k.fallback_tokens > 0
+            THEN k.decoded_by_cut - k.kept_tokens - k.fallback_tokens ELSE 0 END AS unexplained_tokens,
        k.decoded_tokens - k.kept_tokens AS redone_tokens,
        x.last_committed_turn, x.dispatched_at, x.committed_at, x.cut_time, x.thrown_away_s
 FROM thrown_away_attempts x
@@ -510,13 +558,16 @@ ORDER BY t, run_no, step
 KEPT_PER_STOP = """
 -- Figure 4, what each stop kept, per stop of the analysed job (see kept_attempts):
 -- the attempts running at the stop (abandoned with reason 'restart'), the tokens they had
--- decoded, the tokens and turns the resumed run kept of them, the tokens it generates
--- again, and their thrown-away time.
+-- decoded, the tokens and turns the resumed run kept of them, the tokens the cut left
+-- with a reason and without one (unexplained_tokens: 0 unless recovery lost work
+-- silently), the tokens it generates again, and their thrown-away time.
 SELECT st.stop_no, st.stopped_run, st.resumed_run, st.cut_time,
        count(k.prompt_id) AS attempts_running,
        coalesce(sum(k.decoded_tokens), 0) AS decoded_tokens,
        coalesce(sum(k.decoded_by_cut), 0) AS decoded_by_cut,
        coalesce(sum(k.kept_tokens), 0) AS kept_tokens,
+       coalesce(sum(k.fallback_tokens), 0) AS fallback_tokens,
+       sum(k.unexplained_tokens) AS unexplained_tokens,
        coalesce(sum(k.redone_tokens), 0) AS redone_tokens,
        coalesce(sum(k.turns_kept), 0) AS turns_kept,
        coalesce(sum(k.thrown_away_s), 0.0) AS thrown_away_s
@@ -530,7 +581,7 @@ ORDER BY st.stop_no
 KEPT_BY_ATTEMPT = """
 -- Figure 4, one row per attempt running at a stop.
 SELECT stop_no, prompt_id, generation_index, attempt, group_id, decoded_tokens, decoded_by_cut, kept_tokens,
-       redone_tokens, turns_kept, last_committed_turn, thrown_away_s
+       fallback_tokens, unexplained_tokens, redone_tokens, turns_kept, last_committed_turn, thrown_away_s
 FROM kept_attempts
 WHERE job = 'run'
 ORDER BY stop_no, prompt_id, generation_index, attempt
@@ -538,10 +589,12 @@ ORDER BY stop_no, prompt_id, generation_index, attempt
 
 FALLBACKS_PER_STOP = """
 -- Figure 5, per stop and reason: the calls running at the restored cut that it could not
--- save (call_fallback, recorded at the cut's own time, prefix level): each restarts its
--- turn. A restart_only agent server's calls, say, or an engine that cannot continue a
--- setting exactly.
-SELECT st.stop_no, st.stopped_run, st.resumed_run, st.cut_time, f.reason, count(*) AS calls
+-- save (call_fallback, recorded at the cut's own time, prefix level) and the tokens that
+-- cost: each restarts its turn (a restart_only agent server's calls, say, or an engine
+-- that cannot continue a setting exactly), except `newer_policy_version`, the tail of a
+-- call decoded by weights newer than the cut's anchor (the call continues without it).
+SELECT st.stop_no, st.stopped_run, st.resumed_run, st.cut_time, f.reason, count(*) AS calls,
+       coalesce(sum(f.tokens), 0) AS tokens
 FROM stops st
 JOIN call_fallback f ON f.job = st.job AND abs(f.t - st.cut_time) < 1e-6
 WHERE st.job = 'run'
