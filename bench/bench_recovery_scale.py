@@ -70,7 +70,7 @@ REPO = Path(__file__).resolve().parents[1]
 LAUNCHER = REPO / "bench" / "scale_launcher.py"
 TRAINER = REPO / "bench" / "scale_trainer.py"
 BYTES_PER_TOKEN = 8  # int32 token id + float32 logprob (store/live/codec.py)
-GROUP_SIZE = 8
+GROUP_SIZE = 4  # GRPO's groups finish at their longest call: small groups keep the engine full
 WARM_STEPS = 2  # steps trained before the first kill: the calls running then are long
 
 # (calls, min_tokens, max_tokens)
@@ -83,12 +83,15 @@ def _ms(values: list[float], q: float) -> float | None:
 
 
 def shape(calls: int, lo: int, hi: int, args) -> dict:
-    """Batch and staleness so that the rollout pump keeps `calls` running: a call takes
-    mean length x step_s; a train step consumes what finishes in one step."""
+    """Batch and staleness so that the engine, not the trainer, sets the pace and the
+    rollout pump keeps `calls` running: a train step takes what finishes in one step at
+    the nominal decode rate (mean length x step_s a call), and the staleness bound admits
+    twice the running calls' worth of steps (a slower engine makes the trainer wait for
+    groups, outside the commit lock; a tight bound would starve the engine in waves)."""
     call_s = (lo + hi) / 2 * args.step_ms / 1000
     per_step = max(GROUP_SIZE, calls * args.train_step_s / call_s)
     groups = max(1, round(per_step / GROUP_SIZE))
-    staleness = math.ceil(calls / (groups * GROUP_SIZE))  # steps stamped at once x batch >= calls
+    staleness = math.ceil(2 * calls / (groups * GROUP_SIZE)) + 1
     return {"groups_per_step": groups, "max_staleness": staleness, "replay_capacity": groups * (staleness + 2),
             "total_steps": WARM_STEPS + 2 * args.kills + 2, "call_s": call_s}
 
@@ -416,6 +419,7 @@ def main() -> None:
                     f"by the cut; unexplained {x['unexplained_tokens']}")
     finally:
         if args.keep:
+            write_json(str(root / "figures.json"), result)  # beside the runs (bench_ab.py keeps no figures file)
             say(f"runs kept in {root}")
         else:
             shutil.rmtree(root, ignore_errors=True)

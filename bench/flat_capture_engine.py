@@ -32,7 +32,16 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 
-from rolloutdb.gpu_capture.protocol import GenerationRequest, GenerationResult, RunningCall, tail_offset
+from rolloutdb.gpu_capture.protocol import GenerationRequest, GenerationResult, RunningCall
+
+try:
+    from rolloutdb.gpu_capture.protocol import tail_offset
+    INCREMENTAL = True
+except ImportError:  # code before incremental cuts (under bench/bench_ab.py): every read is whole
+    INCREMENTAL = False
+
+    def tail_offset(since, request_id, length):  # type: ignore[misc]
+        return 0
 
 # Per-token logprob by token id modulo this table: shared float objects, so a million
 # saved logprobs cost list slots, not a million float objects.
@@ -127,6 +136,7 @@ class FlatCaptureEngine:
     # ---- PrefixCapture ---------------------------------------------------------------------
 
     def running_calls(self, since: Mapping[str, int] | None = None) -> dict[str, RunningCall]:
+        """Code before incremental cuts calls this without `since` and gets whole outputs."""
         with self._lock:
             t0 = time.perf_counter()
             held = [(c.request, c.tokens, c.logprobs, c.versions, len(c.tokens)) for c in (*self._active, *self._waiting)]
@@ -137,8 +147,8 @@ class FlatCaptureEngine:
         for request, tokens, logprobs, versions, n in held:
             rid, p = request.request_id, request.params
             start = tail_offset(since, rid, n)
-            calls[rid] = RunningCall(tokens[start:n], logprobs[start:n], versions[start:n], p.max_tokens, p.min_tokens,
-                                     None, start)
+            tail = (tokens[start:n], logprobs[start:n], versions[start:n], p.max_tokens, p.min_tokens, None)
+            calls[rid] = RunningCall(*tail, start) if INCREMENTAL else RunningCall(*tail)
         return calls
 
     def cut_support(self, request: GenerationRequest) -> str | None:
