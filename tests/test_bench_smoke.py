@@ -229,3 +229,14 @@ def test_the_ray_workers_benchmark_runs_in_process_and_one_and_two_workers_side_
                                 "env_step_overhead_p50_ms"}
     # The environment-step figure is measured on both sides (a worker that never answered has no p50).
     assert r["env_in_driver"]["p50_ms"] > 0 and r["env_ray_1"]["p50_ms"] > 0
+
+
+def test_the_recovery_scale_benchmark_kills_a_prefix_level_run_and_accounts_for_every_token_of_its_cut(tmp_path):
+    r = _run_bench("bench_recovery_scale.py", tmp_path)
+    case = r["by"]["32"]
+    assert case["verify"]["duplicated"] == 0 and case["verify"]["lost"] == 0
+    assert case["outcomes"].get("published", 0) >= 3 and case["holds"] > 0 and case["cuts_measured"] > 0
+    assert case["commit_lock_cut_ms_p99"] > 0 and case["commit_lock_train_ms_p50"] > 0
+    (stop,) = case["stops"]  # one kill, resumed
+    assert stop["decoded_by_cut"] > 0 and stop["lost_after_cut_tokens"] is not None
+    assert stop["lost_generation_s"] is not None and stop["decode_rate_tok_s"] > 0
