@@ -50,7 +50,8 @@ from pathlib import Path
 
 import torch
 
-from .invariant_forward import InvariantLlama
+from .invariant_forward import InvariantDecoder
+from .model_dirs import refit_tensors, tie_groups
 from .protocol import GenerationRequest, GenerationResult, RunningCall, check_request, tail_offset
 from .sampling import RowChoice, choose_tokens, find_stop, position_uniform, request_seed, token_logprobs
 from .tiny_policy import load_policy
@@ -125,8 +126,9 @@ class ReferenceEngine:
         self.seed = seed
         self.device = torch.device(device)
         self._version = policy_version
-        self._parameters = dict(self.model.named_parameters())
-        self._forward = InvariantLlama(
+        self._parameters = dict(self.model.named_parameters())  # a tied tensor once
+        self._ties = tie_groups(self.model)
+        self._forward = InvariantDecoder(
             self.model, num_slots=max_batch_size, max_len=self.max_model_len, linear_mode=linear_mode, device=device
         )
         self._free_slots = list(range(max_batch_size - 1, -1, -1))
@@ -191,17 +193,10 @@ class ReferenceEngine:
 
     def load_weights(self, state_dict: Mapping[str, object], version: int) -> None:
         """Install a full state dict (the HF parameter names) between two steps; tokens
-        decoded afterwards carry `version`. Checked before anything is changed."""
-        unexpected = set(state_dict) - set(self._parameters)
-        missing = set(self._parameters) - set(state_dict)
-        if unexpected or missing:
-            raise ValueError(f"state dict does not match the policy: missing {sorted(missing)}, unexpected {sorted(unexpected)}")
-        tensors = {}
-        for name, value in state_dict.items():
-            tensor = torch.as_tensor(value).detach()
-            if tuple(tensor.shape) != tuple(self._parameters[name].shape):
-                raise ValueError(f"{name}: shape {tuple(tensor.shape)} != policy's {tuple(self._parameters[name].shape)}")
-            tensors[name] = tensor
+        decoded afterwards carry `version`; a tied tensor may come under any of its names
+        (`model_dirs.refit_tensors`). Checked before anything is changed."""
+        shapes = {name: tuple(p.shape) for name, p in self._parameters.items()}
+        tensors = refit_tensors(state_dict, shapes, self._ties)
         with self._exclusive(), torch.no_grad():
             for name, tensor in tensors.items():
                 self._parameters[name].copy_(tensor)

@@ -117,7 +117,7 @@ class AlgorithmSection(Section):
 
 
 class PolicySection(Section):
-    model_dir: str | None = Field(None, description="A HF Llama directory; null builds the tiny policy in the run dir.")
+    model_dir: str | None = Field(None, description="A Hugging Face causal LM directory (Llama, Qwen2/3, Mistral on the reference engine; any vLLM serves on vllm); null builds the tiny policy in the run dir.")
     hidden_size: int = Field(64, ge=8, le=4096)
     num_layers: int = Field(2, ge=1, le=64)
     num_heads: int = Field(4, ge=1, le=64)
