@@ -102,6 +102,20 @@ def _weights_problem(path: Path) -> str | None:
     return "holds no model weights (*.safetensors); save the model into it with save_pretrained(DIR)"
 
 
+def eos_token_ids(*declared) -> frozenset[int]:
+    """Every end-of-sequence id among `declared` (config.json's and
+    generation_config.json's eos_token_id: each None, an int, or a list, as Llama 3
+    instruct models list several); decoding stops at any of them, as transformers' and
+    vLLM's generation does."""
+    ids: set[int] = set()
+    for value in declared:
+        if isinstance(value, int) and not isinstance(value, bool):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(v for v in value if isinstance(v, int) and not isinstance(v, bool))
+    return frozenset(ids)
+
+
 def tie_groups(model: torch.nn.Module) -> dict[str, str]:
     """name -> the first name of its tensor, for every state-dict name of `model` that
     shares its parameter with another (tied embeddings); untied names are absent."""

@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .model_dirs import checkpoint_ties, refit_tensors, weight_files
+from .model_dirs import checkpoint_ties, eos_token_ids, refit_tensors, weight_files
 from .orphan_guard import OrphanGuard, children_of
 from .protocol import GenerationRequest, GenerationResult, RunningCall, check_request, tail_offset
 from .sampling import find_stop, request_seed
@@ -214,7 +214,10 @@ class VLLMEngine:
         self.model_dir = Path(model_dir)
         config = json.loads((self.model_dir / "config.json").read_text())
         self.vocab_size = int(config["vocab_size"])
-        self.eos_token_id = config.get("eos_token_id")
+        generation_path = self.model_dir / "generation_config.json"
+        generation = json.loads(generation_path.read_text()) if generation_path.is_file() else {}
+        # vLLM stops at generation_config's EOS ids too; a prefix check must know them all.
+        self.eos_token_ids = eos_token_ids(config.get("eos_token_id"), generation.get("eos_token_id"))
         self.max_model_len = min(max_model_len or 10**9, int(config["max_position_embeddings"]))
         self.tokenizer: Any = AutoTokenizer.from_pretrained(self.model_dir)
         self.seed = seed
@@ -453,7 +456,7 @@ class VLLMEngine:
             if hit is not None:
                 del call.logprobs[len(call.tokens):], call.versions[len(call.tokens):]
                 return "stop", hit[1], call.text[: hit[0]]
-        if call.tokens and call.tokens[-1] == self.eos_token_id and len(call.tokens) > p.min_tokens:
+        if call.tokens and call.tokens[-1] in self.eos_token_ids and len(call.tokens) > p.min_tokens:
             return "stop", "eos", None
         if len(call.tokens) >= p.max_tokens or len(call.request.prompt_ids) + len(call.tokens) >= self.max_model_len:
             return "length", None, None
@@ -518,7 +521,7 @@ class VLLMEngine:
         reason = final.finish_reason if final is not None else "abort"
         if call.abort:
             reason = "abort"
-        stop_reason = "eos" if reason == "stop" and call.tokens and call.tokens[-1] == self.eos_token_id else None
+        stop_reason = "eos" if reason == "stop" and call.tokens and call.tokens[-1] in self.eos_token_ids else None
         self._finish(call, reason if reason in ("stop", "length", "abort") else "abort", stop_reason=stop_reason,
                      have_versions=bool(spans))
 

@@ -97,6 +97,29 @@ def test_a_qwen2_call_continued_from_a_prefix_decodes_exactly_the_uninterrupted_
                 assert (got.token_ids, got.logprobs) == (expected.token_ids, expected.logprobs)
 
 
+def test_decoding_stops_at_every_eos_id_the_config_lists_and_min_tokens_bans_them_all(tmp_path):
+    # Llama 3 instruct configs list several EOS ids; the engine must not compare a token
+    # with the list (never equal) nor hand the list to the sampler as one banned id.
+    path = build_tiny_policy(tmp_path / "model", hidden_size=32, num_heads=2, num_layers=1)
+    config = json.loads((path / "config.json").read_text())
+    second_eos = 7
+    (path / "config.json").write_text(json.dumps({**config, "eos_token_id": [config["eos_token_id"], second_eos]}))
+    with ReferenceEngine(path, max_batch_size=2, num_threads=1) as eng:
+        assert eng.eos_token_ids == {2, second_eos}
+        state = {name: p.detach().clone() for name, p in eng.model.named_parameters()}
+        state["model.embed_tokens.weight"][:, 0] = 10.0  # a constant dimension only the head reads
+        state["model.layers.0.self_attn.o_proj.weight"][0, :] = 0.0
+        state["model.layers.0.mlp.down_proj.weight"][0, :] = 0.0
+        state["lm_head.weight"][second_eos, 0] = 5.0
+        state["lm_head.weight"][2, 0] = 4.0
+        eng.load_weights(state, version=1)
+        out = eng.generate([GenerationRequest("e", [1, 10, 11], SamplingParams(max_tokens=20, min_tokens=3,
+                                                                               temperature=0.0))])[0]
+    assert len(out.token_ids) == 4 and out.token_ids[-1] == second_eos, out.token_ids
+    assert not {2, second_eos} & set(out.token_ids[:3])
+    assert (out.finish_reason, out.extra["stop_reason"]) == ("stop", "eos")
+
+
 # ---- refit: the trainer's state dict into each engine's names ----------------------------
 
 
