@@ -227,3 +227,21 @@ def test_a_resume_leaves_tensorboard_one_value_per_step_the_retrained_one_and_ma
     lines = [json.loads(line) for line in jsonl.read_text().splitlines()]
     assert [(e["attempt"], e.get("step")) for e in lines] == [(1, 1), (1, 2), (1, 3), (1, 4), (1, 5), (2, None),
                                                              (2, 4), (2, 5), (2, 6)]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("wandb") is None, reason="pip install wandb")
+def test_a_resume_logs_into_the_runs_own_offline_wandb_run_with_the_configured_project_and_tags(tmp_path):
+    logs = tmp_path / "logs"
+    config = {"logging": {"wandb_project": "digits", "wandb_entity": None, "wandb_tags": ["cpu", "tiny"]}}
+    runs = []
+    for attempt, resumed_at, event in ((1, None, TRAIN[0]), (2, 1, TRAIN[1])):
+        metrics = open_metrics(logs / "m.jsonl", ["wandb"], log_dir=logs, run_name="r", config=config,
+                               attempt=attempt, resumed_at=resumed_at)
+        run = metrics.backends[0]._run
+        runs.append((run.id, run.project, tuple(run.tags)))
+        metrics.write(event)
+        metrics.close()
+    assert runs[0] == runs[1] and runs[0][1:] == ("digits", ("cpu", "tiny"))
+    assert (logs / "wandb" / "run_id").read_text().strip() == runs[0][0]
+    offline = sorted(p.name for p in (logs / "wandb" / "wandb").glob("offline-run-*"))
+    assert len(offline) == 2 and all(f"-{runs[0][0]}" in name for name in offline)
