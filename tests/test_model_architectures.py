@@ -24,6 +24,8 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
+from rolloutdb.controller.tasks.plugins import policy_context
+from rolloutdb.controller.tasks.user_code import PluginError
 from rolloutdb.controller.training.grpo import GRPOConfig, GRPOTrainer
 from rolloutdb.gpu_capture import GenerationRequest, ReferenceEngine, SamplingParams, build_tiny_policy, encode_strict
 from rolloutdb.gpu_capture.invariant_forward import InvariantDecoder
@@ -198,6 +200,14 @@ def test_a_directory_that_cannot_be_a_policy_is_refused_in_one_line_naming_the_p
         check_model_dir(path, engine="vllm")
     message = str(refused.value)
     assert message.startswith(f"policy.model_dir: {path}") and needle in message and "\n" not in message, message
+
+
+def test_shared_prefix_packing_is_refused_for_a_model_with_a_sliding_window(family_dirs):
+    # The packed layout's 4D tree mask replaces the window inside transformers.
+    with pytest.raises(PluginError, match=r"shared_prefix_packing: .* sliding-window attention \(window 24\)"):
+        policy_context(str(family_dirs["mistral"]), packing=True)
+    assert policy_context(str(family_dirs["mistral"]), packing=False) == 256
+    assert policy_context(str(family_dirs["qwen3"]), packing=True) == 256  # no window: packing is sound
 
 
 # ---- rolloutdb train ---------------------------------------------------------------------

@@ -418,18 +418,23 @@ def check_config(config: Any) -> TaskPlugins:
     env, trainer = config.environment, config.trainer
     positions = None
     if config.policy.model_dir is not None or config.dataset.path is not None:
-        positions = policy_context(config.policy.model_dir, engine=config.generation.backend)
+        positions = policy_context(config.policy.model_dir, engine=config.generation.backend,
+                                   packing=config.algorithm.shared_prefix_packing)
     return check_plugins(config.dataset, config.reward.function, env.factory, env.options, trainer.factory,
                          trainer.options, max_positions=positions)
 
 
-def policy_context(model_dir: str | None, *, engine: str = "reference") -> int | None:
+def policy_context(model_dir: str | None, *, engine: str = "reference", packing: bool = False) -> int | None:
     """The policy's context (its max positions), checked before the run directory is made.
     A model directory is checked whole (`model_dirs.check_model_dir`: a config
     transformers builds, safetensors weights, a tokenizer, an architecture `engine`
     runs), so a directory that cannot be a policy is refused now in one line, not once
-    the run has started. The tiny policy's context is its builder's default (without
-    importing torch: a refusal on a loaded machine waited a minute for that import)."""
+    the run has started. With `packing` (algorithm.shared_prefix_packing), a model with
+    sliding-window attention is refused: the tree mask is passed to the model as a 4D
+    mask, which transformers applies instead of the window (measured: logits moved by
+    0.06 on a window of 8), so the trainer's log-probabilities would not be the engine's.
+    The tiny policy's context is its builder's default (without importing torch: a
+    refusal on a loaded machine waited a minute for that import)."""
     if model_dir is None:
         from rolloutdb.config import TINY_POLICY_CONTEXT
 
@@ -441,6 +446,14 @@ def policy_context(model_dir: str | None, *, engine: str = "reference") -> int |
     except ModelDirError as e:
         raise PluginError(str(e)) from None
     positions = getattr(config, "max_position_embeddings", None)
+    if packing:
+        from rolloutdb.gpu_capture.invariant_forward import sliding_windows
+
+        windows = [w for w in sliding_windows(config) if w is not None and (positions is None or w < positions)]
+        if windows:
+            raise PluginError(f"algorithm.shared_prefix_packing: {model_dir} has sliding-window attention (window "
+                              f"{min(windows)}), which the packed layout's tree mask would replace; set "
+                              "algorithm.shared_prefix_packing: false for this model")
     return positions if isinstance(positions, int) and not isinstance(positions, bool) and positions > 0 else None
 
 
