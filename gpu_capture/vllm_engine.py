@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .model_dirs import checkpoint_ties, eos_token_ids, refit_tensors, weight_files
 from .orphan_guard import OrphanGuard, children_of
 from .protocol import GenerationRequest, GenerationResult, RunningCall, check_request, tail_offset
 from .sampling import find_stop, request_seed
@@ -186,7 +187,8 @@ class _Call:
 class VLLMEngine:
     """GenerationEngine and PrefixCapture on vLLM (see the module docstring).
 
-    `model_dir` is a Hugging Face policy directory (tiny_policy.build_tiny_policy).
+    `model_dir` is a Hugging Face model directory of any architecture vLLM serves
+    (`model_dirs.check_model_dir`; tiny_policy.build_tiny_policy builds small ones).
     `work_dir` holds refit weight files (and vLLM's caches when `engine_environment`
     was applied); a temporary directory when None. `max_batch_size` is vLLM's
     `max_num_seqs` (more calls wait in vLLM's queue)."""
@@ -212,13 +214,17 @@ class VLLMEngine:
         self.model_dir = Path(model_dir)
         config = json.loads((self.model_dir / "config.json").read_text())
         self.vocab_size = int(config["vocab_size"])
-        self.eos_token_id = config.get("eos_token_id")
+        generation_path = self.model_dir / "generation_config.json"
+        generation = json.loads(generation_path.read_text()) if generation_path.is_file() else {}
+        # vLLM stops at generation_config's EOS ids too; a prefix check must know them all.
+        self.eos_token_ids = eos_token_ids(config.get("eos_token_id"), generation.get("eos_token_id"))
         self.max_model_len = min(max_model_len or 10**9, int(config["max_position_embeddings"]))
         self.tokenizer: Any = AutoTokenizer.from_pretrained(self.model_dir)
         self.seed = seed
         self._own_work = work_dir is None
         self.work_dir = Path(tempfile.mkdtemp(prefix="rolloutdb-vllm-") if work_dir is None else work_dir)
         self._shapes = self._parameter_shapes(self.model_dir)
+        self._ties = checkpoint_ties(self.model_dir)
         self._version = policy_version
         self._calls: dict[str, _Call] = {}
         self._lock = threading.Lock()  # guards _calls and the counters (the loop thread writes them)
@@ -271,7 +277,7 @@ class VLLMEngine:
         from safetensors import safe_open
 
         shapes = {}
-        for path in sorted(model_dir.glob("*.safetensors")):
+        for path in weight_files(model_dir):
             with safe_open(str(path), framework="pt") as f:
                 for name in f.keys():
                     shapes[name] = tuple(f.get_slice(name).get_shape())
@@ -312,20 +318,14 @@ class VLLMEngine:
 
     def load_weights(self, state_dict: Mapping[str, object], version: int) -> None:
         """Install a full state dict (HF parameter names) into the running engine; calls
-        in progress continue, their later tokens carry `version`. Checked first."""
+        in progress continue, their later tokens carry `version`. Checked first. The file
+        vLLM reloads holds the names of the model directory's own checkpoint (a tied
+        tensor once, under the name the checkpoint uses: `model_dirs.refit_tensors`)."""
         import torch
         from safetensors.torch import save_file
 
-        unexpected = set(state_dict) - set(self._shapes)
-        missing = set(self._shapes) - set(state_dict)
-        if unexpected or missing:
-            raise ValueError(f"state dict does not match the policy: missing {sorted(missing)}, unexpected {sorted(unexpected)}")
-        tensors = {}
-        for name, value in state_dict.items():
-            tensor = torch.as_tensor(value).detach().to("cpu", torch.float32).contiguous()
-            if tuple(tensor.shape) != self._shapes[name]:
-                raise ValueError(f"{name}: shape {tuple(tensor.shape)} != policy's {self._shapes[name]}")
-            tensors[name] = tensor
+        matched = refit_tensors(state_dict, self._shapes, self._ties)
+        tensors = {name: t.to("cpu", torch.float32).contiguous() for name, t in matched.items()}
         # vLLM reloads from a checkpoint directory: safetensors (no pickle) + the config.
         target = self.work_dir / "weights" / f"v{version}"
         if target.exists():
@@ -456,7 +456,7 @@ class VLLMEngine:
             if hit is not None:
                 del call.logprobs[len(call.tokens):], call.versions[len(call.tokens):]
                 return "stop", hit[1], call.text[: hit[0]]
-        if call.tokens and call.tokens[-1] == self.eos_token_id and len(call.tokens) > p.min_tokens:
+        if call.tokens and call.tokens[-1] in self.eos_token_ids and len(call.tokens) > p.min_tokens:
             return "stop", "eos", None
         if len(call.tokens) >= p.max_tokens or len(call.request.prompt_ids) + len(call.tokens) >= self.max_model_len:
             return "length", None, None
@@ -521,7 +521,7 @@ class VLLMEngine:
         reason = final.finish_reason if final is not None else "abort"
         if call.abort:
             reason = "abort"
-        stop_reason = "eos" if reason == "stop" and call.tokens and call.tokens[-1] == self.eos_token_id else None
+        stop_reason = "eos" if reason == "stop" and call.tokens and call.tokens[-1] in self.eos_token_ids else None
         self._finish(call, reason if reason in ("stop", "length", "abort") else "abort", stop_reason=stop_reason,
                      have_versions=bool(spans))
 

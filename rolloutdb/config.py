@@ -117,7 +117,7 @@ class AlgorithmSection(Section):
 
 
 class PolicySection(Section):
-    model_dir: str | None = Field(None, description="A HF Llama directory; null builds the tiny policy in the run dir.")
+    model_dir: str | None = Field(None, description="A Hugging Face causal LM directory (Llama, Qwen2/3, Mistral on the reference engine; any vLLM serves on vllm); null builds the tiny policy in the run dir.")
     hidden_size: int = Field(64, ge=8, le=4096)
     num_layers: int = Field(2, ge=1, le=64)
     num_heads: int = Field(4, ge=1, le=64)
@@ -383,6 +383,9 @@ class LoggingSection(Section):
     backends: list[BackendName] = Field(
         default_factory=_jsonl_only,
         description="Where metrics go: jsonl (always written), tensorboard, wandb (offline).")
+    wandb_project: str = Field("rolloutdb", min_length=1, description="backend wandb: the W&B project.")
+    wandb_entity: str | None = Field(None, min_length=1, description="backend wandb: the W&B entity (team or user).")
+    wandb_tags: list[str] = Field(default_factory=list, description="backend wandb: tags of the W&B run.")
 
     @field_validator("backends")
     @classmethod
@@ -576,6 +579,9 @@ RESUMABLE_KEYS: dict[str, str] = {
     "logging.progress": "what is shown",
     "logging.plot": "what is written about the run",
     "logging.backends": "where metrics go",
+    "logging.wandb_project": "where metrics go",
+    "logging.wandb_entity": "where metrics go",
+    "logging.wandb_tags": "how the metrics are labelled",
     "cluster.backend": "where the same calls and steps run (each call is seeded by its key)",
     "cluster.torch_threads": "how fast, on the same model and data",
     "cluster.engine_workers": "where the same calls run",

@@ -6,6 +6,7 @@ refused naming the pip command, with nothing written."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import signal
 import subprocess
@@ -200,3 +201,47 @@ def test_the_proposed_backends_key_defaults_to_jsonl_and_refuses_unknown_or_repe
         LoggingSection.model_validate({"backends": ["tensorbord"]})
     with pytest.raises(ValueError, match="names a backend twice"):
         LoggingSection.model_validate({"backends": ["jsonl", "jsonl"]})
+
+
+def _steps(first: int, last: int, reward: float) -> list[dict]:
+    return [{"kind": "train_step", "step": s, "t_start": 100.0 + 5 * s, "t_end": 102.0 + 5 * s,
+             "reward_mean": reward + s, "policy_tokens": 10} for s in range(first, last + 1)]
+
+
+@needs_tensorboard
+def test_a_resume_leaves_tensorboard_one_value_per_step_the_retrained_one_and_marks_each_jsonl_line(tmp_path):
+    logs, jsonl = tmp_path / "logs", tmp_path / "logs" / "metrics.jsonl"
+    first = open_metrics(jsonl, ["tensorboard"], log_dir=logs, run_name="r", attempt=1)
+    for event in _steps(1, 5, 0.0):
+        first.write(event)
+    first.close()
+    # The resume restored step 3: steps 4 and 5 are trained again, then step 6.
+    second = open_metrics(jsonl, ["tensorboard"], log_dir=logs, run_name="r", attempt=2, resumed_at=3)
+    second.write({"kind": "restore", "t": 130.0, "groups": 2})
+    for event in _steps(4, 6, 100.0):
+        second.write(event)
+    second.close()
+    rewards = read_events(logs / "tensorboard")["train/reward_mean"]
+    assert rewards == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 104.0), (5, 105.0), (6, 106.0)]
+    assert read_events(logs / "tensorboard")["restore/groups"] == [(3, 2.0)]  # at the step restored
+    lines = [json.loads(line) for line in jsonl.read_text().splitlines()]
+    assert [(e["attempt"], e.get("step")) for e in lines] == [(1, 1), (1, 2), (1, 3), (1, 4), (1, 5), (2, None),
+                                                             (2, 4), (2, 5), (2, 6)]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("wandb") is None, reason="pip install wandb")
+def test_a_resume_logs_into_the_runs_own_offline_wandb_run_with_the_configured_project_and_tags(tmp_path):
+    logs = tmp_path / "logs"
+    config = {"logging": {"wandb_project": "digits", "wandb_entity": None, "wandb_tags": ["cpu", "tiny"]}}
+    runs = []
+    for attempt, resumed_at, event in ((1, None, TRAIN[0]), (2, 1, TRAIN[1])):
+        metrics = open_metrics(logs / "m.jsonl", ["wandb"], log_dir=logs, run_name="r", config=config,
+                               attempt=attempt, resumed_at=resumed_at)
+        run = metrics.backends[0]._run
+        runs.append((run.id, run.project, tuple(run.tags)))
+        metrics.write(event)
+        metrics.close()
+    assert runs[0] == runs[1] and runs[0][1:] == ("digits", ("cpu", "tiny"))
+    assert (logs / "wandb" / "run_id").read_text().strip() == runs[0][0]
+    offline = sorted(p.name for p in (logs / "wandb" / "wandb").glob("offline-run-*"))
+    assert len(offline) == 2 and all(f"-{runs[0][0]}" in name for name in offline)

@@ -29,7 +29,7 @@ from rolloutdb.gpu_capture import (
     generate_all,
     load_policy,
 )
-from rolloutdb.gpu_capture.invariant_forward import InvariantLlama
+from rolloutdb.gpu_capture.invariant_forward import InvariantDecoder
 
 
 @pytest.fixture(scope="module")
@@ -140,7 +140,7 @@ def test_text_outside_the_alphabet_is_refused_by_encode_strict(engine):
 
 def test_the_invariant_forward_matches_the_hf_model(policy_dir):
     model, _ = load_policy(policy_dir)
-    fwd = InvariantLlama(model, num_slots=2, max_len=256)
+    fwd = InvariantDecoder(model, num_slots=2, max_len=256)
     seq = torch.randint(3, model.config.vocab_size, (90,), generator=torch.Generator().manual_seed(0))
     ours = fwd.forward(seq, torch.zeros(90, dtype=torch.long), torch.arange(90), torch.arange(90))
     with torch.no_grad():
@@ -150,7 +150,7 @@ def test_the_invariant_forward_matches_the_hf_model(policy_dir):
 
 def test_a_row_gets_the_same_bits_alone_in_a_batch_and_inside_a_prefill(policy_dir):
     model, _ = load_policy(policy_dir)
-    fwd = InvariantLlama(model, num_slots=4, max_len=256)
+    fwd = InvariantDecoder(model, num_slots=4, max_len=256)
     gen = torch.Generator().manual_seed(1)
     seq = torch.randint(3, model.config.vocab_size, (70,), generator=gen)
     other = torch.randint(3, model.config.vocab_size, (70,), generator=gen)

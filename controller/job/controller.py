@@ -102,11 +102,15 @@ class Controller:
             done = resuming.restore_run(parts, on_writing=self._writing_starts)
         self.writing = True
         self.dirs.create()
-        if done is not None and done.moved_to is not None:
-            self.dirs.write_config(cfg)  # the old one was moved aside with the run
+        attempt = self.dirs.record_attempt(cfg)  # config.yaml: what this attempt runs with
+        # The step the resume restored: the steps after it are trained again, and the
+        # dashboards drop what earlier attempts logged for them. A start-over moved the
+        # old logs aside with the run, so it starts them afresh.
+        resumed_at = done.step if done is not None and done.moved_to is None else None
         self.tracer = open_tracer(self.dirs.logs, enabled=cfg.trace.enabled)
         self.metrics = open_metrics(self.dirs.metrics, cfg.logging.backends, log_dir=self.dirs.logs,
-                                    run_name=cfg.run.name or self.dirs.root.name, config=cfg.model_dump())
+                                    run_name=cfg.run.name or self.dirs.root.name, config=cfg.model_dump(),
+                                    attempt=attempt, resumed_at=resumed_at)
         if done is not None and done.store is not None:
             self.store, self.restored = done.store, done.groups
             if done.restore_plan is not None:

@@ -19,7 +19,7 @@ redo first.
 Starting over is never silent unless it provably loses nothing: with no snapshot to
 restore, a live store that holds no work (no prompt ever handed out, no step trained)
 starts over in place. Otherwise the resume is refused, and `--start-over` moves the
-run's store, checkpoints and config aside (into RUN_DIR/discarded/<time>/, nothing is
+run's store, checkpoints, config and logs aside (into RUN_DIR/discarded/<time>/, nothing is
 deleted) and trains from step 0.
 """
 
@@ -150,7 +150,7 @@ def plan_resume(dirs: RunDir, resume: str, *, start_over: bool = False) -> Resum
             if isinstance(nothing, TrainerCheckpointOnly) and nothing.anchor.anchor != BOOTSTRAP else "")
     raise ResumeError(f"{nothing}{hint}; the live store holds work ({work}) that starting over would discard, so "
                       f"nothing was changed: restore {dirs.checkpoints}, pass a snapshot of this run with "
-                      f"--resume SNAPSHOT_DIR, or pass --start-over to move this run's store, checkpoints and config "
+                      f"--resume SNAPSHOT_DIR, or pass --start-over to move this run's store, checkpoints, config and logs "
                       f"into {dirs.discarded}/ and train from step 0")
 
 
@@ -291,7 +291,7 @@ def announce(done: Restored, *, metrics: RunMetrics, tracer: Tracer | NullTracer
     say = lambda text: print(f"rolloutdb: {text}", file=sys.stderr)  # noqa: E731
     if done.store is None:
         if done.plan.action == START_OVER:
-            say(f"--start-over: moved the run's store, checkpoints and config to {done.moved_to}; "
+            say(f"--start-over: moved the run's store, checkpoints, config and logs to {done.moved_to}; "
                 "starting the run over from step 0")
         else:
             say(f"no rollout snapshot yet and the live store held no work; starting the run over ({done.plan.why})")
@@ -346,8 +346,8 @@ def _abandoned_at_restore(store: Store, since: float) -> Sequence[Row[Any]]:
 
 
 def _move_aside(dirs: RunDir) -> Path:
-    """`--start-over`: move the store (with its side files), the checkpoints and the
-    config into RUN_DIR/discarded/<UTC time>/; nothing is deleted. The new checkpoint
+    """`--start-over`: move the store (with its side files), the checkpoints, the
+    config, the logs and the plots into RUN_DIR/discarded/<UTC time>/; nothing is deleted. The new checkpoint
     directory starts with the old high-water mark, so snapshot numbers keep growing."""
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     dest, n = dirs.discarded / stamp, 1
@@ -355,5 +355,7 @@ def _move_aside(dirs: RunDir) -> Path:
         n += 1
         dest = dirs.discarded / f"{stamp}-{n}"
     dest.mkdir(parents=True)
-    move_run_aside(dest, store=dirs.store, checkpoints=dirs.checkpoints, also=[dirs.config])
+    # The logs and plots too: the new run's trace and dashboards would otherwise continue
+    # the old run's (a trace report then showed the gap between the two as a stop).
+    move_run_aside(dest, store=dirs.store, checkpoints=dirs.checkpoints, also=[dirs.config, dirs.logs, dirs.plots])
     return dest

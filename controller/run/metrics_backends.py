@@ -18,6 +18,13 @@ as the JSONL does; an event is a few hundred bytes, and train steps are seconds 
 W&B: `wandb.init(mode="offline")`, files under `<logs>/wandb/`; `wandb sync` uploads
 them. Both are optional packages; naming one that is not installed is refused at start
 with the pip command, before anything is written.
+
+A resume (`resumed_at`: the train step it restored) trains the steps after that step
+again. TensorBoard is opened with `purge_step` = that step + 1: readers drop what the
+earlier processes logged from there on, so each step shows one value, the retrained
+one. W&B resumes the run's own W&B run (its id is kept in `<logs>/wandb/run_id`), whose
+history only grows: a retrained step keeps the value first logged (the JSONL has both,
+each line marked with its attempt: `run_log.MetricsLog`).
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 from rolloutdb.controller.run.run_log import MetricsLog
+from rolloutdb.store import write_file_atomic
 
 BACKENDS: tuple[str, ...] = ("jsonl", "tensorboard", "wandb")
 # Event fields that are times of day or identifiers, not metrics to plot.
@@ -82,11 +90,13 @@ def event_scalars(event: Mapping[str, Any]) -> dict[str, float]:
 class TensorBoardBackend:
     """Scalars into TensorBoard event files under `log_dir`."""
 
-    def __init__(self, log_dir: Path):
+    def __init__(self, log_dir: Path, *, purge_step: int | None = None):
+        """`purge_step`: readers hide what earlier writers of `log_dir` logged at this
+        step and later (a resume retrains those steps)."""
         writer_class = _import_tensorboard_writer()
         log_dir.mkdir(parents=True, exist_ok=True)
         self.log_dir = log_dir
-        self._writer = writer_class(log_dir=str(log_dir))
+        self._writer = writer_class(log_dir=str(log_dir), purge_step=purge_step)
 
     def log(self, step: int, scalars: Mapping[str, float]) -> None:
         for tag, value in scalars.items():
@@ -106,15 +116,28 @@ def _import_tensorboard_writer() -> Any:
     return module.SummaryWriter
 
 
-class WandbBackend:
-    """Scalars into a W&B run in offline mode (`wandb sync <dir>` uploads it later)."""
+WANDB_RUN_ID_FILE = "run_id"
 
-    def __init__(self, log_dir: Path, *, run_name: str, config: Mapping[str, Any] | None = None):
+
+class WandbBackend:
+    """Scalars into a W&B run in offline mode (`wandb sync <dir>` uploads it later). Every
+    process of one run directory logs into one W&B run: its id is written to
+    `log_dir/run_id` by the first and resumed by the next (until `--start-over` moves the
+    logs aside)."""
+
+    def __init__(self, log_dir: Path, *, run_name: str, config: Mapping[str, Any] | None = None,
+                 project: str = "rolloutdb", entity: str | None = None, tags: Sequence[str] = (),
+                 resumed_at: int | None = None):
         wandb = import_wandb()
         log_dir.mkdir(parents=True, exist_ok=True)
-        self._run = wandb.init(mode="offline", dir=str(log_dir), project="rolloutdb", name=run_name,
-                               config=dict(config or {}))
-        self._last_step = -1
+        id_file = log_dir / WANDB_RUN_ID_FILE
+        run_id = id_file.read_text().strip() if id_file.is_file() else None
+        self._run = wandb.init(mode="offline", dir=str(log_dir), project=project, entity=entity, tags=list(tags),
+                               name=run_name, config=dict(config or {}), id=run_id or None,
+                               resume="allow" if run_id else None)
+        if not run_id:
+            write_file_atomic(id_file, f"{self._run.id}\n")
+        self._last_step = -1 if resumed_at is None else resumed_at
 
     def log(self, step: int, scalars: Mapping[str, float]) -> None:
         # W&B drops a step lower than one it has seen; a resumed run trains the steps after
@@ -161,11 +184,12 @@ class RunMetrics:
     `MetricsLog`) and hands the event's scalars to every other backend. Thread-safe:
     both pumps log."""
 
-    def __init__(self, jsonl_path: Path, backends: Sequence[MetricsBackend] = ()):
-        self.jsonl = MetricsLog(jsonl_path)
+    def __init__(self, jsonl_path: Path, backends: Sequence[MetricsBackend] = (), *, attempt: int | None = None,
+                 resumed_at: int | None = None):
+        self.jsonl = MetricsLog(jsonl_path, attempt=attempt)
         self.backends = list(backends)
         self._lock = threading.Lock()
-        self._step = 0
+        self._step = resumed_at or 0  # a resume's first events belong to the step it restored
         self._last_step_end: float | None = None
         self._outcomes: dict[str, int] = {}
 
@@ -217,20 +241,27 @@ class RunMetrics:
 
 
 def open_metrics(jsonl_path: Path, backends: Sequence[str] = ("jsonl",), *, log_dir: Path, run_name: str,
-                 config: Mapping[str, Any] | None = None) -> RunMetrics:
+                 config: Mapping[str, Any] | None = None, attempt: int | None = None,
+                 resumed_at: int | None = None) -> RunMetrics:
     """The sink for a run: `backends` from `logging.backends` (jsonl is written whether
     listed or not); tensorboard writes under `log_dir/tensorboard`, wandb under
-    `log_dir/wandb`. Missing packages are refused before any file is opened."""
+    `log_dir/wandb` (project, entity and tags from `config["logging"]`'s wandb_* keys).
+    `attempt` marks every JSONL line; `resumed_at` is the train step a resume restored
+    (see the module docstring). Missing packages are refused before any file is opened."""
     check_backends(backends)
+    logging_settings = dict((config or {}).get("logging") or {})
     opened: list[MetricsBackend] = []
     try:
         if "tensorboard" in backends:
-            opened.append(TensorBoardBackend(log_dir / "tensorboard"))
+            purge = None if resumed_at is None else resumed_at + 1
+            opened.append(TensorBoardBackend(log_dir / "tensorboard", purge_step=purge))
         if "wandb" in backends:
-            opened.append(WandbBackend(log_dir / "wandb", run_name=run_name, config=config))
+            opened.append(WandbBackend(log_dir / "wandb", run_name=run_name, config=config,
+                                       project=logging_settings.get("wandb_project") or "rolloutdb",
+                                       entity=logging_settings.get("wandb_entity"),
+                                       tags=logging_settings.get("wandb_tags") or (), resumed_at=resumed_at))
     except BaseException:
         for backend in opened:
             backend.close()
         raise
-    return RunMetrics(jsonl_path, opened)
-
+    return RunMetrics(jsonl_path, opened, attempt=attempt, resumed_at=resumed_at)

@@ -3,15 +3,17 @@ one process's at a time.
 
     RUN_DIR/
       run.lock                  held (flock) by the process training the run; holds its pid
-      config.yaml               the resolved config (after overrides)
+      config.yaml               the resolved config (after overrides) the newest start or resume ran with
       rollout_state.sqlite      the live store (WAL)
       policy/                   the initial policy (tiny Llama + tokenizer) when built here
       checkpoints/              bootstrap/, step_<N>/, rollout snapshots under them
-      logs/metrics.jsonl        one JSON object per event (train steps, rollout waves)
+      logs/metrics.jsonl        one JSON object per event (train steps, rollout waves), each marked with its attempt
+      logs/configs/attempt_<N>.yaml  the config of each start (1) and resume (2, 3, ...)
+      logs/tensorboard/, logs/wandb/  the dashboards' files, when logging.backends names them
       logs/rollout_trace.sqlite trace events, when trace.enabled is on
       agent_server.token        the bearer token of the run's agent servers (mode 0600, new at every start)
       plots/                    reward_curve.png and the trace report's plots
-      discarded/<time>/         what `train --start-over` moved aside (store, checkpoints, config)
+      discarded/<time>/         what `train --start-over` moved aside (store, checkpoints, config, logs, plots)
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import re
 import stat
 import time
 from dataclasses import dataclass
@@ -107,8 +110,26 @@ class RunDir:
         for d in (self.root, self.checkpoints, self.logs, self.plots):
             d.mkdir(parents=True, exist_ok=True)
 
+    @property
+    def attempt_configs(self) -> Path:
+        return self.logs / "configs"
+
     def write_config(self, config: Config) -> None:
         write_file_atomic(self.config, config.to_yaml())
+
+    def record_attempt(self, config: Config) -> int:
+        """Number this process's attempt at the run (1 for the start, one more for each
+        resume) and record the config it runs with: as config.yaml (what the run runs
+        with now; `verify` and the agent servers read it) and as
+        logs/configs/attempt_<N>.yaml (one per attempt, kept)."""
+        numbers = [int(m.group(1)) for path in self.attempt_configs.glob("attempt_*.yaml")
+                   if (m := re.fullmatch(r"attempt_(\d+)\.yaml", path.name))]
+        attempt = max(numbers, default=0) + 1
+        self.attempt_configs.mkdir(parents=True, exist_ok=True)
+        text = config.to_yaml()
+        write_file_atomic(self.attempt_configs / f"attempt_{attempt}.yaml", text)
+        write_file_atomic(self.config, text)
+        return attempt
 
     def lock(self, *, create: bool) -> RunLock:
         """Take the run directory for this process (see `RunLock`). `create`: make the

@@ -17,15 +17,21 @@ from tqdm import tqdm
 
 class MetricsLog:
     """Append-only JSONL, one object per line, flushed per event so a killed run keeps
-    everything it logged. Thread-safe: both pumps log."""
+    everything it logged. Thread-safe: both pumps log. With `attempt`, every line carries
+    `"attempt": N`, the process (start or resume) of the run that wrote it: a resumed run
+    trains the steps after its snapshot again, and a reader tells the two records of such
+    a step apart by it (the later attempt's is the one that counts: `latest_per_step`)."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, *, attempt: int | None = None):
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
+        self.attempt = attempt
         self._f = open(path, "a", encoding="utf-8")
         self._lock = threading.Lock()
 
     def write(self, event: dict) -> None:
+        if self.attempt is not None:
+            event = {**event, "attempt": self.attempt}
         line = json.dumps(event, separators=(",", ":"))
         with self._lock:
             self._f.write(line + "\n")

@@ -413,38 +413,47 @@ def check_plugins(dataset: DatasetSection, reward_function: str | None, environm
 
 
 def check_config(config: Any) -> TaskPlugins:
-    """`check_plugins` for a validated Config, with the policy's context checked first."""
+    """`check_plugins` for a validated Config, with the policy's model directory and
+    context checked first."""
     env, trainer = config.environment, config.trainer
     positions = None
     if config.policy.model_dir is not None or config.dataset.path is not None:
-        positions = policy_context(config.policy.model_dir)
+        positions = policy_context(config.policy.model_dir, engine=config.generation.backend,
+                                   packing=config.algorithm.shared_prefix_packing)
     return check_plugins(config.dataset, config.reward.function, env.factory, env.options, trainer.factory,
                          trainer.options, max_positions=positions)
 
 
-def policy_context(model_dir: str | None) -> int | None:
+def policy_context(model_dir: str | None, *, engine: str = "reference", packing: bool = False) -> int | None:
     """The policy's context (its max positions), checked before the run directory is made.
-    A model directory's config is read and its model class built on the meta device (no
-    memory, no weights read; about a second for a 7B config), so a config transformers
-    cannot build is refused now in one line, not once the run has started. The tiny
-    policy's context is its builder's default (without importing torch: a refusal on a
-    loaded machine waited a minute for that import)."""
+    A model directory is checked whole (`model_dirs.check_model_dir`: a config
+    transformers builds, safetensors weights, a tokenizer, an architecture `engine`
+    runs), so a directory that cannot be a policy is refused now in one line, not once
+    the run has started. With `packing` (algorithm.shared_prefix_packing), a model with
+    sliding-window attention is refused: the tree mask is passed to the model as a 4D
+    mask, which transformers applies instead of the window (measured: logits moved by
+    0.06 on a window of 8), so the trainer's log-probabilities would not be the engine's.
+    The tiny policy's context is its builder's default (without importing torch: a
+    refusal on a loaded machine waited a minute for that import)."""
     if model_dir is None:
         from rolloutdb.config import TINY_POLICY_CONTEXT
 
         return TINY_POLICY_CONTEXT
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from rolloutdb.gpu_capture.model_dirs import ModelDirError, check_model_dir
 
     try:
-        config = AutoConfig.from_pretrained(model_dir)
-        with torch.device("meta"):
-            AutoModelForCausalLM.from_config(config)
-    except Exception as e:  # noqa: BLE001 - whatever transformers says of the directory's config
-        raise PluginError(f"policy.model_dir: {Path(model_dir) / 'config.json'} does not build a causal language "
-                          f"model ({type(e).__name__}: {safe_str(e)}); give a Hugging Face model directory "
-                          "transformers can load") from None
+        config = check_model_dir(model_dir, engine=engine)
+    except ModelDirError as e:
+        raise PluginError(str(e)) from None
     positions = getattr(config, "max_position_embeddings", None)
+    if packing:
+        from rolloutdb.gpu_capture.invariant_forward import sliding_windows
+
+        windows = [w for w in sliding_windows(config) if w is not None and (positions is None or w < positions)]
+        if windows:
+            raise PluginError(f"algorithm.shared_prefix_packing: {model_dir} has sliding-window attention (window "
+                              f"{min(windows)}), which the packed layout's tree mask would replace; set "
+                              "algorithm.shared_prefix_packing: false for this model")
     return positions if isinstance(positions, int) and not isinstance(positions, bool) and positions > 0 else None
 
 

@@ -32,7 +32,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--start-over",
         action="store_true",
-        help="train the run in --run-dir again from step 0: its store, checkpoints and config are moved "
+        help="train the run in --run-dir again from step 0: its store, checkpoints, config and logs are moved "
         "into RUN_DIR/discarded/<time>/ first (a --resume that finds nothing to restore says when)",
     )
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted config overrides, e.g. algorithm.total_steps=5")
