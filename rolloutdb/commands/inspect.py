@@ -22,29 +22,13 @@ from pathlib import Path
 from typing import Any
 
 from rolloutdb.commands._arguments import path_argument
-from rolloutdb.store import (
-    ABANDON_REASONS,
-    DEFAULT_QUERY_TIMEOUT_S,
-    GROUP_STATES,
-    ROLLOUT_STATES,
-    STATE_TABLES,
-    NotAStoreError,
-    QueryTimeout,
-    RecordDamaged,
-    head_revision,
-    identify,
-    listing_manifest,
-    open_readonly,
-    queries,
-    payload_counts,
-    quick_check,
-    run_readonly_query,
-    segment_summary,
-)
 from rolloutdb.timefmt import ago, iso_utc
 
 MANIFEST_NAME = "manifest.json"
 MAX_CELL = 80  # text tables cut longer cells; --json keeps them whole
+# The store's DEFAULT_QUERY_TIMEOUT_S, written out so that building the parser (--help)
+# imports no store; tests/test_cli_startup.py checks that the two agree.
+DEFAULT_TIMEOUT_S = 30.0
 
 DESCRIPTION = """\
 Look inside a rolloutdb store or snapshot file without changing it.
@@ -92,8 +76,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("path", metavar="PATH", type=path_argument, help="a store or snapshot .sqlite file")
     parser.add_argument("--sql", metavar="QUERY", help="one read-only SQL statement (SELECT, WITH, PRAGMA name, ...)")
     parser.add_argument(
-        "--timeout", metavar="SECONDS", type=positive_seconds, default=DEFAULT_QUERY_TIMEOUT_S,
-        help=f"stop a --sql query that runs longer than this (default {DEFAULT_QUERY_TIMEOUT_S:g})",
+        "--timeout", metavar="SECONDS", type=positive_seconds, default=DEFAULT_TIMEOUT_S,
+        help=f"stop a --sql query that runs longer than this (default {DEFAULT_TIMEOUT_S:g})",
     )
     parser.add_argument("--json", action="store_true", help="print machine-readable JSON instead of text")
     parser.add_argument(
@@ -113,6 +97,17 @@ def positive_seconds(text: str) -> float:
 
 
 def run(args: argparse.Namespace) -> int:
+    from rolloutdb.store import (
+        NotAStoreError,
+        QueryTimeout,
+        RecordDamaged,
+        identify,
+        open_readonly,
+        quick_check,
+        run_readonly_query,
+        segment_summary,
+    )
+
     path = Path(args.path)
     try:
         conn = open_readonly(path)
@@ -155,6 +150,8 @@ def run(args: argparse.Namespace) -> int:
 def upgrade_advice(path: Path) -> str:
     """How to bring an old file to head: in place, or, for a file of a published snapshot
     (never changed), into a copy."""
+    from rolloutdb.store import listing_manifest
+
     if listing_manifest(path) is not None:
         return (f"it is a published snapshot file, never changed in place: `rolloutdb upgrade {path} --out COPY.sqlite` "
                 "upgrades a copy (a resume from the snapshot upgrades a copy itself)")
@@ -162,6 +159,8 @@ def upgrade_advice(path: Path) -> str:
 
 
 def _tables(conn: sqlite3.Connection) -> list[str]:
+    from rolloutdb.store import STATE_TABLES
+
     present = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
     known = [t for t in STATE_TABLES if t in present]
     others = sorted(t for t in present - set(known) if not t.startswith("sqlite_") and t != "alembic_version")
@@ -177,6 +176,8 @@ def _per_state(conn: sqlite3.Connection, sql: str, known: tuple[str, ...]) -> di
 
 
 def summarize(conn: sqlite3.Connection, path: Path, revision: str, status: str) -> dict[str, Any]:
+    from rolloutdb.store import ABANDON_REASONS, GROUP_STATES, ROLLOUT_STATES, head_revision, payload_counts, queries
+
     tables = _tables(conn)
     head = head_revision()
     summary: dict[str, Any] = {

@@ -8,11 +8,13 @@ import argparse
 import json
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rolloutdb.commands._arguments import path_argument
-from rolloutdb.controller.run.run_dir import RunDir
-from rolloutdb.store import KIND_SNAPSHOT, Entry, NotAStoreError, scan
 from rolloutdb.timefmt import ago, iso_utc
+
+if TYPE_CHECKING:
+    from rolloutdb.store import Entry
 
 DESCRIPTION = """\
 List a checkpoint directory: one row per anchor (bootstrap/, step_<N>/: trainer
@@ -71,6 +73,8 @@ def _size(n: float) -> str:
 
 
 def _counts(row: dict) -> str:
+    from rolloutdb.store import KIND_SNAPSHOT
+
     if row["kind"] != KIND_SNAPSHOT:
         return f"{row['files']} files" if row["files"] is not None else "-"
     c = row["row_counts"]
@@ -80,6 +84,9 @@ def _counts(row: dict) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    from rolloutdb.controller.run.run_dir import RunDir
+    from rolloutdb.store import KIND_SNAPSHOT, NotAStoreError, scan
+
     root = Path(args.checkpoint_dir)
     run_dir = RunDir(root)
     if run_dir.is_run_dir():

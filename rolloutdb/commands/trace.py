@@ -15,10 +15,13 @@ import io
 import json
 import math
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rolloutdb.commands._arguments import path_argument
-from rolloutdb.store import Table, TraceAnalysis, TraceError, trace_file_for, write_file_atomic
 from rolloutdb.timefmt import iso_utc
+
+if TYPE_CHECKING:
+    from rolloutdb.store import Table
 
 DESCRIPTION = """\
 Report what the stops of a run cost and kept, and the batch age of its train steps, from its trace
@@ -92,6 +95,8 @@ def _run_dir_of(trace: Path) -> Path:
 
 
 def run(args: argparse.Namespace) -> int:
+    from rolloutdb.store import TraceAnalysis, TraceError, trace_file_for
+
     traces = [trace_file_for(d) for d in args.run_dirs]
     baseline = [trace_file_for(args.baseline)] if args.baseline else []
     out = Path(args.out) if args.out else _run_dir_of(traces[0]) / "plots"
@@ -181,6 +186,8 @@ def _document(report: dict[str, Table], traces: list[Path], baseline: list[Path]
 
 
 def _write_outputs(out: Path, report: dict[str, Table], document: dict, has_baseline: bool) -> list[Path]:
+    from rolloutdb.store import write_file_atomic
+
     out.mkdir(parents=True, exist_ok=True)
     written = []
     for name, table in report.items():
