@@ -96,6 +96,7 @@ from .restore.verification import Report, verify_path
 
 # trace: the writer and the analysis
 from .trace.analysis import Table, TraceAnalysis
+from .trace.attached import AttachedFiles
 from .trace.writer import NullTracer, Tracer, TraceError, open_tracer, trace_file_for
 
 __all__ = [
@@ -208,6 +209,7 @@ __all__ = [
     "select_for_restore",
     "verify_path",
     # trace
+    "AttachedFiles",
     "NullTracer",
     "Table",
     "TraceAnalysis",

@@ -36,7 +36,7 @@ def _probe() -> dict:
 
 def test_help_of_the_command_and_of_every_subcommand_imports_no_heavy_dependency():
     seen = _probe()
-    assert {"--help", "inspect --help", "train --help", "trace --help"} <= set(seen)
+    assert {"--help", "inspect --help", "sql --help", "train --help", "trace --help"} <= set(seen)
     for argv, what in seen.items():
         assert what == {"code": 0, "printed": True, "heavy": []}, argv
 

@@ -22,10 +22,10 @@ from pathlib import Path
 from typing import Any
 
 from rolloutdb.commands._arguments import path_argument
+from rolloutdb.commands._tables import format_table, json_cell
 from rolloutdb.timefmt import ago, iso_utc
 
 MANIFEST_NAME = "manifest.json"
-MAX_CELL = 80  # text tables cut longer cells; --json keeps them whole
 # The store's DEFAULT_QUERY_TIMEOUT_S, written out so that building the parser (--help)
 # imports no store; tests/test_cli_startup.py checks that the two agree.
 DEFAULT_TIMEOUT_S = 30.0
@@ -328,47 +328,13 @@ def _size(n: float) -> str:
 # ---------------------------------------------------------------- --sql
 
 
-def _cell(value: Any) -> Any:
-    """A JSON-safe value: BLOBs become `<blob N bytes>`, non-finite floats strings."""
-    if isinstance(value, (bytes, bytearray, memoryview)):
-        return f"<blob {len(value)} bytes>"
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
-    return value
-
-
-def _text(value: Any) -> str:
-    if value is None:
-        return "NULL"
-    text = str(_cell(value)).replace("\n", "\\n").replace("\r", "\\r").replace("\t", "\\t")
-    return text if len(text) <= MAX_CELL else text[: MAX_CELL - 1] + "…"
-
-
-def format_table(columns: list[str], rows: list[tuple]) -> str:
-    """An aligned text table; numbers right-aligned, everything else left."""
-    cells = [[_text(v) for v in row] for row in rows]
-    widths = [max([len(c)] + [len(r[i]) for r in cells]) for i, c in enumerate(columns)]
-    numeric = [
-        bool(rows) and all(isinstance(r[i], (int, float)) and not isinstance(r[i], bool) or r[i] is None for r in rows)
-        for i in range(len(columns))
-    ]
-
-    def line(values: list[str]) -> str:
-        return "  ".join(v.rjust(w) if num else v.ljust(w) for v, w, num in zip(values, widths, numeric)).rstrip()
-
-    out = [line(list(columns)), "  ".join("-" * w for w in widths)]
-    out += [line(r) for r in cells]
-    out.append(f"({len(rows)} row{'s' if len(rows) != 1 else ''})")
-    return "\n".join(out)
-
-
 def _print_query(path: Path, revision: str | None, columns: list[str], rows: list[tuple], *, as_json: bool) -> None:
     if as_json:
         doc = {
             "path": str(path),
             "revision": revision,
             "columns": columns,
-            "rows": [[_cell(v) for v in row] for row in rows],
+            "rows": [[json_cell(v) for v in row] for row in rows],
             "row_count": len(rows),
         }
         print(json.dumps(doc, indent=2, default=str))
