@@ -1,4 +1,5 @@
-"""`rolloutdb inspect PATH`: look inside a live store or a snapshot file, read-only.
+"""`rolloutdb inspect PATH`: look inside a live store, a snapshot, a payload segment or a
+trace file (or the run or snapshot directory holding one), read-only.
 
 Without ``--sql`` it summarises the file: schema revision, rows per table, ledger groups
 and rollouts per state, replay permits, sampler cursor, mutation counter, and the anchor
@@ -31,7 +32,10 @@ MANIFEST_NAME = "manifest.json"
 DEFAULT_TIMEOUT_S = 30.0
 
 DESCRIPTION = """\
-Look inside a rolloutdb store or snapshot file without changing it.
+Look inside a rolloutdb store or snapshot file, a payload segment or a run's trace file,
+without changing it. PATH may be the file, a run directory or a snapshot directory (its
+rollout_state.sqlite), or a run's logs/ directory (its rollout_trace.sqlite; the trace is
+summarised as its revision, the processes that wrote to it and its rows per table).
 
 Without --sql, prints a summary: the schema revision (head, or old: then
 `rolloutdb upgrade PATH` migrates it, or `--out COPY` for a published snapshot file), rows per table, ledger groups per state, rollouts per state
@@ -73,7 +77,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description=DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("path", metavar="PATH", type=path_argument, help="a store or snapshot .sqlite file")
+    parser.add_argument("path", metavar="PATH", type=path_argument, help="a .sqlite file (store, snapshot, segment or trace), a run or snapshot directory")
     parser.add_argument("--sql", metavar="QUERY", help="one read-only SQL statement (SELECT, WITH, PRAGMA name, ...)")
     parser.add_argument(
         "--timeout", metavar="SECONDS", type=positive_seconds, default=DEFAULT_TIMEOUT_S,
@@ -106,9 +110,10 @@ def run(args: argparse.Namespace) -> int:
         quick_check,
         run_readonly_query,
         segment_summary,
+        trace_summary,
     )
 
-    path = Path(args.path)
+    path = inspected_file(Path(args.path))
     try:
         conn = open_readonly(path)
     except OSError as e:
@@ -117,7 +122,10 @@ def run(args: argparse.Namespace) -> int:
         if not args.no_check:
             quick_check(conn, path)
         segment = segment_summary(conn)
-        if segment is None:
+        trace = trace_summary(conn) if segment is None else None
+        if trace is not None:
+            revision = trace["revision"]
+        elif segment is None:
             revision, status = identify(conn, path)  # one alembic_version row, known, its schema
         else:
             revision = None
@@ -130,6 +138,9 @@ def run(args: argparse.Namespace) -> int:
         elif segment is not None:
             segment = {"path": str(path), "size_bytes": path.stat().st_size, **segment}
             print(json.dumps(segment, indent=2) if args.json else render_segment(segment))
+        elif trace is not None:
+            trace = {"path": str(path), "size_bytes": path.stat().st_size, **trace}
+            print(json.dumps(_trace_json(trace), indent=2) if args.json else render_trace(trace))
         else:
             assert revision is not None
             summary = summarize(conn, path, revision, status)
@@ -142,6 +153,26 @@ def run(args: argparse.Namespace) -> int:
     finally:
         conn.close()
     return 0
+
+
+# ---------------------------------------------------------------- what PATH names
+
+STORE_FILE = "rollout_state.sqlite"  # a run directory's live store, a snapshot directory's file
+TRACE_FILE = "rollout_trace.sqlite"  # in a run's logs/ directory
+
+
+def inspected_file(path: Path) -> Path:
+    """The file a PATH names: itself, or for a run or snapshot directory its
+    rollout_state.sqlite, for a run's logs/ directory its trace file."""
+    from rolloutdb.store import NotAStoreError
+
+    if not path.is_dir() or path.is_symlink() and not path.resolve().is_dir():
+        return path
+    for name in (STORE_FILE, TRACE_FILE):
+        if (path / name).is_file():
+            return path / name
+    raise NotAStoreError(f"{path}: is a directory with no {STORE_FILE} or {TRACE_FILE} in it; pass a run "
+                         "directory, a snapshot directory, a run's logs/ directory or a .sqlite file")
 
 
 # ---------------------------------------------------------------- the summary
@@ -310,6 +341,33 @@ def render_segment(s: dict[str, Any]) -> str:
         "note: the store that references it records its size and BLAKE3; `rolloutdb verify` of the snapshot or "
         "run directory checks it",
     ])
+
+
+def _trace_json(s: dict[str, Any]) -> dict[str, Any]:
+    """The trace summary as --json prints it: times as ISO-8601 UTC strings."""
+    runs = [{**r, "first_t": iso_utc(r["first_t"]), "last_t": iso_utc(r["last_t"])} for r in s["runs"]]
+    return {**s, "runs": runs}
+
+
+def render_trace(s: dict[str, Any]) -> str:
+    status = {"head": "head", "old": f"old; head is {s['head_revision']}, `rolloutdb trace` reads it through an "
+              "upgraded copy", "newer": f"newer than this rolloutdb knows (head {s['head_revision']})"}
+    lines = [
+        f"file              {s['path']} ({_size(s['size_bytes'])})",
+        "kind              a run's trace (events of every process that worked on the run)",
+        f"trace revision    {s['revision']} ({status[s['revision_status']]})",
+        f"runs              {len(s['runs'])} process(es) wrote to it",
+    ]
+    for r in s["runs"]:
+        lines.append(f"  run {r['run']}  pid {r['pid']} on {r['host']}, {iso_utc(r['first_t'])} .. "
+                     f"{iso_utc(r['last_t'])}, last seq {r['last_seq']}")
+    lines.append("rows per table")
+    width = max((len(t) for t in s["row_counts"]), default=0)
+    for table, n in s["row_counts"].items():
+        lines.append(f"  {table:<{width}}  {n:>10}")
+    lines.append("note: `rolloutdb trace RUN_DIR` reports what each stop cost; `rolloutdb sql RUN_DIR` queries "
+                 "it beside the store (docs/trace.md, docs/schema.md)")
+    return "\n".join(lines)
 
 
 def _states(counts: dict[str, int]) -> str:

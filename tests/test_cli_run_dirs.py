@@ -1,7 +1,9 @@
-"""`rolloutdb sql` over a real run (the crash harness's small config, trace on): every store,
-snapshot, segment and trace file attached under the documented schema names, a query's
-result equal to what plain sqlite3 reads from the same file, in every format, and the run
-directory byte for byte (and mtime for mtime) as it was, a live writer's WAL included."""
+"""`rolloutdb sql` and `rolloutdb inspect` over a real run (the crash harness's small config,
+trace on). sql: every store, snapshot, segment and trace file attached under the documented
+schema names, a query's result equal to what plain sqlite3 reads from the same file, in
+every format, and the run directory byte for byte (and mtime for mtime) as it was, a live
+writer's WAL included. inspect: a run directory, a snapshot directory and the trace file
+(or the logs/ directory holding it) are summarised."""
 
 from __future__ import annotations
 
@@ -147,3 +149,45 @@ def test_a_path_that_holds_no_rolloutdb_file_is_refused_naming_it(tmp_path):
     (tmp_path / "notes.sqlite").write_text("not a database")
     assert_one_error_line(sql(str(tmp_path / "notes.sqlite"), "SELECT 1"), "notes.sqlite: not a readable SQLite file")
     assert sorted(os.listdir(tmp_path)) == ["notes.sqlite"]
+
+
+# ----------------------------------------------------------------------------- inspect
+
+
+def inspect(*args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "rolloutdb", "inspect", *map(str, args)], env=env(),
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_inspect_of_a_run_or_snapshot_directory_summarises_its_store_file(run_dir):
+    before = untouched(run_dir)
+    _, snapshot = sorted(snapshot_dirs(run_dir).items())[-1]
+    for directory in (run_dir, snapshot):
+        of_dir, of_file = inspect(directory, "--json"), inspect(directory / "rollout_state.sqlite", "--json")
+        assert of_dir.returncode == 0, of_dir.stderr
+        assert json.loads(of_dir.stdout) == json.loads(of_file.stdout)
+    assert json.loads(inspect(snapshot, "--json").stdout)["manifest"]["sequence"] == int(snapshot.name.split("_")[1])
+    assert inspect(run_dir).stdout == inspect(run_dir / "rollout_state.sqlite").stdout
+    assert untouched(run_dir) == before
+
+
+def test_inspect_of_the_trace_file_lists_its_runs_and_rows_per_table_as_sqlite3_reads_them(run_dir):
+    before = untouched(run_dir)
+    trace = run_dir / "logs" / "rollout_trace.sqlite"
+    doc = json.loads(inspect(trace, "--json").stdout)
+    assert doc["kind"] == "trace" and doc["revision_status"] == "head"
+    runs = sqlite_rows(trace, "SELECT run, pid, last_seq FROM runs ORDER BY run")
+    assert [(r["run"], r["pid"], r["last_seq"]) for r in doc["runs"]] == runs and len(runs) == 1
+    for table in ("train_step", "group_sealed", "rollout_finished"):
+        assert doc["row_counts"][table] == sqlite_rows(trace, f"SELECT count(*) FROM {table}")[0][0] > 0
+    assert json.loads(inspect(run_dir / "logs", "--json").stdout) == doc
+    text = inspect(trace)
+    assert "a run's trace" in text.stdout and "rolloutdb trace RUN_DIR" in text.stdout, text.stdout
+    steps = inspect(trace, "--sql", "SELECT count(*) AS n FROM train_step")
+    assert steps.stdout.splitlines()[2].strip() == str(doc["row_counts"]["train_step"]), steps.stderr
+    assert untouched(run_dir) == before
+
+
+def test_inspect_of_a_directory_with_no_store_or_trace_in_it_is_refused_naming_what_to_pass(run_dir, tmp_path):
+    for directory in (run_dir / "checkpoints", tmp_path):
+        assert_one_error_line(inspect(directory), "is a directory with no rollout_state.sqlite", "a run directory")
