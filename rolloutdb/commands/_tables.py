@@ -8,6 +8,7 @@ import csv
 import io
 import json
 import math
+from collections.abc import Callable
 from typing import Any
 
 MAX_CELL = 80  # text tables cut longer cells; CSV and JSON keep them whole
@@ -30,9 +31,10 @@ def _text(value: Any) -> str:
     return text if len(text) <= MAX_CELL else text[: MAX_CELL - 1] + "…"
 
 
-def format_table(columns: list[str], rows: list[tuple]) -> str:
-    """An aligned text table; numbers right-aligned, everything else left."""
-    cells = [[_text(v) for v in row] for row in rows]
+def format_table(columns: list[str], rows: list[tuple] | list[list], cell: Callable[[Any], str] | None = None) -> str:
+    """An aligned text table; numbers right-aligned, everything else left. `cell` shows a
+    value (default: NULL for None, BLOBs as <blob N bytes>, long text cut)."""
+    cells = [[(cell or _text)(v) for v in row] for row in rows]
     widths = [max([len(c)] + [len(r[i]) for r in cells]) for i, c in enumerate(columns)]
     numeric = [
         bool(rows) and all(isinstance(r[i], (int, float)) and not isinstance(r[i], bool) or r[i] is None for r in rows)

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rolloutdb.commands._arguments import path_argument
+from rolloutdb.commands._tables import format_table
 from rolloutdb.timefmt import ago, iso_utc
 
 if TYPE_CHECKING:
@@ -110,8 +111,8 @@ def run(args: argparse.Namespace) -> int:
     if not rows:
         print(f"{root}: no checkpoints")
         return 0
-    header = ("SEQ", "ANCHOR", "KIND", "AGE", "SIZE", "COUNTS", "STATUS")
-    table = [header] + [
+    header = ["SEQ", "ANCHOR", "KIND", "AGE", "SIZE", "COUNTS", "STATUS"]
+    table = [
         (
             str(r["sequence"]) if r["sequence"] is not None else "-",
             r["anchor"],
@@ -123,7 +124,5 @@ def run(args: argparse.Namespace) -> int:
         )
         for r in rows
     ]
-    widths = [max(len(row[i]) for row in table) for i in range(len(header) - 1)]
-    for row in table:
-        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[-1])
+    print(format_table(header, table, cell=str))
     return 0
