@@ -159,6 +159,33 @@ def test_a_missing_file_is_refused_naming_it_and_where_relative_paths_are_read(t
     assert "nope.jsonl not found" in message and f"relative to {tmp_path}" in message
 
 
+def test_a_gzipped_jsonl_gives_the_records_and_fingerprint_of_the_plain_file(jsonl, tmp_path):
+    import gzip
+
+    packed = tmp_path / "packed" / "prompts.jsonl.gz"
+    packed.parent.mkdir()
+    packed.write_bytes(gzip.compress(jsonl.read_bytes(), compresslevel=1))
+    plain, gzipped = FileDataset(jsonl), FileDataset(packed)
+    assert [gzipped.record(i) for i in range(len(gzipped))] == [plain.record(i) for i in range(len(plain))] == RECORDS
+    assert gzipped.fingerprint() == plain.fingerprint()
+    packed.write_bytes(gzip.compress(jsonl.read_bytes(), compresslevel=9))
+    assert FileDataset(packed).fingerprint() == plain.fingerprint()  # the records, not their compression
+
+
+def test_a_gzipped_jsonl_with_a_bad_line_or_a_cut_stream_is_refused_naming_it(jsonl, tmp_path):
+    import gzip
+
+    bad = tmp_path / "bad.jsonl.gz"
+    bad.write_bytes(gzip.compress(b'{"prompt": "fine"}\nnot json\n'))
+    assert "bad.jsonl.gz line 2 is not valid JSON" in refused(lambda: FileDataset(bad))
+    cut = tmp_path / "cut.jsonl.gz"
+    cut.write_bytes(gzip.compress(jsonl.read_bytes())[:-12])
+    assert "cut.jsonl.gz is not a readable gzip file" in refused(lambda: FileDataset(cut))
+    other = tmp_path / "p.csv.gz"
+    other.write_bytes(gzip.compress(b"prompt\nhi\n"))
+    assert "'.gz'" in refused(lambda: FileDataset(other)) and ".jsonl.gz" in refused(lambda: FileDataset(other))
+
+
 def test_an_unknown_extension_is_refused_listing_the_accepted_ones(tmp_path):
     (tmp_path / "p.csv").write_text("prompt\nhi\n")
     message = refused(lambda: FileDataset(tmp_path / "p.csv"))

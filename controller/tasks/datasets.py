@@ -31,10 +31,12 @@ list index, not a query. Every error is one line, a
 from __future__ import annotations
 
 import copy
+import gzip
 import hashlib
 import itertools
 import json
 import os
+import zlib
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -43,6 +45,10 @@ from rolloutdb.config import ChatTemplate, DatasetSection
 from rolloutdb.store import refuse_special_file
 
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
+# JSON Lines compressed with gzip (`prompts.jsonl.gz`): read through the standard library's
+# gzip stream, line by line as a plain file; the fingerprint is of the decompressed bytes,
+# so recompressing the same records (another level, another gzip) is the same dataset.
+GZIP_SUFFIX = ".gz"
 PARQUET_SUFFIXES = (".parquet", ".pq")
 # Bounds that refuse a prompt too long for the policy's context without tokenizing it (a
 # 50 MB line took over 5 minutes through the tokenizer, after the run directory was made).
@@ -84,16 +90,21 @@ def _read_jsonl(path: Path, max_line: int | None) -> tuple[list[dict], list[int]
     records: list[dict] = []
     lines: list[int] = []
     digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for number in itertools.count(1):
-            raw = _read_line(f, path, number, max_line)
-            if not raw:
-                break
-            digest.update(raw)
-            value = _parse_line(path, number, raw)
-            if value is not None:
-                records.append(value)
-                lines.append(number)
+    opener = gzip.open if path.suffix.lower() == GZIP_SUFFIX else open
+    with opener(path, "rb") as f:
+        try:
+            for number in itertools.count(1):
+                raw = _read_line(f, path, number, max_line)
+                if not raw:
+                    break
+                digest.update(raw)
+                value = _parse_line(path, number, raw)
+                if value is not None:
+                    records.append(value)
+                    lines.append(number)
+        except (gzip.BadGzipFile, EOFError, zlib.error) as e:
+            raise DatasetError(f"dataset.path: {path} is not a readable gzip file ({_one_line(e) or type(e).__name__}"
+                               f", at line {number}); recompress it with gzip") from None
     return records, lines, digest.hexdigest()
 
 
@@ -193,9 +204,12 @@ class FileDataset:
         self.reward_fields = None if reward_fields is None else list(reward_fields)
         self._unit = "line"
         suffix = self.path.suffix.lower()
-        if suffix not in JSONL_SUFFIXES + PARQUET_SUFFIXES:
+        if suffix == GZIP_SUFFIX and Path(self.path.stem).suffix.lower() in JSONL_SUFFIXES:
+            suffix = Path(self.path.stem).suffix.lower()  # prompts.jsonl.gz: JSON Lines, gzipped
+        elif suffix not in JSONL_SUFFIXES + PARQUET_SUFFIXES:
+            accepted = JSONL_SUFFIXES + tuple(s + GZIP_SUFFIX for s in JSONL_SUFFIXES) + PARQUET_SUFFIXES
             raise DatasetError(f"dataset.path: {self.path} has the extension {suffix or '(none)'!r}; accepted: "
-                               f"{', '.join(JSONL_SUFFIXES + PARQUET_SUFFIXES)} (JSON Lines or Parquet)")
+                               f"{', '.join(accepted)} (JSON Lines, gzipped or not, or Parquet)")
         try:
             refuse_special_file(self.path, DatasetError)  # a FIFO would block the read
         except DatasetError as e:
