@@ -20,7 +20,7 @@ def head_of_revision_files(versions: Path = Path(__file__).parent / "versions") 
     (`rolloutdb.store.head_revision`); tests/test_cli_startup.py checks the two agree."""
     revises: dict[str, str | None] = {}
     for path in sorted(versions.glob("*.py")):
-        found = dict(m.groups() for m in _REVISION_LINE.finditer(path.read_text(encoding="utf-8")))
+        found = {m.group(1): m.group(2) for m in _REVISION_LINE.finditer(path.read_text(encoding="utf-8"))}
         if found.get("revision"):
             revises[found["revision"]] = found.get("down_revision")
     heads = set(revises) - set(revises.values())

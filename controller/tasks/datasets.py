@@ -39,7 +39,7 @@ import os
 import zlib
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, Protocol
 
 from rolloutdb.config import ChatTemplate, DatasetSection
 from rolloutdb.store import refuse_special_file
@@ -108,7 +108,13 @@ def _read_jsonl(path: Path, max_line: int | None) -> tuple[list[dict], list[int]
     return records, lines, digest.hexdigest()
 
 
-def _read_line(f: BinaryIO, path: Path, number: int, max_line: int | None) -> bytes:
+class _Lines(Protocol):
+    """A binary file read by lines: a plain file or a gzip stream."""
+
+    def readline(self, size: int = -1, /) -> bytes: ...
+
+
+def _read_line(f: _Lines, path: Path, number: int, max_line: int | None) -> bytes:
     """One line with its newline (b"" at the end of the file), read in bounded pieces."""
     parts: list[bytes] = []
     size = 0

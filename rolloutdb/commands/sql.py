@@ -77,7 +77,10 @@ def split_paths_and_query(items: list[str], query: str | None) -> tuple[list[Pat
     exists (then there is no query: list what is attached)."""
     if query is None and len(items) > 1 and not Path(items[-1]).exists():
         items, query = items[:-1], items[-1]
-    return [path_argument(item) for item in items], query
+    try:
+        return [path_argument(item) for item in items], query
+    except argparse.ArgumentTypeError as e:  # argparse's type, raised here outside argparse
+        raise ValueError(f"{e}; pass a run, checkpoint or snapshot directory or a .sqlite file") from None
 
 
 def run(args: argparse.Namespace) -> int:
