@@ -186,6 +186,35 @@ def test_a_gzipped_jsonl_with_a_bad_line_or_a_cut_stream_is_refused_naming_it(js
     assert "'.gz'" in refused(lambda: FileDataset(other)) and ".jsonl.gz" in refused(lambda: FileDataset(other))
 
 
+def test_a_glob_reads_every_matching_file_in_name_order_as_one_dataset_naming_each_records_file(tmp_path):
+    import gzip
+
+    data = tmp_path / "data"
+    data.mkdir()
+    write_jsonl(data / "part-1.jsonl", RECORDS[2:])
+    (data / "part-0.jsonl.gz").write_bytes(gzip.compress(write_jsonl(tmp_path / "first.jsonl", RECORDS[:2]).read_bytes()))
+    (data / "notes.txt").write_text("not matched")
+    joined = FileDataset("data/part-*", base_dir=tmp_path)
+    assert [joined.record(i) for i in range(len(joined))] == RECORDS
+    assert [(joined.file_of(i).name, joined.location(i)) for i in range(3)] == [
+        ("part-0.jsonl.gz", "line 1"), ("part-0.jsonl.gz", "line 2"), ("part-1.jsonl", "line 1")]
+    before = joined.fingerprint()
+    assert before == FileDataset(data / "part-*").fingerprint()
+    assert before != FileDataset(tmp_path / "first.jsonl").fingerprint()
+    write_jsonl(data / "part-1.jsonl", [{**RECORDS[2], "prompt": "What is 6 times 3?"}])
+    assert FileDataset(data / "part-*").fingerprint() != before
+
+
+def test_a_glob_that_matches_nothing_or_both_kinds_or_a_bad_line_is_refused_naming_the_file(tmp_path):
+    assert "the pattern" in refused(lambda: FileDataset("none-*.jsonl", base_dir=tmp_path))
+    assert "matches no file (read relative to" in refused(lambda: FileDataset("none-*.jsonl", base_dir=tmp_path))
+    write_jsonl(tmp_path / "a.jsonl", RECORDS)
+    (tmp_path / "b.jsonl").write_text('{"prompt": "fine"}\nnot json\n')
+    assert "b.jsonl line 2 is not valid JSON" in refused(lambda: FileDataset(tmp_path / "*.jsonl"))
+    write_parquet(tmp_path / "c.parquet", tmp_path / "a.jsonl")
+    assert "both JSON Lines and Parquet" in refused(lambda: FileDataset(tmp_path / "[ac].*"))
+
+
 def test_an_unknown_extension_is_refused_listing_the_accepted_ones(tmp_path):
     (tmp_path / "p.csv").write_text("prompt\nhi\n")
     message = refused(lambda: FileDataset(tmp_path / "p.csv"))
