@@ -7,43 +7,46 @@ comes from the store's facade, `rolloutdb.store`, which holds the rest (migratio
 `rolloutdb.migrations`, the built-in controller in `rolloutdb.controller`).
 """
 
-from rolloutdb.store import (
-    BOOTSTRAP,
-    LATEST,
-    AnchorNotDurable,
-    FinishedGeneration,
-    IllegalTransition,
-    LedgerAudit,
-    NoRestorableSnapshot,
-    NotAStoreError,
-    Published,
-    Publisher,
-    PublishError,
-    ReplayFullError,
-    Report,
-    Reservation,
-    RestoredGroup,
-    RestoreError,
-    RestorePlan,
-    SchemaTooNewError,
-    SchemaTooOldError,
-    Selection,
-    Store,
-    StoreError,
-    anchor_name,
-    audit_ledger,
-    check_invariants,
-    choose_snapshot,
-    codec,
-    drop_checkpoints_after,
-    ledger,
-    pools,
-    queries,
-    restore_snapshot,
-    scan,
-    select_and_restore,
-    verify_path,
-)
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from rolloutdb.store import (
+        BOOTSTRAP,
+        LATEST,
+        AnchorNotDurable,
+        FinishedGeneration,
+        IllegalTransition,
+        LedgerAudit,
+        NoRestorableSnapshot,
+        NotAStoreError,
+        Published,
+        Publisher,
+        PublishError,
+        ReplayFullError,
+        Report,
+        Reservation,
+        RestoredGroup,
+        RestoreError,
+        RestorePlan,
+        SchemaTooNewError,
+        SchemaTooOldError,
+        Selection,
+        Store,
+        StoreError,
+        anchor_name,
+        audit_ledger,
+        check_invariants,
+        choose_snapshot,
+        codec,
+        drop_checkpoints_after,
+        ledger,
+        pools,
+        queries,
+        restore_snapshot,
+        scan,
+        select_and_restore,
+        verify_path,
+    )
 
 __version__ = "0.1.0"
 
@@ -90,3 +93,19 @@ __all__ = [
     "StoreError",
     "__version__",
 ]
+
+
+def __getattr__(name: str) -> object:
+    # The store (SQLAlchemy, Alembic, NumPy: ~0.8 s of imports) loads on first use of one
+    # of its names, so that `import rolloutdb.cli` and `rolloutdb --help` stay light.
+    if name in __all__ and name != "__version__":
+        import rolloutdb.store
+
+        value = getattr(rolloutdb.store, name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'rolloutdb' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

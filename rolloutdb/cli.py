@@ -19,15 +19,13 @@ import sys
 import threading
 from typing import NoReturn
 
-from rolloutdb.store import StoreError
-
 EXIT_USAGE = 2
 EXIT_SIGINT = 128 + signal.SIGINT
 EXIT_SIGTERM = 128 + signal.SIGTERM
 # Commands that only read: SIGTERM unwinds them (closing connections, removing private
 # copies) instead of killing them where they stand. `train` keeps the default: its
 # state is in SQLite and a kill at any point is what its crash tests prove safe.
-READING_COMMANDS = {"inspect", "verify", "snapshots", "trace"}
+READING_COMMANDS = {"inspect", "verify", "snapshots", "trace", "sql"}
 MAX_MESSAGE = 2000
 
 
@@ -49,16 +47,32 @@ def _one_line(text: object) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    # Building the parser imports every command module but none of their dependencies
+    # (torch, DuckDB, SQLAlchemy, Alembic: each imports them inside its `run`), so that
+    # --help and --version answer at once; tests/test_cli_startup.py holds them to it.
     from rolloutdb import commands
 
     parser = OneLineParser(
         prog="rolloutdb",
         description="Keep the in-flight state of asynchronous RL in SQLite; inspect, upgrade and verify it.",
     )
+    parser.add_argument("--version", action="version", version=f"rolloutdb {installed_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for register in commands.REGISTRY:
         register(sub)
     return parser
+
+
+def installed_version() -> str:
+    """The version of the installed distribution (its metadata, what pip shows)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("rolloutdb")
+    except PackageNotFoundError:  # a source tree on sys.path, never installed
+        from rolloutdb import __version__
+
+        return f"{__version__} (not installed)"
 
 
 def _on_sigterm(_signum, _frame) -> NoReturn:  # noqa: ANN001
@@ -87,6 +101,8 @@ def _error(message: object, code: int = EXIT_USAGE) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from rolloutdb.store import StoreError
+
     try:
         return int(args.func(args) or 0)
     except (StoreError, FileExistsError, ValueError) as e:

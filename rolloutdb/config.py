@@ -738,6 +738,25 @@ def apply_override(data: dict, override: str) -> None:
         raise ConfigError(f"override {override!r}: value is not valid YAML ({e.problem})") from e
 
 
+_INTERPOLATION = re.compile(r"\$\{[^}]*\}")
+
+
+def refuse_interpolation(node: Any, where: str = "") -> None:
+    """Refuse an OmegaConf/Hydra-style ``${...}`` (``${oc.env:HOME}``, ``${run.name}``) in
+    any value, from the file or an override: rolloutdb expands none, and taking it as a
+    literal would name a directory or a model ``${oc.env:HOME}`` without a word."""
+    if isinstance(node, dict):
+        for key, value in node.items():
+            refuse_interpolation(value, f"{where}.{key}" if where else str(key))
+    elif isinstance(node, list):
+        for i, value in enumerate(node):
+            refuse_interpolation(value, f"{where}[{i}]")
+    elif isinstance(node, str) and _INTERPOLATION.search(node):
+        found = _INTERPOLATION.search(node).group(0)
+        raise ConfigError(f"{where}: {found} is an interpolation, which rolloutdb does not expand; write the value "
+                          "itself (in an override the shell expands $VAR: key=\"$VAR\")")
+
+
 def config_from_dict(data: dict[str, Any]) -> Config:
     try:
         return Config.model_validate(data)
@@ -763,6 +782,7 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> Config:
         raise ConfigError(f"{path}: the top level must be a mapping of sections")
     for override in overrides:
         apply_override(data, override)
+    refuse_interpolation(data)
     resolve_relative_paths(data, path.parent)
     if data.get("run") is None:
         data["run"] = {}

@@ -96,6 +96,8 @@ from .restore.verification import Report, verify_path
 
 # trace: the writer and the analysis
 from .trace.analysis import Table, TraceAnalysis
+from .trace.attached import AttachedFiles
+from .trace.summary import trace_summary
 from .trace.writer import NullTracer, Tracer, TraceError, open_tracer, trace_file_for
 
 __all__ = [
@@ -208,6 +210,7 @@ __all__ = [
     "select_for_restore",
     "verify_path",
     # trace
+    "AttachedFiles",
     "NullTracer",
     "Table",
     "TraceAnalysis",
@@ -215,4 +218,5 @@ __all__ = [
     "Tracer",
     "open_tracer",
     "trace_file_for",
+    "trace_summary",
 ]

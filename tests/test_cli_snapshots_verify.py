@@ -74,11 +74,12 @@ def test_snapshots_lists_one_row_per_anchor_and_snapshot(ckpt):
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
     assert lines[0].split() == ["SEQ", "ANCHOR", "KIND", "AGE", "SIZE", "COUNTS", "STATUS"]
-    rows = [line.split()[:3] for line in lines[1:]]
+    assert set(lines[1]) == {"-", " "} and lines[-1] == "(5 rows)"  # the shared table format
+    rows = [line.split()[:3] for line in lines[2:-1]]
     assert rows == [["-", "bootstrap", "trainer"], ["1", "bootstrap", "snapshot"], ["2", "bootstrap", "snapshot"],
                     ["-", "step_1", "trainer"], ["3", "step_1", "snapshot"]]
-    assert all(line.rstrip().endswith("complete") for line in lines[1:])
-    assert "groups=3" in lines[-1]
+    assert all(line.rstrip().endswith("complete") for line in lines[2:-1])
+    assert "groups=3" in lines[-2]
 
 
 def test_snapshots_json_gives_counts_and_completeness_and_lists_leftovers_as_incomplete(ckpt):

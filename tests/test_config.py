@@ -103,6 +103,20 @@ def test_an_agent_servers_calls_carry_every_sampling_setting_to_the_policy_endpo
     assert wire.sampling_params(wire.completion_body([5], params)) == params
 
 
+def test_an_interpolation_in_an_override_or_the_file_is_refused_naming_the_key_never_taken_literally(tmp_path):
+    p = _write(tmp_path, "generation:\n  stop: ['\\n', '${oc.env:STOP}']\n")
+    with pytest.raises(ConfigError, match=r"^generation\.stop\[1\]: \$\{oc\.env:STOP\} is an interpolation"):
+        load_config(p)
+    proc = subprocess.run(
+        [sys.executable, "-m", "rolloutdb", "train", "--config", REPO_EXAMPLE, "--run-dir", str(tmp_path / "run"),
+         "run.name=${oc.env:USER}"], capture_output=True, text=True, timeout=120)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert lines[0].startswith("error: run.name: ${oc.env:USER} is an interpolation") and "$VAR" in lines[0]
+    assert not (tmp_path / "run").exists()
+    assert load_config(REPO_EXAMPLE, ["run.name=costs$5"]).run.name == "costs$5"  # a dollar alone is a value
+
+
 def test_the_train_command_prints_one_error_line_for_a_bad_config(tmp_path):
     p = _write(tmp_path, "algorithm:\n  total_step: 3\n")
     proc = subprocess.run(

@@ -159,6 +159,62 @@ def test_a_missing_file_is_refused_naming_it_and_where_relative_paths_are_read(t
     assert "nope.jsonl not found" in message and f"relative to {tmp_path}" in message
 
 
+def test_a_gzipped_jsonl_gives_the_records_and_fingerprint_of_the_plain_file(jsonl, tmp_path):
+    import gzip
+
+    packed = tmp_path / "packed" / "prompts.jsonl.gz"
+    packed.parent.mkdir()
+    packed.write_bytes(gzip.compress(jsonl.read_bytes(), compresslevel=1))
+    plain, gzipped = FileDataset(jsonl), FileDataset(packed)
+    assert [gzipped.record(i) for i in range(len(gzipped))] == [plain.record(i) for i in range(len(plain))] == RECORDS
+    assert gzipped.fingerprint() == plain.fingerprint()
+    packed.write_bytes(gzip.compress(jsonl.read_bytes(), compresslevel=9))
+    assert FileDataset(packed).fingerprint() == plain.fingerprint()  # the records, not their compression
+
+
+def test_a_gzipped_jsonl_with_a_bad_line_or_a_cut_stream_is_refused_naming_it(jsonl, tmp_path):
+    import gzip
+
+    bad = tmp_path / "bad.jsonl.gz"
+    bad.write_bytes(gzip.compress(b'{"prompt": "fine"}\nnot json\n'))
+    assert "bad.jsonl.gz line 2 is not valid JSON" in refused(lambda: FileDataset(bad))
+    cut = tmp_path / "cut.jsonl.gz"
+    cut.write_bytes(gzip.compress(jsonl.read_bytes())[:-12])
+    assert "cut.jsonl.gz is not a readable gzip file" in refused(lambda: FileDataset(cut))
+    other = tmp_path / "p.csv.gz"
+    other.write_bytes(gzip.compress(b"prompt\nhi\n"))
+    assert "'.gz'" in refused(lambda: FileDataset(other)) and ".jsonl.gz" in refused(lambda: FileDataset(other))
+
+
+def test_a_glob_reads_every_matching_file_in_name_order_as_one_dataset_naming_each_records_file(tmp_path):
+    import gzip
+
+    data = tmp_path / "data"
+    data.mkdir()
+    write_jsonl(data / "part-1.jsonl", RECORDS[2:])
+    (data / "part-0.jsonl.gz").write_bytes(gzip.compress(write_jsonl(tmp_path / "first.jsonl", RECORDS[:2]).read_bytes()))
+    (data / "notes.txt").write_text("not matched")
+    joined = FileDataset("data/part-*", base_dir=tmp_path)
+    assert [joined.record(i) for i in range(len(joined))] == RECORDS
+    assert [(joined.file_of(i).name, joined.location(i)) for i in range(3)] == [
+        ("part-0.jsonl.gz", "line 1"), ("part-0.jsonl.gz", "line 2"), ("part-1.jsonl", "line 1")]
+    before = joined.fingerprint()
+    assert before == FileDataset(data / "part-*").fingerprint()
+    assert before != FileDataset(tmp_path / "first.jsonl").fingerprint()
+    write_jsonl(data / "part-1.jsonl", [{**RECORDS[2], "prompt": "What is 6 times 3?"}])
+    assert FileDataset(data / "part-*").fingerprint() != before
+
+
+def test_a_glob_that_matches_nothing_or_both_kinds_or_a_bad_line_is_refused_naming_the_file(tmp_path):
+    assert "the pattern" in refused(lambda: FileDataset("none-*.jsonl", base_dir=tmp_path))
+    assert "matches no file (read relative to" in refused(lambda: FileDataset("none-*.jsonl", base_dir=tmp_path))
+    write_jsonl(tmp_path / "a.jsonl", RECORDS)
+    (tmp_path / "b.jsonl").write_text('{"prompt": "fine"}\nnot json\n')
+    assert "b.jsonl line 2 is not valid JSON" in refused(lambda: FileDataset(tmp_path / "*.jsonl"))
+    write_parquet(tmp_path / "c.parquet", tmp_path / "a.jsonl")
+    assert "both JSON Lines and Parquet" in refused(lambda: FileDataset(tmp_path / "[ac].*"))
+
+
 def test_an_unknown_extension_is_refused_listing_the_accepted_ones(tmp_path):
     (tmp_path / "p.csv").write_text("prompt\nhi\n")
     message = refused(lambda: FileDataset(tmp_path / "p.csv"))

@@ -211,7 +211,8 @@ def make_trace(run_dir: Path) -> Path:
     return open_trace_file(run_dir / "logs" / "rollout_trace.sqlite")
 
 
-@pytest.mark.parametrize("command", ["inspect", "verify", "upgrade"])
+# `inspect` reads a trace file too (tests/test_cli_run_dirs.py).
+@pytest.mark.parametrize("command", ["verify", "upgrade"])
 def test_a_trace_file_given_to_a_store_command_is_named_as_the_runs_trace_with_the_command_that_reads_it(
         tmp_path, command):
     run_dir = tmp_path / "run"

@@ -470,7 +470,8 @@ def test_rolloutdb_trace_piped_into_a_reader_that_leaves_after_one_line_still_wr
 def test_rolloutdb_trace_writes_points_in_time_as_iso_8601_utc_in_its_text_csv_and_json(job, capsys):
     run, base = job
     run_dir = run.parent.parent
-    assert main(["trace", str(run_dir), "--baseline", str(base.parent.parent)]) == 0
+    # --steps: the per-step table, where the step times are printed
+    assert main(["trace", str(run_dir), "--baseline", str(base.parent.parent), "--steps"]) == 0
     printed = capsys.readouterr().out
     assert "1970-01-01T00:01:46Z" in printed and "1970-01-01T00:01:47Z" in printed  # cut_time 106, step 1 at t=107
     assert "106.000" not in printed and "107.000" not in printed

@@ -101,7 +101,7 @@ def job(tmp_path_factory):
         _, errs[name] = proc.communicate(timeout=TIMEOUT_S)
         assert proc.returncode == 0, errs[name][-2000:]
     report = subprocess.run([sys.executable, "-m", "rolloutdb", "trace", str(run_dir), "--baseline", str(twin_dir),
-                             "--out", str(out)], capture_output=True, text=True, timeout=TIMEOUT_S)
+                             "--out", str(out), "--steps"], capture_output=True, text=True, timeout=TIMEOUT_S)
     assert report.returncode == 0, report.stderr
     return {"run_dir": run_dir, "twin_dir": twin_dir, "out": out, "printed": report.stdout, "snapshot": snapshot,
             "resume_stderr": errs["resumed"],
@@ -116,7 +116,7 @@ def _trace_rows(run_dir: Path, sql: str, *args) -> list[tuple]:
 
 def _printed_table(printed: str, title: str) -> list[list[str]]:
     lines = printed.split(f"\n{title}\n", 1)[1].split("\n\n", 1)[0].splitlines()
-    return [line.split() for line in lines[1:]]  # without the header
+    return [line.split() for line in lines[2:-1]]  # without the header, its rule and the row count
 
 
 def test_the_resumed_run_restored_the_snapshot_it_was_killed_after(job):
@@ -280,3 +280,15 @@ def test_trace_json_from_a_subprocess_is_the_report_document_with_points_in_time
     with open(tmp_path / "thrown_away_by_attempt.csv", newline="") as f:
         rows = list(csv.DictReader(f))
     assert rows and all(iso.match(row["dispatched_at"]) and iso.match(row["cut_time"]) for row in rows)
+
+
+def test_by_default_the_batch_age_is_one_summary_line_and_steps_prints_every_step(job, tmp_path):
+    rows = job["json"]["batch_age_per_step"]
+    ages = [r["batch_age"] for r in rows if r["batch_age"] is not None]
+    plain = subprocess.run([sys.executable, "-m", "rolloutdb", "trace", str(job["run_dir"]), "--out", str(tmp_path)],
+                           capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert plain.returncode == 0, plain.stderr
+    assert "Batch age per train step" not in plain.stdout and "Thrown-away time per stop" in plain.stdout
+    assert (f"Batch age: {len(ages)} train steps, mean {sum(ages) / len(ages):.3f}, min {min(ages):.3f}, "
+            f"max {max(ages):.3f}") in plain.stdout
+    assert len(_printed_table(job["printed"], "Batch age per train step")) == len(rows)

@@ -1,4 +1,5 @@
-"""Prompts from a file: JSONL or Parquet, one prompt per record, addressed by position.
+"""Prompts from a file: JSONL (gzipped or not) or Parquet, one prompt per record, addressed
+by position; or from every file a glob pattern matches, in name order, as one dataset.
 
 `FileDataset` implements `PromptDataset` (`controller/protocols.py`): `len()`, a
 fingerprint, and `dataset[i]` (the prompt of record i); `record(i)` is what a reward
@@ -31,18 +32,25 @@ list index, not a query. Every error is one line, a
 from __future__ import annotations
 
 import copy
+import glob
+import gzip
 import hashlib
 import itertools
 import json
 import os
+import zlib
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, Protocol
 
 from rolloutdb.config import ChatTemplate, DatasetSection
 from rolloutdb.store import refuse_special_file
 
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
+# JSON Lines compressed with gzip (`prompts.jsonl.gz`): read through the standard library's
+# gzip stream, line by line as a plain file; the fingerprint is of the decompressed bytes,
+# so recompressing the same records (another level, another gzip) is the same dataset.
+GZIP_SUFFIX = ".gz"
 PARQUET_SUFFIXES = (".parquet", ".pq")
 # Bounds that refuse a prompt too long for the policy's context without tokenizing it (a
 # 50 MB line took over 5 minutes through the tokenizer, after the run directory was made).
@@ -84,20 +92,31 @@ def _read_jsonl(path: Path, max_line: int | None) -> tuple[list[dict], list[int]
     records: list[dict] = []
     lines: list[int] = []
     digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for number in itertools.count(1):
-            raw = _read_line(f, path, number, max_line)
-            if not raw:
-                break
-            digest.update(raw)
-            value = _parse_line(path, number, raw)
-            if value is not None:
-                records.append(value)
-                lines.append(number)
+    opener = gzip.open if path.suffix.lower() == GZIP_SUFFIX else open
+    with opener(path, "rb") as f:
+        try:
+            for number in itertools.count(1):
+                raw = _read_line(f, path, number, max_line)
+                if not raw:
+                    break
+                digest.update(raw)
+                value = _parse_line(path, number, raw)
+                if value is not None:
+                    records.append(value)
+                    lines.append(number)
+        except (gzip.BadGzipFile, EOFError, zlib.error) as e:
+            raise DatasetError(f"dataset.path: {path} is not a readable gzip file ({_one_line(e) or type(e).__name__}"
+                               f", at line {number}); recompress it with gzip") from None
     return records, lines, digest.hexdigest()
 
 
-def _read_line(f: BinaryIO, path: Path, number: int, max_line: int | None) -> bytes:
+class _Lines(Protocol):
+    """A binary file read by lines: a plain file or a gzip stream."""
+
+    def readline(self, size: int = -1, /) -> bytes: ...
+
+
+def _read_line(f: _Lines, path: Path, number: int, max_line: int | None) -> bytes:
     """One line with its newline (b"" at the end of the file), read in bounded pieces."""
     parts: list[bytes] = []
     size = 0
@@ -191,54 +210,88 @@ class FileDataset:
         self.path = given if given.is_absolute() or base_dir is None else Path(base_dir) / given
         self.prompt_field = prompt_field
         self.reward_fields = None if reward_fields is None else list(reward_fields)
-        self._unit = "line"
-        suffix = self.path.suffix.lower()
-        if suffix not in JSONL_SUFFIXES + PARQUET_SUFFIXES:
-            raise DatasetError(f"dataset.path: {self.path} has the extension {suffix or '(none)'!r}; accepted: "
-                               f"{', '.join(JSONL_SUFFIXES + PARQUET_SUFFIXES)} (JSON Lines or Parquet)")
+        self.max_positions = max_positions
+        self._hint = "" if given.is_absolute() or base_dir is None else f" (read relative to {base_dir})"
+        # A glob pattern (`data/part-*.jsonl`) reads every file it matches, in name order,
+        # as one dataset; prompt ids run on across the files.
+        self.files = self._matched_files()
+        kinds = {self._kind(f) for f in self.files}
+        if len(kinds) > 1:
+            raise DatasetError(f"dataset.path: {self.path} matches both JSON Lines and Parquet files; match one kind")
+        self._unit = "row" if kinds == {"parquet"} else "line"
+        self._records: list[dict] = []
+        self._numbers: list[int] = []
+        self._file_index: list[int] = []
+        hashes = []
+        for k, file in enumerate(self.files):
+            records, numbers, sha = self._read_file(file)
+            self._records += records
+            self._numbers += numbers
+            self._file_index += [k] * len(records)
+            hashes.append(sha)
+        # One file: its content hash, as before globs existed (a resume keeps its fingerprint).
+        # Several: the hashes in file order (the order is the prompt ids'), not the names.
+        self.content_sha256 = hashes[0] if len(hashes) == 1 and not glob.has_magic(str(given)) else \
+            hashlib.sha256(json.dumps(hashes).encode()).hexdigest()
+
+    def _matched_files(self) -> list[Path]:
+        if not glob.has_magic(str(self.path)):
+            return [self.path]
+        files = [Path(p) for p in sorted(glob.glob(str(self.path))) if Path(p).is_file()]
+        if not files:
+            raise DatasetError(f"dataset.path: the pattern {self.path} matches no file{self._hint}; check the pattern")
+        return files
+
+    def _kind(self, path: Path) -> str:
+        suffix = path.suffix.lower()
+        if suffix == GZIP_SUFFIX and Path(path.stem).suffix.lower() in JSONL_SUFFIXES:
+            return "jsonl"  # prompts.jsonl.gz: JSON Lines, gzipped
+        if suffix in JSONL_SUFFIXES:
+            return "jsonl"
+        if suffix in PARQUET_SUFFIXES:
+            return "parquet"
+        accepted = JSONL_SUFFIXES + tuple(s + GZIP_SUFFIX for s in JSONL_SUFFIXES) + PARQUET_SUFFIXES
+        raise DatasetError(f"dataset.path: {path} has the extension {suffix or '(none)'!r}; accepted: "
+                           f"{', '.join(accepted)} (JSON Lines, gzipped or not, or Parquet)")
+
+    def _read_file(self, path: Path) -> tuple[list[dict], list[int], str]:
+        """(records, their lines or rows, the content hash) of one file, checked."""
         try:
-            refuse_special_file(self.path, DatasetError)  # a FIFO would block the read
+            refuse_special_file(path, DatasetError)  # a FIFO would block the read
         except DatasetError as e:
             raise DatasetError(f"dataset.path: {e}") from None
-        if not self.path.is_file():
-            hint = "" if given.is_absolute() or base_dir is None else f" (read relative to {base_dir})"
-            raise DatasetError(f"dataset.path: {self.path} not found{hint}; give an existing .jsonl or .parquet file")
-        self.max_positions = max_positions
-        before = os.stat(self.path)
-        if suffix in JSONL_SUFFIXES:
-            max_line = None if max_positions is None else BYTES_PER_POSITION * max_positions + RECORD_SLACK
-            records, numbers, self.content_sha256 = _read_jsonl(self.path, max_line)
-            columns = None
+        if not path.is_file():
+            raise DatasetError(f"dataset.path: {path} not found{self._hint}; give an existing .jsonl or .parquet file")
+        before = os.stat(path)
+        columns: list[str] | None = None
+        if self._kind(path) == "jsonl":
+            max_line = None if self.max_positions is None else BYTES_PER_POSITION * self.max_positions + RECORD_SLACK
+            records, numbers, sha = _read_jsonl(path, max_line)
         else:
-            self._unit = "row"
-            self.content_sha256 = _sha256_of(self.path)
-            records, numbers, columns = _read_parquet(self.path)
-            after = os.stat(self.path)
+            sha = _sha256_of(path)
+            records, numbers, columns = _read_parquet(path)
+            after = os.stat(path)
             if (after.st_size, after.st_mtime_ns) != (before.st_size, before.st_mtime_ns):
                 # DuckDB read the file again after we hashed it; a writer came between.
-                raise DatasetError(f"dataset.path: {self.path} changed while it was being read; start again once "
+                raise DatasetError(f"dataset.path: {path} changed while it was being read; start again once "
                                    "it is written")
         if not records:
-            raise DatasetError(f"dataset.path: {self.path} holds no records; it needs at least one "
-                               f"{{{prompt_field!r}: ...}}")
-        self._check_fields(records, numbers, columns)
-        self._records = records
-        self._numbers = numbers
+            raise DatasetError(f"dataset.path: {path} holds no records; it needs at least one "
+                               f"{{{self.prompt_field!r}: ...}}")
+        self._check_fields(path, records, numbers, columns)
+        return records, numbers, sha
 
-    def _where(self, i: int) -> str:
-        return f"dataset.path: {self.path} {self._unit} {self._numbers[i]}"
-
-    def _check_fields(self, records: list[dict], numbers: list[int], columns: list[str] | None) -> None:
+    def _check_fields(self, path: Path, records: list[dict], numbers: list[int], columns: list[str] | None) -> None:
         unit = self._unit
         wanted = [self.prompt_field, *(self.reward_fields or [])]
         if columns is not None:  # Parquet: a column is there for every row or for none
             for name in wanted:
                 if name not in columns:
                     key = "prompt_field" if name == self.prompt_field else "reward_fields"
-                    raise DatasetError(f"dataset.{key}: {self.path} has no column {name!r}; its columns are "
+                    raise DatasetError(f"dataset.{key}: {path} has no column {name!r}; its columns are "
                                        f"{', '.join(columns)}")
         for record, number in zip(records, numbers):
-            where = f"dataset.path: {self.path} {unit} {number}"
+            where = f"dataset.path: {path} {unit} {number}"
             for name in wanted:
                 if record.get(name) is None:
                     what = "is null" if name in record else "has no field"
@@ -297,8 +350,12 @@ class FileDataset:
         return {name: copy.deepcopy(full[name]) for name in (self.prompt_field, *self.reward_fields)}
 
     def location(self, index: int) -> str:
-        """'line 12' / 'row 12': where record `index` is in the file, for messages."""
+        """'line 12' / 'row 12': where record `index` is in its file (`file_of`), for messages."""
         return f"{self._unit} {self._numbers[self._index(index)]}"
+
+    def file_of(self, index: int) -> Path:
+        """The file record `index` came from (`path` itself unless it is a glob pattern)."""
+        return self.files[self._file_index[self._index(index)]]
 
     def characters(self) -> set[str]:
         """Every character the prompts use (the tiny policy's tokenizer needs them all)."""
@@ -323,7 +380,7 @@ def tiny_policy_alphabet(dataset: FileDataset, base: str) -> str:
             prompt = dataset[i]
             texts = [prompt] if isinstance(prompt, str) else [m["content"] for m in prompt]
             if any(ch in text for text in texts for ch in wide):
-                raise DatasetError(f"dataset.path: {dataset.path} {dataset.location(i)} uses {_shown(wide[0])}, "
+                raise DatasetError(f"dataset.path: {dataset.file_of(i)} {dataset.location(i)} uses {_shown(wide[0])}, "
                                    "which the tiny policy's ASCII tokenizer cannot represent; set policy.model_dir "
                                    "to a Hugging Face model for non-ASCII prompts")
     return base + "".join(extra)
@@ -356,7 +413,7 @@ class PromptFormatter:
             return
         for i in range(len(dataset)):
             if not isinstance(dataset[i], str):
-                raise DatasetError(f"dataset.path: {dataset.path} {dataset.location(i)} is a list of chat messages "
+                raise DatasetError(f"dataset.path: {dataset.file_of(i)} {dataset.location(i)} is a list of chat messages "
                                    "but no chat template is used (the tokenizer has none, or chat_template: never); "
                                    "give text prompts or a tokenizer with a template")
 

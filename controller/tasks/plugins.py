@@ -300,7 +300,7 @@ def call_reward(reward: RewardFunction, dataset: FileDataset, prompt_id: int, re
                 name: str) -> float:
     """The user's reward on one reply as a float; a raise or a value that is not a finite
     number is their error (`RewardError`), naming the record and their file:line."""
-    what = f"{name} on {dataset.location(prompt_id)} of {dataset.path.name} (prompt {prompt_id})"
+    what = f"{name} on {dataset.location(prompt_id)} of {dataset.file_of(prompt_id).name} (prompt {prompt_id})"
     try:
         raw = reward(dataset.record(prompt_id), reply, token_ids)
     except Exception as e:  # noqa: BLE001 - the user's reward failed: their error, with their traceback
@@ -342,7 +342,7 @@ class RewardEnvironment:
         for i in range(len(self.dataset)):
             n = len(self.formatter.encode(self.dataset[i]))
             if n > room:
-                raise DatasetError(f"dataset.path: {self.dataset.path} {self.dataset.location(i)}: the prompt is {n} "
+                raise DatasetError(f"dataset.path: {self.dataset.file_of(i)} {self.dataset.location(i)}: the prompt is {n} "
                                    f"tokens; with generation.max_tokens {max_tokens} it does not fit the policy's "
                                    f"context of {context_len}; shorten it or lower max_tokens")
 

@@ -1,4 +1,5 @@
-"""`rolloutdb inspect PATH`: look inside a live store or a snapshot file, read-only.
+"""`rolloutdb inspect PATH`: look inside a live store, a snapshot, a payload segment or a
+trace file (or the run or snapshot directory holding one), read-only.
 
 Without ``--sql`` it summarises the file: schema revision, rows per table, ledger groups
 and rollouts per state, replay permits, sampler cursor, mutation counter, and the anchor
@@ -22,32 +23,19 @@ from pathlib import Path
 from typing import Any
 
 from rolloutdb.commands._arguments import path_argument
-from rolloutdb.store import (
-    ABANDON_REASONS,
-    DEFAULT_QUERY_TIMEOUT_S,
-    GROUP_STATES,
-    ROLLOUT_STATES,
-    STATE_TABLES,
-    NotAStoreError,
-    QueryTimeout,
-    RecordDamaged,
-    head_revision,
-    identify,
-    listing_manifest,
-    open_readonly,
-    queries,
-    payload_counts,
-    quick_check,
-    run_readonly_query,
-    segment_summary,
-)
+from rolloutdb.commands._tables import format_table, json_cell
 from rolloutdb.timefmt import ago, iso_utc
 
 MANIFEST_NAME = "manifest.json"
-MAX_CELL = 80  # text tables cut longer cells; --json keeps them whole
+# The store's DEFAULT_QUERY_TIMEOUT_S, written out so that building the parser (--help)
+# imports no store; tests/test_cli_startup.py checks that the two agree.
+DEFAULT_TIMEOUT_S = 30.0
 
 DESCRIPTION = """\
-Look inside a rolloutdb store or snapshot file without changing it.
+Look inside a rolloutdb store or snapshot file, a payload segment or a run's trace file,
+without changing it. PATH may be the file, a run directory or a snapshot directory (its
+rollout_state.sqlite), or a run's logs/ directory (its rollout_trace.sqlite; the trace is
+summarised as its revision, the processes that wrote to it and its rows per table).
 
 Without --sql, prints a summary: the schema revision (head, or old: then
 `rolloutdb upgrade PATH` migrates it, or `--out COPY` for a published snapshot file), rows per table, ledger groups per state, rollouts per state
@@ -89,11 +77,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description=DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("path", metavar="PATH", type=path_argument, help="a store or snapshot .sqlite file")
+    parser.add_argument("path", metavar="PATH", type=path_argument, help="a .sqlite file (store, snapshot, segment or trace), a run or snapshot directory")
     parser.add_argument("--sql", metavar="QUERY", help="one read-only SQL statement (SELECT, WITH, PRAGMA name, ...)")
     parser.add_argument(
-        "--timeout", metavar="SECONDS", type=positive_seconds, default=DEFAULT_QUERY_TIMEOUT_S,
-        help=f"stop a --sql query that runs longer than this (default {DEFAULT_QUERY_TIMEOUT_S:g})",
+        "--timeout", metavar="SECONDS", type=positive_seconds, default=DEFAULT_TIMEOUT_S,
+        help=f"stop a --sql query that runs longer than this (default {DEFAULT_TIMEOUT_S:g})",
     )
     parser.add_argument("--json", action="store_true", help="print machine-readable JSON instead of text")
     parser.add_argument(
@@ -113,7 +101,19 @@ def positive_seconds(text: str) -> float:
 
 
 def run(args: argparse.Namespace) -> int:
-    path = Path(args.path)
+    from rolloutdb.store import (
+        NotAStoreError,
+        QueryTimeout,
+        RecordDamaged,
+        identify,
+        open_readonly,
+        quick_check,
+        run_readonly_query,
+        segment_summary,
+        trace_summary,
+    )
+
+    path = inspected_file(Path(args.path))
     try:
         conn = open_readonly(path)
     except OSError as e:
@@ -122,7 +122,10 @@ def run(args: argparse.Namespace) -> int:
         if not args.no_check:
             quick_check(conn, path)
         segment = segment_summary(conn)
-        if segment is None:
+        trace = trace_summary(conn) if segment is None else None
+        if trace is not None:
+            revision = trace["revision"]
+        elif segment is None:
             revision, status = identify(conn, path)  # one alembic_version row, known, its schema
         else:
             revision = None
@@ -135,6 +138,9 @@ def run(args: argparse.Namespace) -> int:
         elif segment is not None:
             segment = {"path": str(path), "size_bytes": path.stat().st_size, **segment}
             print(json.dumps(segment, indent=2) if args.json else render_segment(segment))
+        elif trace is not None:
+            trace = {"path": str(path), "size_bytes": path.stat().st_size, **trace}
+            print(json.dumps(_trace_json(trace), indent=2) if args.json else render_trace(trace))
         else:
             assert revision is not None
             summary = summarize(conn, path, revision, status)
@@ -149,12 +155,34 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---------------------------------------------------------------- what PATH names
+
+STORE_FILE = "rollout_state.sqlite"  # a run directory's live store, a snapshot directory's file
+TRACE_FILE = "rollout_trace.sqlite"  # in a run's logs/ directory
+
+
+def inspected_file(path: Path) -> Path:
+    """The file a PATH names: itself, or for a run or snapshot directory its
+    rollout_state.sqlite, for a run's logs/ directory its trace file."""
+    from rolloutdb.store import NotAStoreError
+
+    if not path.is_dir() or path.is_symlink() and not path.resolve().is_dir():
+        return path
+    for name in (STORE_FILE, TRACE_FILE):
+        if (path / name).is_file():
+            return path / name
+    raise NotAStoreError(f"{path}: is a directory with no {STORE_FILE} or {TRACE_FILE} in it; pass a run "
+                         "directory, a snapshot directory, a run's logs/ directory or a .sqlite file")
+
+
 # ---------------------------------------------------------------- the summary
 
 
 def upgrade_advice(path: Path) -> str:
     """How to bring an old file to head: in place, or, for a file of a published snapshot
     (never changed), into a copy."""
+    from rolloutdb.store import listing_manifest
+
     if listing_manifest(path) is not None:
         return (f"it is a published snapshot file, never changed in place: `rolloutdb upgrade {path} --out COPY.sqlite` "
                 "upgrades a copy (a resume from the snapshot upgrades a copy itself)")
@@ -162,6 +190,8 @@ def upgrade_advice(path: Path) -> str:
 
 
 def _tables(conn: sqlite3.Connection) -> list[str]:
+    from rolloutdb.store import STATE_TABLES
+
     present = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
     known = [t for t in STATE_TABLES if t in present]
     others = sorted(t for t in present - set(known) if not t.startswith("sqlite_") and t != "alembic_version")
@@ -177,6 +207,8 @@ def _per_state(conn: sqlite3.Connection, sql: str, known: tuple[str, ...]) -> di
 
 
 def summarize(conn: sqlite3.Connection, path: Path, revision: str, status: str) -> dict[str, Any]:
+    from rolloutdb.store import ABANDON_REASONS, GROUP_STATES, ROLLOUT_STATES, head_revision, payload_counts, queries
+
     tables = _tables(conn)
     head = head_revision()
     summary: dict[str, Any] = {
@@ -311,6 +343,33 @@ def render_segment(s: dict[str, Any]) -> str:
     ])
 
 
+def _trace_json(s: dict[str, Any]) -> dict[str, Any]:
+    """The trace summary as --json prints it: times as ISO-8601 UTC strings."""
+    runs = [{**r, "first_t": iso_utc(r["first_t"]), "last_t": iso_utc(r["last_t"])} for r in s["runs"]]
+    return {**s, "runs": runs}
+
+
+def render_trace(s: dict[str, Any]) -> str:
+    status = {"head": "head", "old": f"old; head is {s['head_revision']}, `rolloutdb trace` reads it through an "
+              "upgraded copy", "newer": f"newer than this rolloutdb knows (head {s['head_revision']})"}
+    lines = [
+        f"file              {s['path']} ({_size(s['size_bytes'])})",
+        "kind              a run's trace (events of every process that worked on the run)",
+        f"trace revision    {s['revision']} ({status[s['revision_status']]})",
+        f"runs              {len(s['runs'])} process(es) wrote to it",
+    ]
+    for r in s["runs"]:
+        lines.append(f"  run {r['run']}  pid {r['pid']} on {r['host']}, {iso_utc(r['first_t'])} .. "
+                     f"{iso_utc(r['last_t'])}, last seq {r['last_seq']}")
+    lines.append("rows per table")
+    width = max((len(t) for t in s["row_counts"]), default=0)
+    for table, n in s["row_counts"].items():
+        lines.append(f"  {table:<{width}}  {n:>10}")
+    lines.append("note: `rolloutdb trace RUN_DIR` reports what each stop cost; `rolloutdb sql RUN_DIR` queries "
+                 "it beside the store (docs/trace.md, docs/schema.md)")
+    return "\n".join(lines)
+
+
 def _states(counts: dict[str, int]) -> str:
     return ", ".join(f"{k} {v}" for k, v in counts.items())
 
@@ -327,47 +386,13 @@ def _size(n: float) -> str:
 # ---------------------------------------------------------------- --sql
 
 
-def _cell(value: Any) -> Any:
-    """A JSON-safe value: BLOBs become `<blob N bytes>`, non-finite floats strings."""
-    if isinstance(value, (bytes, bytearray, memoryview)):
-        return f"<blob {len(value)} bytes>"
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
-    return value
-
-
-def _text(value: Any) -> str:
-    if value is None:
-        return "NULL"
-    text = str(_cell(value)).replace("\n", "\\n").replace("\r", "\\r").replace("\t", "\\t")
-    return text if len(text) <= MAX_CELL else text[: MAX_CELL - 1] + "…"
-
-
-def format_table(columns: list[str], rows: list[tuple]) -> str:
-    """An aligned text table; numbers right-aligned, everything else left."""
-    cells = [[_text(v) for v in row] for row in rows]
-    widths = [max([len(c)] + [len(r[i]) for r in cells]) for i, c in enumerate(columns)]
-    numeric = [
-        bool(rows) and all(isinstance(r[i], (int, float)) and not isinstance(r[i], bool) or r[i] is None for r in rows)
-        for i in range(len(columns))
-    ]
-
-    def line(values: list[str]) -> str:
-        return "  ".join(v.rjust(w) if num else v.ljust(w) for v, w, num in zip(values, widths, numeric)).rstrip()
-
-    out = [line(list(columns)), "  ".join("-" * w for w in widths)]
-    out += [line(r) for r in cells]
-    out.append(f"({len(rows)} row{'s' if len(rows) != 1 else ''})")
-    return "\n".join(out)
-
-
 def _print_query(path: Path, revision: str | None, columns: list[str], rows: list[tuple], *, as_json: bool) -> None:
     if as_json:
         doc = {
             "path": str(path),
             "revision": revision,
             "columns": columns,
-            "rows": [[_cell(v) for v in row] for row in rows],
+            "rows": [[json_cell(v) for v in row] for row in rows],
             "row_count": len(rows),
         }
         print(json.dumps(doc, indent=2, default=str))

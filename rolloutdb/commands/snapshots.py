@@ -8,11 +8,14 @@ import argparse
 import json
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rolloutdb.commands._arguments import path_argument
-from rolloutdb.controller.run.run_dir import RunDir
-from rolloutdb.store import KIND_SNAPSHOT, Entry, NotAStoreError, scan
+from rolloutdb.commands._tables import format_table
 from rolloutdb.timefmt import ago, iso_utc
+
+if TYPE_CHECKING:
+    from rolloutdb.store import Entry
 
 DESCRIPTION = """\
 List a checkpoint directory: one row per anchor (bootstrap/, step_<N>/: trainer
@@ -71,6 +74,8 @@ def _size(n: float) -> str:
 
 
 def _counts(row: dict) -> str:
+    from rolloutdb.store import KIND_SNAPSHOT
+
     if row["kind"] != KIND_SNAPSHOT:
         return f"{row['files']} files" if row["files"] is not None else "-"
     c = row["row_counts"]
@@ -80,6 +85,9 @@ def _counts(row: dict) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    from rolloutdb.controller.run.run_dir import RunDir
+    from rolloutdb.store import KIND_SNAPSHOT, NotAStoreError, scan
+
     root = Path(args.checkpoint_dir)
     run_dir = RunDir(root)
     if run_dir.is_run_dir():
@@ -103,8 +111,8 @@ def run(args: argparse.Namespace) -> int:
     if not rows:
         print(f"{root}: no checkpoints")
         return 0
-    header = ("SEQ", "ANCHOR", "KIND", "AGE", "SIZE", "COUNTS", "STATUS")
-    table = [header] + [
+    header = ["SEQ", "ANCHOR", "KIND", "AGE", "SIZE", "COUNTS", "STATUS"]
+    table = [
         (
             str(r["sequence"]) if r["sequence"] is not None else "-",
             r["anchor"],
@@ -116,7 +124,5 @@ def run(args: argparse.Namespace) -> int:
         )
         for r in rows
     ]
-    widths = [max(len(row[i]) for row in table) for i in range(len(header) - 1)]
-    for row in table:
-        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[-1])
+    print(format_table(header, table, cell=str))
     return 0

@@ -15,10 +15,14 @@ import io
 import json
 import math
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rolloutdb.commands._arguments import path_argument
-from rolloutdb.store import Table, TraceAnalysis, TraceError, trace_file_for, write_file_atomic
+from rolloutdb.commands._tables import format_table
 from rolloutdb.timefmt import iso_utc
+
+if TYPE_CHECKING:
+    from rolloutdb.store import Table
 
 DESCRIPTION = """\
 Report what the stops of a run cost and kept, and the batch age of its train steps, from its trace
@@ -38,6 +42,7 @@ stopped; lost progress is measured against it. Printed, and written into --out
                     than the same prompts in the baseline (downtime removed)
   batch age         per train step: token-weighted policy updates between generating a
                     token and training on it, beside the value the trainer logged
+                    (printed as one summary line; --steps prints every step)
   fallbacks         per stop and reason (prefix level): the calls running at the
                     restored cut that it could not save, which restart their turn
 
@@ -54,8 +59,9 @@ TABLES = (
     ("batch_age_per_step", "Batch age per train step"),
     ("fallbacks_per_stop", "Calls the restored cut could not save, per stop and reason"),
 )
-PRINTED = {"kept_per_stop", "thrown_away_per_stop", "lost_progress_per_stop", "batch_age_per_step",
-           "fallbacks_per_stop"}
+# Printed by default: one row per stop. The per-step batch age with --steps (a line of
+# summary without); every table is in the CSV files and the JSON either way.
+PRINTED = {"kept_per_stop", "thrown_away_per_stop", "lost_progress_per_stop", "fallbacks_per_stop"}
 AGREE_TOLERANCE = 1e-9
 # Columns holding a point in time (epoch seconds in the trace): ISO-8601 UTC in the text,
 # the CSVs and the JSON alike (milliseconds; the trace file keeps full precision for a
@@ -83,6 +89,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--baseline", metavar="RUN_DIR", type=path_argument, help="a run of the same job that never stopped")
     parser.add_argument("--json", action="store_true",
                         help="print the report document (what trace_report.json holds) instead of text")
+    parser.add_argument("--steps", action="store_true",
+                        help="also print the batch age of every train step (by default one summary line)")
     parser.add_argument("--out", metavar="DIR", type=path_argument, help="where to write CSV, JSON and plots (default RUN_DIR/plots)")
     parser.set_defaults(func=run)
 
@@ -92,6 +100,8 @@ def _run_dir_of(trace: Path) -> Path:
 
 
 def run(args: argparse.Namespace) -> int:
+    from rolloutdb.store import TraceAnalysis, TraceError, trace_file_for
+
     traces = [trace_file_for(d) for d in args.run_dirs]
     baseline = [trace_file_for(args.baseline)] if args.baseline else []
     out = Path(args.out) if args.out else _run_dir_of(traces[0]) / "plots"
@@ -111,12 +121,14 @@ def run(args: argparse.Namespace) -> int:
         return 0
     print(f"trace: {', '.join(map(str, traces))}" + (f"; baseline: {baseline[0]}" if baseline else ""))
     for name, title in TABLES:
-        if name not in PRINTED:
+        if name not in PRINTED and not (args.steps and name == "batch_age_per_step"):
             continue
         print(f"\n{title}")
         if name.startswith("lost_progress") and not baseline:
             print("  (pass --baseline RUN_DIR, a run that never stopped, to measure lost progress)")
         print(_format(report[name]))
+    if not args.steps:
+        print("\n" + _batch_age_summary(report["batch_age_per_step"]))
     print("\n" + _agreement(report["batch_age_per_step"]))
     print(f"\nwrote {len(written)} files to {out}")
     return 0
@@ -136,11 +148,15 @@ def _cell(value) -> str:
 
 
 def _format(table: Table) -> str:
-    if not table.rows:
-        return "  (none)"
-    cells = [table.columns] + [[_cell(v) for v in row] for row in _shown_rows(table)]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(table.columns))]
-    return "\n".join("  " + "  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in cells)
+    return format_table(table.columns, _shown_rows(table), cell=_cell)
+
+
+def _batch_age_summary(batch_age: Table) -> str:
+    ages = [r["batch_age"] for r in batch_age.as_dicts() if r["batch_age"] is not None]
+    if not ages:
+        return "Batch age: no train step with token counts in this trace"
+    return (f"Batch age: {len(ages)} train steps, mean {sum(ages) / len(ages):.3f}, min {min(ages):.3f}, "
+            f"max {max(ages):.3f} (--steps prints every step)")
 
 
 def _agreement(batch_age: Table) -> str:
@@ -181,6 +197,8 @@ def _document(report: dict[str, Table], traces: list[Path], baseline: list[Path]
 
 
 def _write_outputs(out: Path, report: dict[str, Table], document: dict, has_baseline: bool) -> list[Path]:
+    from rolloutdb.store import write_file_atomic
+
     out.mkdir(parents=True, exist_ok=True)
     written = []
     for name, table in report.items():

@@ -6,7 +6,6 @@ import argparse
 import sys
 from pathlib import Path
 
-from rolloutdb.config import ConfigError, load_config, snapshot_interval_warning
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -40,6 +39,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from rolloutdb.config import ConfigError, load_config, snapshot_interval_warning
     from rolloutdb.controller import fault_points  # noqa: F401 - the controller's kill points
     from rolloutdb.controller.run.run_dir import RunDir
     from rolloutdb.store import faults

@@ -13,8 +13,7 @@ import contextlib
 from collections.abc import Iterator
 from pathlib import Path
 
-from rolloutdb.controller.run.run_dir import RunDir, RunLock
-from rolloutdb.store import NotAStoreError, StoreError, head_revision, upgrade_file
+from rolloutdb.migrations import head_of_revision_files
 
 DESCRIPTION = """\
 Migrate a rolloutdb store or snapshot file to the newest schema revision this rolloutdb
@@ -43,7 +42,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "upgrade",
         help="migrate a store or snapshot file to the newest schema revision",
-        description=DESCRIPTION.format(head=head_revision()),
+        description=DESCRIPTION.format(head=head_of_revision_files()),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("path", metavar="PATH", help="the .sqlite store or snapshot file to upgrade in place")
@@ -52,6 +51,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from rolloutdb.store import NotAStoreError, StoreError, upgrade_file
+
     try:
         old, new = upgrade_file(args.path, args.out, hold=run_lock_of_live_store)
     except StoreError as e:
@@ -75,6 +76,8 @@ def run_lock_of_live_store(target: Path) -> Iterator[None]:
     """The run's lock while `target` is a run directory's live store: `rolloutdb train`
     takes it before it opens the store, so a run cannot start (or resume) and commit into
     a file that the upgrade is about to replace. The lock file is left as it was."""
+    from rolloutdb.controller.run.run_dir import RunDir, RunLock
+
     run_dir = RunDir(target.parent)
     if target != run_dir.store or not run_dir.is_run_dir():
         yield

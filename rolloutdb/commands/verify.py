@@ -10,8 +10,7 @@ import sys
 from pathlib import Path
 
 from rolloutdb.commands._arguments import path_argument
-from rolloutdb.controller.run.run_dir import RunDir
-from rolloutdb.store import head_revision, verify_path
+from rolloutdb.migrations import head_of_revision_files
 
 EXIT_PROBLEMS = 1
 
@@ -44,7 +43,7 @@ opened read-only and no -wal/-shm files are created.
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "verify", help="check a store file, a snapshot or a checkpoint directory",
-        description=DESCRIPTION.format(head=head_revision()),
+        description=DESCRIPTION.format(head=head_of_revision_files()),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("path", metavar="PATH", type=path_argument, help="a .sqlite file, a snapshot directory or a checkpoint directory")
@@ -98,6 +97,9 @@ def _print_json(ok: bool, problems: list[str], notes: list[str], checked: list[s
 
 
 def run(args: argparse.Namespace) -> int:
+    from rolloutdb.controller.run.run_dir import RunDir
+    from rolloutdb.store import verify_path
+
     if RunDir(Path(args.path)).is_run_dir():
         return run_run_dir(args)
     report = verify_path(args.path)

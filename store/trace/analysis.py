@@ -283,13 +283,15 @@ def open_sqlite_analysis(runs: Sequence[str | Path], baseline: Sequence[str | Pa
 
 
 def standalone(path: str | Path, work_dir: Path, name: str) -> Path:
-    """`path` itself when no WAL is beside it; else a private copy of the file and its
-    WAL (`readonly.private_copy`), folded into one file in `work_dir`. A trace that a run
-    still writes, or that a killed run left, is never opened in place: a read-only
-    SQLite connection (ours or DuckDB's scanner) writes into its -shm. The copy costs one
-    read of the file, as for `rolloutdb inspect` of a live store."""
+    """`path` itself when no WAL is beside it and its header is not in WAL mode; else a
+    private copy of the file and its WAL (`readonly.private_copy`), folded into one file
+    in `work_dir`. A trace that a run still writes, or that a killed run left, is never
+    opened in place: a read-only SQLite connection (ours or DuckDB's scanner) writes into
+    its -shm. A WAL-mode file with no WAL beside it (a live store after a clean stop)
+    would get a -wal and a -shm created by DuckDB's scanner. The copy costs one read of
+    the file, as for `rolloutdb inspect` of a live store."""
     path = Path(path)
-    if not Path(f"{path}-wal").exists():
+    if not Path(f"{path}-wal").exists() and not _wal_mode_header(path):
         return path
     work_dir.mkdir(parents=True, exist_ok=True)
     copy = private_copy(path, work_dir, f"{name}.sqlite")
@@ -297,6 +299,16 @@ def standalone(path: str | Path, work_dir: Path, name: str) -> Path:
         conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
         conn.execute("PRAGMA journal_mode = DELETE")
     return copy
+
+
+def _wal_mode_header(path: Path) -> bool:
+    """Whether the SQLite header says WAL mode (file format versions at bytes 18-19 are 2)."""
+    try:
+        with open(path, "rb") as f:
+            header = f.read(20)
+    except OSError:
+        return False  # the attach names the problem
+    return len(header) == 20 and header.startswith(b"SQLite format 3\x00") and header[18] == 2
 
 
 def _readonly_uri(path: Path) -> str:

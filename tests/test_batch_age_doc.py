@@ -1,0 +1,81 @@
+"""The batch-age SQL that docs/trace.md gives, run as written through `rolloutdb sql` on the
+trace of a real run that was killed (SIGKILL at a fault point after a train step's commit)
+and resumed, equals the batch age the trainer logged in metrics.jsonl at every step,
+the steps trained twice included."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO
+from train_cli import env
+
+DOC = REPO / "docs" / "trace.md"
+# Multi-turn at prefix level with staleness 2: tokens of several versions per group, and
+# environment tokens (negative versions) in every published group.
+CONFIG = REPO / "examples" / "multiturn.yaml"
+OVERRIDES = ["run.seed=9", "algorithm.total_steps=8", "algorithm.groups_per_step=3", "algorithm.group_size=4",
+             "environment.dataset_size=64", "environment.task=digits_longtail", "environment.max_digits=8",
+             "generation.max_tokens=9", "environment.turns=3", "rollout_recovery.target_level=prefix",
+             "checkpointing.interval_steps=1", "rollout_checkpointing.enabled=true",
+             "rollout_checkpointing.interval_s=0.1", "trace.enabled=true", "logging.progress=false",
+             "logging.plot=false", "algorithm.max_staleness=2"]
+TOLERANCE = 1e-9
+
+
+def documented_batch_age_sql() -> str:
+    text = DOC.read_text()
+    block = re.search(r"```sql\n(.*?)```", text[text.index("- **Batch age**"):], re.S)
+    assert block, "docs/trace.md's batch-age bullet has no ```sql block"
+    return "\n".join(line.removeprefix("  ") for line in block.group(1).splitlines())
+
+
+def _train(run_dir: Path, *extra: str, fault: str | None = None) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "rolloutdb", "train", "--config", str(CONFIG), "--run-dir", str(run_dir), *extra]
+    return subprocess.run(cmd + OVERRIDES, env={**env(), **({"ROLLOUTDB_FAULT": fault} if fault else {})},
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def resumed_run(tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("batch_age") / "run"
+    killed = _train(run_dir, fault="train.after_commit@4")
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    resumed = _train(run_dir, "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    return run_dir
+
+
+def logged_batch_ages(run_dir: Path) -> list[tuple[int, float]]:
+    events = []
+    for line in (run_dir / "logs" / "metrics.jsonl").read_text().splitlines():
+        try:
+            event = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line the kill cut
+        if event.get("kind") == "train_step":
+            events.append((event["step"], event["batch_age"]))
+    return events
+
+
+def test_the_documented_batch_age_sql_gives_the_logged_batch_age_of_every_step_of_a_resumed_run(resumed_run):
+    result = subprocess.run([sys.executable, "-m", "rolloutdb", "sql", str(resumed_run), "--format", "json", "-q",
+                             documented_batch_age_sql()], env=env(), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    rows = json.loads(result.stdout)
+    logged = logged_batch_ages(resumed_run)
+    steps = [step for step, _ in logged]
+    assert len(steps) > len(set(steps)), f"a step the stop lost is trained again after the resume: {steps}"
+    assert {r["run"] for r in rows} == {1, 2}
+    assert [r["step"] for r in rows] == steps
+    off = [(r["step"], r["batch_age"], age) for r, (_, age) in zip(rows, logged)
+           if abs(r["batch_age"] - age) > TOLERANCE]
+    assert not off, f"(step, documented SQL, logged) differ: {off}"
+    assert any(age > 0 for _, age in logged)

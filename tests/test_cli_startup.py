@@ -1,0 +1,62 @@
+"""`rolloutdb --help`, `rolloutdb COMMAND --help` and `--version` answer at once: building
+the parser imports no heavy dependency (torch, DuckDB, SQLAlchemy, Alembic). Checked by
+what a fresh interpreter has imported, not by a timing."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from importlib.metadata import version
+
+HEAVY = ("torch", "duckdb", "sqlalchemy", "alembic", "transformers", "matplotlib", "ray")
+
+# In a fresh interpreter: parse `--help` of the top level and of every command, and after
+# each, list the heavy modules imported so far.
+PROBE = f"""
+import contextlib, io, json, sys
+from rolloutdb.cli import build_parser, main
+
+commands = sorted(build_parser()._subparsers._group_actions[0].choices)
+seen = {{}}
+for argv in [["--help"]] + [[c, "--help"] for c in commands]:
+    with contextlib.redirect_stdout(io.StringIO()) as out:
+        code = main(argv)
+    seen[" ".join(argv)] = {{"code": code, "printed": bool(out.getvalue().strip()),
+                            "heavy": [m for m in {HEAVY!r} if m in sys.modules]}}
+print(json.dumps(seen))
+"""
+
+
+def _probe() -> dict:
+    r = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+def test_help_of_the_command_and_of_every_subcommand_imports_no_heavy_dependency():
+    seen = _probe()
+    assert {"--help", "inspect --help", "sql --help", "train --help", "trace --help"} <= set(seen)
+    for argv, what in seen.items():
+        assert what == {"code": 0, "printed": True, "heavy": []}, argv
+
+
+def test_version_prints_the_installed_distributions_version():
+    r = subprocess.run([sys.executable, "-m", "rolloutdb", "--version"], capture_output=True, text=True, timeout=60)
+    assert (r.returncode, r.stdout, r.stderr) == (0, f"rolloutdb {version('rolloutdb')}\n", "")
+
+
+def test_importing_rolloutdb_loads_the_store_only_when_a_store_name_is_used():
+    code = ("import sys, rolloutdb; before = 'sqlalchemy' in sys.modules; store = rolloutdb.Store; "
+            "print(before, 'sqlalchemy' in sys.modules, store.__name__, 'Store' in dir(rolloutdb))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.stdout.split() == ["False", "True", "Store", "True"], r.stderr
+
+
+def test_the_constants_the_help_texts_write_out_agree_with_the_store():
+    from rolloutdb.commands import inspect
+    from rolloutdb.migrations import head_of_revision_files
+    from rolloutdb.store import DEFAULT_QUERY_TIMEOUT_S, head_revision
+
+    assert head_of_revision_files() == head_revision()
+    assert inspect.DEFAULT_TIMEOUT_S == DEFAULT_QUERY_TIMEOUT_S
