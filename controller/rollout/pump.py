@@ -215,7 +215,7 @@ class RolloutPump:
         loop asks this on every turn)."""
         if self._restored:  # the next restored group, once there is room for all of it
             return self._room() >= len(self._restored[0][1])
-        if self._waiting_replay or self._room() < self.group_size:
+        if self._waiting_replay or self._room() < self.group_size or self.p.runtime.shutdown is not None:
             return False
         last_step = self.p.bound.last_admissible_step(self.p.read_progress().policy_version)
         return self._open_shortfall or self._last_opened < last_step
@@ -265,7 +265,8 @@ class RolloutPump:
             counts = (queries.version_token_counts(tx, [g.group_id for g in entered])
                       if entered and self.trace.enabled else {})
             new_groups: list[GroupHandle] = []
-            if not self._waiting_replay:
+            # A graceful stop hands out nothing new: what runs finishes or is saved at the cut.
+            if not self._waiting_replay and self.p.runtime.shutdown is None:
                 new_groups = self._dispatch_new(tx, last_step, progress.policy_version,
                                                 self._room() - len(restored_started))
             t_commit = time.time()  # before the commit: the trace stamps this batch's events with it
