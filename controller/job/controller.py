@@ -37,6 +37,12 @@ if TYPE_CHECKING:  # aiohttp is imported only when a run has agent servers
     from rolloutdb.controller.agent_server.client import AgentPool
 
 
+# A graceful stop right after a resume waits this long for the rollout pump to start the
+# restored groups (its first commit, normally milliseconds; longer only when they do not
+# all fit in generation.max_inflight_calls at once).
+RESTARTED_WAIT_S = 2.0
+
+
 @dataclass
 class StopReport:
     """What a graceful stop (`Controller.request_shutdown`) did: `saved` says it in one line."""
@@ -84,6 +90,7 @@ class Controller:
         self.snapshotter: SnapshotPump | None = None
         self.agents: AgentPool | None = None  # with environment.servers
         self.stopped: StopReport | None = None
+        self.rollout_pump: RolloutPump | None = None
         self.shutdown_asked_at: float | None = None  # time.monotonic() of request_shutdown
 
     def request_shutdown(self, reason: str) -> None:
@@ -276,6 +283,7 @@ class Controller:
                 raise
             pump = RolloutPump(self.parts, self.restored, self.saved_episodes, self.saved_prefixes,
                                restored_cut=self.restored_cut, stepper=self.env_steps, agents=self.agents)
+            self.rollout_pump = pump
             if self.snapshotter is not None and self.config.rollout_recovery.keeps_turns:
                 self.snapshotter.flush_rollouts = pump.flush
                 if self.config.rollout_recovery.target_level == "prefix":
@@ -350,6 +358,10 @@ class Controller:
             kept = f"trainer checkpoint {anchor} is durable" if durable else "no trainer checkpoint of this step"
             saved = f"nothing new: rollout_checkpointing.enabled is false ({kept})"
             report = StopReport(reason, step, saved, None, time.monotonic() - t0)
+        elif not self._restored_groups_started():
+            saved = ("nothing new: the groups this resume restored had not all restarted (a cut now would hold none of "
+                     f"the turns they continue from); {self.saved_so_far()}")
+            report = StopReport(reason, step, saved, None, time.monotonic() - t0)
         else:
             result = self.snapshotter.attempt(force=True)
             if result.outcome == "published" and result.sequence is not None:
@@ -362,6 +374,18 @@ class Controller:
         self.metrics.write({"kind": "shutdown", "t": time.time(), "reason": reason, "step": step, "saved": report.saved,
                             "snapshot": report.snapshot, "stop_s": report.stop_s})
         return report
+
+    def _restored_groups_started(self) -> bool:
+        """A stop soon after a resume: the rollout pump starts the restored groups in its
+        first commits (it does so while stopping too); wait for that, within RESTARTED_WAIT_S,
+        so the final cut holds the turns and prefixes they continue from (`run`)."""
+        pump = self.rollout_pump
+        deadline = time.monotonic() + RESTARTED_WAIT_S
+        while pump is not None and not pump.restored_started and time.monotonic() < deadline:
+            if self.runtime.stop.is_set():
+                return False
+            time.sleep(0.01)
+        return pump is None or pump.restored_started
 
     def _log_store_share(self, pumps_wall_s: float) -> None:
         """How much of each pump's wall time went into store transactions."""

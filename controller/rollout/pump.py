@@ -90,6 +90,10 @@ class RolloutPump:
         self.meter = RolloutMeter(parts.log_event)
         # (group, generation indices still to run) for groups a restore handed back
         self._restored = list(restored)
+        # Whether every restored group was started in a committed transaction (that writes
+        # the turns each continues from under its new attempt). Until then a cut holds none
+        # of them: a graceful stop waits for this before its final snapshot (controller.py).
+        self.restored_started = not self._restored
         # What the attempts running at the restored cut had saved (turn level only uses it)
         self._saved = dict(saved_episodes or {}) if self.turn_level else {}
         # What the calls running at the restored cut had decoded (prefix level only)
@@ -271,6 +275,8 @@ class RolloutPump:
                                                 self._room() - len(restored_started))
             t_commit = time.time()  # before the commit: the trace stamps this batch's events with it
         t1 = time.perf_counter()
+        if not self._restored:
+            self.restored_started = True
         self.calls.committed(committing)
         started = retried + restored_started + self._episodes_for(new_groups)  # env.start outside the transaction
         self._after_commit(pending, new_groups, restored_started, entered, drop, counts, t_commit)
