@@ -23,8 +23,9 @@ EXIT_USAGE = 2
 EXIT_SIGINT = 128 + signal.SIGINT
 EXIT_SIGTERM = 128 + signal.SIGTERM
 # Commands that only read: SIGTERM unwinds them (closing connections, removing private
-# copies) instead of killing them where they stand. `train` keeps the default: its
-# state is in SQLite and a kill at any point is what its crash tests prove safe.
+# copies) instead of killing them where they stand. `train` installs its own handlers
+# once its controller exists (commands/_graceful_stop.py: a final snapshot within
+# run.shutdown_grace_s); before that it keeps the default, which its crash tests prove safe.
 READING_COMMANDS = {"inspect", "verify", "snapshots", "trace", "sql"}
 MAX_MESSAGE = 2000
 

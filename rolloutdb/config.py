@@ -56,6 +56,13 @@ _RUN_NAME = re.compile(r"[^/\\\x00-\x1f.][^/\\\x00-\x1f]{0,127}")
 class RunSection(Section):
     name: str | None = Field(None, description="Run name; defaults to the config file's stem.")
     seed: int = Field(0, ge=0, le=INT64_MAX, description="Seeds the policy init, sampler order and sampling.")
+    # 30 s: what schedulers give by default between SIGTERM and SIGKILL (SLURM's KillWait,
+    # Kubernetes' terminationGracePeriodSeconds), so the final snapshot is taken before the
+    # kill. Set it below your scheduler's grace (a SIGKILL inside it loses only the final
+    # snapshot: every earlier one is durable); 0 stops at once on the first signal.
+    shutdown_grace_s: float = Field(30.0, ge=0, le=3600, description="On SIGTERM or SIGINT: how long `train` may "
+                                    "take to stop handing out work, finish a due trainer checkpoint and take a final "
+                                    "rollout snapshot before it exits anyway (a second signal exits at once).")
 
     @model_validator(mode="after")
     def _name_is_one_component(self):
@@ -339,7 +346,8 @@ class CheckpointingSection(Section):
                                                            "copy of the state; publish them at a later step boundary.")
     interval_steps: int = Field(5, ge=1, le=10**9, description="Publish a trainer checkpoint step_<N>/ every N steps.")
     keep_last: int = Field(2, ge=1, le=1_000_000, description="Trainer checkpoints kept.")
-    resume: str | None = Field(None, description="null: fresh run; 'latest' or a snapshot directory: resume.")
+    resume: str | None = Field(None, description="null: fresh run; 'latest' or a snapshot directory: resume; 'auto': "
+                                                 "resume the run in the run directory if it holds one, else start it.")
 
 
 class RolloutRecoverySection(Section):
@@ -554,6 +562,7 @@ class Config(Section):
 # fingerprint, and every key here leaves it as it was.
 RESUMABLE_KEYS: dict[str, str] = {
     "run.name": "names the run directory only",
+    "run.shutdown_grace_s": "how long a stop may take to save, not what the run makes",
     "algorithm.total_steps": "a resumed run may train for longer",
     "generation.max_inflight_calls": "how much runs at once, not what each call makes (calls are seeded)",
     "environment.servers[].url": "how a server is reached, not what it runs",

@@ -11,6 +11,8 @@ the optimizer step, a few ms.
 whole under the commit lock: today's behaviour for such trainers). `windows`: each
 step's prepare and commit are appended as {"stage", "step", "t_start", "t_end"} (wall
 clock, the metrics log's), so a reader can tell which snapshot attempts fell inside one.
+`save_s`: every trainer checkpoint takes that many seconds more (a large model's write),
+for tests/test_graceful_stop.py's stops that must outlast a second signal or the grace.
 """
 
 from __future__ import annotations
@@ -26,10 +28,15 @@ from rolloutdb.controller.training.grpo import GRPOConfig, GRPOTrainer, Prepared
 
 
 class SlowPrepareTrainer(GRPOTrainer):
-    def __init__(self, policy_dir, config: GRPOConfig, prepare_s: float, windows: str | None):
+    def __init__(self, policy_dir, config: GRPOConfig, prepare_s: float, windows: str | None, save_s: float = 0.0):
         super().__init__(policy_dir, config)
         self.prepare_s = prepare_s
         self.windows = windows
+        self.save_s = save_s
+
+    def save_checkpoint(self, directory: Path) -> list[Path]:
+        time.sleep(self.save_s)
+        return super().save_checkpoint(directory)
 
     def prepare_step(self, groups: Sequence[TrainGroup]) -> PreparedStep:
         t_start = time.time()
@@ -74,7 +81,7 @@ class WholeStepTrainer:
 
 
 def make_trainer(context, prepare_s: float = 1.0, staged: bool = True, windows: str | None = None,
-                 lr: float = 1e-3):
+                 lr: float = 1e-3, save_s: float = 0.0):
     config = GRPOConfig(lr=lr, seed=context.config.run.seed, entropy_coef=0.02)
-    trainer = SlowPrepareTrainer(context.policy_dir, config, prepare_s, windows)
+    trainer = SlowPrepareTrainer(context.policy_dir, config, prepare_s, windows, save_s)
     return trainer if staged else WholeStepTrainer(trainer)

@@ -31,10 +31,27 @@ from rolloutdb.controller.recovery.snapshot_pump import SnapshotPump
 from rolloutdb.controller.training.pump import TrainPump
 from rolloutdb.controller.training.checkpoints import TrainerCheckpoints
 from rolloutdb.controller.tasks.plugins import TaskPlugins
-from rolloutdb.store import Chunk, SavedEpisode, Store, faults, open_tracer, segments_dir_of
+from rolloutdb.store import Chunk, SavedEpisode, Store, anchor_name, faults, open_tracer, segments_dir_of
 
 if TYPE_CHECKING:  # aiohttp is imported only when a run has agent servers
     from rolloutdb.controller.agent_server.client import AgentPool
+
+
+# A graceful stop right after a resume waits this long for the rollout pump to start the
+# restored groups (its first commit, normally milliseconds; longer only when they do not
+# all fit in generation.max_inflight_calls at once).
+RESTARTED_WAIT_S = 2.0
+
+
+@dataclass
+class StopReport:
+    """What a graceful stop (`Controller.request_shutdown`) did: `saved` says it in one line."""
+
+    reason: str  # the signal's name
+    step: int  # the trainer's step at the stop
+    saved: str  # "rollout snapshot N (step_S) at step S", or "nothing new: why"
+    snapshot: int | None  # the final snapshot's number, when it was published
+    stop_s: float  # from the request (the signal) to the final snapshot published
 
 
 @dataclass
@@ -44,6 +61,7 @@ class RunSummary:
     line: str
     plot: Path | None
     wall_s: float
+    stopped: StopReport | None = None  # a graceful stop; None: the run trained every step (or failed)
 
 
 class Controller:
@@ -71,6 +89,30 @@ class Controller:
         self.restored_cut: float | None = None  # the restored snapshot's cut time
         self.snapshotter: SnapshotPump | None = None
         self.agents: AgentPool | None = None  # with environment.servers
+        self.stopped: StopReport | None = None
+        self.rollout_pump: RolloutPump | None = None
+        self.shutdown_asked_at: float | None = None  # time.monotonic() of request_shutdown
+
+    def request_shutdown(self, reason: str) -> None:
+        """Stop gracefully: no new group is handed out, the step in progress ends, a due or
+        in-progress trainer checkpoint is published, a final rollout snapshot is taken, and
+        `run` returns a summary whose `stopped` says what was saved. Called from a signal
+        handler (`rolloutdb/commands/_graceful_stop.py`), so it sets one attribute and
+        nothing else: no lock (the handler may have interrupted this very thread inside
+        one), no I/O; the pumps poll it."""
+        self.shutdown_asked_at = time.monotonic()
+        self.runtime.shutdown = reason
+
+    def saved_so_far(self) -> str:
+        """What a stop right now leaves to resume from, in one line, from attributes only
+        (a signal handler's last words before it exits at once)."""
+        last = self.snapshotter.last_published if self.snapshotter is not None else None
+        if last is not None:
+            seq, anchor, step = last
+            return f"rollout snapshot {seq} ({anchor}) at step {step}, the newest this process published"
+        if self.restored_cut is not None:
+            return "nothing new: no snapshot published since the one this resume restored"
+        return "nothing new: no rollout snapshot published by this process"
 
     def _progress(self) -> Progress:
         return Progress(step=self.trainer.step, policy_version=self.engine.policy_version)
@@ -245,6 +287,7 @@ class Controller:
                 raise
             pump = RolloutPump(self.parts, self.restored, self.saved_episodes, self.saved_prefixes,
                                restored_cut=self.restored_cut, stepper=self.env_steps, agents=self.agents)
+            self.rollout_pump = pump
             if self.snapshotter is not None and self.config.rollout_recovery.keeps_turns:
                 self.snapshotter.flush_rollouts = pump.flush
                 if self.config.rollout_recovery.target_level == "prefix":
@@ -275,7 +318,10 @@ class Controller:
                 t.start()
             try:
                 TrainPump(self.parts, on_step_done=self._step_done).run()
-                if not self.runtime.stop.is_set():
+                stopping = self.runtime.shutdown is not None and self.trainer.step < self.config.algorithm.total_steps
+                if stopping and not self.runtime.stop.is_set():
+                    self.stopped = self._stop_gracefully(str(self.runtime.shutdown))
+                elif not self.runtime.stop.is_set():
                     self.checkpoints.finish()  # async: the last checkpoint published
             except BaseException as e:
                 self.runtime.fail(e)
@@ -297,7 +343,53 @@ class Controller:
                 self.lock.release()
         if self.runtime.error is not None:
             raise self.runtime.error
-        return self.finish(time.time() - t0)
+        summary = self.finish(time.time() - t0)
+        summary.stopped = self.stopped
+        return summary
+
+    def _stop_gracefully(self, reason: str) -> StopReport:
+        """After the train pump ended at a shutdown request, with the rollout pump still
+        running (it hands out nothing new, and commits what finishes, so the cut holds it)
+        and the snapshot pump too: publish the trainer checkpoint the final snapshot anchors
+        to, then take that snapshot, forced, on this thread (the train pump is stopped, so
+        no optimizer commit can abort it). The grace budget is the signal handler's: past
+        it the process exits wherever this is, with what is durable."""
+        t0 = self.shutdown_asked_at if self.shutdown_asked_at is not None else time.monotonic()
+        step = self.trainer.step
+        durable = self.checkpoints.publish_at_stop(step, write=self.snapshotter is not None)
+        anchor = anchor_name(step or None)
+        if self.snapshotter is None:
+            kept = f"trainer checkpoint {anchor} is durable" if durable else "no trainer checkpoint of this step"
+            saved = f"nothing new: rollout_checkpointing.enabled is false ({kept})"
+            report = StopReport(reason, step, saved, None, time.monotonic() - t0)
+        elif not self._restored_groups_started():
+            saved = ("nothing new: the groups this resume restored had not all restarted (a cut now would hold none of "
+                     f"the turns they continue from); {self.saved_so_far()}")
+            report = StopReport(reason, step, saved, None, time.monotonic() - t0)
+        else:
+            result = self.snapshotter.attempt(force=True)
+            if result.outcome == "published" and result.sequence is not None:
+                saved = f"rollout snapshot {result.sequence} ({result.anchor}) at step {step}"
+            else:
+                why = f"{result.outcome}: {result.error}" if result.error else result.outcome
+                saved = f"nothing new: the final snapshot was {why}; {self.saved_so_far()}"
+            report = StopReport(reason, step, saved, result.sequence if result.outcome == "published" else None,
+                                time.monotonic() - t0)
+        self.metrics.write({"kind": "shutdown", "t": time.time(), "reason": reason, "step": step, "saved": report.saved,
+                            "snapshot": report.snapshot, "stop_s": report.stop_s})
+        return report
+
+    def _restored_groups_started(self) -> bool:
+        """A stop soon after a resume: the rollout pump starts the restored groups in its
+        first commits (it does so while stopping too); wait for that, within RESTARTED_WAIT_S,
+        so the final cut holds the turns and prefixes they continue from (`run`)."""
+        pump = self.rollout_pump
+        deadline = time.monotonic() + RESTARTED_WAIT_S
+        while pump is not None and not pump.restored_started and time.monotonic() < deadline:
+            if self.runtime.stop.is_set():
+                return False
+            time.sleep(0.01)
+        return pump is None or pump.restored_started
 
     def _log_store_share(self, pumps_wall_s: float) -> None:
         """How much of each pump's wall time went into store transactions."""

@@ -198,6 +198,9 @@ class SnapshotPump:
         self.publish_written_checkpoint: Callable[[], object] | None = None
         # The latest attempts, for tests and benchmarks; bounded for runs of days.
         self.results: deque[AttemptResult] = deque(maxlen=1024)
+        # (sequence, anchor, trainer step) of the newest snapshot this process published:
+        # one attribute, replaced whole, so a signal handler may read it (what a stop saved).
+        self.last_published: tuple[int, str | None, int] | None = None
 
     # ------------------------------------------------------------ the pump
 
@@ -502,6 +505,7 @@ class SnapshotPump:
         `snapshot_cut` (its calls' events are in the trace already: `_trace_cut`)."""
         at: AtCut = capture.check_result
         self._last_counter = capture.mutation_counter
+        self.last_published = (published.sequence, anchor, step)
         self._last_decoded = at.decoded
         if at.chunks is not None:
             self.chunks.published(at.chunks)

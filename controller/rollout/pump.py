@@ -90,6 +90,10 @@ class RolloutPump:
         self.meter = RolloutMeter(parts.log_event)
         # (group, generation indices still to run) for groups a restore handed back
         self._restored = list(restored)
+        # Whether every restored group was started in a committed transaction (that writes
+        # the turns each continues from under its new attempt). Until then a cut holds none
+        # of them: a graceful stop waits for this before its final snapshot (controller.py).
+        self.restored_started = not self._restored
         # What the attempts running at the restored cut had saved (turn level only uses it)
         self._saved = dict(saved_episodes or {}) if self.turn_level else {}
         # What the calls running at the restored cut had decoded (prefix level only)
@@ -215,7 +219,7 @@ class RolloutPump:
         loop asks this on every turn)."""
         if self._restored:  # the next restored group, once there is room for all of it
             return self._room() >= len(self._restored[0][1])
-        if self._waiting_replay or self._room() < self.group_size:
+        if self._waiting_replay or self._room() < self.group_size or self.p.runtime.shutdown is not None:
             return False
         last_step = self.p.bound.last_admissible_step(self.p.read_progress().policy_version)
         return self._open_shortfall or self._last_opened < last_step
@@ -265,11 +269,14 @@ class RolloutPump:
             counts = (queries.version_token_counts(tx, [g.group_id for g in entered])
                       if entered and self.trace.enabled else {})
             new_groups: list[GroupHandle] = []
-            if not self._waiting_replay:
+            # A graceful stop hands out nothing new: what runs finishes or is saved at the cut.
+            if not self._waiting_replay and self.p.runtime.shutdown is None:
                 new_groups = self._dispatch_new(tx, last_step, progress.policy_version,
                                                 self._room() - len(restored_started))
             t_commit = time.time()  # before the commit: the trace stamps this batch's events with it
         t1 = time.perf_counter()
+        if not self._restored:
+            self.restored_started = True
         self.calls.committed(committing)
         started = retried + restored_started + self._episodes_for(new_groups)  # env.start outside the transaction
         self._after_commit(pending, new_groups, restored_started, entered, drop, counts, t_commit)

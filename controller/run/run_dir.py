@@ -106,6 +106,24 @@ class RunDir:
         if not resume and self.has_run():
             raise ValueError(f"{self.root} already holds a run; pass --resume to continue it, or choose another --run-dir")
 
+    def resume_or_start(self) -> bool:
+        """`--resume auto`, decided under the run lock: True to resume (the live store is
+        here; a refusal of that resume stays a refusal), False to start (nothing of a run is
+        here: the directory is missing or holds only what a run makes before its store, like
+        a config written by a start killed at once). A run's checkpoints or store side files
+        without the live store are refused: neither resumable nor safe to start over."""
+        if self.has_run():
+            return True
+        found = [p.name for p in (self.store, *(self.store.with_name(self.store.name + s)
+                                                for s in ("-wal", "-shm", "-journal"))) if os.path.lexists(p)]
+        if self.checkpoints.is_dir() and any(self.checkpoints.iterdir()):
+            found.append(f"{self.checkpoints.name}/")
+        if found:
+            raise ValueError(f"{self.root}: --resume auto found a run's files ({', '.join(found)}) but no live store "
+                             f"{self.store.name}, so it can neither resume nor start over; nothing was changed: put "
+                             "the store back, or move the directory aside and start the run in an empty --run-dir")
+        return False
+
     def create(self) -> None:
         for d in (self.root, self.checkpoints, self.logs, self.plots):
             d.mkdir(parents=True, exist_ok=True)

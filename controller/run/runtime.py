@@ -18,7 +18,10 @@ no code starts:
   boundary, and renames the written checkpoint into place at a later one unless the
   snapshot pump did it first, under the save lock, trying it without waiting), and waits in `SnapshotPump.anchor_new_checkpoint`
   for the cut of the snapshot anchored to each new checkpoint. Also setup, restore and
-  shutdown.
+  shutdown, and the signal handlers of `rolloutdb train`
+  (`rolloutdb/commands/_graceful_stop.py`): Python runs them on this thread between
+  bytecodes, so they only set `RuntimeState.shutdown` (no lock, no I/O); at the end of
+  the step in progress this thread takes the final checkpoint and snapshot.
 - `rollout-pump`: the rollout pump (`RolloutPump.run`). Owns the sampler, dispatch and
   every running episode: submits model calls to the engine (never holding a lock of the
   list below), steps the environment, and commits what finished in group-commit batches,
@@ -136,6 +139,12 @@ class RuntimeState:
         self._changed = threading.Condition()
         self.stop = threading.Event()
         self.error: BaseException | None = None
+        # Why a graceful stop was asked for (a signal's name), or None. A plain attribute,
+        # not an Event: it is set from a signal handler on the main thread, which may have
+        # interrupted that very thread inside an Event's (non-reentrant) lock. The pumps
+        # poll it: the rollout pump hands out no new group once it is set, the train pump
+        # ends after the step in progress (`Controller.request_shutdown`).
+        self.shutdown: str | None = None
         # Held by the train pump from the optimizer step until its groups are marked
         # trained: a snapshot cut must fall entirely before or after a commit. (The save
         # lock is the Publisher's: see the lock order above.)

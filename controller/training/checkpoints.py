@@ -32,7 +32,7 @@ from pathlib import Path
 
 from rolloutdb.config import Config
 from rolloutdb.controller.protocols import AsyncCheckpointing, CheckpointState, Trainer
-from rolloutdb.store import Published, Publisher, TrainerStage, begin_trainer_checkpoint, faults
+from rolloutdb.store import Published, Publisher, TrainerStage, anchor_name, begin_trainer_checkpoint, faults, scan
 
 
 def write_checkpoint_state(state: CheckpointState, directory: Path) -> list[Path]:
@@ -181,6 +181,27 @@ class TrainerCheckpoints:
     def finish(self) -> None:
         """At the end of a run: the pending checkpoint published (waits for its write)."""
         self.poll(wait=True)
+
+    def publish_at_stop(self, step: int, *, write: bool) -> bool:
+        """A graceful stop (`Controller.request_shutdown`): the pending checkpoint published
+        (its write waited for), then, with `write`, `step_<step>` written now if it is not
+        durable (the final rollout snapshot can anchor only to the weights in force). One
+        save of the trainer's state, the cost of any due checkpoint; without it a stop between
+        two due checkpoints saves nothing new. Returns whether `step_<step>` (`bootstrap` at
+        step 0) is durable."""
+        if not self.config.enabled:
+            return False
+        self.finish()
+        anchor = anchor_name(step or None)
+        with self._lock, self.publisher.lock:  # the look and the publication are one save
+            if anchor in scan(self.publisher.root).durable_anchor_names():
+                return True
+            if not write or step == 0:  # bootstrap is published at setup
+                return False
+            t0, cpu0 = time.perf_counter(), time.thread_time()
+            published = self.publisher.publish_trainer_checkpoint(step, self._write)
+            self._log(step, "published", time.perf_counter() - t0, cpu0, timings=published.timings, at_stop=True)
+            return True
 
     def abandon(self) -> None:
         """A run that fails: remove the pending checkpoint (waits for its write to end)."""

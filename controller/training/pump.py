@@ -88,12 +88,14 @@ class TrainPump:
 
     def run(self) -> None:
         total = self.p.bound.total_steps
-        while self.p.trainer.step < total and not self.p.runtime.stop.is_set():
+        rt = self.p.runtime
+        while self.p.trainer.step < total and not rt.stop.is_set() and rt.shutdown is None:
             self.train_one(self.p.trainer.step + 1)
 
     def _wait_for_groups(self, step: int) -> list[int] | None:
         need = self.p.config.algorithm.groups_per_step
-        while not self.p.runtime.stop.is_set():
+        rt = self.p.runtime
+        while not rt.stop.is_set() and rt.shutdown is None:  # a graceful stop ends the wait, not a step
             with self.p.store.read() as conn:
                 ids = queries.replay_groups_for_step(conn, step)
             if len(ids) >= need:
