@@ -117,6 +117,8 @@ def main() -> int:
     if args.quick:
         args.steps, args.kills = 8, 1
     say(machine_line())
+    if args.dir is not None:
+        Path(args.dir).mkdir(parents=True, exist_ok=True)
     root = Path(tempfile.mkdtemp(prefix="prefix_kept_", dir=args.dir))
     try:
         figures = {level: level_figures(root, level, args, random.Random(args.seed)) for level in args.levels.split(",")}

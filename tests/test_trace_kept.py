@@ -287,7 +287,8 @@ def test_a_call_the_cut_saved_whole_before_its_commit_counts_once_as_decoded_and
             for r in rows] == [(0, 16, 16, 16, 0), (1, 9, 4, 4, 5)]
 
 
-def write_prefix_accounting_job(path, *, decoded_at: float | None = 105.9, fallback: bool = True) -> None:
+def write_prefix_accounting_job(path, *, decoded_at: float | None = 105.9, fallback: bool = True,
+                                flushed: bool = False) -> None:
     """Prefix level, one stop, the cut read the running calls at 105.9 (`decoded_at`)
     and took its ledger read at 106. Run A, killed at 110:
       gen 0 attempt 0: its turn-0 call runs at the read with 3 tokens (call_cut 3) and
@@ -295,8 +296,12 @@ def write_prefix_accounting_job(path, *, decoded_at: float | None = 105.9, fallb
         read, the 4 after the read were not the cut's;
       gen 1 attempt 0: its turn-1 call runs at the read with 5 tokens, but its turn 0
         (8 tokens, finished at 103) was not committed by the cut: the cut leaves it out,
-        with a reason (call_fallback turn_not_committed, 5 tokens; `fallback`).
-    Run B restores the cut: gen 0 continues from its 3-token prefix, gen 1 from turn 0."""
+        with a reason (call_fallback turn_not_committed, 5 tokens; `fallback`);
+      gen 2 attempt 0 (`flushed`): its turn-0 call (6 tokens) had finished in the engine
+        by the read, but the pump wrote its call_finished at 105.92, after the read, and
+        the flush after the read committed its turn at 105.95: the cut holds it whole.
+    Run B restores the cut: gen 0 continues from its 3-token prefix, gen 1 from turn 0,
+    gen 2 from turn 1."""
     tr = Tracer(path, clock=lambda: 100.0)
     e = tr.emit
     e("group_reserved", t=100, group_id=1, prompt_id=10, step=1, policy_version=0, group_size=2)
@@ -304,6 +309,10 @@ def write_prefix_accounting_job(path, *, decoded_at: float | None = 105.9, fallb
     e("attempt_dispatched", t=101, **_attempt(10, 1, 0))
     e("call_finished", t=103, turn=0, tokens=8, finish_reason="stop", **_attempt(10, 1, 0))
     e("call_finished", t=105.95, turn=0, tokens=7, finish_reason="stop", **_attempt(10, 0, 0))
+    if flushed:
+        e("attempt_dispatched", t=101, **_attempt(10, 2, 0))
+        e("call_finished", t=105.92, turn=0, tokens=6, finish_reason="stop", **_attempt(10, 2, 0))
+        e("turn_committed", t=105.95, turn=0, tokens=6, total_tokens=10, **_attempt(10, 2, 0))
     e("snapshot_cut", t=106.2, cut_time=106, decoded_at=decoded_at, snapshot_seq=1, anchor="bootstrap")
     e("call_cut", t=106, step=1, tokens=3, **_attempt(10, 0, 0))
     if fallback:
@@ -315,8 +324,13 @@ def write_prefix_accounting_job(path, *, decoded_at: float | None = 105.9, fallb
     e = tr.emit
     e("attempt_abandoned", t=201, reason="restart", **_attempt(10, 0, 0))
     e("attempt_abandoned", t=201, reason="restart", **_attempt(10, 1, 0))
+    if flushed:
+        e("attempt_abandoned", t=201, reason="restart", **_attempt(10, 2, 0))
     e("restore_done", t=202, snapshot_seq=1, cut_time=106, decoded_at=decoded_at, anchor="bootstrap",
       groups_restored=1)
+    if flushed:
+        e("attempt_dispatched", t=203, **_attempt(10, 2, 1))
+        e("episode_restored", t=203, from_attempt=0, turn=1, tokens=6, total_tokens=10, **_attempt(10, 2, 1))
     e("attempt_dispatched", t=203, prefix_tokens=3, **_attempt(10, 0, 1))
     e("attempt_dispatched", t=203, **_attempt(10, 1, 1))
     e("episode_restored", t=203, from_attempt=0, turn=1, tokens=8, total_tokens=12, **_attempt(10, 1, 1))
@@ -341,6 +355,18 @@ def test_every_token_a_prefix_cut_decoded_is_kept_or_has_a_reason(tmp_path):
     # gen 1: decoded by the read 8 (turn 0) + 5 (the call left out), kept 8, 5 with a reason.
     assert _accounting(path) == ([(0, 3, 3, 0, 0), (1, 13, 8, 5, 0)], [(16, 11, 5, 0)],
                                  [("turn_not_committed", 1, 5)])
+
+
+def test_a_turn_the_pump_committed_after_the_read_counts_as_decoded_by_the_cut_and_kept(tmp_path):
+    # gen 2's call_finished is after the decode point but its turn is in the cut (the
+    # flush committed it): decoded by the cut 6, kept 6. Measured by the decode point
+    # alone it would be 0 decoded by the cut and 6 kept (more kept than the cut decoded,
+    # which a bench under load showed as 164%).
+    path = tmp_path / TRACE_FILENAME
+    write_prefix_accounting_job(path, flushed=True)
+    by_attempt, per_stop, _ = _accounting(path)
+    assert by_attempt[2] == (2, 6, 6, 0, 0)
+    assert per_stop == [(22, 17, 5, 0)]
 
 
 def test_a_token_the_cut_decoded_and_left_without_a_reason_is_reported_unexplained(tmp_path):

@@ -215,12 +215,19 @@ WITH decoded AS (
      AND c.attempt = x.attempt AND c.t <= st.stopped_at AND (x.dispatched_at IS NULL OR c.t >= x.dispatched_at)
     GROUP BY x.job, x.stop_no, x.prompt_id, x.generation_index, x.attempt
 ), by_cut AS (
-    -- What its finished calls had decoded by the restored cut's decode point.
+    -- What its finished calls had decoded by the restored cut: finished by its decode
+    -- point, or committed by the cut (the pump's flush after the engine read commits a
+    -- call whose call_finished the pump wrote after the decode point: the snapshot holds
+    -- its turn whole).
     SELECT x.job, x.stop_no, x.prompt_id, x.generation_index, x.attempt, sum(c.tokens) AS tokens
     FROM thrown_away_attempts x
     JOIN call_finished c
       ON c.job = x.job AND c.prompt_id = x.prompt_id AND c.generation_index = x.generation_index
-     AND c.attempt = x.attempt AND c.t <= x.decode_point AND (x.dispatched_at IS NULL OR c.t >= x.dispatched_at)
+     AND c.attempt = x.attempt AND (x.dispatched_at IS NULL OR c.t >= x.dispatched_at)
+     AND (c.t <= x.decode_point OR EXISTS (
+          SELECT 1 FROM turn_committed tc
+          WHERE tc.job = x.job AND tc.prompt_id = x.prompt_id AND tc.generation_index = x.generation_index
+            AND tc.attempt = x.attempt AND tc.turn = c.turn AND tc.t >= c.t AND tc.t <= x.cut_time))
     GROUP BY x.job, x.stop_no, x.prompt_id, x.generation_index, x.attempt
 ), saved_whole AS (
     -- Prefix level: a call that finished by the decode point but whose turn was committed
