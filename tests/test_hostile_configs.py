@@ -37,6 +37,7 @@ ACCEPTED = {
     ("generation", "frequency_penalty", "zero"), ("generation", "frequency_penalty", "minus one"),
     ("cluster", "worker_gpus", "zero"),  # the default: Ray engine workers on CPUs
     ("cluster", "environment_workers", "zero"),  # the default: the environment steps in the driver
+    ("run", "shutdown_grace_s", "zero"),  # no grace: the first SIGTERM exits at once (tests/test_graceful_stop.py)
 }
 
 

@@ -122,9 +122,9 @@ def run(args: argparse.Namespace) -> int:
         if not args.no_check:
             quick_check(conn, path)
         segment = segment_summary(conn)
-        trace = trace_summary(conn) if segment is None else None
-        if trace is not None:
-            revision = trace["revision"]
+        trace_info = trace_summary(conn, path) if segment is None else None
+        if trace_info is not None:
+            revision = trace_info["revision"]
         elif segment is None:
             revision, status = identify(conn, path)  # one alembic_version row, known, its schema
         else:
@@ -138,9 +138,9 @@ def run(args: argparse.Namespace) -> int:
         elif segment is not None:
             segment = {"path": str(path), "size_bytes": path.stat().st_size, **segment}
             print(json.dumps(segment, indent=2) if args.json else render_segment(segment))
-        elif trace is not None:
-            trace = {"path": str(path), "size_bytes": path.stat().st_size, **trace}
-            print(json.dumps(_trace_json(trace), indent=2) if args.json else render_trace(trace))
+        elif trace_info is not None:
+            trace_info = {"path": str(path), "size_bytes": path.stat().st_size, **trace_info}
+            print(json.dumps(_trace_json(trace_info), indent=2) if args.json else render_trace(trace_info))
         else:
             assert revision is not None
             summary = summarize(conn, path, revision, status)

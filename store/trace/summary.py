@@ -5,6 +5,7 @@ connection; nothing is upgraded (an older revision is summarised as it is)."""
 from __future__ import annotations
 
 import sqlite3
+from pathlib import Path
 from typing import Any
 
 from ..sqlite.revision import file_revision, trace_head_revision, trace_known_revisions
@@ -12,9 +13,10 @@ from ..sqlite.revision import file_revision, trace_head_revision, trace_known_re
 _RUN_COLUMNS = ("run", "run_id", "pid", "host", "first_t", "last_t", "last_seq")
 
 
-def trace_summary(conn: sqlite3.Connection) -> dict[str, Any] | None:
-    """The trace file's summary, or None when `conn` is no trace (no trace_* revision)."""
-    revision = file_revision(conn)
+def trace_summary(conn: sqlite3.Connection, path: str | Path | None = None) -> dict[str, Any] | None:
+    """The trace file's summary, or None when `conn` is no trace (no trace_* revision).
+    `path` names the file in a refusal (a mislabelled alembic_version)."""
+    revision = file_revision(conn, path)
     if revision is None or not revision.startswith("trace_"):
         return None
     known = trace_known_revisions()
