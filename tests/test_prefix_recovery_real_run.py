@@ -240,6 +240,9 @@ def test_every_token_a_restored_cut_had_decoded_was_kept_or_has_a_traced_reason(
     stops = job["report"]["kept_per_stop"]
     assert len(stops) == len(job["kills"])
     assert [s["unexplained_tokens"] for s in stops] == [0] * len(stops), stops
+    # Nor more kept than decoded by the cut (a token counted kept but not decoded by it is
+    # an accounting hole that would hide an unexplained one).
+    assert all(s["kept_tokens"] <= s["decoded_by_cut"] for s in stops), stops
     assert sum(s["decoded_by_cut"] for s in stops) > 0
 
 
