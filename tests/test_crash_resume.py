@@ -90,6 +90,7 @@ def test_killing_a_multi_turn_run_at_prefix_level_continues_its_calls_and_loses_
     assert result.kills >= 5, f"only {result.kills} kills landed: {result.killed_at}"
 
 
+@pytest.mark.timeout(1200)  # a hang detector: 203 s beside two CPU hogs, over 300 s at load ~10 (2026-12-03)
 def test_killing_an_async_checkpointing_run_at_each_of_its_points_resumes_from_the_previous_anchor(tmp_path):
     """Quick tier, checkpointing.async: a kill while a checkpoint is copied, written,
     sealed but not renamed, or renamed before its held snapshot is published. Every

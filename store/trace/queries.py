@@ -352,9 +352,14 @@ WITH decoded AS (
              + coalesce(fl.open_tokens, 0) AS decoded_by_cut,
            coalesce(fl.tokens, 0) AS fallback_tokens,
            coalesce(r.turn, 0) AS turns_kept,
-           coalesce(r.tokens - coalesce(i.tokens, 0), 0)
-             + CASE WHEN coalesce(pf.tokens, 0) > coalesce(o.tokens, 0)
-                    THEN coalesce(pf.tokens, 0) - coalesce(o.tokens, 0) ELSE 0 END AS kept_tokens
+           -- Its own prefix (kept at an earlier stop) belongs to the turn it started at:
+           -- in the restored turns' tokens once that turn is among them, else in the
+           -- next attempt's prefix.
+           CASE WHEN coalesce(r.turn, 0) > coalesce(i.turn, 0)
+                THEN coalesce(r.tokens, 0) - coalesce(i.tokens, 0) - coalesce(o.tokens, 0) + coalesce(pf.tokens, 0)
+                ELSE coalesce(r.tokens - coalesce(i.tokens, 0), 0)
+                     + CASE WHEN coalesce(pf.tokens, 0) > coalesce(o.tokens, 0)
+                            THEN coalesce(pf.tokens, 0) - coalesce(o.tokens, 0) ELSE 0 END END AS kept_tokens
     FROM thrown_away_attempts x
     LEFT JOIN decoded d ON d.job = x.job AND d.stop_no = x.stop_no AND d.prompt_id = x.prompt_id
      AND d.generation_index = x.generation_index AND d.attempt = x.attempt
