@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 import benchlib
-from benchlib import fmt_latency, latency_summary, say
+from benchlib import fmt_latency, latency_summary, say, tail_ms
 
 from rolloutdb.store import FinishedGeneration, Reservation, Store, ledger, pools
 
@@ -235,7 +235,9 @@ def run(args) -> dict:
             "raw_cpu_free": latency_summary([max(0.0, t - q) for t, q in zip(raw_lat, raw_waits)]),
             "raw_tx_per_s": len(raw_lat) / sum(raw_lat),
             "ratio_p50": single["p50_ms"] / raw_single_summary["p50_ms"],
-            "ratio_p99": single["p99_ms"] / raw_single_summary["p99_ms"],
+            # The p99 where both have 100+ samples, else the maximum (tail_ms says which).
+            "ratio_p99": tail_ms(single)[1] / tail_ms(raw_single_summary)[1],
+            "ratio_tail": tail_ms(single)[0],
             "goal_p99_ms": SINGLE_P99_GOAL_MS,
         },
     }
@@ -262,8 +264,9 @@ def print_report(r: dict) -> None:
     say(f"  less the time spent waiting for a CPU (other users' load):")
     say(f"    store  {fmt_latency(s['store_cpu_free'])}")
     say(f"    raw    {fmt_latency(s['raw_cpu_free'])}")
-    say(f"  ratio  p50 {s['ratio_p50']:.1f}x  p99 {s['ratio_p99']:.1f}x   goal p99 <= {s['goal_p99_ms']} ms: "
-        f"{'met' if s['store']['p99_ms'] <= s['goal_p99_ms'] else 'MISSED'}")
+    tail, tail_value = tail_ms(s["store"])
+    say(f"  ratio  p50 {s['ratio_p50']:.1f}x  {tail} {s['ratio_p99']:.1f}x   goal p99 <= {s['goal_p99_ms']} ms: "
+        f"{'met' if tail_value <= s['goal_p99_ms'] else 'MISSED'}{'' if tail == 'p99' else ' (by the max: n < 100)'}")
     say(f"\ninvariants after the run: {'ok' if r['invariants_ok'] else r['invariants_ok']}")
 
 
