@@ -41,6 +41,10 @@ def test_the_transitions_benchmark_runs_and_reports_store_next_to_raw_sqlite(tmp
     assert r["batched"]["group_transitions_per_s"] > 0
     assert r["batched"]["raw_single_row_updates_per_s"] > 0
     assert r["batched"]["ratio_store_group_vs_raw"] > 0
+    # The floor replays the store's own SQL: its copy of the file ends in the store's state.
+    assert r["replay_matches_store"] is True
+    assert r["batched"]["replay_group_transitions_per_s"] > 0
+    assert r["single"]["replay"]["n"] == r["single"]["store"]["n"]
     single = r["single"]
     assert single["store"]["n"] == single["raw"]["n"] > 0
     assert {"p50_ms", "p99_ms", "max_ms"} <= single["store"].keys()
