@@ -20,8 +20,9 @@ per step, thrown-away time per stop, lost progress per stop):
 
 and checks that the three agree. Each engine runs --repeats times in rotated order (ABC,
 BCA, CAB, ...); printed: each engine's median and spread (min-max), and each ratio as the
-median (and spread) of the per-repeat ratios, checked against its goal (met/missed). Goals: DuckDB >= 4x faster than SQLite and >= 10x faster
-than pandas. pandas is not a dependency of rolloutdb: `pip install pandas` to run this
+median (and spread) of the per-repeat ratios, checked against its goal (met/missed). Goals, as issue 32 states
+them at 10M + 10M events: DuckDB >= 10x faster than SQLite and >= 10x faster than pandas
+(BENCHMARKS.md's table heads the SQLite column with >= 4x). pandas is not a dependency of rolloutdb: `pip install pandas` to run this
 (the pandas leg is skipped with a note when it is missing).
 """
 
@@ -286,6 +287,10 @@ def check_agree(sql: dict, other: dict, what: str) -> None:
         _same(a[3], b[3]) for a, b in zip(lost, other["lost"])), f"{what}: lost progress differs"
 
 
+SQLITE_GOAL = 10.0  # x: DuckDB's time against SQLite's, same SQL (issue 32)
+PANDAS_GOAL = 10.0  # x: against pandas
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--events", type=int, default=10_000_000, help="events in the stopped job's trace (default 10M)")
@@ -364,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"figures agree: {len(steps)} steps, mean batch age {sum(r[6] for r in steps) / len(steps):.3f}; "
               f"thrown away {results['duckdb']['thrown_away_per_stop']}; lost {results['duckdb']['lost_progress_per_stop']}")
         figures: dict = {"events": n_job, "repeats": args.repeats, "seconds": timings, "ratios": {}}
-        for other, goal in (("sqlite", 4.0), ("pandas", 10.0)):
+        for other, goal in (("sqlite", SQLITE_GOAL), ("pandas", PANDAS_GOAL)):
             if other not in timings:
                 continue
             # Within a repeat both ran under the same load: the median of those ratios.
