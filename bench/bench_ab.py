@@ -58,7 +58,9 @@ FIGURES = {
         *((f"{n}: {label}", ("by", n, key), higher) for n in ("32", "256", "1024") for label, key, higher in (
             ("skipped_commit share", "skipped_commit_share", False),
             ("hold p99 ms", "hold_ms_p99", False),
+            ("hold max ms", "hold_ms_max", False),
             ("commit lock per cut p99 ms", "commit_lock_cut_ms_p99", False),
+            ("commit lock per cut max ms", "commit_lock_cut_ms_max", False),
             ("bytes per cut / new tokens' B", "bytes_over_new_token_bytes_median", False),
             ("lost generation-s per crash", "lost_generation_s_mean", False),
             ("lost tokens per crash", "lost_tokens_mean", False),

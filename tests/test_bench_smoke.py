@@ -243,7 +243,9 @@ def test_the_recovery_scale_benchmark_kills_a_prefix_level_run_and_accounts_for_
     case = r["by"]["32"]
     assert case["verify"]["duplicated"] == 0 and case["verify"]["lost"] == 0
     assert case["outcomes"].get("published", 0) >= 3 and case["holds"] > 0 and case["cuts_measured"] > 0
-    assert case["commit_lock_cut_ms_p99"] > 0 and case["commit_lock_train_ms_p50"] > 0
+    assert case["commit_lock_cut_ms_max"] > 0 and case["commit_lock_train_ms_p50"] > 0
+    # A p99 only from 100+ cuts (benchlib.P99_MIN_SAMPLES); below that the max stands alone.
+    assert (case["commit_lock_cut_ms_p99"] is None) == (case["commit_lock_cuts"] < 100)
     (stop,) = case["stops"]  # one kill, resumed
     assert stop["decoded_by_cut"] > 0 and stop["lost_after_cut_tokens"] is not None
     assert stop["lost_generation_s"] is not None and stop["decode_rate_tok_s"] > 0
