@@ -38,14 +38,17 @@ _recording: dict[int, list[Statement]] = {}  # id(sqlite3 connection) -> its ope
 
 
 def _install_prepared_hooks() -> None:
-    """Wrap Prepared.run/many once per process: they record only for a connection with an
-    open capture (the shadow store's), so the measured store pays one dict lookup."""
+    """Wrap Prepared.run/many once per process: they record only while a capture is open,
+    for the shadow store's connection; the measured store (never captured: its calls run
+    with no capture open) pays one extra call and an empty-dict test per statement."""
     if getattr(prepared.Prepared, "_replay_hooked", False):
         return
     run, many = prepared.Prepared.run, prepared.Prepared.many
 
     def run_recorded(self, conn, params=None):
         cur = run(self, conn, params)
+        if not _recording:
+            return cur
         out = _recording.get(id(prepared._driver(conn)))
         if out is not None:
             out.append((self.sql, dict(params or {}), False))
@@ -53,6 +56,8 @@ def _install_prepared_hooks() -> None:
 
     def many_recorded(self, conn, rows):
         cur = many(self, conn, rows)
+        if not _recording:
+            return cur
         out = _recording.get(id(prepared._driver(conn)))
         if out is not None:
             out.append((self.sql, [dict(r) for r in rows], True))
