@@ -18,7 +18,7 @@ from pathlib import Path
 
 import bench_transitions as bt
 import benchlib
-from benchlib import latency_summary, say
+from benchlib import fmt_latency, latency_summary, say
 
 import rolloutdb.store.live.store as store_module
 from rolloutdb.store import Store, ledger, pools
@@ -103,7 +103,7 @@ def main(argv=None) -> None:
     for name in versions:
         s = latency_summary(single[name])
         say(f"  {name:<14} batched {transitions / busy[name]:>8,.0f} group transitions/s   "
-            f"single p50 {s['p50_ms']:.3f} ms  p99 {s['p99_ms']:.3f} ms  max {s['max_ms']:.2f} ms")
+            f"single {fmt_latency(s)}")
     say(f"  batched speed, working tree / {args.rev}: {busy[args.rev] / busy['working tree']:.2f}x")
 
 

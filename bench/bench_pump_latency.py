@@ -47,7 +47,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 import benchlib  # noqa: E402
-from benchlib import RunQueueClock, latency_summary, say  # noqa: E402
+from benchlib import RunQueueClock, latency_summary, say, tail_ms  # noqa: E402
 from rollout_payload import Layout, populate  # noqa: E402
 
 from rolloutdb.config import load_config  # noqa: E402
@@ -261,7 +261,8 @@ def run_phase(name: str, args, work: Path) -> dict:
 def fmt(s: dict) -> str:
     if not s.get("n"):
         return "(none)"
-    return f"p50 {s['p50_ms']:6.2f}  p99 {s['p99_ms']:7.2f}  max {s['max_ms']:7.2f} ms  (n={s['n']})"
+    p99 = f"p99 {s['p99_ms']:7.2f}  " if s.get("p99_ms") is not None else ""
+    return f"p50 {s['p50_ms']:6.2f}  {p99}max {s['max_ms']:7.2f} ms  (n={s['n']})"
 
 
 def main() -> int:
@@ -320,8 +321,11 @@ def main() -> int:
             b = runs["no snapshots"][-1]["threads"].get(thread)
             if not a or not b or not a.get("n") or not b.get("n"):
                 continue
-            ratios[thread] = {"p50": a["p50_ms"] / b["p50_ms"], "p99": a["p99_ms"] / b["p99_ms"], "max": a["max_ms"] / b["max_ms"]}
-            say(f"  {thread:<14} p50 {ratios[thread]['p50']:.2f}x  p99 {ratios[thread]['p99']:.2f}x  max {ratios[thread]['max']:.2f}x")
+            ratios[thread] = {"p50": a["p50_ms"] / b["p50_ms"], "max": a["max_ms"] / b["max_ms"]}
+            if a["p99_ms"] is not None and b["p99_ms"] is not None:
+                ratios[thread]["p99"] = a["p99_ms"] / b["p99_ms"]
+            p99 = f"p99 {ratios[thread]['p99']:.2f}x  " if "p99" in ratios[thread] else ""
+            say(f"  {thread:<14} p50 {ratios[thread]['p50']:.2f}x  {p99}max {ratios[thread]['max']:.2f}x")
         result["ratios"] = ratios
         # Training throughput with snapshots every interval vs none (goal <= 1.2x),
         # the run after set-up (the pre-filled store's copy and seal are set-up).
@@ -332,11 +336,12 @@ def main() -> int:
             f"without (medians after set-up): {slowdown:.2f}x (goal <= {THROUGHPUT_GOAL}x: "
             f"{'met' if slowdown <= THROUGHPUT_GOAL else 'MISSED'})")
         snap = runs["snapshots"][-1]["threads"]
-        worst_p99 = max(s["p99_ms"] for t, s in snap.items() if t != "all pumps" and s.get("n"))
+        # A thread with fewer than 100 transactions has no p99: its maximum stands in.
+        worst_p99 = max(tail_ms(s)[1] for t, s in snap.items() if t != "all pumps" and s.get("n"))
         worst_max = max(s["max_ms"] for t, s in snap.items() if t != "all pumps" and s.get("n"))
         result["goals"] = {"p99_ms": worst_p99, "p99_met": worst_p99 <= P99_GOAL_MS,
                            "max_ms": worst_max, "max_met": worst_max <= MAX_GOAL_MS}
-        say(f"goals with snapshots: worst p99 {worst_p99:.2f} ms (<= {P99_GOAL_MS:.0f}: "
+        say(f"goals with snapshots: worst p99 (max where n < 100) {worst_p99:.2f} ms (<= {P99_GOAL_MS:.0f}: "
             f"{'met' if worst_p99 <= P99_GOAL_MS else 'MISSED'}), worst max {worst_max:.2f} ms "
             f"(<= {MAX_GOAL_MS:.0f}: {'met' if worst_max <= MAX_GOAL_MS else 'MISSED'})")
         benchlib.write_json(args.json, result)

@@ -34,7 +34,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
-from benchlib import latency_summary, machine_line  # noqa: E402
+from benchlib import fmt_tail, latency_summary, machine_line  # noqa: E402
 
 from rolloutdb.config import Config  # noqa: E402
 from rolloutdb.controller.job.build import build_local_engine  # noqa: E402
@@ -187,11 +187,10 @@ def main() -> int:
     for key in ("in_process", "ray_1", "ray_2"):
         f = figures[key]
         print(f"{key:10s} {f['tokens_per_s']:9.0f} tokens/s  cut hold p50 {f['cut_hold']['p50_ms']:.3f} ms "
-              f"p99 {f['cut_hold']['p99_ms']:.3f} ms  cut wall p50 {f['gather']['p50_ms']:.3f} ms"
+              f"{fmt_tail(f['cut_hold'])}  cut wall p50 {f['gather']['p50_ms']:.3f} ms"
               + (f"  1-token call p50 {f['per_call']['p50_ms']:.2f} ms" if "per_call" in f else ""))
-    print(f"env step  in driver p50 {figures['env_in_driver']['p50_ms']:.3f} ms p99 "
-          f"{figures['env_in_driver']['p99_ms']:.3f} ms  1 Ray env worker p50 {figures['env_ray_1']['p50_ms']:.3f} ms "
-          f"p99 {figures['env_ray_1']['p99_ms']:.3f} ms")
+    print(f"env step  in driver p50 {figures['env_in_driver']['p50_ms']:.3f} ms {fmt_tail(figures['env_in_driver'])}"
+          f"  1 Ray env worker p50 {figures['env_ray_1']['p50_ms']:.3f} ms {fmt_tail(figures['env_ray_1'])}")
     print(json.dumps(figures["ratios"], indent=1))
     if a.json:
         a.json.write_text(json.dumps(figures, indent=1))

@@ -64,7 +64,7 @@ from datetime import datetime
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchlib import machine_line, percentile, say, write_json  # noqa: E402
+from benchlib import P99_MIN_SAMPLES, machine_line, percentile, say, write_json  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 LAUNCHER = REPO / "bench" / "scale_launcher.py"
@@ -79,7 +79,11 @@ QUICK_CASES = [(32, 1024, 1024)]
 
 
 def _ms(values: list[float], q: float) -> float | None:
-    return percentile(sorted(values), q) * 1e3 if values else None
+    """The q-th percentile in ms; None for a p99 of fewer than 100 values (it would be the
+    maximum: the `_max` figures carry that)."""
+    if not values or (q == 99 and len(values) < P99_MIN_SAMPLES):
+        return None
+    return percentile(sorted(values), q) * 1e3
 
 
 def shape(calls: int, lo: int, hi: int, args) -> dict:
@@ -350,7 +354,9 @@ def run_case(root: Path, calls: int, lo: int, hi: int, args, rng: random.Random)
                                           "max": max(shares) if shares else None, "steps": len(shares)},
         "hold_ms_p50": _ms(holds, 50), "hold_ms_p99": _ms(holds, 99), "holds": len(holds),
         "hold_ms_p99_late": _ms(holds[len(holds) // 2:], 99),
+        "hold_ms_max": _ms(holds, 100),
         "commit_lock_cut_ms_p50": _ms(lock_cut, 50), "commit_lock_cut_ms_p99": _ms(lock_cut, 99),
+        "commit_lock_cut_ms_max": _ms(lock_cut, 100), "commit_lock_cuts": len(lock_cut),
         "commit_lock_train_ms_p50": _ms(lock_train, 50), "commit_lock_train_ms_max": _ms(lock_train, 100),
         "cuts_measured": len(cuts),
         "bytes_per_cut_mean": statistics.mean(c["bytes"] for c in cuts) if cuts else None,
@@ -371,6 +377,13 @@ def run_case(root: Path, calls: int, lo: int, hi: int, args, rng: random.Random)
 
 def fmt(v, spec=".2f") -> str:
     return "-" if v is None else format(v, spec)
+
+
+def tail(r: dict, key: str, n: int) -> str:
+    """'p99 X ms', or 'max X ms (n=N)' when there were too few for a p99."""
+    if r[f"{key}_p99"] is not None:
+        return f"p99 {r[f'{key}_p99']:.3f} ms"
+    return f"max {fmt(r[f'{key}_max'], '.3f')} ms (n={n})"
 
 
 def main() -> None:
@@ -406,8 +419,8 @@ def main() -> None:
                 f"verify {r['verify']}):")
             say(f"  attempts {r['outcomes']}; skipped_commit {100 * r['skipped_commit_share']:.1f}% "
                 f"(per step median {fmt(r['skipped_commit_share_per_step']['median'], '.2f')})")
-            say(f"  hold p50 {fmt(r['hold_ms_p50'], '.3f')} ms p99 {fmt(r['hold_ms_p99'], '.3f')} ms; commit lock per cut "
-                f"p50 {fmt(r['commit_lock_cut_ms_p50'], '.3f')} p99 {fmt(r['commit_lock_cut_ms_p99'], '.3f')} ms, per "
+            say(f"  hold p50 {fmt(r['hold_ms_p50'], '.3f')} ms {tail(r, 'hold_ms', r['holds'])}; commit lock per cut "
+                f"p50 {fmt(r['commit_lock_cut_ms_p50'], '.3f')} {tail(r, 'commit_lock_cut_ms', r['commit_lock_cuts'])}, per "
                 f"train step p50 {fmt(r['commit_lock_train_ms_p50'], '.1f')} ms")
             say(f"  bytes per cut {fmt(r['bytes_per_cut_mean'], '.0f')} = {fmt(r['bytes_over_new_token_bytes_median'])}x "
                 f"the new tokens' bytes (late {fmt(r['bytes_over_new_token_bytes_late'])}x; chunks alone "

@@ -27,8 +27,18 @@ once so both phases start from the same bytes. Then `--intervals` times, per pha
 Bytes written = the sizes of the new files (the new segment + the snapshot directory);
 also the process's `write_bytes` from /proc/self/io (bytes sent to the block layer,
 which counts the page cache's writeback of the capture's intermediate pages) less its
-`cancelled_write_bytes`. Goals (BENCHMARKS.md, "Payload written once"): bytes <= 2x the new payload + the
-metadata file; time within 2x of `cp` of what it writes.
+`cancelled_write_bytes`. The live store's own writes in the interval are counted too:
+finishing the new payload (inline in the live file's WAL, then checkpointed) is measured
+the same way around `finish_new` (write_bytes, and the live file + WAL growth), and the
+seal's updates of the live store fall inside the snapshot's write_bytes; the interval's
+total disk writes (live + snapshot) are reported next to the new payload.
+
+Goals, as issue 32's table states them ("bytes per snapshot vs new payload: <= 2x"; "snapshot
+time vs cp + fsync of what it writes: >= 0.5x cp speed"): bytes written per snapshot <= 2x
+the new payload, the metadata file
+(the snapshot's rollout_state.sqlite) included in the bytes and NOT in the allowance: it is
+reported separately, and the goal is "missed" when the total exceeds 2x; time within 2x of
+`cp` of what it writes.
 """
 
 from __future__ import annotations
@@ -62,7 +72,7 @@ from rolloutdb.store import (
 )
 from rolloutdb.store.checkpoints.retention import KeepNewestSnapshots
 
-BYTES_GOAL = 2.0  # x (new payload) + the metadata file
+BYTES_GOAL = 2.0  # x the new payload; the metadata file counts in the bytes, not in the allowance
 TIME_GOAL = 2.0  # x cp of what it writes
 
 
@@ -99,14 +109,25 @@ class Phase:
                                          -rng.random(tokens, dtype=np.float32), 1.0, [(0, tokens)])
         self.rows: list[dict] = []
 
-    def finish_new(self, count: int) -> int:
-        """Finish `count` running attempts (the bench reads their ids with SQL: set-up)."""
+    def live_bytes(self) -> int:
+        """The live store's file + WAL on disk."""
+        return sum(p.stat().st_size for p in (self.store.path, Path(f"{self.store.path}-wal")) if p.exists())
+
+    def finish_new(self, count: int) -> dict:
+        """Finish `count` running attempts (the bench reads their ids with SQL: set-up), and
+        what the live store wrote doing it (write_bytes after a sync; file + WAL growth)."""
         with self.store.read() as conn:
             ids = [r[0] for r in conn.exec_driver_sql(
                 f"SELECT attempt_id FROM rollouts WHERE state = 'running' ORDER BY attempt_id LIMIT {count}").all()]
+        os.sync()
+        io0, size0 = io_counters(), self.live_bytes()
         with self.store.atomic() as tx:
             ledger.finish_attempts(tx, [(a, self.sample) for a in ids])
-        return len(ids)
+        os.sync()
+        io1 = io_counters()
+        return {"finished": len(ids), "live_growth_bytes": self.live_bytes() - size0,
+                "live_write_bytes": io1["write_bytes"] - io0["write_bytes"]
+                - (io1["cancelled_write_bytes"] - io0["cancelled_write_bytes"])}
 
     def snapshot(self) -> dict:
         seg_dir = segments_dir_of(self.ckpt)
@@ -206,8 +227,10 @@ def main() -> int:
             order = ["segments", "full_copy"] if i % 2 == 0 else ["full_copy", "segments"]
             for name in order:
                 ph = phases[name]
-                ph.finish_new(new_samples)
+                live = ph.finish_new(new_samples)
                 r = ph.snapshot()
+                r.update(live_write_bytes=live["live_write_bytes"], live_growth_bytes=live["live_growth_bytes"],
+                         interval_disk_write_bytes=live["live_write_bytes"] + r["disk_write_bytes"])
                 rows[name].append(r)
                 if name == "segments":
                     rows["cp"].append({"wall_s": cp_floor(r["files"], work / "cp"),
@@ -225,13 +248,20 @@ def main() -> int:
             "segments": {"wall_s": med(rows["segments"], "wall_s"), "seal_s": med(rows["segments"], "seal_s"),
                          "bytes": seg_written, "segment_bytes": med(rows["segments"], "segment_bytes"),
                          "snapshot_dir_bytes": med(rows["segments"], "snapshot_dir_bytes"), "store_file_bytes": store_file,
-                         "disk_write_bytes": med(rows["segments"], "disk_write_bytes")},
+                         "disk_write_bytes": med(rows["segments"], "disk_write_bytes"),
+                         "live_write_bytes": med(rows["segments"], "live_write_bytes"),
+                         "live_growth_bytes": med(rows["segments"], "live_growth_bytes"),
+                         "interval_disk_write_bytes": med(rows["segments"], "interval_disk_write_bytes")},
             "full_copy": {"wall_s": med(rows["full_copy"], "wall_s"), "bytes": med(rows["full_copy"], "snapshot_dir_bytes"),
-                          "disk_write_bytes": med(rows["full_copy"], "disk_write_bytes")},
+                          "disk_write_bytes": med(rows["full_copy"], "disk_write_bytes"),
+                          "live_write_bytes": med(rows["full_copy"], "live_write_bytes"),
+                          "interval_disk_write_bytes": med(rows["full_copy"], "interval_disk_write_bytes")},
             "cp": {"wall_s": med(rows["cp"], "wall_s"), "bytes": med(rows["cp"], "bytes")},
         }
-        bound = BYTES_GOAL * new_bytes + store_file
-        summary["bytes_goal"] = {"bound": bound, "met": seg_written <= bound}
+        # The metadata file is counted in what a snapshot writes, not in its allowance.
+        bound = BYTES_GOAL * new_bytes
+        summary["bytes_goal"] = {"bound": bound, "ratio_to_new_payload": seg_written / new_bytes,
+                                 "metadata_file_bytes": store_file, "met": seg_written <= bound}
         summary["time_goal"] = {"ratio_to_cp": summary["segments"]["wall_s"] / summary["cp"]["wall_s"]}
         summary["time_goal"]["met"] = summary["time_goal"]["ratio_to_cp"] <= TIME_GOAL
         result["rows"] = {k: [{kk: vv for kk, vv in r.items() if kk != "files"} for r in v] for k, v in rows.items()}
@@ -245,9 +275,16 @@ def main() -> int:
         say(f"  full copy: {summary['full_copy']['wall_s']:.3f} s, {summary['full_copy']['bytes'] / mib:.1f} MiB written, "
             f"disk write_bytes {summary['full_copy']['disk_write_bytes'] / mib:.1f} MiB")
         say(f"  cp       : {summary['cp']['wall_s']:.3f} s for the same {summary['cp']['bytes'] / mib:.2f} MiB")
-        say(f"  bytes: {seg_written / mib:.2f} MiB <= 2 x {new_bytes / mib:.2f} + store file {store_file / mib:.2f} = "
-            f"{bound / mib:.2f} MiB: {'met' if summary['bytes_goal']['met'] else 'MISSED'}; "
+        say(f"  bytes per snapshot: {seg_written / mib:.2f} MiB (of which the metadata file {store_file / mib:.2f} MiB) "
+            f"= {seg_written / new_bytes:.2f}x the new payload; goal <= {BYTES_GOAL:.0f} x {new_bytes / mib:.2f} = "
+            f"{bound / mib:.2f} MiB: {'met' if summary['bytes_goal']['met'] else 'missed'}; "
             f"full copy / segments {summary['full_copy']['bytes'] / seg_written:.0f}x")
+        sg, fc = summary["segments"], summary["full_copy"]
+        say(f"  live store's own writes per interval (finishing the new payload): write_bytes "
+            f"{sg['live_write_bytes'] / mib:.2f} MiB, file + WAL growth {sg['live_growth_bytes'] / mib:.2f} MiB; "
+            f"whole interval (live + snapshot) disk writes {sg['interval_disk_write_bytes'] / mib:.2f} MiB = "
+            f"{sg['interval_disk_write_bytes'] / new_bytes:.2f}x the new payload (full copy: "
+            f"{fc['interval_disk_write_bytes'] / mib:.2f} MiB)")
         say(f"  time: {summary['time_goal']['ratio_to_cp']:.2f}x cp (goal <= {TIME_GOAL:.0f}x: "
             f"{'met' if summary['time_goal']['met'] else 'MISSED'}); full copy / segments "
             f"{summary['full_copy']['wall_s'] / summary['segments']['wall_s']:.1f}x")

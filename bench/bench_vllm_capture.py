@@ -8,7 +8,7 @@ Needs vLLM (scripts/install_vllm_cpu.sh VENV). Each round: N greedy calls of `--
 tokens each, submitted at once (all running together: the engine's max_num_seqs is the
 largest N). In "snapshot" rounds a thread does, every `--every` seconds, the engine's part
 of a prefix-level rollout snapshot and its write of the prefixes: `running_calls()` (what
-the snapshot pump asks the engine for under the commit lock; `cut_hold_s` is how long the
+the snapshot pump asks the engine for before it takes the commit lock; `cut_hold_s` is how long the
 read held vLLM's output loop, `wait` how long the caller waited, the output step in
 progress included), then the prefixes (int32 token ids, float32 logprobs, one row per call)
 written in one transaction into a SQLite file, in this process, as the snapshot copy does:
@@ -37,7 +37,9 @@ import numpy as np
 
 
 def _pct(values: list[float], q: float) -> float | None:
-    if not values:
+    """Nearest-rank percentile; None for a p99 of fewer than 100 values (it would be the
+    maximum, reported beside it), as bench/benchlib.py's latency_summary does."""
+    if not values or (q >= 0.99 and len(values) < 100):
         return None
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]

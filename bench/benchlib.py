@@ -22,19 +22,39 @@ def percentile(sorted_values: list[float], q: float) -> float:
     return sorted_values[rank]
 
 
-def latency_summary(seconds: list[float]) -> dict[str, float]:
-    """p50/p99/max in milliseconds, plus the count."""
+# Nearest-rank p99 of fewer than 100 samples is the largest sample: calling it a p99
+# would claim a tail the run never measured. Below this count it is reported as max only.
+P99_MIN_SAMPLES = 100
+
+
+def latency_summary(seconds: list[float]) -> dict[str, float | None]:
+    """p50/p99/max in milliseconds, plus the count. p99_ms is None (and only the max is
+    reported) with fewer than P99_MIN_SAMPLES samples."""
     s = sorted(seconds)
     return {
         "n": len(s),
         "p50_ms": percentile(s, 50) * 1e3,
-        "p99_ms": percentile(s, 99) * 1e3,
+        "p99_ms": percentile(s, 99) * 1e3 if len(s) >= P99_MIN_SAMPLES else None,
         "max_ms": (s[-1] if s else float("nan")) * 1e3,
     }
 
 
-def fmt_latency(summary: dict[str, float]) -> str:
-    return f"p50 {summary['p50_ms']:.3f} ms  p99 {summary['p99_ms']:.3f} ms  max {summary['max_ms']:.2f} ms  (n={summary['n']})"
+def tail_ms(summary: dict) -> tuple[str, float]:
+    """("p99", value) when the summary has a meaningful p99, else ("max", the maximum)."""
+    if summary.get("p99_ms") is not None:
+        return "p99", summary["p99_ms"]
+    return "max", summary["max_ms"]
+
+
+def fmt_tail(summary: dict, digits: int = 3) -> str:
+    """'p99 X ms', or 'max X ms (n=N)' when there are too few samples for a p99."""
+    label, value = tail_ms(summary)
+    return f"p99 {value:.{digits}f} ms" if label == "p99" else f"max {value:.{digits}f} ms (n={summary['n']})"
+
+
+def fmt_latency(summary: dict) -> str:
+    p99 = f"p99 {summary['p99_ms']:.3f} ms  " if summary.get("p99_ms") is not None else ""
+    return f"p50 {summary['p50_ms']:.3f} ms  {p99}max {summary['max_ms']:.2f} ms  (n={summary['n']})"
 
 
 def machine_line() -> str:

@@ -41,6 +41,10 @@ def test_the_transitions_benchmark_runs_and_reports_store_next_to_raw_sqlite(tmp
     assert r["batched"]["group_transitions_per_s"] > 0
     assert r["batched"]["raw_single_row_updates_per_s"] > 0
     assert r["batched"]["ratio_store_group_vs_raw"] > 0
+    # The floor replays the store's own SQL: its copy of the file ends in the store's state.
+    assert r["replay_matches_store"] is True
+    assert r["batched"]["replay_group_transitions_per_s"] > 0
+    assert r["single"]["replay"]["n"] == r["single"]["store"]["n"]
     single = r["single"]
     assert single["store"]["n"] == single["raw"]["n"] > 0
     assert {"p50_ms", "p99_ms", "max_ms"} <= single["store"].keys()
@@ -93,6 +97,9 @@ def test_the_segments_benchmark_reports_bytes_and_time_per_snapshot_next_to_a_fu
     s = r["summary"]
     assert len(r["rows"]["segments"]) == len(r["rows"]["full_copy"]) == len(r["rows"]["cp"]) == r["args"]["intervals"]
     assert 0 < s["segments"]["segment_bytes"] < s["full_copy"]["bytes"]
+    # The goal as stated: the metadata file counts in the bytes, not in the 2x allowance.
+    assert s["bytes_goal"]["met"] == (s["segments"]["bytes"] <= 2 * s["new_payload_bytes"])
+    assert s["segments"]["interval_disk_write_bytes"] >= s["segments"]["disk_write_bytes"]
     assert {"met", "bound"} <= s["bytes_goal"].keys() and {"met", "ratio_to_cp"} <= s["time_goal"].keys()
 
 
@@ -158,7 +165,7 @@ def test_the_streaming_benchmark_runs_multi_turn_on_the_flat_step_engine(tmp_pat
 
 def test_the_group_commit_benchmark_commits_every_call_batched_and_one_per_transaction(tmp_path):
     r = _run_bench("bench_group_commit.py", tmp_path)
-    b, p = r["best"]["batched"], r["best"]["per call"]
+    b, p = r["median"]["batched"], r["median"]["per call"]
     assert b["calls"] == p["calls"] == r["args"]["groups"] * r["args"]["group_size"]
     assert p["commits"] > b["commits"] >= 1
     assert b["calls_per_s"] > 0 and 0 < b["store_share"] < 1
@@ -236,7 +243,9 @@ def test_the_recovery_scale_benchmark_kills_a_prefix_level_run_and_accounts_for_
     case = r["by"]["32"]
     assert case["verify"]["duplicated"] == 0 and case["verify"]["lost"] == 0
     assert case["outcomes"].get("published", 0) >= 3 and case["holds"] > 0 and case["cuts_measured"] > 0
-    assert case["commit_lock_cut_ms_p99"] > 0 and case["commit_lock_train_ms_p50"] > 0
+    assert case["commit_lock_cut_ms_max"] > 0 and case["commit_lock_train_ms_p50"] > 0
+    # A p99 only from 100+ cuts (benchlib.P99_MIN_SAMPLES); below that the max stands alone.
+    assert (case["commit_lock_cut_ms_p99"] is None) == (case["commit_lock_cuts"] < 100)
     (stop,) = case["stops"]  # one kill, resumed
     assert stop["decoded_by_cut"] > 0 and stop["lost_after_cut_tokens"] is not None
     assert stop["lost_generation_s"] is not None and stop["decode_rate_tok_s"] > 0
