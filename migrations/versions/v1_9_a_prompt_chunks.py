@@ -55,15 +55,16 @@ def _ones(bits: bytes) -> int:
 
 def _chunks(bits: bytes, settles: int) -> list[tuple[int, bytes, int]]:
     width = CHUNK // 8
-    out = []
+    out: list[tuple[int, bytes, int]] = []
     for chunk in range(0, (len(bits) + width - 1) // width):
         part = bits[chunk * width:(chunk + 1) * width].rstrip(b"\0")
         if part:
-            out.append([chunk, part, _ones(part)])
+            out.append((chunk, part, _ones(part)))
     if not out:
         return [(0, b"", settles)]
-    out[0][2] += settles - sum(n for _, _, n in out)
-    return [(c, b, n) for c, b, n in out]
+    first, part, ones = out[0]
+    out[0] = (first, part, ones + settles - sum(k for _, _, k in out))
+    return out
 
 
 def _replace(bind, create: str, columns: str, rows: list[tuple]) -> None:
