@@ -46,7 +46,7 @@ FORMATS = {
     ("env_episodes", "state"): "JSON: the environment's saved state",
     ("settled_steps", "others"): "entries of three unsigned LEB128 varints (gap, length, code); NULL: every "
                                  "position of the span trained here (see the table's description)",
-    ("settled_prompts", "bits"): "bit `prompt_id % 8` of byte `prompt_id // 8` set once the prompt settled",
+    ("settled_prompts", "bits"): "bit `p % 8` of byte `p // 8` set once prompt id `chunk * 4096 + p` settled",
     ("snapshot_attempts", "timings"): "JSON `{phase: seconds}`",
     ("run_meta", "forest_training"): "JSON object (`{}`: off)",
     (SEGMENT_TABLE, "token_ids"): TOKENS + " (a sample's, or a prefix chunk's)",

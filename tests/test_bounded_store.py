@@ -265,8 +265,35 @@ def test_every_settled_group_sets_its_prompts_bit_in_its_epochs_bitmap(tmp_path)
     with contextlib.closing(sqlite3.connect(f"file:{run_dir / 'rollout_state.sqlite'}?mode=ro", uri=True)) as conn:
         # Positions 0..12 settled, each the prompt seq % 1000 of epoch 0: prompts 0..12,
         # bits 0..7 of byte 0 and 0..4 of byte 1.
-        assert conn.execute("SELECT epoch, bits, settles FROM settled_prompts").fetchall() == [
-            (0, bytes([0xFF, 0x1F]), 13)]
+        assert conn.execute("SELECT epoch, chunk, bits, settles FROM settled_prompts").fetchall() == [
+            (0, 0, bytes([0xFF, 0x1F]), 13)]
+
+
+def _prompt_rows(path: Path) -> dict[tuple[int, int], tuple[bytes, int]]:
+    with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as conn:
+        return {(e, c): (b, n) for e, c, b, n in conn.execute("SELECT epoch, chunk, bits, settles FROM settled_prompts")}
+
+
+@pytest.mark.parametrize("spread", [1, 4096], ids=["80 prompts", "330k prompts"])
+def test_a_settle_rewrites_one_bounded_chunk_of_the_bitmap_whatever_the_dataset_size(tmp_path, spread):
+    """80 groups settled over prompt ids 0..79 or over 0..~330k, then one more: the settle
+    changes exactly one `settled_prompts` row, of at most 512 bytes, in both
+    datasets (read through a second connection). Planted: one whole-epoch bitmap (a chunk
+    of 1 << 40 ids) -> the 330k case rewrites a 40 KB row and fails."""
+    path = tmp_path / "rollout_state.sqlite"
+    store = Store.create(path, replay_capacity=64)
+    first = store.reserve([Reservation(k, 0, k * spread + 1) for k in range(80)], num_generations=1, target_step=1)
+    store.discard(first, reason=ZERO)
+    before = _prompt_rows(path)
+    (g,) = store.reserve([Reservation(80, 0, 70 * spread + 7)], num_generations=1, target_step=1)
+    store.discard([g], reason=ZERO)
+    store.close()
+    after = _prompt_rows(path)
+    changed = {key: row for key, row in after.items() if before.get(key) != row}
+    assert len(changed) == 1
+    ((_, (bits, _)),) = changed.items()
+    assert len(bits) <= 512  # a page-sized row: 4096 prompt ids
+    assert sum(n for _, n in after.values()) == 81
 
 
 def test_a_prompt_handed_out_again_and_settled_twice_in_an_epoch_is_reported_duplicated(tmp_path):

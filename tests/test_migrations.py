@@ -25,7 +25,7 @@ from sqlalchemy import create_engine
 from sqlalchemy.pool import NullPool
 
 from rolloutdb.store import FinishedGeneration, Reservation, Store, codec, queries
-from rolloutdb.store.live.invariants import check_invariants
+from rolloutdb.store.live.invariants import audit_prompts, check_invariants
 from rolloutdb.store.sqlite.revision import head_revision, known_revisions, run_migrations
 from rolloutdb.store.sqlite.upgrade import upgrade_file
 from rolloutdb.store.live.schema import metadata
@@ -213,8 +213,9 @@ def test_each_fixture_upgrades_to_head_keeping_every_row(fixture_copy):
                     bits.extend(bytes(max(0, p // 8 + 1 - len(bits))))
                     bits[p // 8] |= 1 << (p % 8)
                     want[r[at["epoch"]]] = (bits, n + 1)
-            assert after.execute("SELECT epoch, bits, settles FROM settled_prompts ORDER BY epoch").fetchall() == [
-                (e, bytes(b), n) for e, (b, n) in sorted(want.items())]
+            # v1_9_a: the fixtures' 32 prompts are all in chunk 0 of their epoch.
+            assert after.execute("SELECT epoch, chunk, bits, settles FROM settled_prompts ORDER BY epoch").fetchall() == [
+                (e, 0, bytes(b), n) for e, (b, n) in sorted(want.items())]
         assert counts["samples"] > 0
         for sample_id, tokens, logprobs in blobs:
             t2, l2 = after.execute("SELECT token_ids, logprobs FROM samples WHERE sample_id = ?", (sample_id,)).fetchone()
@@ -422,3 +423,25 @@ def test_the_alembic_command_line_upgrades_a_copy_of_the_oldest_fixture(tmp_path
         assert conn.execute("SELECT version_num FROM alembic_version").fetchall() == [(HEAD,)]
         assert conn.execute("SELECT count(*) FROM samples WHERE version_token_counts IS NULL").fetchone()[0] == 0
     assert _invariant_problems(path) == []
+
+
+def test_v1_9_a_cuts_each_epoch_bitmap_into_chunks_and_a_downgrade_joins_them_again(tmp_path):
+    """An epoch bitmap spanning three chunks of 4096 prompt ids, with one prompt settled
+    twice (settles one above its set bits), becomes its non-empty chunks; the excess stays
+    with the epoch (its first chunk), so verify still counts the duplicate."""
+    path = tmp_path / "store.sqlite"
+    run_migrations(path, "v1_8_a")
+    bits = bytearray(9001 // 8 + 1)
+    for p in (5, 9000):  # chunks 0 and 2; chunk 1 (ids 4096..8191) stays empty
+        bits[p // 8] |= 1 << (p % 8)
+    with _connect(path) as conn, conn:
+        conn.execute("INSERT INTO settled_prompts (epoch, bits, settles) VALUES (0, ?, 3), (1, x'', 0)", (bytes(bits),))
+    run_migrations(path, "v1_9_a")
+    with _connect(path) as conn:
+        rows = conn.execute("SELECT epoch, chunk, bits, settles FROM settled_prompts ORDER BY epoch, chunk").fetchall()
+        assert rows == [(0, 0, bytes([0x20]), 2), (0, 2, bytes(101) + bytes([0x01]), 1), (1, 0, b"", 0)]
+        assert audit_prompts(conn).twice == ["epoch 0: 1 prompt(s) settled twice"]
+    run_migrations(path, "v1_8_a", downgrade=True)
+    with _connect(path) as conn:
+        assert conn.execute("SELECT epoch, bits, settles FROM settled_prompts ORDER BY epoch").fetchall() == [
+            (0, bytes(bits), 3), (1, b"", 0)]

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 from .compaction import check_types
 from .queries import settled_runs
+from .schema import PROMPT_CHUNK
 
 # Each check: (invariant number, description, SQL returning offending rows as text).
 _LEDGER_CHECKS: list[tuple[int, str, str]] = [
@@ -225,35 +226,55 @@ class PromptAudit:
     unrecorded: int
 
 
-_PROMPT_COLUMNS = (("epoch", "int"), ("bits", "blob"), ("settles", "int"))
+_PROMPT_COLUMNS = (("epoch", "int"), ("chunk", "int"), ("bits", "blob"), ("settles", "int"))
+
+
+def _prompt_chunks(raw: sqlite3.Connection) -> tuple[dict[tuple[int, int], tuple[bytes, int]], int | None]:
+    """`settled_prompts` as {(epoch, chunk): (bits, settles)} and the prompt ids per chunk;
+    a file older than v1_9_a (one bitmap per epoch) reads as chunk 0 of unbounded width
+    (None)."""
+    if not raw.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'settled_prompts'").fetchone():
+        return {}, None
+    chunked = any(r[1] == "chunk" for r in raw.execute("PRAGMA table_info(settled_prompts)"))
+    sql = ("SELECT epoch, chunk, bits, settles FROM settled_prompts" if chunked
+           else "SELECT epoch, 0, bits, settles FROM settled_prompts")
+    out: dict[tuple[int, int], tuple[bytes, int]] = {}
+    for row in raw.execute(sql):
+        # bytes(an INTEGER) would allocate it
+        check_types(f"settled_prompts row epoch={row[0]!r:.40} chunk={row[1]!r:.40}", row, _PROMPT_COLUMNS)
+        out[(row[0], row[1])] = (row[2], row[3])
+    return out, PROMPT_CHUNK if chunked else None
 
 
 def audit_prompts(raw: sqlite3.Connection) -> PromptAudit:
     """Every (epoch, prompt id) handed out at most once over the run: live rows (ledger
     and spare pool) counted with the settled bit of their prompt, and each epoch's
-    settles against its set bits. Reads the live rows (what is in flight) and one
-    bitmap per epoch."""
+    settles (summed over its chunks) against its set bits. Reads the live rows (what is
+    in flight) and every chunk of the bitmaps."""
     has = lambda t: raw.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?", (t,)).fetchone()  # noqa: E731
-    bitmaps: dict[int, tuple[bytes, int]] = {}
-    for row in raw.execute("SELECT epoch, bits, settles FROM settled_prompts") if has("settled_prompts") else ():
-        check_types(f"settled_prompts row epoch={row[0]!r:.40}", row, _PROMPT_COLUMNS)  # bytes(an INTEGER) would allocate it
-        bitmaps[row[0]] = (row[1], row[2])
+    chunks, width = _prompt_chunks(raw)
     live = raw.execute("SELECT epoch, prompt_id, count(*) FROM (SELECT epoch, prompt_id FROM prompt_groups UNION ALL "
                        "SELECT epoch, prompt_id FROM spare_prompts) GROUP BY epoch, prompt_id ORDER BY epoch, prompt_id")
     twice: list[str] = []
     duplicated = 0
     for epoch, prompt_id, n in live:
-        n += is_set(bitmaps.get(epoch, (b"", 0))[0], prompt_id)
+        chunk, bit = divmod(prompt_id, width) if width and prompt_id >= 0 else (0, prompt_id)
+        n += is_set(chunks.get((epoch, chunk), (b"", 0))[0], bit)
         if n > 1:
             duplicated += n - 1
             twice.append(f"epoch {epoch} prompt {prompt_id} x{n}")
-    for epoch, (bits, settles) in sorted(bitmaps.items()):
-        extra = settles - sum(bin(b).count("1") for b in bits)
+    extra_by_epoch: dict[int, int] = {}
+    for (epoch, _), (bits, settles) in chunks.items():
+        # popcount in C: a snapshot checks every chunk of every epoch (copy_problems), and a
+        # per-byte Python count was ~1 us per byte of bitmap, per epoch, at every snapshot
+        ones = int.from_bytes(bits, "little").bit_count()
+        extra_by_epoch[epoch] = extra_by_epoch.get(epoch, 0) + settles - ones
+    for epoch, extra in sorted(extra_by_epoch.items()):
         if extra > 0:  # fewer settles than bits: a bit without its settle, `unrecorded` says it
             duplicated += extra
             twice.append(f"epoch {epoch}: {extra} prompt(s) settled twice")
     unrecorded = 0
     if has("settled_steps") or has("settled_ranges"):
         positions = sum(r.end - r.start for r in settled_runs(raw))
-        unrecorded = positions - sum(n for _, n in bitmaps.values())
+        unrecorded = positions - sum(n for _, n in chunks.values())
     return PromptAudit(twice, duplicated, unrecorded)

@@ -39,6 +39,9 @@ SNAPSHOT_OUTCOMES = (
     "aborted_commit",
     "failed",
 )
+# Prompt ids per `settled_prompts` row: 512 bytes of bits, so a settle rewrites at most one
+# page-sized row of its epoch's bitmap however large the dataset (revision v1_9_a).
+PROMPT_CHUNK = 4096
 
 
 
@@ -353,19 +356,23 @@ class DiscardReason(Base):
 
 
 class SettledPrompts(Base):
-    """Which prompts of each epoch have settled (revision v1_4_a): the (epoch, prompt id)
-    a settled group leaves behind, so exactly-once still holds for prompts and not only
-    for positions. A position could be exact while the sampler handed one prompt out at
-    two positions (after its first group settled, the ledger's UNIQUE (epoch, prompt_id)
-    no longer sees it). `bits`: bit `prompt_id % 8` of byte `prompt_id // 8` is set once
-    the prompt settled in this epoch (one bit per prompt id: 4 KB per epoch of a 32k-prompt
-    dataset, written in the settling transaction, compaction.py); `settles`: how many
-    groups of the epoch settled. `settles` above the count of set bits means a prompt
-    settled twice; a live row (ledger or spare) whose bit is set was handed out again."""
+    """Which prompts of each epoch have settled (revision v1_4_a; by chunk from v1_9_a):
+    the (epoch, prompt id) a settled group leaves behind, so exactly-once still holds for
+    prompts and not only for positions. A position could be exact while the sampler handed
+    one prompt out at two positions (after its first group settled, the ledger's UNIQUE
+    (epoch, prompt_id) no longer sees it). One row per (epoch, chunk) of PROMPT_CHUNK
+    prompt ids: bit `p % 8` of byte `p // 8` of `bits` is set once prompt id
+    `chunk * PROMPT_CHUNK + p` settled in this epoch (at most 512 bytes, trailing zero
+    bytes left off); `settles`: how many groups of the epoch whose prompt is in the chunk
+    settled. A settle reads and rewrites the one chunk its prompt is in, whatever the
+    dataset size (compaction.mark_settled). An epoch's `settles` above its count of set
+    bits means a prompt settled twice; a live row (ledger or spare) whose bit is set was
+    handed out again."""
 
     __tablename__ = "settled_prompts"
 
     epoch: Mapped[int] = mapped_column(Integer, primary_key=True)
+    chunk: Mapped[int] = mapped_column(Integer, primary_key=True)
     bits: Mapped[bytes] = mapped_column(LargeBinary)
     settles: Mapped[int] = mapped_column(Integer)
 
