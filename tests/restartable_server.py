@@ -57,8 +57,12 @@ class Restartable:
             pass
 
 
-def minimal_server(root: Path, token: str, turns: int = 3, prompts: int = 64) -> Restartable:
+def minimal_server(root: Path, token: str, turns: int = 3, prompts: int = 64,
+                   policy_dir: Path | None = None) -> Restartable:
+    """examples/agent_server_minimal/server.py: the toy task, or with `policy_dir` the
+    digits copy task (2 digits, seed 0)."""
     port = free_port()
     argv = [sys.executable, str(REPO / "examples/agent_server_minimal/server.py"), "--token-file",
             str(token_file(root, token)), "--port", str(port), "--turns", str(turns), "--prompts", str(prompts)]
+    argv += ["--policy-dir", str(policy_dir)] if policy_dir is not None else []
     return Restartable(root, argv, port)

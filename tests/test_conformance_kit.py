@@ -12,7 +12,9 @@ import pytest
 
 from _nonconforming_servers import Answers500ToMalformedJson, ExportsBeforeDraining, IgnoresLease, serving
 from restartable_server import minimal_server, token_file
+from rolloutdb.config import load_config
 from rolloutdb.controller.agent_server import conformance
+from rolloutdb.controller.job import build
 
 TOKEN = "kit-token-" + "0123456789abcdef"
 
@@ -30,8 +32,14 @@ def test_a_planted_server_fails_exactly_the_guarantee_it_breaks(planted, broken)
     assert row.request and row.got, row  # the table names the request that failed and what came back
 
 
-def test_the_minimal_server_passes_every_check_including_a_kill_between_prepare_and_commit(tmp_path):
-    server = minimal_server(tmp_path, TOKEN)
+@pytest.mark.parametrize("task", ["toy", "digits"])
+def test_the_minimal_server_passes_every_check_including_a_kill_between_prepare_and_commit(tmp_path, task):
+    policy_dir = None
+    if task == "digits":  # the built-in digits task over a real policy tokenizer, as in its config.yaml
+        cfg = tmp_path / "run.yaml"
+        cfg.write_text("run: {seed: 0}\nenvironment: {task: digits, kind: copy, n_digits: 2, turns: 3}\n")
+        policy_dir = build.build_policy(load_config(cfg), tmp_path / "policy")
+    server = minimal_server(tmp_path, TOKEN, policy_dir=policy_dir)
     url = server.start()
     try:
         results = conformance.run_kit(url, TOKEN, restart_cmd=server.restart_cmd, timeout=20)

@@ -196,6 +196,7 @@ class Kit:
         self.policy.hold(lambda key, t: t >= 1)
         self.start(k)
         self.wait_call(k, 1)
+        frozen = self.checkpoint().get(k)  # the agent at turn 1, taken while nothing moves
         cid = uuid.uuid4().hex[:12]
         self.call("POST", "/checkpoint/prepare", {"checkpoint_id": cid, "lease_s": 60}, want=200)
         try:
@@ -207,9 +208,11 @@ class Kit:
             self.call("POST", "/checkpoint/drain", {"checkpoint_id": cid}, want=200)
             answer = self.call("GET", f"/checkpoint/export?checkpoint_id={cid}", want=200)
             agent = self.episodes(answer).get(k)
-            if not isinstance(agent, dict) or agent.get("turn") != 1:
+            differ = [f for f in TRANSCRIPT if not isinstance(agent, dict) or not isinstance(frozen, dict)
+                      or agent.get(f) != frozen.get(f)]
+            if differ:
                 raise Failed(f"episode {k} had finished 1 turn at commit and 2 at export; the export must be the "
-                             "copy commit took (turn 1), never turns played after it", answer)
+                             f"copy commit took, never turns played after it (differs in {', '.join(differ)})", answer)
         finally:
             self.call("POST", "/checkpoint/resume", {"checkpoint_id": cid})
 

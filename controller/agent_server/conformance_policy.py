@@ -31,6 +31,14 @@ REPLY_LOGPROB = -0.5
 MAX_ANSWER_BYTES = 64 << 20  # what the kit reads of one answer, as the controller does
 
 
+class _QuietServer(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request, client_address):
+        # a held call's server hung up (it retired or lost the episode): expected, not news
+        pass
+
+
 @dataclass(frozen=True)
 class Call:
     key: str
@@ -48,8 +56,7 @@ class FixedPolicy:
         self.lock = threading.Lock()
         self._hold: Callable[[str, int], bool] | None = None
         self._gate = threading.Condition(self.lock)
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
-        self._server.daemon_threads = True
+        self._server = _QuietServer(("127.0.0.1", 0), self._handler())
         self._thread = threading.Thread(target=self._server.serve_forever, name="conformance-policy", daemon=True)
         self._thread.start()
         self.url = f"http://127.0.0.1:{self._server.server_address[1]}"

@@ -2,11 +2,11 @@
 library only (http.server, threading, json, urllib), no import of rolloutdb.
 
     python server.py --token-file FILE [--host 127.0.0.1] [--port 0] [--turns 3] [--prompts 64]
+        [--policy-dir RUN_DIR/policy --n-digits 2 --seed 0]
 
-The task is a toy tool-use game: each turn the agent asks the policy for a reply, and its
-one tool ("check") compares the reply's first token with the turn's target token,
-writes a 2-token observation `[3, next target]` and scores the turn. The reward is the
-share of turns scored. Prompt `p` is the token ids `[1, 2, 4 + p % 10]`.
+With `--policy-dir` it runs the built-in `digits` copy task (digits_task.py: the prompts,
+observations and rewards the controller's own environment gives, so `rolloutdb train`
+trains on what was played); without it, a toy tool-use game (`ToyTask`).
 
 Every turn carries an idempotency key `<episode>/t<turn>` (the same across attempts of an
 episode) and the fencing token `attempt`, handed to the tool; the server refuses a turn of
@@ -28,6 +28,7 @@ import urllib.error
 import urllib.request
 from hashlib import blake2b
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
 
 PROTOCOL = 1
@@ -60,18 +61,43 @@ def need_key(value, name: str = "key") -> str:
     return value
 
 
-def target(prompt_id: int, turn: int) -> int:
-    return 4 + (prompt_id + turn) % 8
+class ToyTask:
+    """A toy tool-use game (the default): each turn the tool "check" compares the reply's
+    first token with the turn's target token and answers `[3, next target]`; the reward
+    is the share of turns it scored. Prompt `p` is `[1, 2, 4 + p % 10]`."""
+
+    def __init__(self, turns: int):
+        self.turns = turns
+
+    @staticmethod
+    def target(prompt_id: int, turn: int) -> int:
+        return 4 + (prompt_id + turn) % 8
+
+    def new_state(self, prompt_id: int) -> dict:
+        return {"scored": 0}
+
+    def valid_state(self, state: dict) -> bool:
+        return isinstance(state.get("scored"), int)
+
+    def prompt(self, prompt_id: int) -> list[int]:
+        return [1, 2, 4 + prompt_id % 10]
+
+    def tool(self, state: dict, prompt_id: int, turn: int, reply: list[int]) -> list[int]:
+        if reply[:1] == [self.target(prompt_id, turn)]:
+            state["scored"] += 1
+        return [3, self.target(prompt_id, turn + 1)]
+
+    def reward(self, state: dict) -> float:
+        return state["scored"] / self.turns
 
 
-def check_tool(agent: Agent, reply: list[int], idempotency_key: str, attempt: int) -> list[int]:
-    """The episode's tool. A tool with an effect outside the episode would record
-    `idempotency_key` with its effect and skip one it has done already; `attempt` is the
-    fencing token it can compare with the newest it has seen."""
-    del idempotency_key, attempt  # this tool's effect is inside the episode: nothing to deduplicate
-    if reply[:1] == [target(agent.prompt_id, agent.turn)]:
-        agent.state["scored"] += 1
-    return [3, target(agent.prompt_id, agent.turn + 1)]
+def run_tool(task, agent: Agent, reply: list[int], idempotency_key: str, attempt: int) -> list[int]:
+    """One turn's tool. A tool with an effect outside the episode (a file, a request) would
+    record `idempotency_key` (`<episode>/t<turn>`, the same in every attempt) with its
+    effect and skip one it has done already; `attempt` is the fencing token it can compare
+    with the newest it has seen. The tools here act inside the episode: nothing to skip."""
+    del idempotency_key, attempt
+    return task.tool(agent.state, agent.prompt_id, agent.turn, reply)
 
 
 class Agent:
@@ -79,7 +105,7 @@ class Agent:
         self.key, self.episode, self.attempt = key, episode, attempt
         self.prompt_id, self.seed, self.policy = prompt_id, seed, policy
         self.turn = 0
-        self.state = {"scored": 0}
+        self.state: dict = {}
         self.token_ids: list[int] = []
         self.logprobs: list[float] = []
         self.versions: list[int] = []
@@ -89,14 +115,17 @@ class Agent:
         self.ended = threading.Event()
 
     def view(self) -> dict:
-        return {"turn": self.turn, "state": dict(self.state, finish_reasons=list(self.finish_reasons)),
+        # a deep copy: the committed copy must not change as later turns append to the state
+        state = json.loads(json.dumps(self.state))
+        return {"turn": self.turn, "state": dict(state, finish_reasons=list(self.finish_reasons)),
                 "token_ids": list(self.token_ids), "logprobs": list(self.logprobs),
                 "token_versions": list(self.versions)}
 
 
 class Server:
-    def __init__(self, token: str, turns: int = 3, prompts: int = 64):
+    def __init__(self, token: str, turns: int = 3, prompts: int = 64, task=None):
         self.token, self.turns, self.prompts = token, turns, prompts
+        self.task = task or ToyTask(turns)
         self.lock = threading.Lock()
         self.agents: dict[str, Agent] = {}
         self.installed: dict[str, dict] = {}
@@ -145,11 +174,12 @@ class Server:
                 raise Refused(409, f"episode {key} exists already")
             episode, attempt = self.see(key, episode, attempt)
             agent = Agent(key, episode, attempt, prompt_id, seed, {k: v for k, v in policy.items() if k != "url"})
+            agent.state = self.task.new_state(prompt_id)
             if source is not None:
                 saved = self.installed.pop(need_key(source, "continue_from"), None)
                 if saved is None:
                     raise Refused(404, f"no installed agent {source}; POST /agents/install it first")
-                agent.turn, agent.state = saved["turn"], dict(saved["state"])
+                agent.turn, agent.state = saved["turn"], json.loads(json.dumps(saved["state"]))
                 agent.finish_reasons = list(agent.state.pop("finish_reasons", []))
                 agent.token_ids, agent.logprobs = list(saved["token_ids"]), list(saved["logprobs"])
                 agent.versions = list(saved["token_versions"])
@@ -167,7 +197,11 @@ class Server:
         agent.ended.set()
 
     def play(self, agent: Agent) -> None:
-        prompt = [1, 2, 4 + agent.prompt_id % 10]
+        try:
+            prompt = self.task.prompt(agent.prompt_id)
+        except (OSError, ValueError, KeyError) as e:
+            with self.lock:
+                return self.end(agent, "failed", "error", f"the task cannot start: {type(e).__name__}: {e}")
         while True:
             with self.lock:
                 if agent.cancelled:
@@ -195,7 +229,7 @@ class Server:
                 if agent.cancelled or self.fenced(agent):
                     continue  # the loop's top ends it, without running the tool
                 reply = list(choice["token_ids"])
-                observation = check_tool(agent, reply, f"{agent.episode}/t{turn}", agent.attempt)
+                observation = run_tool(self.task, agent, reply, f"{agent.episode}/t{turn}", agent.attempt)
                 agent.token_ids += reply
                 agent.logprobs += list(choice["logprobs"]["token_logprobs"])
                 agent.versions += list(choice["policy_versions"])
@@ -219,7 +253,7 @@ class Server:
         with self.lock:
             out = {"key": key, "status": agent.status, "turn": agent.turn}
             if agent.status == "finished":
-                out.update(reward=agent.state["scored"] / self.turns, token_ids=agent.token_ids,
+                out.update(reward=self.task.reward(agent.state), token_ids=agent.token_ids,
                            logprobs=agent.logprobs, token_versions=agent.versions,
                            finish_reasons=agent.finish_reasons)
             elif agent.status == "failed":
@@ -292,7 +326,7 @@ class Server:
             if not isinstance(saved, dict):
                 raise Refused(400, f"episode {key}: must be an object with 'turn', 'state' and a transcript")
             need(saved, "turn", int, 0, self.turns)
-            if not isinstance(saved.get("state"), dict) or not isinstance(saved["state"].get("scored"), int):
+            if not isinstance(saved.get("state"), dict) or not self.task.valid_state(saved["state"]):
                 raise Refused(400, f"episode {key}: 'state' is not this server's; nothing was installed")
             lists = [saved.get(f) for f in ("token_ids", "logprobs", "token_versions")]
             if not all(isinstance(v, list) for v in lists) or len({len(v) for v in lists}) != 1:
@@ -413,7 +447,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--turns", type=int, default=3)
     ap.add_argument("--prompts", type=int, default=64, help="prompt ids 0..PROMPTS-1 are accepted")
+    ap.add_argument("--policy-dir", default=None, help="run the built-in digits copy task with this run's policy "
+                    "tokenizer (RUN_DIR/policy); without it, the toy task")
+    ap.add_argument("--n-digits", type=int, default=2, help="digits task: environment.n_digits")
+    ap.add_argument("--seed", type=int, default=0, help="digits task: run.seed")
     args = ap.parse_args(argv)
+    task = None
+    if args.policy_dir:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from digits_task import DigitsCopyTask
+
+        task = DigitsCopyTask(Path(args.policy_dir), turns=args.turns, n_digits=args.n_digits, seed=args.seed)
     try:
         if os.stat(args.token_file).st_mode & 0o077:
             raise ValueError(f"{args.token_file} can be read by other users; chmod 600 it")
@@ -421,7 +465,7 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError) as e:
         print(f"agent-server-minimal: {e}", file=sys.stderr)
         return 2
-    httpd = ThreadingHTTPServer((args.host, args.port), handler(Server(token, args.turns, args.prompts)))
+    httpd = ThreadingHTTPServer((args.host, args.port), handler(Server(token, args.turns, args.prompts, task)))
     httpd.daemon_threads = True
     print(f"rolloutdb-agent-server listening on http://{args.host}:{httpd.server_address[1]}", flush=True)
     try:
