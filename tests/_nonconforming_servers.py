@@ -9,7 +9,6 @@ import importlib.util
 import threading
 from collections.abc import Iterator
 from http.server import ThreadingHTTPServer
-from pathlib import Path
 
 from conftest import REPO
 
@@ -63,6 +62,3 @@ def serving(server: object) -> Iterator[str]:
         httpd.shutdown()
         httpd.server_close()
         thread.join(timeout=10)
-
-
-__all__ = ["IgnoresLease", "ExportsBeforeDraining", "Answers500ToMalformedJson", "serving", "minimal", "Path"]

@@ -336,7 +336,7 @@ class Kit:
         new, old = self.key(0, 1), self.key(0, 0)
         self.policy.hold(lambda key, t: t >= 1)
         self.start(new)
-        refused = self.start(old, want=409, what=f"attempt 0 after attempt 1 of the same episode must be refused (409)")
+        refused = self.start(old, want=409, what="attempt 0 after attempt 1 of the same episode must be refused (409)")
         error = refused.body.get("error") if isinstance(refused.body, dict) else None
         if not isinstance(error, str) or not error.startswith("stale attempt"):
             raise Failed("a fenced registration's error must start with 'stale attempt'", refused)
