@@ -74,6 +74,9 @@ no code starts:
 - `rolloutdb-restore-segments`: during a restore, hashes the payload segments the snapshot
   lists, in place (never copied), while the store file is restored; the restore waits for
   its verdict before it replaces the live store (`store/restore/plan.py`).
+- `conformance-policy`: not a thread of a run: `rolloutdb conformance` serves its fixed
+  policy endpoint on it (`controller/agent_server/conformance_policy.py`); its
+  http.server answers each call on a thread of its own, and a held call waits there.
 
 Lock order (a thread holding one may take only those to its right; nobody takes one to
 the left of a lock it holds):
