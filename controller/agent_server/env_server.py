@@ -493,7 +493,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=0, help="0: a free port (printed on the listening line)")
     ap.add_argument("--mode", choices=wire.MODES, default=None, help="override the config's mode (tests)")
-    ap.add_argument("--tool", default=None, help="PATH.py:FUNCTION called once per turn with the turn's "
+    ap.add_argument("--tool", default=None, help="FILE:FUNCTION called once per turn with the turn's "
                     "idempotency key and attempt (docs/agent_server.md#tools-with-effects-outside-the-episode)")
     ap.add_argument("--parent-pid", type=int, default=None, help="stop when this process is gone (set by the "
                     "controller that starts the server)")

@@ -104,10 +104,10 @@ class Fence:
 
 
 def load_tool(spec: str) -> Tool:
-    """`--tool PATH.py:FUNCTION`: the function named in a Python file."""
+    """`--tool FILE:FUNCTION`: the function named in a Python file."""
     path, sep, name = spec.rpartition(":")
     if not sep or not path.endswith(".py") or not name.isidentifier():
-        raise ValueError(f"--tool {spec!r}: give PATH.py:FUNCTION (a Python file and a function in it)")
+        raise ValueError(f"--tool {spec!r}: give FILE:FUNCTION (a Python file ending in .py and a function in it)")
     module_spec = importlib.util.spec_from_file_location(f"rolloutdb_tool_{Path(path).stem}", path)
     if module_spec is None or module_spec.loader is None or not Path(path).is_file():
         raise ValueError(f"--tool {spec!r}: no Python file {path}")

@@ -36,7 +36,7 @@ class ServerProcess:
         self.log_path = Path(log_path)
         self.start_timeout_s = start_timeout_s
         self.mode = mode
-        self.tool = tool  # PATH.py:FUNCTION, the server's --tool
+        self.tool = tool  # FILE:FUNCTION, the server's --tool
         self.proc: subprocess.Popen | None = None
         self.url: str | None = None
         self.starts = 0
