@@ -114,7 +114,8 @@ def test_real_agent_server_requests_and_answers_follow_the_document(world: OneSe
     policy.pop("prompt"), policy.pop("model")
     key = "60.0-a1"
     world.owners[key] = key
-    body = {"key": key, **fencing.identity(key), "prompt_id": 2, "seed": 9, "policy": {"url": world.policy_url, **policy}}
+    body = {"key": key, **fencing.identity(key), "prompt_id": 2, "seed": 9,
+            "policy": {"url": world.policy_url, **policy}}
     world.engine.hold = lambda rid: rid == f"{key}-t1"
     assert call("POST", "/episodes", body=body)[0] == 201
     world.engine.wait_held(1)

@@ -240,7 +240,7 @@ class AgentServer:
         except asyncio.CancelledError:
             agent.status, agent.reason, agent.error = "failed", "error", "retired"
             raise
-        except HttpError as ex:  # fenced: a newer attempt replaced this one
+        except fencing.StaleAttempt as ex:  # a newer attempt of its episode registered
             agent.status, agent.reason, agent.error = "failed", "error", ex.message
         except Exception as ex:  # noqa: BLE001 - reported through GET /episodes/{key}
             agent.status, agent.reason = "failed", "error"

@@ -80,6 +80,10 @@ def requested_identity(body: Mapping[str, Any], key: str) -> tuple[str, int]:
     return episode, attempt
 
 
+class StaleAttempt(HttpError):
+    """The fencing rule refused an attempt (409)."""
+
+
 class Fence:
     """The newest attempt registered per episode."""
 
@@ -90,14 +94,11 @@ class Fence:
         """Refuse (409) an attempt older than the newest registered for its episode."""
         newest = self.newest.get(episode, -1)
         if attempt < newest:
-            raise HttpError(409, f"stale attempt {attempt} of episode {episode}: attempt {newest} has been seen; "
-                                 "a newer attempt replaced it (the fencing rule, docs/agent_server.md#fencing)")
+            raise StaleAttempt(409, f"stale attempt {attempt} of episode {episode}: attempt {newest} has been "
+                                    "seen; a newer attempt replaced it (docs/agent_server.md#fencing)")
 
     def register(self, episode: str, attempt: int) -> None:
         self.newest[episode] = max(attempt, self.newest.get(episode, -1))
-
-    def stale(self, episode: str, attempt: int) -> bool:
-        return attempt < self.newest.get(episode, -1)
 
     def forget(self) -> None:
         self.newest.clear()
