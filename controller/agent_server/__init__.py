@@ -10,6 +10,9 @@ The pieces, one module each:
   engine; every call is tied to a running attempt by a header;
 - `env_server`: the agent server process (`python -m rolloutdb.controller.agent_server.env_server`
   or `rolloutdb-agent-server`): runs the built-in tasks' episodes, exports them at a cut;
+- `fencing`: each turn's idempotency key, the rule that stops stale attempts, and the
+  tools the agent server calls with them;
+- `openapi`: the protocol as OpenAPI documents (scripts/openapi_doc.py writes them);
 - `process`: starting, health-waiting, restarting and stopping a server process;
 - `client`: the controller's side: episodes run on servers (`AgentPool`) and the HTTP
   `EnvironmentCheckpoint` backend.

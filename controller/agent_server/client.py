@@ -35,7 +35,7 @@ from typing import Any
 
 from aiohttp import ClientError, ClientSession, ClientTimeout, TCPConnector
 
-from rolloutdb.controller.agent_server import auth, wire
+from rolloutdb.controller.agent_server import auth, fencing, wire
 from rolloutdb.controller.agent_server.http_loop import HttpLoop
 from rolloutdb.controller.agent_server.policy_endpoint import PolicyEndpoint
 from rolloutdb.controller.agent_server.process import ServerProcess
@@ -146,7 +146,7 @@ class AgentServerClient:
             await self.ensure_up()
         policy = wire.completion_body([0], params)
         policy.pop("prompt"), policy.pop("model")
-        body: dict[str, Any] = {"key": key, "prompt_id": prompt_id, "seed": seed,
+        body: dict[str, Any] = {"key": key, **fencing.identity(key), "prompt_id": prompt_id, "seed": seed,
                                 "policy": {"url": self.pool.policy_url, **policy}}
         restarted = False
         if continue_from is not None:

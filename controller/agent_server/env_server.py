@@ -43,7 +43,8 @@ from typing import Any
 
 from aiohttp import ClientError, ClientSession, ClientTimeout, TCPConnector, web
 
-from rolloutdb.controller.agent_server import auth, wire
+from rolloutdb.controller.agent_server import auth, fencing, wire
+from rolloutdb.controller.agent_server.fencing import Tool, TurnContext
 from rolloutdb.controller.agent_server.wire import HttpError, bad, want, want_int
 from rolloutdb.controller.rollout.episodes import Episode
 from rolloutdb.gpu_capture.protocol import SamplingParams
@@ -63,6 +64,8 @@ class Agent:
     params: SamplingParams
     started: float
     paused_before: float  # the server's total paused time when the agent started
+    episode_id: str  # the episode across attempts (fencing.py)
+    attempt: int
     status: str = "running"  # running | finished | failed
     reason: str | None = None  # failed: "error" or "deadline"
     error: str | None = None
@@ -79,7 +82,8 @@ class Agent:
 
 class AgentServer:
     def __init__(self, env, *, name: str, mode: str, task: dict, token: str, policy_url: str | None = None,
-                 max_agents: int = DEFAULT_MAX_AGENTS, episode_timeout_s: float = 600.0, num_prompts: int | None = None):
+                 max_agents: int = DEFAULT_MAX_AGENTS, episode_timeout_s: float = 600.0, num_prompts: int | None = None,
+                 tool: Tool | None = None):
         if mode not in wire.MODES:
             raise ValueError(f"mode {mode!r}: use one of {', '.join(wire.MODES)}")
         if mode == "stateless" and env.max_turns > 1:
@@ -97,6 +101,8 @@ class AgentServer:
         self.num_prompts = num_prompts
         self.agents: dict[str, Agent] = {}
         self.installed: dict[str, dict] = {}
+        self.fence = fencing.Fence()
+        self.tool = tool
         self.open = asyncio.Event()
         self.open.set()
         self.checkpoint_id: str | None = None
@@ -148,6 +154,7 @@ class AgentServer:
             "running": running, "installed": len(self.installed), "max_agents": self.max_agents,
             "dispatch": "open" if self.open.is_set() else "closed",
             "checkpoint_id": self.checkpoint_id, "lease_expirations": self.lease_expirations, "pid": os.getpid(),
+            "fencing": True,
         })
 
     # ------------------------------------------------------------------ episodes
@@ -155,6 +162,7 @@ class AgentServer:
     async def start_episode(self, request: web.Request) -> web.Response:
         body = await wire.read_json(request)
         key = wire.episode_key(want(body, "key", str))
+        episode_id, attempt = fencing.requested_identity(body, key)
         prompt_id = want_int(body, "prompt_id", 0, 2**31 - 1)
         seed = want_int(body, "seed", 0, 2**63 - 1)
         policy = want(body, "policy", dict)
@@ -169,6 +177,7 @@ class AgentServer:
         continue_from = body.get("continue_from")
         if continue_from is not None:
             continue_from = wire.episode_key(continue_from, "continue_from")
+        self.fence.check(episode_id, attempt)
         if not self.open.is_set():
             raise HttpError(409, f"dispatch is closed: checkpoint {self.checkpoint_id} is in progress; retry once it "
                                  "resumes")
@@ -185,7 +194,8 @@ class AgentServer:
             episode = self._resumed(key, prompt_id, seed, saved)
         else:
             episode = Episode.start(self.env, prompt_id, key=key, seed=seed)
-        agent = Agent(key, prompt_id, episode, url, params, time.monotonic(), self._paused_total)
+        agent = Agent(key, prompt_id, episode, url, params, time.monotonic(), self._paused_total, episode_id, attempt)
+        self.fence.register(episode_id, attempt)
         self.policy_url = url
         self.agents[key] = agent
         agent.task = asyncio.get_running_loop().create_task(self._play(agent))
@@ -213,6 +223,7 @@ class AgentServer:
         e = agent.episode
         try:
             while not e.done:
+                self._fenced(agent)
                 if self._deadline_passed(agent):
                     agent.status, agent.reason = "failed", "deadline"
                     agent.error = f"episode {agent.key} ran past its deadline of {self.episode_timeout_s:g} s"
@@ -221,16 +232,25 @@ class AgentServer:
                 result = await self._call_policy(agent, e.turn, request)
                 if result.finish_reason == "abort":
                     raise RuntimeError("the policy aborted the call (the controller is stopping)")
+                self._fenced(agent)  # a newer attempt may have registered during the call
+                if self.tool is not None:
+                    self.tool(TurnContext(agent.episode_id, agent.attempt, e.turn, agent.key), list(result.token_ids))
                 e.absorb(self.env, result)  # one step of the loop: a turn is never half applied at an await
             agent.status = "finished"
         except asyncio.CancelledError:
             agent.status, agent.reason, agent.error = "failed", "error", "retired"
             raise
+        except fencing.StaleAttempt as ex:  # a newer attempt of its episode registered
+            agent.status, agent.reason, agent.error = "failed", "error", ex.message
         except Exception as ex:  # noqa: BLE001 - reported through GET /episodes/{key}
             agent.status, agent.reason = "failed", "error"
             agent.error = f"{type(ex).__name__}: {(str(ex).splitlines() or [''])[0]}"
         finally:
             agent.done.set()
+
+    def _fenced(self, agent: Agent) -> None:
+        """Stop an attempt a newer one of its episode replaced, before its next turn."""
+        self.fence.check(agent.episode_id, agent.attempt)
 
     def _deadline_passed(self, agent: Agent) -> bool:
         paused = self._paused_total - agent.paused_before
@@ -392,6 +412,8 @@ class AgentServer:
                           "nothing was installed")
         self._room_for(len(set(episodes) - set(self.installed)))
         self.installed.update(episodes)
+        for key in episodes:
+            self.fence.register(*fencing.identity_of(key))
         return web.json_response({"installed": len(episodes)}, status=201)
 
     async def uninstall(self, request: web.Request) -> web.Response:
@@ -404,6 +426,7 @@ class AgentServer:
         n = len(self.agents)
         await self._cancel(list(self.agents.values()))
         self.installed.clear()
+        self.fence.forget()  # attempts registered after a reset are newer than any before it
         self._end_checkpoint()
         if not self.policy_fixed:
             self.policy_url = None  # a new controller: its first episode names its endpoint
@@ -414,7 +437,7 @@ class AgentServer:
 
 
 def build_server(config, name: str, policy_dir, *, token: str, policy_url: str | None = None,
-                 mode: str | None = None) -> AgentServer:
+                 mode: str | None = None, tool: Tool | None = None) -> AgentServer:
     """The server named `name` in `config.environment.servers`, with its task built the way
     the controller builds it (same dataset, tokenizer and environment)."""
     from rolloutdb.config import config_from_dict
@@ -431,7 +454,8 @@ def build_server(config, name: str, policy_dir, *, token: str, policy_url: str |
     task = {"task": env_cfg.task, "kind": env_cfg.kind_of(spec), "turns": env_cfg.turns_of(spec),
             "prompts": len(dataset)}
     return AgentServer(env, name=name, mode=mode or spec.mode, task=task, token=token, policy_url=policy_url,
-                       max_agents=spec.max_agents, episode_timeout_s=spec.episode_timeout_s, num_prompts=len(dataset))
+                       max_agents=spec.max_agents, episode_timeout_s=spec.episode_timeout_s, num_prompts=len(dataset),
+                       tool=tool)
 
 
 async def serve(server: AgentServer, host: str, port: int, parent_pid: int | None) -> None:
@@ -469,6 +493,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=0, help="0: a free port (printed on the listening line)")
     ap.add_argument("--mode", choices=wire.MODES, default=None, help="override the config's mode (tests)")
+    ap.add_argument("--tool", default=None, help="FILE:FUNCTION called once per turn with the turn's "
+                    "idempotency key and attempt (docs/agent_server.md#tools-with-effects-outside-the-episode)")
     ap.add_argument("--parent-pid", type=int, default=None, help="stop when this process is gone (set by the "
                     "controller that starts the server)")
     args = ap.parse_args(argv)
@@ -481,8 +507,9 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"no token: give --token-file FILE (mode 0600) or set {auth.TOKEN_ENV}; every request "
                              "must carry it (docs/agent_server.md#who-may-call)")
         config = load_config(args.config)
+        tool = fencing.load_tool(args.tool) if args.tool else None
         server = build_server(config, args.server, args.policy_dir, token=token, policy_url=args.policy_url,
-                              mode=args.mode)
+                              mode=args.mode, tool=tool)
     except (ConfigError, ValueError, OSError) as e:
         print(f"rolloutdb-agent-server: {(str(e).splitlines() or [''])[0]}", file=sys.stderr)
         return 2

@@ -29,13 +29,14 @@ class ServerStartError(RuntimeError):
 
 class ServerProcess:
     def __init__(self, *, config_path: Path, name: str, policy_dir: Path, log_path: Path, start_timeout_s: float,
-                 token: str, policy_url: str | None = None, mode: str | None = None):
+                 token: str, policy_url: str | None = None, mode: str | None = None, tool: str | None = None):
         self.config_path, self.name, self.policy_dir = Path(config_path), name, Path(policy_dir)
         self.token = token
         self.policy_url = policy_url  # set before start when the endpoint listens
         self.log_path = Path(log_path)
         self.start_timeout_s = start_timeout_s
         self.mode = mode
+        self.tool = tool  # FILE:FUNCTION, the server's --tool
         self.proc: subprocess.Popen | None = None
         self.url: str | None = None
         self.starts = 0
@@ -45,6 +46,7 @@ class ServerProcess:
                "--server", self.name, "--policy-dir", str(self.policy_dir), "--port", "0",
                "--parent-pid", str(os.getpid())]
         cmd += ["--policy-url", self.policy_url] if self.policy_url else []
+        cmd += ["--tool", self.tool] if self.tool else []
         return cmd + (["--mode", self.mode] if self.mode else [])
 
     def start(self) -> str:
