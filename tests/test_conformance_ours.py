@@ -48,9 +48,7 @@ def results(tmp_path_factory):
         server.stop()
 
 
-@pytest.mark.parametrize("guarantee", [
-    pytest.param(g, marks=pytest.mark.xfail(strict=False, reason="fencing lands with issue 31 item 4"))
-    if g == "fencing" else g for g in conformance.GUARANTEES])
+@pytest.mark.parametrize("guarantee", conformance.GUARANTEES)
 def test_our_server_keeps_the_guarantee(results, guarantee):
     r = results[guarantee]
     assert r.status == "pass", f"{r.guarantee}: {r.status}: {r.detail} | {r.request} | {r.got}"
