@@ -47,9 +47,12 @@ Semantics, and where they differ from the reference engine (reference_engine.py)
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
+import re
 import shutil
+import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -121,14 +124,42 @@ def memory_problem(weight_bytes: int, kv_cache_bytes: int, available: int | None
             "lower generation.vllm.kv_cache_mib or free memory")
 
 
-def start_failure(error: BaseException) -> str:
-    """One line from an engine that did not start: vLLM's own innermost cause."""
+# The last line of a Python traceback: "ValueError: Available memory on node 0 ...".
+_RAISED = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception)): (.+)$")
+
+
+def start_failure(error: BaseException, log: Path | None = None) -> str:
+    """One line from an engine that did not start: vLLM's own cause. Its engine core is a
+    child process whose exception reaches us only as "Engine core initialization failed.
+    See root cause above"; the cause is the last exception line the core wrote to `log`
+    (its stderr, `VLLMEngine`), else the innermost exception of `error`'s chain."""
     cause = error
     while (inner := cause.__cause__ or (None if cause.__suppress_context__ else cause.__context__)) is not None:
         cause = inner
-    text = " ".join(str(cause).split()) or type(cause).__name__
-    where = " (vLLM's log above says why)" if "See root cause above" in text else ""
-    return f"generation.backend vllm: the engine did not start: {type(cause).__name__}: {text}{where}"
+    kind, text = type(cause).__name__, " ".join(str(cause).split()) or type(cause).__name__
+    if "See root cause above" in text and log is not None and log.is_file():
+        raised = [m for line in log.read_text(errors="replace").splitlines() if (m := _RAISED.match(line.strip()))]
+        if raised:
+            kind, text = raised[-1].group(1).rsplit(".", 1)[-1], raised[-1].group(2)
+    where = f" (vLLM's log: {log})" if log is not None else ""
+    return f"generation.backend vllm: the engine did not start: {kind}: {text}{where}"
+
+
+@contextlib.contextmanager
+def stderr_to(path: Path):
+    """File descriptor 2 of this process appended to `path` while the block runs: a child
+    started meanwhile (vLLM's engine core) keeps writing its log there for its life."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        os.dup2(fd, 2)
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(fd)
+        os.close(saved)
 
 
 # ---- the one place that reads vLLM internals ----------------------------------------------
@@ -273,6 +304,8 @@ class VLLMEngine:
         self.kv_cache_bytes = kv_cache_bytes
         self._own_work = work_dir is None
         self.work_dir = Path(tempfile.mkdtemp(prefix="rolloutdb-vllm-") if work_dir is None else work_dir)
+        self.work_dir.mkdir(parents=True, exist_ok=True)
+        self.log_path = self.work_dir / "vllm.log"  # vLLM's engine core's log (stderr)
         self._shapes = self._parameter_shapes(self.model_dir)
         self._ties = checkpoint_ties(self.model_dir)
         self._version = policy_version
@@ -290,12 +323,14 @@ class VLLMEngine:
             problem = memory_problem(weights, kv_cache_bytes, available_memory_bytes())
             if problem:
                 raise EngineStartError(problem)
-            self._llm = self._run(self._start(max_batch_size, dtype))
+            # vLLM's engine core (a child) logs to its stderr: there, its cause of a failed start.
+            with stderr_to(self.log_path):
+                self._llm = self._run(self._start(max_batch_size, dtype))
         except BaseException as e:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join()
             if isinstance(e, Exception) and not isinstance(e, EngineStartError):
-                raise EngineStartError(start_failure(e)) from e
+                raise EngineStartError(start_failure(e, self.log_path)) from e
             raise
         # vLLM's engine core is a child process: it must die with us, SIGKILL included.
         self._guard = OrphanGuard(children_of(os.getpid()) - before)

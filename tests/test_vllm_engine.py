@@ -192,6 +192,7 @@ def test_a_greedy_call_continued_from_a_prefix_decodes_exactly_the_uninterrupted
     for got, expected in zip(run(engine, [resumed(r, f, k) for r, f in zip(batch, full)]), full):
         assert_same_output(got, expected)
         assert got.extra["num_prefix_tokens"] == k and "prefix_fallback" not in got.extra
+        assert got.extra["prefix_exactness"] == "bitwise"  # what call_finished.prefix_exactness records
     among_others = run(engine, fresh[:2] + [resumed(batch[3], full[3], k)] + fresh[2:])[2]
     assert_same_output(among_others, full[3])
     # Prefix logprobs left out: vLLM recomputes them from the prompt (the prefill).
@@ -206,7 +207,12 @@ def test_a_seeded_continuation_is_not_exact_on_this_vllm_so_the_call_restarts(en
     naive = call("s", list(request.prompt_ids) + full.token_ids[:10], max_tokens=20, min_tokens=20, temperature=1.0,
                  seed=123)
     assert run(engine, [naive])[0].token_ids != full.token_ids[10:]  # the generator restarted
-    assert engine.cut_support(request) is not None and "seeded" in engine.cut_support(request)
+    assert engine.cut_support(request).startswith("sampled_not_distribution:")
+    engine.prefix_exactness = "bitwise"  # the reason names the kind asked for
+    try:
+        assert engine.cut_support(request).startswith("sampled_not_bitwise:")
+    finally:
+        engine.prefix_exactness = "distribution"
     (again,) = run(engine, [resumed(request, full, 10)])
     assert again.extra["prefix_fallback"] == engine.cut_support(request) and again.extra["num_prefix_tokens"] == 0
     # The fallback restarts the call with its seed: alone, that is the uninterrupted call again.
@@ -223,7 +229,7 @@ def test_penalties_reset_at_the_seam_on_vllm_so_penalised_calls_fall_back(engine
     naive = call("q", list(penalized.prompt_ids) + full.token_ids[:20], max_tokens=20, min_tokens=20,
                  presence_penalty=0.3, frequency_penalty=0.4, temperature=0.0)
     assert run(engine, [naive])[0].token_ids != full.token_ids[20:]  # counts restarted at the seam
-    assert "penalties" in engine.cut_support(penalized)
+    assert engine.cut_support(penalized).startswith("penalties_not_distribution:")
     (again,) = run(engine, [resumed(penalized, full, 20)])
     assert "penalties" in again.extra["prefix_fallback"] and again.token_ids == full.token_ids
     assert engine.cut_support(call("g", [1], max_tokens=4, temperature=0.0)) is None
@@ -426,5 +432,5 @@ def test_rolloutdb_train_runs_to_the_end_on_vllm_and_at_prefix_level_its_sampled
     with contextlib.closing(sqlite3.connect(trace, uri=True)) as conn:
         reasons = dict(conn.execute("SELECT reason, count(*) FROM call_fallback GROUP BY 1").fetchall())
         cut = conn.execute("SELECT count(*) FROM call_cut").fetchone()[0]
-    assert reasons and all("seeded sampling" in r for r in reasons), reasons
+    assert reasons and all(r.startswith("sampled_not_distribution:") for r in reasons), reasons
     assert cut == 0
