@@ -172,9 +172,8 @@ class RolloutTrace:
         `prefix_exactness`: how its engine continued it from a cut prefix (None: it did not).
         Emitted before the commit batch that writes it."""
         if self.tracer.enabled:
-            extra = {} if prefix_exactness is None else {"prefix_exactness": prefix_exactness}
             self.tracer.emit("call_finished", turn=turn, tokens=tokens, finish_reason=finish_reason,
-                             **extra, **self._attempt(g, generation_index))
+                             prefix_exactness=prefix_exactness, **self._attempt(g, generation_index))
 
     def turn_committed(self, g: GroupHandle, generation_index: int, *, turn: int, tokens: int,
                        total_tokens: int) -> None:
