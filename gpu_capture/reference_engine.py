@@ -480,7 +480,9 @@ class ReferenceEngine:
             token_versions=list(call.versions),
             finish_reason=reason,
             text=text,
-            extra={"stop_reason": stop_reason, "num_prefix_tokens": len(call.request.prefix_ids)},
+            # Seeded draws are a function of (seed, position): a continuation is the uninterrupted call.
+            extra={"stop_reason": stop_reason, "num_prefix_tokens": len(call.request.prefix_ids),
+                   "prefix_exactness": "bitwise" if call.request.prefix_ids else None},
         )
         if not call.future.done():
             call.future.set_result(result)

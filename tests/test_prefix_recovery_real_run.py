@@ -219,6 +219,18 @@ def test_the_last_resume_continued_every_call_the_restored_snapshot_held_a_prefi
     assert all(r["tokens"] >= r["calls"] for r in restores)
 
 
+def test_the_trace_marks_every_continued_call_bitwise_on_the_reference_engine_and_no_call_of_the_twin(job):
+    # The reference engine's seeded draws are a function of (seed, position): a continued
+    # call is the uninterrupted one (the twin test above), and its call_finished says so.
+    def kinds(run_dir: Path) -> list:
+        with contextlib.closing(sqlite3.connect(run_dir / "logs" / "rollout_trace.sqlite")) as conn:
+            return [k for (k,) in conn.execute("SELECT prefix_exactness FROM call_finished "
+                                               "WHERE prefix_exactness IS NOT NULL")]
+    continued = kinds(job["run_dir"])
+    assert continued and set(continued) == {"bitwise"}, continued
+    assert kinds(job["twin_dir"]) == []
+
+
 def test_a_prefix_level_run_killed_twice_loses_and_doubles_nothing(job):
     assert job["verify"].returncode == 0, job["verify"].stderr
     report = json.loads(job["verify"].stdout)

@@ -47,8 +47,8 @@ def rows(path, sql, *args):
 
 def test_a_new_trace_file_is_built_by_its_migrations_and_equals_the_trace_metadata(tmp_path):
     path = open_trace_file(tmp_path / "logs" / TRACE_FILENAME)
-    assert rows(path, "SELECT version_num FROM alembic_version") == [("trace_v1_4_a",)]
-    assert trace_head_revision() == "trace_v1_4_a"
+    assert rows(path, "SELECT version_num FROM alembic_version") == [("trace_v1_5_a",)]
+    assert trace_head_revision() == "trace_v1_5_a"
     engine = create_engine(f"sqlite:///{path}", poolclass=NullPool)
     try:
         with engine.connect() as conn:

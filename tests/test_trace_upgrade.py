@@ -24,6 +24,7 @@ import pytest
 from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
+import sqlalchemy as sa
 from sqlalchemy import create_engine, event
 from sqlalchemy.pool import NullPool
 
@@ -39,9 +40,10 @@ V1_1_A = importlib.import_module("rolloutdb.migrations.trace.versions.trace_v1_1
 V1_2_A = importlib.import_module("rolloutdb.migrations.trace.versions.trace_v1_2_a_turn_events")
 V1_3_A = importlib.import_module("rolloutdb.migrations.trace.versions.trace_v1_3_a_call_fallback")
 V1_4_A = importlib.import_module("rolloutdb.migrations.trace.versions.trace_v1_4_a_cut_accounting")
+V1_5_A = importlib.import_module("rolloutdb.migrations.trace.versions.trace_v1_5_a_prefix_exactness")
 NEW_AT_V1_2_A = ("call_finished", "turn_committed", "episode_restored")
 NEW_AT_V1_3_A = ("call_fallback",)
-HEAD = "trace_v1_4_a"
+HEAD = "trace_v1_5_a"
 
 
 def rows(path, sql):
@@ -88,6 +90,15 @@ def v1_3_a_tables():
     for table in V1_3_A._tables().sorted_tables:
         if table.name != "runs":
             table.to_metadata(m)
+    return m
+
+
+def v1_4_a_tables():
+    """Every table at trace_v1_4_a: trace_v1_3_a's with the columns that revision appends."""
+    m = v1_3_a_tables()
+    for name, columns in V1_4_A.NEW_COLUMNS.items():
+        for column, kind in columns:
+            m.tables[name].append_column(sa.Column(column, kind()))
     return m
 
 
@@ -236,10 +247,13 @@ def test_a_trace_holding_a_call_fallback_refuses_the_downgrade_to_trace_v1_2_a_a
     assert rows(path, "SELECT attempt_id, turn, reason FROM call_fallback") == [(3, 0, "restart_only_server:restarts")]
 
 
-def _old_columns(path) -> dict[str, list]:
-    """Every row of every table and view as trace_v1_3_a had them: the columns
-    trace_v1_4_a appends left out, the `events` view's JSON without their keys."""
-    new = {t: {c for c, _ in cols} for t, cols in V1_4_A.NEW_COLUMNS.items()}
+def _old_columns(path, since=(V1_4_A, V1_5_A)) -> dict[str, list]:
+    """Every row of every table and view as the revision before `since` had them: the
+    columns those revisions append left out, the `events` view's JSON without their keys."""
+    new: dict[str, set[str]] = {}
+    for revision in since:
+        for t, cols in revision.NEW_COLUMNS.items():
+            new.setdefault(t, set()).update(c for c, _ in cols)
     out = {}
     for name, table_rows in _every_row(path).items():
         if name == "events":
@@ -289,3 +303,36 @@ def test_a_trace_holding_a_fallbacks_tokens_refuses_the_downgrade_to_trace_v1_3_
     assert rows(path, "SELECT version_num FROM alembic_version") == [(HEAD,)]
     assert rows(path, "SELECT tokens FROM call_fallback") == [(9,)]
     assert rows(path, "SELECT decoded_at FROM restore_done") == [(4.9,)]
+
+
+def test_a_trace_v1_4_a_file_upgrades_to_trace_v1_5_a_with_every_row_kept_and_no_call_marked_continued(tmp_path):
+    run, _ = _job(tmp_path, "v1_4_a")
+    with Tracer(run) as tr:  # at head: a finished call with no value in trace_v1_5_a's column
+        tr.emit("call_finished", t=600.0, group_id=4, prompt_id=40, generation_index=1, attempt=0, step=3,
+                policy_version=3, turn=0, tokens=5, finish_reason="stop")
+    downgrade_to(run, "trace_v1_4_a", v1_4_a_tables())
+    before = _old_columns(run, since=(V1_5_A,))
+    assert len(before["call_finished"]) >= 1
+
+    run_trace_migrations(run)
+
+    assert rows(run, "SELECT version_num FROM alembic_version") == [(HEAD,)]
+    assert _old_columns(run, since=(V1_5_A,)) == before
+    assert rows(run, "SELECT count(*) FROM call_finished WHERE prefix_exactness IS NOT NULL") == [(0,)]
+    # A new run's continued call says how it continued, and the `events` view shows it.
+    with Tracer(run) as again:
+        again.emit("call_finished", t=700.0, group_id=4, prompt_id=40, generation_index=1, attempt=1, step=3,
+                   policy_version=3, turn=0, tokens=7, finish_reason="length", prefix_exactness="bitwise")
+    (view,) = rows(run, "SELECT fields FROM events WHERE event = 'call_finished' AND t = 700.0")
+    assert json.loads(view[0])["prefix_exactness"] == "bitwise"
+
+
+def test_a_trace_holding_a_continued_calls_exactness_refuses_the_downgrade_to_trace_v1_4_a_and_keeps_it(tmp_path):
+    path = tmp_path / TRACE_FILENAME
+    with Tracer(path) as tr:
+        tr.emit("call_finished", group_id=1, prompt_id=1, generation_index=0, attempt=1, step=1, policy_version=1,
+                turn=0, tokens=3, finish_reason="stop", prefix_exactness="distribution")
+    with pytest.raises(RuntimeError, match=r"trace_v1_4_a has no column for \(\{'call_finished': 1\}\)"):
+        downgrade_to(path, "trace_v1_4_a", v1_4_a_tables())
+    assert rows(path, "SELECT version_num FROM alembic_version") == [(HEAD,)]
+    assert rows(path, "SELECT prefix_exactness FROM call_finished") == [("distribution",)]

@@ -159,6 +159,26 @@ vllm = pytest.mark.vllm
 
 
 @vllm
+def test_the_vllm_venv_runs_rolloutdb_on_its_own_packages_not_another_pythons():
+    """scripts/install_vllm_cpu.sh made this venv self-contained: every site directory on
+    the path is the venv's own (a path file borrowing another venv's made it work only
+    where that venv lived), and rolloutdb's CLI and dependencies import from it."""
+    pytest.importorskip("vllm", reason="the vllm tier needs scripts/install_vllm_cpu.sh")
+    import site
+
+    prefix = Path(sys.prefix).resolve()
+    foreign = [p for p in sys.path if p.endswith("site-packages") and not Path(p).resolve().is_relative_to(prefix)]
+    assert foreign == [], f"site directories of another Python: {foreign}"
+    assert all(Path(p).resolve().is_relative_to(prefix) for p in site.getsitepackages())
+    cli = Path(sys.executable).with_name("rolloutdb")
+    probe = ("import sqlalchemy, alembic, duckdb, pydantic, blake3, torch, transformers, vllm, rolloutdb.cli; "
+             "print(torch.__version__)")
+    done = subprocess.run([sys.executable, "-I", "-c", probe], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "2.13.0+cpu", done.stderr[-2000:]
+    assert subprocess.run([str(cli), "--help"], capture_output=True, timeout=120).returncode == 0
+
+
+@vllm
 def test_the_engine_implements_the_engine_and_prefix_capture_protocols(engine):
     from rolloutdb.gpu_capture.protocol import GenerationEngine, PrefixCapture
 
@@ -192,6 +212,7 @@ def test_a_greedy_call_continued_from_a_prefix_decodes_exactly_the_uninterrupted
     for got, expected in zip(run(engine, [resumed(r, f, k) for r, f in zip(batch, full)]), full):
         assert_same_output(got, expected)
         assert got.extra["num_prefix_tokens"] == k and "prefix_fallback" not in got.extra
+        assert got.extra["prefix_exactness"] == "bitwise"  # what call_finished.prefix_exactness records
     among_others = run(engine, fresh[:2] + [resumed(batch[3], full[3], k)] + fresh[2:])[2]
     assert_same_output(among_others, full[3])
     # Prefix logprobs left out: vLLM recomputes them from the prompt (the prefill).
@@ -206,7 +227,12 @@ def test_a_seeded_continuation_is_not_exact_on_this_vllm_so_the_call_restarts(en
     naive = call("s", list(request.prompt_ids) + full.token_ids[:10], max_tokens=20, min_tokens=20, temperature=1.0,
                  seed=123)
     assert run(engine, [naive])[0].token_ids != full.token_ids[10:]  # the generator restarted
-    assert engine.cut_support(request) is not None and "seeded" in engine.cut_support(request)
+    assert engine.cut_support(request).startswith("sampled_not_distribution:")
+    engine.prefix_exactness = "bitwise"  # the reason names the kind asked for
+    try:
+        assert engine.cut_support(request).startswith("sampled_not_bitwise:")
+    finally:
+        engine.prefix_exactness = "distribution"
     (again,) = run(engine, [resumed(request, full, 10)])
     assert again.extra["prefix_fallback"] == engine.cut_support(request) and again.extra["num_prefix_tokens"] == 0
     # The fallback restarts the call with its seed: alone, that is the uninterrupted call again.
@@ -223,7 +249,7 @@ def test_penalties_reset_at_the_seam_on_vllm_so_penalised_calls_fall_back(engine
     naive = call("q", list(penalized.prompt_ids) + full.token_ids[:20], max_tokens=20, min_tokens=20,
                  presence_penalty=0.3, frequency_penalty=0.4, temperature=0.0)
     assert run(engine, [naive])[0].token_ids != full.token_ids[20:]  # counts restarted at the seam
-    assert "penalties" in engine.cut_support(penalized)
+    assert engine.cut_support(penalized).startswith("penalties_not_distribution:")
     (again,) = run(engine, [resumed(penalized, full, 20)])
     assert "penalties" in again.extra["prefix_fallback"] and again.token_ids == full.token_ids
     assert engine.cut_support(call("g", [1], max_tokens=4, temperature=0.0)) is None
@@ -298,7 +324,7 @@ def test_running_calls_polled_during_generation_are_prefixes_of_the_final_output
             assert running.logprobs == pytest.approx(final[rid].logprobs[:n], abs=0)
             assert running.token_versions == [0] * n and (running.max_tokens, running.min_tokens) == (120, 120)
             # Sampled: a cut must not save it (the snapshot traces a fallback instead).
-            assert running.cut_refused is not None and "seeded sampling" in running.cut_refused
+            assert running.cut_refused is not None and running.cut_refused.startswith("sampled_not_distribution:")
     assert 0 < seen < 120, "no poll saw a call in the middle"
     assert engine.running_tokens() == {}
     greedy = engine.submit(call("vg", prompt(engine, 9), max_tokens=60, min_tokens=60, temperature=0.0))
@@ -426,5 +452,5 @@ def test_rolloutdb_train_runs_to_the_end_on_vllm_and_at_prefix_level_its_sampled
     with contextlib.closing(sqlite3.connect(trace, uri=True)) as conn:
         reasons = dict(conn.execute("SELECT reason, count(*) FROM call_fallback GROUP BY 1").fetchall())
         cut = conn.execute("SELECT count(*) FROM call_cut").fetchone()[0]
-    assert reasons and all("seeded sampling" in r for r in reasons), reasons
+    assert reasons and all(r.startswith("sampled_not_distribution:") for r in reasons), reasons
     assert cut == 0

@@ -228,6 +228,10 @@ def test_the_resumes_on_vllm_continued_calls_from_their_prefixes_and_none_fell_b
     # independent one, a call whose previous turn was not yet committed at the cut.
     reasons = {r for (r,) in _trace_rows(run_dir, "SELECT DISTINCT reason FROM call_fallback")}
     assert reasons <= {"turn_not_committed"}, reasons
+    # And each continued greedy call says it continued bitwise (call_finished.prefix_exactness).
+    kinds = {k for (k,) in _trace_rows(run_dir, "SELECT DISTINCT prefix_exactness FROM call_finished "
+                                                "WHERE prefix_exactness IS NOT NULL")}
+    assert kinds == {"bitwise"}, kinds
     restores = [json.loads(x) for x in (run_dir / "logs" / "metrics.jsonl").read_text().splitlines()
                 if '"prefix_restore"' in x]
     assert restores and restores[-1]["calls"] > 0 and restores[-1]["tokens"] >= restores[-1]["calls"], restores

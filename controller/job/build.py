@@ -133,7 +133,9 @@ def build_local_engine(config: Config, policy_dir: Path, work_dir: Path | None =
     if gen.backend == "vllm":
         from rolloutdb.gpu_capture.vllm_engine import VLLMEngine
 
-        return VLLMEngine(policy_dir, max_batch_size=gen.max_batch_size, seed=config.run.seed, work_dir=work_dir)
+        return VLLMEngine(policy_dir, max_batch_size=gen.max_batch_size, seed=config.run.seed, work_dir=work_dir,
+                          kv_cache_bytes=gen.vllm.kv_cache_mib * 2**20, max_model_len=gen.vllm.max_model_len,
+                          prefix_exactness=config.rollout_recovery.prefix_exactness)
     from rolloutdb.gpu_capture.reference_engine import ReferenceEngine
 
     return ReferenceEngine(policy_dir, max_batch_size=gen.max_batch_size, num_threads=config.cluster.torch_threads)

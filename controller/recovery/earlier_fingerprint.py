@@ -58,7 +58,8 @@ def earlier_config_fingerprint(config: Config) -> str:
     dumped, defaults = config.model_dump(), Config().model_dump()
     hashed: dict[str, dict[str, Any]] = {}
     for key in leaf_keys(Config):
-        if key in _LEFT_OUT or key.startswith("environment.servers"):
+        # generation.vllm: a section the formula's runs did not have (it hashed sections' own keys).
+        if key in _LEFT_OUT or key.startswith(("environment.servers", "generation.vllm.")):
             continue
         section, name = key.split(".", 1)
         value = dumped[section][name]

@@ -141,7 +141,8 @@ class AgentServerEpisodes:
         """An agent server's model call for `live` (HTTP loop's thread), less its restored prefix."""
         self.meter.call()
         self.trace.call_finished(live.group, live.index, turn=turn, tokens=len(result.token_ids) - prefix_tokens,
-                                 finish_reason=result.finish_reason)
+                                 finish_reason=result.finish_reason,
+                                 prefix_exactness=(result.extra or {}).get("prefix_exactness"))
 
     def on_done(self, future: Future) -> None:
         """An agent server's episode ended: its sample goes in the batch; an episode the

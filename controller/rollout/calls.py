@@ -222,7 +222,8 @@ class EngineCalls:
         e = live.episode
         self.meter.call()
         self.trace.call_finished(live.group, live.index, turn=e.turn, tokens=len(result.token_ids) - live.prefix_len,
-                                 finish_reason=result.finish_reason)
+                                 finish_reason=result.finish_reason,
+                                 prefix_exactness=(result.extra or {}).get("prefix_exactness"))
         step = self.stepper.step(e.state, result.token_ids, last=e.last_turn)
         if step.done():
             self._on_step(step, live, result)  # in the driver (LocalStepper): at once

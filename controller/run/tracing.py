@@ -166,13 +166,14 @@ class RolloutTrace:
                     policy_version=g.policy_version)
 
     def call_finished(self, g: GroupHandle, generation_index: int, *, turn: int, tokens: int,
-                      finish_reason: str | None) -> None:
+                      finish_reason: str | None, prefix_exactness: str | None = None) -> None:
         """The engine returned one call (turn `turn`, 0-based) of the generation's current
-        attempt; `tokens`: what this call decoded, a continued call's prefix not counted.
+        attempt; `tokens`: what this call decoded, a continued call's prefix not counted;
+        `prefix_exactness`: how its engine continued it from a cut prefix (None: it did not).
         Emitted before the commit batch that writes it."""
         if self.tracer.enabled:
             self.tracer.emit("call_finished", turn=turn, tokens=tokens, finish_reason=finish_reason,
-                             **self._attempt(g, generation_index))
+                             prefix_exactness=prefix_exactness, **self._attempt(g, generation_index))
 
     def turn_committed(self, g: GroupHandle, generation_index: int, *, turn: int, tokens: int,
                        total_tokens: int) -> None:

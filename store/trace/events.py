@@ -2,7 +2,8 @@
 stored in (revision trace_v1_1_a's scheme: one table per event, one typed column per
 field; list-valued fields as rows of their own tables; trace_v1_2_a adds the per-call and
 per-turn events of streaming rollouts, trace_v1_3_a `call_fallback`, trace_v1_4_a the cut's
-decode point and what each fallback cost). `trace_metadata` is the schema at head;
+decode point and what each fallback cost, trace_v1_5_a how exactly a continued call
+continued). `trace_metadata` is the schema at head;
 the trace's migrations (``rolloutdb/migrations/trace``) build the files, and a test
 compares the two. docs/trace.md describes every event and field; a test checks the two
 agree.
@@ -48,7 +49,9 @@ EVENT_FIELDS: dict[str, tuple[str, ...]] = {
     "restore_done": ("step", "policy_version", "cut_time", "snapshot_seq", "anchor", "snapshot", "groups_restored",
                      "replay_restored", "decoded_at"),
     # trace_v1_2_a: what a stop kept (streaming pump, turn-level recovery).
-    "call_finished": _ATTEMPT + ("turn", "tokens", "finish_reason"),
+    # trace_v1_5_a appends `prefix_exactness` (a call continued from a cut prefix: bitwise or
+    # distribution, as its engine reported).
+    "call_finished": _ATTEMPT + ("turn", "tokens", "finish_reason", "prefix_exactness"),
     "turn_committed": _ATTEMPT + ("turn", "tokens", "total_tokens"),
     "episode_restored": _ATTEMPT + ("from_attempt", "turn", "tokens", "total_tokens"),
     # trace_v1_3_a: a running call a prefix-level cut could not save (it restarts its turn);
@@ -65,7 +68,7 @@ FIELD_TYPES = {
          "groups_restored", "replay_restored", "turn", "total_tokens", "from_attempt", "attempt_id"),
         "int"),
     **dict.fromkeys(("reward", "batch_age", "cut_time", "decoded_at"), "float"),
-    **dict.fromkeys(("reason", "host", "finish_reason", "anchor", "snapshot"), "text"),
+    **dict.fromkeys(("reason", "host", "finish_reason", "anchor", "snapshot", "prefix_exactness"), "text"),
     "running": "json",
 }
 
