@@ -372,9 +372,9 @@ def test_a_turn_the_pump_committed_after_the_read_counts_as_decoded_by_the_cut_a
 def write_prefix_twice_job(path) -> None:
     """Prefix level, two stops. Run A: gen 0 attempt 0's call runs at cut 106 with 3 tokens.
     Run B restores it: attempt 1 is dispatched with that 3-token prefix, decodes 5 more
-    (call_finished counts what it decoded), commits turn 0 (8 tokens) and is cut at 212.
-    Run C restores cut 212: attempt 2 continues from turn 1, 8 tokens, 3 of them kept at
-    the first stop."""
+    (call_finished counts what it decoded), commits turn 0 (8 tokens), and its turn-1 call
+    has 1 token at cut 212. Run C restores cut 212: attempt 2 continues from turn 1 (8
+    tokens, 3 of them kept at the first stop) with that 1-token prefix."""
     tr = Tracer(path, clock=lambda: 100.0)
     e = tr.emit
     e("group_reserved", t=100, group_id=1, prompt_id=10, step=1, policy_version=0, group_size=1)
@@ -390,27 +390,29 @@ def write_prefix_twice_job(path) -> None:
     e("call_finished", t=210, turn=0, tokens=5, finish_reason="stop", **_attempt(10, 0, 1))
     e("turn_committed", t=211, turn=0, tokens=8, total_tokens=12, **_attempt(10, 0, 1))
     e("snapshot_cut", t=212.2, cut_time=212, decoded_at=211.9, snapshot_seq=2, anchor="bootstrap")
+    e("call_cut", t=212, step=1, tokens=1, **_attempt(10, 0, 1))
     e("group_reserved", t=215, group_id=2, prompt_id=20, step=2, policy_version=0, group_size=1)
     tr.close()
     tr = Tracer(path, clock=lambda: 300.0)
     e = tr.emit
     e("attempt_abandoned", t=301, reason="restart", **_attempt(10, 0, 1))
     e("restore_done", t=302, snapshot_seq=2, cut_time=212, decoded_at=211.9, anchor="bootstrap", groups_restored=1)
-    e("attempt_dispatched", t=303, **_attempt(10, 0, 2))
+    e("attempt_dispatched", t=303, prefix_tokens=1, **_attempt(10, 0, 2))
     e("episode_restored", t=303, from_attempt=1, turn=1, tokens=8, total_tokens=12, **_attempt(10, 0, 2))
     tr.close()
 
 
 def test_a_prefix_kept_at_one_stop_is_not_kept_again_when_its_turn_is_restored_at_the_next(tmp_path):
-    # Attempt 1 decoded 5 tokens; the 8-token turn restored at stop 2 holds the 3-token
-    # prefix stop 1 kept: stop 2 kept 5, not 8 (which would be more than its cut decoded,
-    # as a loaded CI run once reported).
+    # Attempt 1 decoded 5 + 1 tokens; the 8-token turn restored at stop 2 holds the
+    # 3-token prefix stop 1 kept: stop 2 kept 5 + 1, not 8 + 1; and its own prefix is not
+    # subtracted from its turn-1 call (loaded CI runs reported kept > decoded by the cut
+    # for both).
     path = tmp_path / TRACE_FILENAME
     write_prefix_twice_job(path)
     with TraceAnalysis([path]) as a:
         rows = a.query("kept_by_attempt").as_dicts()
     assert [(r["stop_no"], r["attempt"], r["decoded_tokens"], r["decoded_by_cut"], r["kept_tokens"],
-             r["unexplained_tokens"]) for r in rows] == [(1, 0, 3, 3, 3, 0), (2, 1, 5, 5, 5, 0)]
+             r["unexplained_tokens"]) for r in rows] == [(1, 0, 3, 3, 3, 0), (2, 1, 6, 6, 6, 0)]
 
 
 def test_a_token_the_cut_decoded_and_left_without_a_reason_is_reported_unexplained(tmp_path):

@@ -345,9 +345,13 @@ WITH decoded AS (
     GROUP BY job, stop_no, prompt_id, generation_index, attempt
 ), kept AS (
     SELECT x.job, x.stop_no, x.prompt_id, x.generation_index, x.attempt,
-           coalesce(d.tokens, 0) + CASE WHEN coalesce(c.tokens, 0) > coalesce(o.tokens, 0)
+           -- The call the cut froze holds its own prefix only while it is still the call
+           -- of the turn it started at: once it committed a turn, it froze a later one.
+           coalesce(d.tokens, 0) + CASE WHEN x.last_committed_turn IS NOT NULL THEN coalesce(c.tokens, 0)
+                                        WHEN coalesce(c.tokens, 0) > coalesce(o.tokens, 0)
                                         THEN coalesce(c.tokens, 0) - coalesce(o.tokens, 0) ELSE 0 END AS decoded_tokens,
-           coalesce(b.tokens, 0) + CASE WHEN coalesce(fz.tokens, 0) > coalesce(o.tokens, 0)
+           coalesce(b.tokens, 0) + CASE WHEN x.last_committed_turn IS NOT NULL THEN coalesce(fz.tokens, 0)
+                                        WHEN coalesce(fz.tokens, 0) > coalesce(o.tokens, 0)
                                         THEN coalesce(fz.tokens, 0) - coalesce(o.tokens, 0) ELSE 0 END
              + coalesce(fl.open_tokens, 0) AS decoded_by_cut,
            coalesce(fl.tokens, 0) AS fallback_tokens,
