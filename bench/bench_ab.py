@@ -73,6 +73,7 @@ FIGURES = {
         ("batched commit p99 ms", ("median", "batched", "commit_p99_ms"), False),
         ("batched store share", ("median", "batched", "store_share"), False),
         ("per call calls/s", ("median", "per call", "calls_per_s"), True),
+        ("batched pump CPU us/call", ("median", "batched", "pump_cpu_us_per_call"), False),
     ],
 }
 

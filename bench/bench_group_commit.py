@@ -127,6 +127,18 @@ def _profiled(target, path: Path | None):
     return run
 
 
+def _thread_cpu(target, out: list[float]):
+    """`target`, with the CPU time its thread used appended to `out`."""
+    def run():
+        t0 = time.thread_time()
+        try:
+            target()
+        finally:
+            out.append(time.thread_time() - t0)
+
+    return run
+
+
 def run_once(groups: int, group_size: int, turns: int, window_ms: float, max_events: int,
              tmp_dir: str | None = None, profile: Path | None = None, gc_freeze: bool = True) -> dict:
     cfg = Config.model_validate({
@@ -156,7 +168,8 @@ def run_once(groups: int, group_size: int, turns: int, window_ms: float, max_eve
             gc.collect()
             gc.freeze()
         gc.callbacks.append(_gc_clock(gc_pauses))
-        thread = threading.Thread(target=_profiled(pump.run, profile), name="rollout-pump")
+        cpu: list[float] = []
+        thread = threading.Thread(target=_thread_cpu(_profiled(pump.run, profile), cpu), name="rollout-pump")
         t0 = time.perf_counter()
         thread.start()
         thread.join()
@@ -179,6 +192,10 @@ def run_once(groups: int, group_size: int, turns: int, window_ms: float, max_eve
         "window_p99_ms": max((w["window_p99_ms"] or 0.0) for w in windows),
         "store_share": store_s / wall,
         "gc_full_max_ms": 1000 * max(gc_pauses, default=0.0),
+        # CPU time of the pump thread per committed call: what a call costs the pump
+        # whatever else the machine runs (calls/s divides the wall time, which a loaded
+        # machine stretches: ~2k/s at load 10+, 20k/s idle, for the same code).
+        "pump_cpu_us_per_call": 1e6 * cpu[0] / max(pump.meter.calls, 1),
     }
 
 
@@ -224,7 +241,7 @@ def main() -> int:
         print(f"{mode:9s} {m['calls_per_s']:9.0f} calls/s  {m['commits']:8.0f} commits "
               f"({m['calls'] / max(m['commits'], 1):6.1f} calls each)  commit p99 {m['commit_p99_ms']:.2f} ms  "
               f"window p99 {m['window_p99_ms']:.2f} ms  store share {100 * m['store_share']:.0f}%  "
-              f"longest full gc {m['gc_full_max_ms']:.0f} ms")
+              f"longest full gc {m['gc_full_max_ms']:.0f} ms  pump CPU {m['pump_cpu_us_per_call']:.0f} us/call")
     # Each round ran both modes back to back: the ratio within a round shares that
     # round's load, so the median of those ratios is the figure to trust.
     ratios = [b["calls_per_s"] / p["calls_per_s"] for b, p in zip(results["batched"], results["per call"])]
@@ -234,7 +251,9 @@ def main() -> int:
     print(f"ratio batched / per call: {ratio:.2f}x calls/s (median of {args.rounds} rounds: "
           f"{', '.join(f'{x:.2f}' for x in ratios)}); gc.freeze {'on' if args.gc_freeze else 'off'}")
     print(f"goals (batched, medians): >= {CALLS_PER_S_GOAL:,} calls/s {'met' if goals['calls_per_s_met'] else 'missed'}, "
-          f"window p99 <= {WINDOW_P99_GOAL_MS:.0f} ms {'met' if goals['window_p99_met'] else 'missed'}")
+          f"window p99 <= {WINDOW_P99_GOAL_MS:.0f} ms {'met' if goals['window_p99_met'] else 'missed'}; pump CPU "
+          f"{b['pump_cpu_us_per_call']:.0f} us per call (the calls/s goal needs <= {1e6 / CALLS_PER_S_GOAL:.0f} us "
+          f"of a free core)")
     write_json(args.json, {"args": vars(args), "runs": results, "median": medians,
                            "ratio_calls_per_s": ratio, "ratios_by_round": ratios, "goals": goals})
     return 0
