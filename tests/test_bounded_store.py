@@ -370,3 +370,81 @@ def test_a_store_that_never_wrote_a_group_has_no_settled_key(tmp_path):
     with store.read() as conn:
         assert queries.settled_episode_keys(conn, ["1.0-a0"]) == set()
     store.close()
+
+
+# ------------------------------------------------------------------ per-event cost vs the run
+
+_SETTLED = ("settled_steps", "settled_prompts")
+
+
+@contextlib.contextmanager
+def _statements(monkeypatch):
+    """Every statement run on a connection opened inside the block (the Store's own,
+    through SQLAlchemy's driver, included), with its parameters filled in."""
+    seen: list[str] = []
+    real = sqlite3.connect
+
+    def connect(*args, **kwargs):
+        conn = real(*args, **kwargs)
+        conn.set_trace_callback(seen.append)
+        return conn
+
+    monkeypatch.setattr(sqlite3, "connect", connect)
+    monkeypatch.setattr(sqlite3.dbapi2, "connect", connect)
+    yield seen
+    monkeypatch.undo()
+
+
+def _scans(path: Path, statements: list[str]) -> list[str]:
+    """The statements touching the settled record whose plan (EXPLAIN QUERY PLAN, on a
+    second connection) reads a settled table whole instead of searching its key."""
+    out = []
+    with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as conn:
+        for sql in statements:
+            if not any(t in sql for t in _SETTLED) or not sql.lstrip().upper().startswith(("SELECT", "UPDATE", "INSERT",
+                                                                                              "DELETE")):
+                continue
+            plan = [r[3] for r in conn.execute("EXPLAIN QUERY PLAN " + sql)]
+            if any(p.startswith(f"SCAN {t}") for p in plan for t in _SETTLED):
+                out.append(f"{sql} -> {plan}")
+    return out
+
+
+def test_a_settle_searches_the_settled_record_by_key_and_never_reads_it_whole(tmp_path, monkeypatch):
+    """After 200 steps (201 settled_steps rows), a train step's settle and a discard's:
+    every statement on `settled_steps` / `settled_prompts` is a key search (EXPLAIN QUERY
+    PLAN on a second connection), so the settle costs the same at step 3000 as at step 30
+    (BENCHMARKS.md, "Per-event costs against the run's length"). Planted: `_ROW_AT`'s
+    `seq_start <= ?` as `seq_start + 0 <= ?` (no usable key) -> the row probe is a SCAN
+    of settled_steps and this fails."""
+    path = tmp_path / "live.sqlite"
+    with _statements(monkeypatch) as seen:  # the Store opens its connections here
+        run = Run(path, discards={801, 802})
+        run.stamp(1)
+        for step in range(1, 200):
+            run.stamp(step + 1)
+            run.train(step)
+        del seen[:]
+        run.stamp(201)  # discards positions 801 and 802 on the way
+        run.train(200)
+        run.store.close()
+    assert any("settled_steps" in s for s in seen) and any("settled_prompts" in s for s in seen)
+    assert _scans(path, seen) == []
+
+
+def test_a_snapshots_copy_check_decodes_the_settled_record_once(tmp_path, monkeypatch):
+    """`check_invariants` (which a snapshot's publish runs on its copy: copy_problems)
+    reads `settled_steps` whole once: the decode is the one part of the check that grows
+    with the run (~20 ms at 3000 steps). Planted: `audit_prompts` decoding again (as
+    before) -> two reads and this fails."""
+    path = tmp_path / "live.sqlite"
+    run = Run(path, discards={5})
+    run.stamp(1)
+    for step in range(1, 20):
+        run.stamp(step + 1)
+        run.train(step)
+    run.store.close()
+    with _statements(monkeypatch) as seen:
+        with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as conn:
+            assert check_invariants(conn).ok
+    assert len([s for s in seen if "FROM settled_steps" in s and "WHERE" not in s]) == 1

@@ -23,7 +23,7 @@ import sqlite3
 from dataclasses import dataclass, field
 
 from .compaction import check_types
-from .queries import settled_runs
+from .queries import SettledRun, settled_runs
 from .schema import PROMPT_CHUNK
 
 # Each check: (invariant number, description, SQL returning offending rows as text).
@@ -151,8 +151,13 @@ def check_invariants(conn: sqlite3.Connection) -> InvariantReport:
     checks = (_LEDGER_CHECKS if ledger else []) + _ALWAYS_CHECKS
     found = [(n, what, [r[0] for r in conn.execute(sql).fetchall()]) for n, what, sql in checks]
     if ledger:
-        _check_prompts(conn, report)
-        found = _settled_checks(conn, counts["cursor"]) + found
+        # Decoded once for both checks: a snapshot's publish runs these on its copy
+        # (copy_problems), and the decode is Python over every settled_steps row (one per
+        # step: ~20 ms at 3000 steps, 2 shared cores), the one part of the check that
+        # grows with the run (BENCHMARKS.md, "Per-event costs against the run's length").
+        runs = settled_runs(conn)
+        _check_prompts(conn, report, runs)
+        found = _settled_checks(conn, counts["cursor"], runs) + found
     for number, what, rows in found:
         if rows:
             label = f"invariant {number}" if number else "integrity"
@@ -161,14 +166,13 @@ def check_invariants(conn: sqlite3.Connection) -> InvariantReport:
     return report
 
 
-def _settled_checks(conn: sqlite3.Connection, cursor: int) -> list[tuple[int, str, list[str]]]:
+def _settled_checks(conn: sqlite3.Connection, cursor: int, runs: list[SettledRun]) -> list[tuple[int, str, list[str]]]:
     """Invariants 1 and 4 over the settled record (`queries.settled_runs`, the one
     decoder of `settled_steps`; empty in a file older than v1_4_a, whose settled groups
     are still ledger rows) and the live positions: every position below the cursor in
     exactly one of a settled row, the ledger or the spare pool; none beyond the cursor.
     Python over the decoded runs (one row per step) and the live positions (what is in
     flight): a merge, no per-position SQL."""
-    runs = settled_runs(conn)
     live = sorted({r[0] for r in conn.execute("SELECT sample_seq FROM prompt_groups UNION SELECT sample_seq FROM spare_prompts")})
     settled = sum(r.end - r.start for r in runs)
     missing = [f"missing {cursor - len(live) - settled} of {cursor} positions"] if len(live) + settled < cursor else []
@@ -196,11 +200,11 @@ def _settled_checks(conn: sqlite3.Connection, cursor: int) -> list[tuple[int, st
     ]
 
 
-def _check_prompts(conn: sqlite3.Connection, report: InvariantReport) -> None:
+def _check_prompts(conn: sqlite3.Connection, report: InvariantReport, runs: list[SettledRun]) -> None:
     """Invariant 1 over prompts: no (epoch, prompt id) settled twice or settled and live at
     once, and every settled position left its prompt's bit (`settled_prompts`). Python
     over the bitmaps, which SQL cannot test bit by bit (`audit_prompts`)."""
-    audit = audit_prompts(conn)
+    audit = audit_prompts(conn, runs)
     if audit.twice:
         examples = ", ".join(audit.twice[:MAX_EXAMPLES]) + (", ..." if len(audit.twice) > MAX_EXAMPLES else "")
         report.add(1, f"invariant 1: {audit.duplicated} prompt(s) handed out more than once "
@@ -246,11 +250,12 @@ def _prompt_chunks(raw: sqlite3.Connection) -> tuple[dict[tuple[int, int], tuple
     return out, PROMPT_CHUNK if chunked else None
 
 
-def audit_prompts(raw: sqlite3.Connection) -> PromptAudit:
+def audit_prompts(raw: sqlite3.Connection, runs: list[SettledRun] | None = None) -> PromptAudit:
     """Every (epoch, prompt id) handed out at most once over the run: live rows (ledger
     and spare pool) counted with the settled bit of their prompt, and each epoch's
     settles (summed over its chunks) against its set bits. Reads the live rows (what is
-    in flight) and every chunk of the bitmaps."""
+    in flight) and every chunk of the bitmaps; `runs`, the settled record already decoded
+    (`settled_runs`), spares a second decode."""
     has = lambda t: raw.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?", (t,)).fetchone()  # noqa: E731
     chunks, width = _prompt_chunks(raw)
     live = raw.execute("SELECT epoch, prompt_id, count(*) FROM (SELECT epoch, prompt_id FROM prompt_groups UNION ALL "
@@ -275,6 +280,6 @@ def audit_prompts(raw: sqlite3.Connection) -> PromptAudit:
             twice.append(f"epoch {epoch}: {extra} prompt(s) settled twice")
     unrecorded = 0
     if has("settled_steps") or has("settled_ranges"):
-        positions = sum(r.end - r.start for r in settled_runs(raw))
+        positions = sum(r.end - r.start for r in (settled_runs(raw) if runs is None else runs))
         unrecorded = positions - sum(n for _, n in chunks.values())
     return PromptAudit(twice, duplicated, unrecorded)

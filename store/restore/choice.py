@@ -295,7 +295,7 @@ def audit_ledger(store_path: str | Path, *, groups_per_step: int,
                  "SELECT sample_seq, epoch, prompt_id FROM spare_prompts"
         # Live rows with the settled prompts' bitmaps: a prompt handed out again after its
         # first group settled (live/compaction.py) counts as duplicated too.
-        prompts = audit_prompts(conn)
+        prompts = audit_prompts(conn, runs)
         v.duplicated = prompts.duplicated
         if prompts.twice:
             v.problems.append(f"{v.duplicated} prompt(s) handed out more than once: " + _examples(prompts.twice))
