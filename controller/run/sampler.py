@@ -33,6 +33,14 @@ class StalenessBound:
         return (step - 1) - dispatch_version
 
 
+# Permutations kept: the cursor's epoch and the one before (a position handed out late,
+# a spare refilled across an epoch's end). Any other is rebuilt (seeded: the same order).
+# Keeping every epoch's was 8 bytes per prompt per epoch walked, for the run's life:
+# 2.4 MB an epoch at 300k prompts, never freed (BENCHMARKS.md, "Per-event costs against
+# the run's length").
+KEPT_EPOCHS = 2
+
+
 class PromptOrder:
     """Maps sampler positions to (epoch, dataset index), deterministically."""
 
@@ -44,10 +52,13 @@ class PromptOrder:
         self._perms: dict[int, np.ndarray] = {}
 
     def _perm(self, epoch: int) -> np.ndarray:
-        if epoch not in self._perms:
-            rng = np.random.default_rng([self.seed, epoch])
-            self._perms[epoch] = rng.permutation(self.dataset_size)
-        return self._perms[epoch]
+        perm = self._perms.pop(epoch, None)
+        if perm is None:
+            perm = np.random.default_rng([self.seed, epoch]).permutation(self.dataset_size)
+        self._perms[epoch] = perm  # the most recently used last
+        while len(self._perms) > KEPT_EPOCHS:
+            del self._perms[next(iter(self._perms))]
+        return perm
 
     def at(self, seq: int) -> Reservation:
         epoch, offset = divmod(seq, self.dataset_size)
