@@ -249,3 +249,13 @@ def test_the_recovery_scale_benchmark_kills_a_prefix_level_run_and_accounts_for_
     (stop,) = case["stops"]  # one kill, resumed
     assert stop["decoded_by_cut"] > 0 and stop["lost_after_cut_tokens"] is not None
     assert stop["lost_generation_s"] is not None and stop["decode_rate_tok_s"] > 0
+
+
+def test_the_per_event_benchmark_runs_and_prints_every_figure_it_promises():
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "bench_per_event.py"), "--steps", "3", "6",
+                           "--trace-rows", "100"], cwd=REPO, capture_output=True, text=True, timeout=HANG_S)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    for figure in ("mark_trained: p50", "discard: p50", "3 steps: check_invariants", "6 steps: check_invariants",
+                   "100 call_finished rows, with its prompt-id index", "100 call_finished rows, index dropped",
+                   "32000-token transcript", "PromptOrder after 40 epochs"):
+        assert figure in proc.stdout, (figure, proc.stdout)
