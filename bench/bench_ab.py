@@ -54,6 +54,13 @@ FIGURES = {
         ("since read: bytes per cut, late", ("by", "256_since", "late", "bytes_per_cut_mean"), False),
         ("since read: bytes late/early", ("by", "256_since", "bytes_growth"), False),
     ],
+    "bench_restore.py": [  # warm cache; in_flight: reading and abandoning the running attempts
+        ("restore s", ("summary", "warm", "median_s", "restore"), False),
+        ("read+blake3 s", ("summary", "warm", "median_s", "read+blake3"), False),
+        ("restore / read+blake3", ("summary", "warm", "ratios", "restore/read+blake3"), False),
+        ("ledger phase s", ("restore_phases_s", "ledger"), False),
+        ("in_flight s (in the ledger phase)", ("restore_phases_s", "in_flight"), False),
+    ],
     "bench_recovery_scale.py": [  # by running calls: 256 and 1024 the full run, 32 --quick
         *((f"{n}: {label}", ("by", n, key), higher) for n in ("32", "256", "1024") for label, key, higher in (
             ("skipped_commit share", "skipped_commit_share", False),
@@ -97,6 +104,16 @@ def tree_at(rev: str, where: Path) -> Path:
             if not link.exists() and not (entry.is_dir() and any(k.startswith(f"{name}.{entry.name}") for k in mapping)):
                 link.symlink_to(entry)
     return pkg
+
+
+def median_of(runs: list[dict], path: tuple[str, ...]) -> float | None:
+    """The median of a figure over runs; None where a run did not measure it (a case
+    left out, no stop, a figure the other revision's code does not time) or measured
+    None (a p99 from under 100 samples: benchlib stores None)."""
+    try:
+        return statistics.median(dig(r, path) for r in runs)
+    except (KeyError, TypeError):
+        return None
 
 
 def dig(d: dict, path: tuple[str, ...]):
@@ -145,13 +162,9 @@ def main(argv=None) -> None:
           f"after = {a.after or 'working tree'}")
     print(f"  {'':34s}{'before':>12s}{'after':>12s}   after vs before")
     for label, path, higher in FIGURES[a.bench]:
-        try:
-            b = statistics.median(dig(r, path) for r in runs[a.rev])
-            t = statistics.median(dig(r, path) for r in runs["tree"])
-        except (KeyError, TypeError):  # a figure this run did not measure (a case left out, no stop)
-            b = t = None
-        if b is None or t is None:  # or a p99 from under 100 samples (benchlib stores None)
-            print(f"  {label:34s}{'-':>12s}{'-':>12s}")
+        b, t = (median_of(runs[v], path) for v in (a.rev, "tree"))
+        if b is None or t is None:  # a figure one side did not measure: the other's alone
+            print(f"  {label:34s}" + "".join(f"{'-' if v is None else f'{v:.3f}':>12s}" for v in (b, t)))
             continue
         if not b or not t:  # a share of 0 on either side has no ratio
             print(f"  {label:34s}{b:12.3f}{t:12.3f}   -")

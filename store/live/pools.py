@@ -487,8 +487,8 @@ def read_episodes(conn: Connection, *, running_only: bool = False) -> dict[tuple
         .join(rollouts, rollouts.c.attempt_id == episodes.c.attempt_id)
         .order_by(rollouts.c.attempt_id)
     )
-    if running_only:
-        query = query.where(rollouts.c.state == "running")
+    if running_only:  # `+`: driven from the episodes, not from every running attempt's index entry
+        query = query.where(literal_column("+rollouts.state") == "running")
     return {
         (g, i): SavedEpisode(k, a, t, json.loads(s), *_transcript(tok, lp, runs))
         for k, g, i, a, t, s, tok, lp, runs in conn.execute(query).all()

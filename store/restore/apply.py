@@ -93,20 +93,26 @@ from .plan import (
 
 
 class _Phases:
-    """Wall time per phase, in the order they ran."""
+    """Wall time per phase, in the order they ran. A phase opened inside another (the
+    ledger's `in_flight`) is counted in both; the outer one is current again after it."""
 
     def __init__(self) -> None:
         self.timings: dict[str, float] = {}
         self.current = ""
+        self._open: list[str] = []
 
     @contextlib.contextmanager
     def __call__(self, name: str) -> Iterator[None]:
         t0 = time.perf_counter()
         self.current = name
+        self._open.append(name)
         try:
             yield
         finally:
+            self._open.pop()
             self.timings[name] = self.timings.get(name, 0.0) + time.perf_counter() - t0
+        if self._open:  # left without an error: a failure later names the outer phase
+            self.current = self._open[-1]
 
 
 def _replace_live(copy: Path, live: Path) -> None:
@@ -202,7 +208,7 @@ def restore_snapshot(
             with phases("ledger" if mode else "shortfall"), store.atomic() as tx:
                 if mode:
                     chunks_dir = segments_dir_of(snapshot.checkpoint_dir) if snapshot.checkpoint_dir else None
-                    redispatch, to_finalize = normalize_ledger(tx, source, step, counts, saved, chunks_dir)
+                    redispatch, to_finalize = normalize_ledger(tx, source, step, counts, saved, chunks_dir, phases)
                 else:
                     counts.update(abandoned_attempts=0, reserved_to_dispatched=0, published_at_restore=0)
                     normalize_without_ledger(tx, source, step, groups_per_step, counts)

@@ -7,6 +7,8 @@ no live ledger row references (invariant 3).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
 from sqlalchemy import Connection, delete, func, literal_column, select
@@ -56,9 +58,12 @@ def _read_saved_progress(tx: Connection, segments_dir: Path | None) -> tuple[dic
 
 
 def normalize_ledger(tx: Connection, source: Path, step: int, counts: dict[str, int],
-                      saved: dict, segments_dir: Path | None = None) -> tuple[list, list]:
+                      saved: dict, segments_dir: Path | None = None,
+                      phase: Callable[[str], AbstractContextManager] = lambda name: nullcontext()) -> tuple[list, list]:
     """Phase 6, inside one transaction on the copy. `segments_dir`: where the prefix
-    chunks the snapshot references are (its checkpoint directory's payload_segments/)."""
+    chunks the snapshot references are (its checkpoint directory's payload_segments/).
+    `phase(name)` times a part: `in_flight` is the work on the running attempts (read
+    what they saved, abandon them), the part of the restore that grows with them."""
     beyond = tx.execute(
         select(func.count()).where(groups_t.c.state == "trained", groups_t.c.trained_step > step)
     ).scalar_one() + sum(  # and the settled ones (live/compaction.py)
@@ -66,8 +71,9 @@ def normalize_ledger(tx: Connection, source: Path, step: int, counts: dict[str, 
     if beyond:
         raise SnapshotInconsistent(f"{source}: {beyond} group(s) trained after step {step}, the snapshot's anchor; "
                                    "the snapshot does not match its trainer checkpoint; restore another snapshot", 1)
-    saved["prefixes"], saved["episodes"] = _read_saved_progress(tx, segments_dir)
-    counts["abandoned_attempts"] = ledger.abandon_every_running_attempt(tx, "restart")
+    with phase("in_flight"):
+        saved["prefixes"], saved["episodes"] = _read_saved_progress(tx, segments_dir)
+        counts["abandoned_attempts"] = ledger.abandon_every_running_attempt(tx, "restart")
 
     reserved = list(tx.execute(
         select(groups_t.c.group_id).where(groups_t.c.state == "reserved").order_by(groups_t.c.sample_seq)

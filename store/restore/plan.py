@@ -87,6 +87,8 @@ class RestorePlan:
     # replay_groups (in the snapshot), abandoned_attempts, reserved_to_dispatched,
     # published_at_restore (sealed groups), payload_rows_cleared, spare_prompts
     counts: dict[str, int]
+    # wall seconds per phase (apply.py's list); `in_flight`, inside `ledger`: reading what
+    # the running attempts saved and abandoning them, the part that grows with them
     timings: dict[str, float] = field(default_factory=dict)
     env_export: Path | None = None  # the environment's export in the snapshot, if any
     # What the attempts abandoned at restore (reason restart) had saved, read before
