@@ -57,8 +57,9 @@ def test_a_restore_with_thousands_of_running_attempts_abandons_every_one_and_han
 
 
 def test_abandoning_every_running_attempt_leaves_the_connection_checking_constraints(tmp_path):
-    """The abandon skips the CHECKs for its one UPDATE of constants; the next statement on
-    the same connection is checked again."""
+    """The abandon leaves the table's CHECKs on (a faster variant skipped them for its
+    UPDATE): a later bad write on the same connection is refused, and an unknown reason is
+    refused before anything is written; both transactions roll back."""
     store = make_store(tmp_path / "s.sqlite")
     (g,) = store.reserve([Reservation(0, 0, 100)], num_generations=2, target_step=1)
     store.dispatch([g], policy_version=0)

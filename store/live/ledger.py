@@ -398,18 +398,12 @@ def abandon_every_running_attempt(conn: Connection, reason: str) -> int:
             select(rollouts.c.attempt_id)
             .where(rollouts.c.attempt_id == table.c.attempt_id, rollouts.c.state == "running")
             .exists()))
-    # The UPDATE writes the same constants into every row, and they satisfy the table's
-    # CHECKs by construction (state 'abandoned' with a reason checked above), so SQLite
-    # is told not to evaluate them row by row: 0.15 -> 0.10 s for 74k attempts. The
-    # pragma is the connection's, not the transaction's: back on whatever happens.
-    conn.exec_driver_sql("PRAGMA ignore_check_constraints = ON")
-    try:
-        return conn.execute(
-            update(rollouts).where(rollouts.c.state == "running")
-            .values(state="abandoned", abandon_reason=reason, ended_at=time.time())
-        ).rowcount
-    finally:
-        conn.exec_driver_sql("PRAGMA ignore_check_constraints = OFF")
+    # The table's CHECKs stay on: skipping them (PRAGMA ignore_check_constraints) saved
+    # 0.05 s of 0.15 s for 74k attempts, not worth a write the schema does not guard.
+    return conn.execute(
+        update(rollouts).where(rollouts.c.state == "running")
+        .values(state="abandoned", abandon_reason=reason, ended_at=time.time())
+    ).rowcount
 
 
 def seal_groups(conn: Connection, group_ids: Sequence[int]) -> None:
