@@ -55,6 +55,18 @@ def request_seed(engine_seed: int, request_id: str) -> int:
     return int.from_bytes(digest, "little")
 
 
+def continuation_seed(seed: int, prefix_length: int) -> int:
+    """The seed a sampled call continued after `prefix_length` tokens hands an engine whose
+    random stream restarts with each request (vLLM's per-request generator). Reusing `seed`
+    would replay the draws that already chose the prefix, so the first new token's draw
+    would be the first prefix token's, correlated with the prefix; a seed derived from
+    (seed, prefix length) gives a fresh stream, so each new token is a fresh sample given
+    the prompt and the prefix (distribution-exact, by the chain rule), and a continuation
+    at the same cut draws the same tokens again."""
+    digest = hashlib.blake2b(f"{seed}\x00continued-at\x00{prefix_length}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & 0x7FFFFFFFFFFFFFFF
+
+
 @dataclass
 class RowChoice:
     """How to pick the next token of one call."""

