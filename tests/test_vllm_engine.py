@@ -245,6 +245,28 @@ def test_a_sampled_call_continues_distribution_exact_on_a_fresh_stream_and_bitwi
     assert run(engine, [resumed(request, full, 10)])[0].token_ids == continued.token_ids
 
 
+@vllm
+def test_a_continued_sampled_calls_logprobs_are_the_raw_logprobs_of_the_policy_at_each_new_token(engine, policy_dir):
+    """The logprobs mode: vLLM's raw logprobs (log-softmax of the logits at temperature 1,
+    what the GRPO trainer recomputes), whatever the call's temperature; the tokens a call
+    continued at temperature 0.5 decodes after the seam carry the same kind, each the HF
+    model's log-softmax at prompt + output so far."""
+    import torch
+
+    from rolloutdb.gpu_capture import load_policy
+
+    model, _ = load_policy(policy_dir)
+    request = call("lp", prompt(engine, 11), max_tokens=14, min_tokens=14, temperature=0.5, seed=4)
+    (full,) = run(engine, [request])
+    (continued,) = run(engine, [resumed(request, full, 5)])
+    assert continued.extra["prefix_exactness"] == "distribution" and len(continued.token_ids) == 14
+    p = list(request.prompt_ids)
+    with torch.no_grad():
+        logits = model(torch.tensor([p + continued.token_ids])).logits[0, len(p) - 1 : -1]
+    reference = torch.log_softmax(logits, -1)[torch.arange(14), torch.tensor(continued.token_ids)]
+    torch.testing.assert_close(torch.tensor(continued.logprobs[5:]), reference[5:], rtol=0, atol=1e-4)
+
+
 # ---- sampled continuations are samples of the policy (issue 29 item 4a) -------------------
 #
 # The oracle is the Hugging Face model itself (fp32, same directory): the next token's
