@@ -90,8 +90,9 @@ from .restore.choice import (
     select_and_restore,
 )
 from .restore.plan import RestoredGroup, RestorePlan
+from .restore.rewind import Rewound, rewind_live_store, rewind_problem
 from .restore.run_files import drop_checkpoints_after, move_run_aside
-from .restore.selection import Selection, select_for_restore
+from .restore.selection import Selection, anchor_problem, select_for_restore
 from .restore.verification import Report, verify_path
 
 # trace: the writer and the analysis
@@ -198,7 +199,9 @@ __all__ = [
     "Report",
     "RestoredGroup",
     "RestorePlan",
+    "Rewound",
     "Selection",
+    "anchor_problem",
     "audit_ledger",
     "choose_snapshot",
     "drop_checkpoints_after",
@@ -206,6 +209,8 @@ __all__ = [
     "live_store_work",
     "move_run_aside",
     "restore_snapshot",
+    "rewind_live_store",
+    "rewind_problem",
     "select_and_restore",
     "select_for_restore",
     "verify_path",

@@ -430,7 +430,7 @@ def test_a_durable_trainer_checkpoint_without_snapshots_is_reported_to_the_calle
     pub = Publisher(tmp_path / "ckpt")
     publish_anchor(pub, None)
     publish_anchor(pub, 3)
-    with pytest.raises(TrainerCheckpointOnly, match="starts the rollout store fresh at step 3") as info:
+    with pytest.raises(TrainerCheckpointOnly, match="rolls the live store back to step 3") as info:
         choose_snapshot(tmp_path / "ckpt")
     assert info.value.step == 3 and info.value.path == tmp_path / "ckpt" / "step_3"
 

@@ -16,11 +16,18 @@ redo first.
 3. `announce`, once the logs are open: every snapshot or anchor passed over and why,
    the anchors of the cut-off branch removed, on stderr and in the metrics.
 
+With no rollout snapshot at all (`rollout_checkpointing` off, or a stop before a run's
+first snapshot) the newest durable trainer checkpoint is a restore point by itself: the
+trainer loads it and the live store is rolled back to its step (REWIND,
+`rolloutdb.store.rewind_live_store`): what was trained after it and everything in flight
+is handed out again, every prompt still trained once. Refused, with the reason, where the
+store cannot prove that (no ledger; a store that lost the checkpoint's commits).
+
 Starting over is never silent unless it provably loses nothing: with no snapshot to
 restore, a live store that holds no work (no prompt ever handed out, no step trained)
-starts over in place. Otherwise the resume is refused, and `--start-over` moves the
-run's store, checkpoints, config and logs aside (into RUN_DIR/discarded/<time>/, nothing is
-deleted) and trains from step 0.
+starts over in place. Otherwise the resume restores, rewinds or is refused, and
+`--start-over` moves the run's store, checkpoints, config and logs aside (into
+RUN_DIR/discarded/<time>/, nothing is deleted) and trains from step 0.
 """
 
 from __future__ import annotations
@@ -38,20 +45,23 @@ from rolloutdb.controller.recovery.earlier_fingerprint import earlier_config_fin
 from rolloutdb.controller.run.dispatch import GroupHandle
 from rolloutdb.controller.run.metrics_backends import RunMetrics
 from rolloutdb.controller.run.run_dir import RunDir
+from rolloutdb.controller.run.sampler import PromptOrder
 from rolloutdb.controller.run.tracing import RolloutTrace
 from rolloutdb.gpu_capture.protocol import GenerationEngine
 from rolloutdb.store import (
-    BOOTSTRAP,
     AnchorDamaged,
+    Entry,
     LATEST,
     NoRestorableSnapshot,
     NothingToRestore,
     NullTracer,
     RestorePlan,
+    Rewound,
     Selection,
     Store,
     TrainerCheckpointOnly,
     Tracer,
+    anchor_problem,
     choose_snapshot,
     drop_checkpoints_after,
     faults,
@@ -60,6 +70,8 @@ from rolloutdb.store import (
     move_run_aside,
     queries,
     remove_sqlite_file,
+    rewind_live_store,
+    rewind_problem,
     select_and_restore,
 )
 
@@ -67,6 +79,7 @@ if TYPE_CHECKING:
     from sqlalchemy import Row
 
 RESTORE, START_OVER, START_OVER_EMPTY = "restore", "start_over", "start_over_empty"
+REWIND = "rewind"  # no rollout snapshot: the live store rolled back to the newest trainer checkpoint
 MAX_DETAIL = 300  # characters of a loading error quoted in its one line
 
 
@@ -76,8 +89,9 @@ class ResumeError(ValueError):
 
 @dataclass
 class ResumePlan:
-    action: str  # RESTORE, START_OVER (asked for) or START_OVER_EMPTY (nothing to lose)
+    action: str  # RESTORE, REWIND, START_OVER (asked for) or START_OVER_EMPTY (nothing to lose)
     selection: Selection | None = None
+    anchor: Entry | None = None  # REWIND: the trainer checkpoint the run resumes from alone
     run_id: str | None = None  # the live store's; a restore refuses snapshots of other runs
     why: str = ""
 
@@ -110,6 +124,7 @@ class Restored:
     step: int = 0  # the trainer's step once restored (0: the run starts over)
     policy_version: int = 0  # the engine's, once the anchor's weights are pushed to it
     config_fingerprint: str = ""  # the one the restored store carries
+    rewound: Rewound | None = None  # REWIND: what the live store's rollback did
 
 
 def _inside(path: Path, root: Path) -> bool:
@@ -146,12 +161,64 @@ def plan_resume(dirs: RunDir, resume: str, *, start_over: bool = False) -> Resum
         # and loses nothing (a run killed before its first snapshot: the controller takes
         # that snapshot before the rollout pump dispatches anything).
         return ResumePlan(START_OVER_EMPTY, run_id=run_id, why=str(nothing))
-    hint = ("; rollout_checkpointing must be on for a run to be resumable"
-            if isinstance(nothing, TrainerCheckpointOnly) and nothing.anchor.anchor != BOOTSTRAP else "")
-    raise ResumeError(f"{nothing}{hint}; the live store holds work ({work}) that starting over would discard, so "
+    if isinstance(nothing, TrainerCheckpointOnly):
+        return _plan_rewind(dirs, nothing, run_id)
+    raise ResumeError(f"{nothing}; the live store holds work ({work}) that starting over would discard, so "
                       f"nothing was changed: restore {dirs.checkpoints}, pass a snapshot of this run with "
                       f"--resume SNAPSHOT_DIR, or pass --start-over to move this run's store, checkpoints, config and logs "
                       f"into {dirs.discarded}/ and train from step 0")
+
+
+def _plan_rewind(dirs: RunDir, nothing: TrainerCheckpointOnly, run_id: str | None) -> ResumePlan:
+    """No rollout snapshot, but a durable trainer checkpoint and a live store holding
+    work: resume from the checkpoint alone (store/restore/rewind.py), or refuse saying
+    why not. The checkpoint's files are checked against its manifest here, before
+    anything is loaded."""
+    anchor = nothing.anchor
+    problem = anchor_problem(anchor) or rewind_problem(dirs.store, anchor.step or 0)
+    if problem:
+        raise ResumeError(f"{dirs.checkpoints}: no rollout snapshot, and the run cannot resume from its trainer checkpoint "
+                          f"{anchor.anchor} alone: {problem}; nothing was changed: pass --start-over to move this run's "
+                          f"store, checkpoints, config and logs into {dirs.discarded}/ and train from step 0")
+    return ResumePlan(REWIND, anchor=anchor, run_id=run_id, why=str(nothing))
+
+
+def check_rewind(config: Config, dirs: RunDir, plan: ResumePlan) -> None:
+    """Refuse (before the controller is built) a REWIND under settings the live store was
+    not written with: the config fingerprint, and the ledger switched off. The rewind's
+    transaction checks every setting again, the dataset's too."""
+    if plan.action != REWIND or plan.anchor is None:
+        return
+    fingerprints = tuple(f for f in (config.fingerprint(), earlier_config_fingerprint(config)) if f)
+    problem = rewind_problem(dirs.store, plan.anchor.step or 0, ledger_dispatch=config.ledger_dispatch,
+                             config_fingerprints=fingerprints)
+    if problem:
+        raise ResumeError(f"{dirs.checkpoints}: no rollout snapshot, and the run cannot resume from its trainer checkpoint "
+                          f"{plan.anchor.anchor} alone: {problem}; nothing was changed")
+
+
+def _rewind(parts: ResumeParts, on_writing: Callable[[], None], t0: float) -> Restored:
+    """REWIND: the trainer from its checkpoint, its weights pushed to the engine, then the
+    live store rolled back to the checkpoint's step in one transaction (a refusal there
+    leaves it as it was), and the checkpoints of the branch after it removed."""
+    cfg, dirs, plan, trainer = parts.config, parts.dirs, parts.plan, parts.trainer
+    anchor = plan.anchor
+    assert anchor is not None
+    load_anchor(trainer, anchor.path)
+    if trainer.step != (anchor.step or 0):
+        raise ResumeError(f"{anchor.path}: the trainer loaded step {trainer.step} from a checkpoint named "
+                          f"{anchor.anchor}; nothing was changed: pass --start-over")
+    parts.engine.load_weights(trainer.export_weights(), trainer.step)
+    rewound = rewind_live_store(
+        dirs.store, step=trainer.step, position=PromptOrder(len(parts.dataset), cfg.run.seed).at,
+        config_fingerprint=cfg.fingerprint(), dataset_fingerprint=parts.dataset.fingerprint(),
+        forest_training={}, ledger_dispatch=cfg.ledger_dispatch,
+        earlier_config_fingerprint=earlier_config_fingerprint(cfg))
+    on_writing()  # the live store was rolled back
+    faults.point("resume.after_restore")
+    dropped = drop_checkpoints_after(dirs.checkpoints, trainer.step)
+    return Restored(plan, Store.open(dirs.store), dropped=dropped, t0=t0, step=trainer.step,
+                    policy_version=parts.engine.policy_version, config_fingerprint=cfg.fingerprint(), rewound=rewound)
 
 
 def restore_run(parts: ResumeParts, *, on_writing: Callable[[], None]) -> Restored:
@@ -166,6 +233,8 @@ def restore_run(parts: ResumeParts, *, on_writing: Callable[[], None]) -> Restor
         on_writing()
         remove_sqlite_file(dirs.store)
         return Restored(plan, t0=t0)
+    if plan.action == REWIND:
+        return _rewind(parts, on_writing, t0)
 
     def load_weights(selection: Selection) -> None:
         load_anchor(trainer, selection.anchor.path)  # its files were checked against its manifest
@@ -298,7 +367,11 @@ def announce(done: Restored, *, metrics: RunMetrics, tracer: Tracer | NullTracer
         metrics.write({"kind": "restore", "t": time.time(), "snapshot": None, "step": 0,
                            "started_over": done.plan.action, "moved_to": str(done.moved_to) if done.moved_to else None})
         return
+    if done.rewound is not None:
+        _announce_rewind(done, say, metrics=metrics, tracer=tracer)
+        return
     plan = done.restore_plan
+    assert plan is not None
     for reason in plan.passed_over:
         say(f"passed over {reason}")
     if plan.config_fingerprint_was is not None:
@@ -337,6 +410,30 @@ def announce(done: Restored, *, metrics: RunMetrics, tracer: Tracer | NullTracer
     )
     say(f"resumed from {plan.anchor}/snapshot_{plan.sequence} at step {done.step}: "
         f"{len(done.groups)} groups to redo first")
+
+
+def _announce_rewind(done: Restored, say: Callable[[str], None], *, metrics: RunMetrics,
+                     tracer: Tracer | NullTracer) -> None:
+    r, anchor = done.rewound, done.plan.anchor
+    assert r is not None and anchor is not None
+    for name in done.dropped:
+        say(f"removed {name}: newer than the checkpoint resumed from, its step is trained again")
+    say(f"no rollout snapshot: resumed from the trainer checkpoint {anchor.anchor} alone, at step {done.step}; "
+        f"in-flight and replay work of the steps after {done.step} is generated again ({r.trained_after} group(s) "
+        f"trained after step {done.step} and {r.withdrawn} in flight or in replay handed out again)")
+    if r.config_fingerprint_was is not None:
+        say(f"the live store carried config fingerprint {r.config_fingerprint_was}, this config's under the "
+            f"fingerprint's earlier formula: accepted, and the run now carries {done.config_fingerprint}")
+    metrics.write({"kind": "restore", "t": time.time(), "snapshot": None, "anchor": anchor.anchor, "step": done.step,
+                   "rewound": {"trained_after": r.trained_after, "withdrawn": r.withdrawn,
+                               "abandoned_attempts": len(r.abandoned), "shortfall_dropped": r.shortfall_dropped},
+                   "dropped_anchors": done.dropped, "restore_s": time.time() - done.t0})
+    trace = RolloutTrace(tracer)
+    trace.abandoned(r.abandoned, "restart")
+    # The cut is the checkpoint's: what the stopped run did after it is done again.
+    created = anchor.manifest.created_at if anchor.manifest is not None else None
+    trace.restore_done(step=done.step, policy_version=done.policy_version, cut_time=created, snapshot_seq=None,
+                       anchor=anchor.anchor, snapshot="", groups_restored=0, replay_restored=0)
 
 
 def _abandoned_at_restore(store: Store, since: float) -> Sequence[Row[Any]]:

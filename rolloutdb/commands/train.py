@@ -86,10 +86,11 @@ def run(args: argparse.Namespace) -> int:
         dirs.check_for(resume=bool(resume))
         plan = None
         if resume:
-            from rolloutdb.controller.recovery.resume import check_packing, plan_resume
+            from rolloutdb.controller.recovery.resume import check_packing, check_rewind, plan_resume
 
             plan = plan_resume(dirs, resume, start_over=args.start_over)
             check_packing(config, plan.selection.snapshot.path if plan.selection else None)
+            check_rewind(config, dirs, plan)
     except BaseException:
         lock.undo()
         raise

@@ -332,3 +332,48 @@ def mark_settled(raw: sqlite3.Connection, prompts: Sequence[tuple[int, int]]) ->
             bits[p >> 3] |= 1 << (p & 7)
         raw.execute("INSERT OR REPLACE INTO settled_prompts (epoch, chunk, bits, settles) VALUES (?, ?, ?, ?)",
                     (epoch, chunk, bytes(bits), (row[1] if row else 0) + len(ids)))
+
+
+def unsettle_trained_after(raw: sqlite3.Connection, step: int) -> list[int]:
+    """The positions trained at steps after `step` leave the record (a resume from the
+    trainer checkpoint of `step` alone, restore/rewind.py): their rows are deleted and
+    the discards those rows carried are written back (`_add_discards`), so every other
+    position keeps its outcome. Returns the positions unsettled, in order. One read of
+    the rows after `step` (no index on trained_step: a scan of about one row per step,
+    once per such resume)."""
+    rows = raw.execute("SELECT seq_start, seq_end, others FROM settled_steps WHERE trained_step > ? "
+                       "ORDER BY seq_start", (step,)).fetchall()
+    trained: list[int] = []
+    discards: list[tuple[int, int]] = []
+    for start, end, others in rows:
+        for a, b, code in decode_row(start, end, others):
+            if code == TRAINED:
+                trained.extend(range(a, b))
+            elif code != OPEN:
+                discards.extend((s, code) for s in range(a, b))
+    raw.execute("DELETE FROM settled_steps WHERE trained_step > ?", (step,))
+    if discards:
+        _add_discards(raw, sorted(discards))
+    return sorted(trained)
+
+
+def unmark_settled(raw: sqlite3.Connection, prompts: Sequence[tuple[int, int]]) -> None:
+    """The inverse of `mark_settled`: clear the bits of `prompts` ((epoch, prompt id)
+    pairs settled once) and take them off their chunk's `settles`. A bit that is not set
+    means the record and the sampler disagree on which prompt a position holds: refused
+    (RecordDamaged), the caller's transaction rolls back."""
+    by_chunk: dict[tuple[int, int], list[int]] = {}
+    for epoch, prompt_id in prompts:
+        chunk, bit = divmod(int(prompt_id), PROMPT_CHUNK)
+        by_chunk.setdefault((int(epoch), chunk), []).append(bit)
+    for (epoch, chunk), ids in by_chunk.items():
+        row = raw.execute("SELECT bits, settles FROM settled_prompts WHERE epoch = ? AND chunk = ?",
+                          (epoch, chunk)).fetchone()
+        bits = bytearray(row[0]) if row else bytearray()
+        for p in ids:
+            if p >> 3 >= len(bits) or not bits[p >> 3] & (1 << (p & 7)):
+                raise RecordDamaged(f"settled_prompts: prompt {chunk * PROMPT_CHUNK + p} of epoch {epoch} is not marked "
+                                    "settled although its position is trained; the record does not match the sampler")
+            bits[p >> 3] &= ~(1 << (p & 7)) & 0xFF
+        raw.execute("UPDATE settled_prompts SET bits = ?, settles = ? WHERE epoch = ? AND chunk = ?",
+                    (bytes(bits.rstrip(b"\0")), row[1] - len(ids), epoch, chunk))

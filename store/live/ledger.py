@@ -487,3 +487,24 @@ def discard_groups(conn: Connection, group_ids: Sequence[int], *, reason: str) -
     _ABANDON_RUNNING_OF_GROUPS.run(conn, {"ids": json_ids(group_ids), "now": time.time()})
     _drop_payloads(conn, group_ids)
     settle_groups(conn, group_ids)
+
+
+def withdraw_every_group(conn: Connection) -> tuple[list[Reservation], list[tuple]]:
+    """Every ledger row leaves unsettled, with its attempts, its payload and its replay
+    permit: a resume from a trainer checkpoint alone (restore/rewind.py) hands these
+    positions out again, because what they hold was decoded or trained under weights
+    newer than the checkpoint. Returns their reservations (in sampler order, for the
+    spare pool) and the running attempts as (group_id, prompt_id, generation_index,
+    attempt, target_step, policy_version), what the trace records as abandoned. Every
+    payload row belongs to a live ledger row (invariant 3), so with the ledger gone the
+    payload tables are emptied whole: a few statements, not one per group."""
+    held = [Reservation(s, e, p) for s, e, p in conn.execute(
+        select(groups.c.sample_seq, groups.c.epoch, groups.c.prompt_id).order_by(groups.c.sample_seq)).all()]
+    running = [tuple(r) for r in conn.execute(
+        select(rollouts.c.group_id, groups.c.prompt_id, rollouts.c.generation_index, rollouts.c.attempt,
+               groups.c.target_step, rollouts.c.policy_version)
+        .join(groups, groups.c.group_id == rollouts.c.group_id)
+        .where(rollouts.c.state == "running").order_by(rollouts.c.attempt_id)).all()]
+    for table in (chunks, episodes, replay, samples, rollouts, groups):
+        conn.execute(delete(table))
+    return held, running

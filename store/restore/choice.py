@@ -5,7 +5,8 @@ complete snapshot whose anchor is a durable trainer checkpoint whose files match
 manifest (`selection`), or the directory the user named (refused if its anchor's files
 do not match, or, given the run's id, if it belongs to another run). It never starts
 fresh silently: snapshots that exist but are all unusable raise `NoRestorableSnapshot`;
-no snapshot at all beside a durable trainer checkpoint raises `TrainerCheckpointOnly`;
+no snapshot at all beside a durable trainer checkpoint raises `TrainerCheckpointOnly`
+(the controller then resumes from that checkpoint alone: rewind.py);
 nothing at all raises `NothingToRestore`. Whether the caller may then start over is its
 decision: `live_store_work` says whether the live store holds anything to lose.
 
@@ -68,7 +69,7 @@ def _only_trainer_checkpoint(checkpoint_dir: Path, anchors: list[Entry]) -> Rest
     newest = anchors[-1]
     return TrainerCheckpointOnly(
         f"{checkpoint_dir}: no rollout snapshot, but the trainer checkpoint {newest.anchor} is durable; "
-        f"resuming from it alone starts the rollout store fresh at step {newest.step or 0}", newest)
+        f"a resume from it alone rolls the live store back to step {newest.step or 0}", newest)
 
 
 def _checked(selection: Selection, run_id: str | None) -> Selection:

@@ -346,8 +346,10 @@ def check_run_meta(conn: sqlite3.Connection, source: Path, *, config_fingerprint
     if ledger_dispatch is not None and bool(ledger_mode) != bool(ledger_dispatch):
         fields.append("ledger_dispatch")
         saved = "on" if ledger_mode else "off"
-        differences.append(f"ledger dispatch {saved} (run: {'on' if ledger_dispatch else 'off'}): resume with the "
-                           "rollout_recovery.target_level the run was started with")
+        differences.append(f"ledger dispatch {saved} (run: {'on' if ledger_dispatch else 'off'}; a store without the ledger "
+                           "does not record which prompts were in flight, so switching between target_level none and a "
+                           "ledger level would lose or repeat them): resume with rollout_recovery.target_level "
+                           f"{'group, turn or prefix' if ledger_mode else 'none'}")
     if differences:
         raise RunMismatch(f"{source}: the snapshot belongs to a run with other settings: " + "; ".join(differences)
                           + "; or start a new run directory", fields)
