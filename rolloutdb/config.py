@@ -390,7 +390,10 @@ class RolloutRecoverySection(Section):
 
 
 class RolloutCheckpointingSection(Section):
-    enabled: bool = Field(False, description="Take rollout snapshots between trainer checkpoints.")
+    # On by default: a snapshot is a read transaction and a copy on the snapshot pump's own
+    # thread (BENCHMARKS.md, "Payload written once"), and without one a stop loses everything
+    # since the newest trainer checkpoint (docs/config.md, "Without rollout snapshots").
+    enabled: bool = Field(True, description="Take rollout snapshots between trainer checkpoints.")
     interval_s: float = Field(5.0, gt=0, le=86_400)  # waited on with threading.Event.wait
     keep_last: int = Field(3, ge=1, le=1_000_000)
 

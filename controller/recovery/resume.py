@@ -91,9 +91,9 @@ class ResumeError(ValueError):
 class ResumePlan:
     action: str  # RESTORE, REWIND, START_OVER (asked for) or START_OVER_EMPTY (nothing to lose)
     selection: Selection | None = None
-    anchor: Entry | None = None  # REWIND: the trainer checkpoint the run resumes from alone
     run_id: str | None = None  # the live store's; a restore refuses snapshots of other runs
     why: str = ""
+    anchor: Entry | None = None  # REWIND: the trainer checkpoint the run resumes from alone
 
 
 @dataclass
