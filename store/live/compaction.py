@@ -40,7 +40,8 @@ the ledger's transitions before this runs; here only the ledger and attempt rows
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import Sequence
+from typing import Any
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from sqlalchemy import Connection, delete, select
@@ -309,6 +310,19 @@ def settle_groups(conn: Connection, group_ids: Sequence[int]) -> None:
     mark_settled(raw, [(r[5], r[6]) for r in rows])
 
 
+def _chunks_of(raw: sqlite3.Connection,
+               prompts: Sequence[tuple[int, int]]) -> Iterator[tuple[tuple[int, int], list[int], Any]]:
+    """((epoch, chunk), bit offsets in the chunk, its (bits, settles) row or None) for the
+    chunks `prompts` ((epoch, prompt id) pairs) fall in: one key read per chunk."""
+    by_chunk: dict[tuple[int, int], list[int]] = {}
+    for epoch, prompt_id in prompts:
+        chunk, bit = divmod(int(prompt_id), PROMPT_CHUNK)
+        by_chunk.setdefault((int(epoch), chunk), []).append(bit)
+    for (epoch, chunk), ids in by_chunk.items():
+        yield (epoch, chunk), ids, raw.execute("SELECT bits, settles FROM settled_prompts WHERE epoch = ? AND chunk = ?",
+                                               (epoch, chunk)).fetchone()
+
+
 def mark_settled(raw: sqlite3.Connection, prompts: Sequence[tuple[int, int]]) -> None:
     """Set the bits of `prompts` ((epoch, prompt id) pairs) in `settled_prompts` and add
     them to their chunk's `settles`. A bit already set is not refused here: the epoch's
@@ -317,13 +331,7 @@ def mark_settled(raw: sqlite3.Connection, prompts: Sequence[tuple[int, int]]) ->
     most PROMPT_CHUNK bits (512 bytes) per (epoch, chunk) the transaction touches: the cost
     of a settle does not grow with the dataset (one whole-epoch bitmap was 36 KB at 300k
     prompts, rewritten at every settle)."""
-    by_chunk: dict[tuple[int, int], list[int]] = {}
-    for epoch, prompt_id in prompts:
-        chunk, bit = divmod(int(prompt_id), PROMPT_CHUNK)
-        by_chunk.setdefault((int(epoch), chunk), []).append(bit)
-    for (epoch, chunk), ids in by_chunk.items():
-        row = raw.execute("SELECT bits, settles FROM settled_prompts WHERE epoch = ? AND chunk = ?",
-                          (epoch, chunk)).fetchone()
+    for (epoch, chunk), ids, row in _chunks_of(raw, prompts):
         bits = bytearray(row[0]) if row else bytearray()
         need = max(ids) // 8 + 1
         if len(bits) < need:
@@ -362,13 +370,7 @@ def unmark_settled(raw: sqlite3.Connection, prompts: Sequence[tuple[int, int]]) 
     pairs settled once) and take them off their chunk's `settles`. A bit that is not set
     means the record and the sampler disagree on which prompt a position holds: refused
     (RecordDamaged), the caller's transaction rolls back."""
-    by_chunk: dict[tuple[int, int], list[int]] = {}
-    for epoch, prompt_id in prompts:
-        chunk, bit = divmod(int(prompt_id), PROMPT_CHUNK)
-        by_chunk.setdefault((int(epoch), chunk), []).append(bit)
-    for (epoch, chunk), ids in by_chunk.items():
-        row = raw.execute("SELECT bits, settles FROM settled_prompts WHERE epoch = ? AND chunk = ?",
-                          (epoch, chunk)).fetchone()
+    for (epoch, chunk), ids, row in _chunks_of(raw, prompts):
         bits = bytearray(row[0]) if row else bytearray()
         for p in ids:
             if p >> 3 >= len(bits) or not bits[p >> 3] & (1 << (p & 7)):
