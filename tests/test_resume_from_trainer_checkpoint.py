@@ -137,3 +137,33 @@ def test_switching_from_a_ledger_level_to_target_level_none_at_a_resume_is_refus
     assert_one_error_line(refused, "step_4 alone", "this config runs without one", "which prompts were in flight",
                           "target_level group, turn or prefix")
     assert digest(run_copy) == before
+
+
+def test_a_kill_right_after_the_rollback_resumes_again_and_still_trains_every_prompt_once(run_copy):
+    killed = train(run_copy, "--resume", overrides=OFF, extra_env={"ROLLOUTDB_FAULT": "resume.after_restore"})
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    # The rollback committed; the second resume rolls back to the same step again, which
+    # now finds nothing trained after it and nothing in flight.
+    resumed = train(run_copy, "--resume", overrides=OFF)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "step_4 alone, at step 4" in resumed.stderr and "(0 group(s) trained after step 4 and 0 in flight" \
+        in resumed.stderr
+    checked = verify(run_copy)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    assert f"trained={STEPS * GROUPS} " in checked.stdout and "duplicated=0 lost=0" in checked.stdout
+
+
+def test_a_run_killed_before_its_first_step_checkpoint_resumes_from_the_bootstrap_checkpoint(tmp_path):
+    run_dir = tmp_path / "run"
+    # Checkpoints every 4 steps: the kill after step 2 leaves only bootstrap/ durable.
+    every4 = ["rollout_checkpointing.enabled=false", "checkpointing.interval_steps=4", "algorithm.total_steps=3"]
+    killed = train(run_dir, overrides=every4, extra_env={"ROLLOUTDB_FAULT": "train.after_commit@2"})
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    assert not list((run_dir / "checkpoints").glob("step_*"))
+    resumed = train(run_dir, "--resume", overrides=every4)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert (f"resumed from the trainer checkpoint bootstrap alone, at step 0; in-flight and replay work of the steps "
+            f"after 0 is generated again ({2 * GROUPS} group(s) trained after step 0") in resumed.stderr
+    checked = verify(run_dir)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    assert f"trained={3 * GROUPS} " in checked.stdout and "duplicated=0 lost=0" in checked.stdout
