@@ -151,6 +151,10 @@ class FlatCaptureEngine:
             calls[rid] = RunningCall(*tail, start) if INCREMENTAL else RunningCall(*tail)
         return calls
 
+    @property
+    def sampler_identity(self) -> str:
+        return "flat-bench/1/deterministic"
+
     def cut_support(self, request: GenerationRequest) -> str | None:
         del request
         return None

@@ -80,6 +80,10 @@ class GenerationRequest:
     # Logprob of each prefix token as reported when it was decoded; empty means the
     # engine recomputes them under its current weights.
     prefix_logprobs: Sequence[float] = ()
+    # The sampler that decoded the prefix (`PrefixCapture.sampler_identity`, saved with
+    # its chunks); None: unknown or more than one. Only an engine of the same identity
+    # may report the continuation bitwise (`sampler_change`).
+    prefix_sampler: str | None = None
 
 
 @dataclass
@@ -144,11 +148,28 @@ class RunningCall:
     # be continued exactly (the snapshot then saves no prefix of it and traces why).
     cut_refused: str | None = None
     start: int = 0
+    # What decoded every token of the call (`GenerationEngine.sampler_identity`), saved
+    # with its chunks; None when more than one did (a prefix decoded by another sampler
+    # and continued here) or it is unknown: such a call never continues bitwise.
+    sampler: str | None = None
 
     @property
     def end(self) -> int:
         """How many output tokens the call had at the read: `start` + the tokens here."""
         return self.start + len(self.token_ids)
+
+
+def sampler_change(request: GenerationRequest, identity: str) -> str | None:
+    """None when `request` has no prefix or its prefix was decoded by the sampler
+    `identity` names; otherwise why a continuation of it on this engine cannot be
+    bitwise-exact (the uninterrupted call's draws came from another sampler, or from
+    one nobody recorded), as the fallback reason an engine asked for bitwise gives.
+    A continuation is still distribution-exact: any engine samples from the policy. The
+    one rule every engine applies (reference_engine.py, vllm_engine.py, ray_workers.py)."""
+    if not request.prefix_ids or request.prefix_sampler == identity:
+        return None
+    was = request.prefix_sampler or "an unrecorded sampler (saved before revision v1_10_a, or by more than one)"
+    return f"engine_changed_not_bitwise: the prefix was decoded by {was}, this engine is {identity}"
 
 
 def tail_offset(since: Mapping[str, int] | None, request_id: str, length: int) -> int:
@@ -190,6 +211,14 @@ class PrefixCapture(Protocol):
         the tokens is O(tokens since the offsets) and may happen after the step goes on.
         A prefix cut asks with the offsets its snapshots already saved, so its cost is
         the tokens decoded since the last published cut, not since the call began."""
+        ...
+
+    @property
+    def sampler_identity(self) -> str:
+        """What decodes here, as `engine/version/scheme` (e.g. `vllm/0.32.0/v1-per-request-generator`):
+        saved with every chunk of a call's prefix (`RunningCall.sampler`), so that a
+        continuation on another engine, version or sampling scheme is never reported
+        bitwise-exact (`sampler_change`)."""
         ...
 
     def cut_support(self, request: GenerationRequest) -> str | None:

@@ -76,6 +76,7 @@ from .protocol import (
     RunningCall,
     SamplingParams,
     check_request,
+    sampler_change,
 )
 from .ray_slots import MAX_DEATHS_IN_A_ROW, WorkerSlots, node_id, placement_strategy
 
@@ -104,9 +105,16 @@ def _params_key(params: SamplingParams) -> tuple:
     return tuple(values.items())
 
 
-def _whole(request: GenerationRequest, result: GenerationResult, cut_refused: str | None) -> RunningCall:
+def _whole(request: GenerationRequest, result: GenerationResult, cut_refused: str | None,
+           identity: str | None) -> RunningCall:
+    """A call that finished on a worker but that the driver has not acknowledged, as a cut
+    reads it: whole, decoded by the worker's sampler unless it went on from a prefix
+    another sampler decoded (`sampler_change`; restarted calls decoded every token here)."""
+    foreign = identity is None or (sampler_change(request, identity) is not None
+                                   and "prefix_fallback" not in result.extra)
     return RunningCall(list(result.token_ids), list(result.logprobs), list(result.token_versions),
-                       request.params.max_tokens, request.params.min_tokens, cut_refused)
+                       request.params.max_tokens, request.params.min_tokens, cut_refused,
+                       sampler=None if foreign else identity)
 
 
 class EngineWorker:
@@ -144,7 +152,7 @@ class EngineWorker:
             # Runs where the engine completes the future (the reference engine: under its
             # lock, inside the step), so a cut reads the call running or finished here.
             if f.exception() is None:
-                self._finished[rid] = _whole(request, f.result(), refused)
+                self._finished[rid] = _whole(request, f.result(), refused, getattr(self.engine, "sampler_identity", None))
                 self.served += 1
             self._known.discard(rid)
 
@@ -179,6 +187,9 @@ class EngineWorker:
 
     async def load_weights(self, state: Mapping[str, Any], version: int) -> None:
         await asyncio.to_thread(self.engine.load_weights, state, version)
+
+    async def sampler_identity(self) -> str | None:
+        return getattr(self.engine, "sampler_identity", None)
 
     async def cut_support(self, request: GenerationRequest) -> str | None:
         cut_support = getattr(self.engine, "cut_support", None)
@@ -267,6 +278,7 @@ class RayEnginePool(WorkerSlots):
         self.gather_s = 0.0  # the last cut's wall time across workers
         self.replacements = 0
         self.node_losses = 0
+        self._sampler_identity: str | None = None  # the workers' engine's, asked once
         self._cut_verdicts: dict[tuple, str | None] = {}  # _params_key -> the engines' cut_support verdict
         self.cut_support_asks = 0  # remote cut_support asks (the cache's misses)
         try:
@@ -408,6 +420,14 @@ class RayEnginePool(WorkerSlots):
             actor.abort.remote(ids)  # fire and forget, as the engines' abort (the call ends at its next step)
 
     # ---- PrefixCapture ------------------------------------------------------------------
+
+    @property
+    def sampler_identity(self) -> str:
+        """The workers' engine's (every worker runs the same engine), asked of one once."""
+        if self._sampler_identity is None:
+            for _, answer in self._gather_one("sampler_identity"):
+                self._sampler_identity = answer
+        return self._sampler_identity or "unknown"
 
     @property
     def decoded_rows(self) -> int:

@@ -52,7 +52,7 @@ import torch
 
 from .invariant_forward import InvariantDecoder
 from .model_dirs import eos_token_ids, refit_tensors, tie_groups
-from .protocol import GenerationRequest, GenerationResult, RunningCall, check_request, tail_offset
+from .protocol import GenerationRequest, GenerationResult, RunningCall, check_request, sampler_change, tail_offset
 from .sampling import RowChoice, choose_tokens, find_stop, position_uniform, request_seed, token_logprobs
 from .tiny_policy import load_policy
 
@@ -69,6 +69,8 @@ class _Call:
     text: str = ""  # decoded output so far (kept only when the call has stop strings)
     slot: int = -1
     cut_refused: str | None = None  # cut_support's verdict, asked once at submit
+    sampler: str | None = None  # RunningCall.sampler: this engine's identity, or None (a foreign prefix)
+    fallback: str | None = None  # why a prefix given was not continued (the call restarted)
     cached: int = 0  # how many tokens of prompt + output have K/V in the cache
 
     @property
@@ -81,6 +83,12 @@ class _Call:
         start = self.cached
         head = list(prompt[start:]) if start < len(prompt) else []
         return head + self.tokens[max(0, start - len(prompt)) :]
+
+
+# The sampling scheme's identity (`PrefixCapture.sampler_identity`): bump the number when
+# what a seed and a position draw changes (sampling.position_uniform, choose_tokens), so
+# that a prefix saved before is never continued as bitwise.
+SAMPLER_IDENTITY = "reference/1/seed-position"
 
 
 class ReferenceEngine:
@@ -109,6 +117,7 @@ class ReferenceEngine:
         max_model_len: int | None = None,
         max_prefill_rows: int = 256,
         linear_mode: str = "auto",
+        prefix_exactness: str = "distribution",
     ) -> None:
         if isinstance(model, (str, Path)):
             hf_model, tokenizer = load_policy(model)
@@ -128,6 +137,9 @@ class ReferenceEngine:
         self.max_prefill_rows = max_prefill_rows
         self.num_threads = num_threads or torch.get_num_threads()
         self.seed = seed
+        # "bitwise": a call whose prefix another sampler decoded restarts from scratch
+        # (`sampler_change`); "distribution": it continues, reported distribution-exact.
+        self.prefix_exactness = prefix_exactness
         self.device = torch.device(device)
         self._version = policy_version
         self._parameters = dict(self.model.named_parameters())  # a tied tensor once
@@ -230,16 +242,20 @@ class ReferenceEngine:
         (bench/bench_prefix_cut.py measures both)."""
         with self._exclusive():
             t0 = time.perf_counter()
-            held = [(c.request, c.cut_refused, c.tokens, c.logprobs, c.versions, len(c.tokens), len(c.logprobs))
-                    for c in (*self._active, *self._waiting)]
+            held = [(c.request, c.cut_refused, c.sampler, c.tokens, c.logprobs, c.versions, len(c.tokens),
+                     len(c.logprobs)) for c in (*self._active, *self._waiting)]
             self.cut_hold_s = time.perf_counter() - t0
         calls = {}
-        for request, refused, tokens, logprobs, versions, n, n_logprobs in held:
+        for request, refused, sampler, tokens, logprobs, versions, n, n_logprobs in held:
             rid, p = request.request_id, request.params
             start = tail_offset(since, rid, n)
             calls[rid] = RunningCall(tokens[start:n], logprobs[start:min(n, n_logprobs)], versions[start:n],
-                                     p.max_tokens, p.min_tokens, refused, start)
+                                     p.max_tokens, p.min_tokens, refused, start, sampler)
         return calls
+
+    @property
+    def sampler_identity(self) -> str:
+        return SAMPLER_IDENTITY
 
     def cut_support(self, request: GenerationRequest) -> str | None:
         """Every call can be cut and continued exactly here (`PrefixCapture`): greedy and
@@ -274,10 +290,16 @@ class ReferenceEngine:
         check_request(request, self.vocab_size, self.max_model_len)
         prefix = list(request.prefix_ids)
         prefix_logprobs = list(getattr(request, "prefix_logprobs", ()))
+        versions = list(request.prefix_versions)
+        changed = sampler_change(request, SAMPLER_IDENTITY)
+        fallback = changed if self.prefix_exactness == "bitwise" else None
+        if fallback:  # restarted from scratch: every token is then decoded here
+            prefix, prefix_logprobs, versions = [], [], []
         seed = p.seed if p.seed is not None else request_seed(self.seed, request.request_id)
         call = _Call(request=request, seed=seed, tokens=prefix, logprobs=prefix_logprobs,
-                     cut_refused=self.cut_support(request))
-        call.versions = list(request.prefix_versions)
+                     cut_refused=self.cut_support(request),
+                     sampler=None if changed and not fallback else SAMPLER_IDENTITY, fallback=fallback)
+        call.versions = versions
         if p.presence_penalty or p.frequency_penalty:
             call.counts = torch.bincount(torch.tensor(prefix, dtype=torch.long), minlength=self.vocab_size).float()
         if p.stop:
@@ -480,9 +502,22 @@ class ReferenceEngine:
             token_versions=list(call.versions),
             finish_reason=reason,
             text=text,
-            # Seeded draws are a function of (seed, position): a continuation is the uninterrupted call.
-            extra={"stop_reason": stop_reason, "num_prefix_tokens": len(call.request.prefix_ids),
-                   "prefix_exactness": "bitwise" if call.request.prefix_ids else None},
+            extra=_continuation(call, stop_reason),
         )
         if not call.future.done():
             call.future.set_result(result)
+
+
+def _continuation(call: _Call, stop_reason: str | None = None) -> dict:
+    """What a result says of its prefix: how many tokens it had, and how the call went on
+    from them. Seeded draws are a function of (seed, position), so a continuation by this
+    sampler is the uninterrupted call (bitwise); one from a prefix another sampler decoded
+    is a sample of the policy only (distribution), or restarted when bitwise was asked."""
+    extra: dict = {"stop_reason": stop_reason, "num_prefix_tokens": 0 if call.fallback else len(call.request.prefix_ids)}
+    if call.fallback:
+        extra["prefix_fallback"] = call.fallback
+    elif call.request.prefix_ids:
+        extra["prefix_exactness"] = "bitwise" if call.sampler is not None else "distribution"
+    else:
+        extra["prefix_exactness"] = None
+    return extra

@@ -68,7 +68,7 @@ from typing import Any
 
 from .model_dirs import checkpoint_ties, eos_token_ids, refit_tensors, weight_files
 from .orphan_guard import OrphanGuard, children_of
-from .protocol import GenerationRequest, GenerationResult, RunningCall, check_request, tail_offset
+from .protocol import GenerationRequest, GenerationResult, RunningCall, check_request, sampler_change, tail_offset
 from .sampling import continuation_seed, find_stop, request_seed
 from .vllm_penalties import PROCESSOR_FQCN
 from .vllm_penalties import extra_args as penalty_args
@@ -264,6 +264,7 @@ class _Call:
     abort: bool = False
     fallback: str | None = None  # why its prefix was dropped (it restarted), if it was
     cut_refused: str | None = None  # cut_support's verdict, asked once at submit
+    sampler: str | None = None  # RunningCall.sampler: this engine's identity, or None (a foreign prefix)
 
 
 class VLLMEngine:
@@ -391,6 +392,15 @@ class VLLMEngine:
     def policy_version(self) -> int:
         return self._version
 
+    @property
+    def sampler_identity(self) -> str:
+        """`vllm/<version>/v1-per-request-generator`: vLLM's V1 CPU runner draws each
+        call's tokens from a generator of its own (module docstring), and vLLM changed its
+        sampling RNG within 2026, so the version is part of what a prefix was decoded by."""
+        import vllm
+
+        return f"vllm/{vllm.__version__}/v1-per-request-generator"
+
     def cut_support(self, request: GenerationRequest) -> str | None:
         """None when a call cut now continues as exactly as `prefix_exactness` asks on this
         engine, else why not, naming the kind that failed (the call then restarts from
@@ -476,7 +486,8 @@ class VLLMEngine:
                     p, rid = c.request.params, c.request.request_id
                     tokens, logprobs, versions, start = tail_of_call(
                         c.prefix, c.logprobs, c.versions, asked[rid], states.get(rid), self._version)
-                    out[rid] = RunningCall(tokens, logprobs, versions, p.max_tokens, p.min_tokens, c.cut_refused, start)
+                    out[rid] = RunningCall(tokens, logprobs, versions, p.max_tokens, p.min_tokens, c.cut_refused, start,
+                                           c.sampler)
                 self.cut_hold_s = time.perf_counter() - t0
                 box.set_result(out)
             except BaseException as error:
@@ -542,11 +553,14 @@ class VLLMEngine:
         # The verdict goes out with every running_calls(): without it a snapshot would save
         # the prefix of a call that cannot continue (and trace a call_cut, not a fallback).
         refused = self.cut_support(request)
-        fallback = refused if prefix else None
+        # A prefix another sampler decoded continues distribution-exact, never bitwise.
+        changed = sampler_change(request, self.sampler_identity)
+        fallback = (refused or (changed if self.prefix_exactness == "bitwise" else None)) if prefix else None
         if fallback:
             prefix, prefix_logprobs = [], []
         call = _Call(request=request, prefix=prefix, tokens=list(prefix), logprobs=prefix_logprobs,
-                     versions=list(request.prefix_versions) if prefix else [], fallback=fallback, cut_refused=refused)
+                     versions=list(request.prefix_versions) if prefix else [], fallback=fallback, cut_refused=refused,
+                     sampler=None if changed and not fallback else self.sampler_identity)
         return call
 
     def _finished_by_prefix(self, call: _Call) -> tuple | None:
@@ -653,8 +667,10 @@ class VLLMEngine:
         extra: dict[str, Any] = {"stop_reason": stop_reason, "num_prefix_tokens": k}
         if call.fallback:
             extra["prefix_fallback"] = call.fallback
-        elif call.prefix:  # greedy calls continue bitwise, sampled ones distribution-exact (cut_support)
-            extra["prefix_exactness"] = "bitwise" if _is_greedy(call.request.params) else "distribution"
+        elif call.prefix:  # greedy calls continue bitwise, sampled ones distribution-exact (cut_support),
+            # and a prefix another sampler decoded only distribution-exact (sampler_change)
+            bitwise = _is_greedy(call.request.params) and call.sampler is not None
+            extra["prefix_exactness"] = "bitwise" if bitwise else "distribution"
         result = GenerationResult(call.request.request_id, list(call.tokens), list(call.logprobs), list(call.versions),
                                   reason, text, extra)
         if not call.future.done():

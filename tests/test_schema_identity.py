@@ -141,7 +141,7 @@ def test_an_old_schema_labelled_head_is_told_which_revision_it_matches(tmp_path)
     # constraints) are missing (v1_4_a's settled_ranges is gone again at head), and v1_0_a's
     # finalizer_results table is unexpected (v1_7_a drops it); so is v1_8_a's segment
     # reference of token_chunks (its columns and constraints).
-    assert ("table discard_reasons is missing; column env_episodes.logprobs is missing; and 15 more"
+    assert ("table discard_reasons is missing; column env_episodes.logprobs is missing; and 16 more"
             in result.stderr)
 
 

@@ -75,7 +75,7 @@ def spliced(request: GenerationRequest, saved: tuple[int, Any] | None, turn: int
         return request, (f"limits differ: the prefix was decoded under max_tokens {prefix.max_tokens}, min_tokens "
                          f"{prefix.min_tokens}, the call asks {p.max_tokens}, {p.min_tokens}")
     return replace(request, prefix_ids=list(prefix.token_ids), prefix_versions=list(prefix.token_versions),
-                   prefix_logprobs=list(prefix.logprobs or ())), None
+                   prefix_logprobs=list(prefix.logprobs or ()), prefix_sampler=prefix.sampler), None
 
 
 class PolicyEndpoint:

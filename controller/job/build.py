@@ -138,7 +138,8 @@ def build_local_engine(config: Config, policy_dir: Path, work_dir: Path | None =
                           prefix_exactness=config.rollout_recovery.prefix_exactness)
     from rolloutdb.gpu_capture.reference_engine import ReferenceEngine
 
-    return ReferenceEngine(policy_dir, max_batch_size=gen.max_batch_size, num_threads=config.cluster.torch_threads)
+    return ReferenceEngine(policy_dir, max_batch_size=gen.max_batch_size, num_threads=config.cluster.torch_threads,
+                           prefix_exactness=config.rollout_recovery.prefix_exactness)
 
 
 def build_publisher(config: Config, checkpoint_dir: Path) -> Publisher:

@@ -170,7 +170,8 @@ class PrefixChunks:
                                                                         c.policy_version) for c in chunks)
             out.after[s.request_id] = CallChunks(s.attempt_id, placed, has_logprobs)
             out.references += [ChunkReference(s.attempt_id, index, c.prefix_count, s.call.max_tokens, s.call.min_tokens,
-                                              c.policy_version, c.segment, c.row) for index, c in enumerate(placed)]
+                                              c.policy_version, c.segment, c.row, s.call.sampler)
+                               for index, c in enumerate(placed)]
         return out
 
     def published(self, cut: CutChunks) -> None:

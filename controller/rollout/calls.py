@@ -193,7 +193,7 @@ class EngineCalls:
             return request
         live.prefix_len = len(prefix.token_ids)
         return replace(request, prefix_ids=list(prefix.token_ids), prefix_versions=list(prefix.token_versions),
-                       prefix_logprobs=list(prefix.logprobs or ()))
+                       prefix_logprobs=list(prefix.logprobs or ()), prefix_sampler=prefix.sampler)
 
     def on_done(self, future: Future) -> None:
         """A future from the completion queue: an engine call or an environment step."""

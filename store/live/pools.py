@@ -160,6 +160,7 @@ class Chunk:
     min_tokens: int
     policy_version: int
     logprobs: list[float] | None = None  # None: written before v1_3_a
+    sampler: str | None = None  # what decoded it (v1_10_a); None: unknown or more than one
 
 
 @dataclass(frozen=True)
@@ -173,6 +174,9 @@ class CallPrefix:
     token_versions: Sequence[int]
     max_tokens: int
     min_tokens: int
+    # `GenerationEngine.sampler_identity` of what decoded every token; None: unknown (a
+    # chunk from before v1_10_a) or more than one (then no continuation is bitwise).
+    sampler: str | None = None
 
     @classmethod
     def of(cls, chunks: Sequence[Chunk]) -> CallPrefix | None:
@@ -192,12 +196,13 @@ class CallPrefix:
             logprobs += c.logprobs or []
             versions += [c.policy_version] * len(c.token_ids)
         first = chunks[0]
+        sampler = first.sampler if all(c.sampler == first.sampler for c in chunks) else None
         return cls(first.attempt_id, tokens, logprobs if first.logprobs is not None else None, versions,
-                   first.max_tokens, first.min_tokens)
+                   first.max_tokens, first.min_tokens, sampler)
 
 
 _CHUNK_COLUMNS = ("attempt_id", "chunk_index", "prefix_count", "token_ids", "max_tokens", "min_tokens",
-                  "policy_version", "created_at", "logprobs")
+                  "policy_version", "created_at", "logprobs", "sampler")
 _INSERT_CHUNKS = Prepared(insert(chunks).values({c: bindparam(c) for c in _CHUNK_COLUMNS}))
 
 
@@ -219,6 +224,7 @@ def put_prefixes(conn: Connection | sqlite3.Connection, prefixes: Sequence[CallP
                 "token_ids": encode_tokens(p.token_ids[start:start + count]), "max_tokens": p.max_tokens,
                 "min_tokens": p.min_tokens, "policy_version": version, "created_at": now,
                 "logprobs": None if p.logprobs is None else encode_logprobs(p.logprobs[start:start + count]),
+                "sampler": p.sampler,
             })
             start += count
     _INSERT_CHUNKS.many(conn, params)
@@ -269,10 +275,11 @@ class ChunkReference:
     policy_version: int
     segment: SegmentRef
     segment_row: int
+    sampler: str | None = None  # what decoded the tokens (v1_10_a; CallPrefix.sampler)
 
 
 _REFERENCE_COLUMNS = ("attempt_id", "chunk_index", "prefix_count", "max_tokens", "min_tokens", "policy_version",
-                      "created_at", "segment_id", "segment_row")
+                      "created_at", "segment_id", "segment_row", "sampler")
 _INSERT_REFERENCES = Prepared(insert(chunks).values({c: bindparam(c) for c in _REFERENCE_COLUMNS}))
 
 
@@ -289,7 +296,8 @@ def put_chunk_references(conn: sqlite3.Connection, references: Sequence[ChunkRef
     _INSERT_REFERENCES.many(conn, [{
         "attempt_id": r.attempt_id, "chunk_index": r.chunk_index, "prefix_count": r.prefix_count,
         "max_tokens": r.max_tokens, "min_tokens": r.min_tokens, "policy_version": r.policy_version,
-        "created_at": now, "segment_id": r.segment.segment_id, "segment_row": r.segment_row} for r in references])
+        "created_at": now, "segment_id": r.segment.segment_id, "segment_row": r.segment_row, "sampler": r.sampler}
+        for r in references])
     return len(references)
 
 
@@ -306,11 +314,13 @@ def read_chunks_of(conn: Connection, attempt_ids: Sequence[int],
     one segment reader (`payload.read_segment`). Raises SegmentMissing naming the
     segment when one cannot give a chunk it should. A segment's empty logprobs BLOB is a
     chunk without logprobs."""
-    has_refs = "segment_id" in {r[1] for r in conn.exec_driver_sql("PRAGMA table_info(token_chunks)").all()}
+    columns = {r[1] for r in conn.exec_driver_sql("PRAGMA table_info(token_chunks)").all()}
+    has_refs = "segment_id" in columns
     refs = "c.segment_row, p.file_name" if has_refs else "NULL, NULL"
+    sampler = "c.sampler" if "sampler" in columns else "NULL"
     join = " LEFT JOIN payload_segments p ON p.segment_id = c.segment_id" if has_refs else ""
     sql = (f"SELECT c.attempt_id, c.chunk_index, c.prefix_count, c.token_ids, c.max_tokens, c.min_tokens, "
-           f"c.policy_version, c.logprobs, {refs} FROM token_chunks c{join} "
+           f"c.policy_version, c.logprobs, {refs}, {sampler} FROM token_chunks c{join} "
            "WHERE c.attempt_id IN (SELECT value FROM json_each(?)) ORDER BY c.attempt_id, c.chunk_index")
     rows = [list(r) for r in conn.exec_driver_sql(sql, (json.dumps([int(a) for a in attempt_ids]),)).all()]
     by_file: dict[str, list[list]] = {}
@@ -323,9 +333,9 @@ def read_chunks_of(conn: Connection, attempt_ids: Sequence[int],
             r[3], logprobs = found[r[8]]
             r[7] = logprobs or None
     out: dict[int, list[Chunk]] = {}
-    for a, i, p, t, mx, mn, v, lp, _, _ in rows:
+    for a, i, p, t, mx, mn, v, lp, _, _, who in rows:
         out.setdefault(a, []).append(Chunk(a, i, p, decode_tokens(t).tolist(), mx, mn, v,
-                                           None if lp is None else [float(x) for x in decode_logprobs(lp)]))
+                                           None if lp is None else [float(x) for x in decode_logprobs(lp)], who))
     return out
 
 

@@ -187,6 +187,10 @@ class TokenChunk(Base):
     logprobs: Mapped[bytes | None] = mapped_column(LargeBinary)
     segment_id: Mapped[int | None] = mapped_column(ForeignKey("payload_segments.segment_id"))
     segment_row: Mapped[int | None] = mapped_column(Integer)
+    # Revision v1_10_a: the sampler that decoded the tokens (`GenerationEngine.sampler_identity`:
+    # engine/version/scheme); NULL before it, or for a call decoded by more than one.
+    # A continuation is reported bitwise only by an engine of the same identity.
+    sampler: Mapped[str | None] = mapped_column(String(128))
 
 
 class PayloadSegment(Base):
