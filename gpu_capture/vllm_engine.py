@@ -394,12 +394,7 @@ class VLLMEngine:
 
     @property
     def sampler_identity(self) -> str:
-        """`vllm/<version>/v1-per-request-generator`: vLLM's V1 CPU runner draws each
-        call's tokens from a generator of its own (module docstring), and vLLM changed its
-        sampling RNG within 2026, so the version is part of what a prefix was decoded by."""
-        import vllm
-
-        return f"vllm/{vllm.__version__}/v1-per-request-generator"
+        return vllm_sampler_identity()
 
     def cut_support(self, request: GenerationRequest) -> str | None:
         """None when a call cut now continues as exactly as `prefix_exactness` asks on this
@@ -675,6 +670,15 @@ class VLLMEngine:
                                   reason, text, extra)
         if not call.future.done():
             call.future.set_result(result)
+
+
+def vllm_sampler_identity() -> str:
+    """`vllm/<version>/v1-per-request-generator`: vLLM's V1 CPU runner draws each call's
+    tokens from a generator of its own (module docstring), and vLLM changed its sampling
+    RNG within 2026, so the version is part of what a prefix was decoded by."""
+    import vllm
+
+    return f"vllm/{vllm.__version__}/v1-per-request-generator"
 
 
 def _is_greedy(p) -> bool:

@@ -164,12 +164,16 @@ def call(rid, prompt_ids, **params):
     return GenerationRequest(rid, prompt_ids, SamplingParams(**params))
 
 
-def resumed(request, full, k: int, *, with_logprobs: bool = True):
+def resumed(request, full, k: int, *, with_logprobs: bool = True, sampler: str | None = None):
+    """The call as a restore re-issues it; its prefix decoded by `sampler` (default: this
+    vLLM's, as the cut that saved it would have recorded)."""
     from rolloutdb.gpu_capture import GenerationRequest
+    from rolloutdb.gpu_capture.vllm_engine import vllm_sampler_identity
 
     return GenerationRequest(request.request_id, request.prompt_ids, request.params, prefix_ids=full.token_ids[:k],
                              prefix_versions=full.token_versions[:k],
-                             prefix_logprobs=full.logprobs[:k] if with_logprobs else ())
+                             prefix_logprobs=full.logprobs[:k] if with_logprobs else (),
+                             prefix_sampler=sampler or vllm_sampler_identity())
 
 
 def run(eng, requests):
@@ -247,6 +251,9 @@ def test_a_greedy_call_continued_from_a_prefix_decodes_exactly_the_uninterrupted
     assert_same_output(among_others, full[3])
     # Prefix logprobs left out: vLLM recomputes them from the prompt (the prefill).
     assert_same_output(run(engine, [resumed(batch[1], full[1], k, with_logprobs=False)])[0], full[1])
+    # A prefix another vLLM version decoded: the same tokens here, but never claimed bitwise.
+    (foreign,) = run(engine, [resumed(batch[2], full[2], k, sampler="vllm/0.31.0/v1-per-request-generator")])
+    assert foreign.extra["prefix_exactness"] == "distribution" and foreign.token_ids == full[2].token_ids
 
 
 @vllm
@@ -263,8 +270,14 @@ def test_a_sampled_call_continues_distribution_exact_on_a_fresh_stream_and_bitwi
     try:
         assert engine.cut_support(request).startswith("sampled_not_bitwise:")
         (restarted,) = run(engine, [resumed(request, full, 10)])
+        # A greedy prefix another vLLM version decoded cannot be continued bitwise either.
+        greedy = call("gb", prompt(engine, 3), max_tokens=12, min_tokens=12, temperature=0.0)
+        (whole,) = run(engine, [greedy])
+        (foreign,) = run(engine, [resumed(greedy, whole, 4, sampler="vllm/0.31.0/v1-per-request-generator")])
     finally:
         engine.prefix_exactness = "distribution"
+    assert foreign.extra["prefix_fallback"].startswith("engine_changed_not_bitwise: the prefix was decoded by vllm/0.31.0")
+    assert foreign.extra["num_prefix_tokens"] == 0 and foreign.token_ids == whole.token_ids
     assert restarted.extra["prefix_fallback"].startswith("sampled_not_bitwise:")
     assert restarted.token_ids == full.token_ids  # restarted with its seed: the uninterrupted call again
     (continued,) = run(engine, [resumed(request, full, 10)])
