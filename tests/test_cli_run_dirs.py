@@ -191,3 +191,19 @@ def test_inspect_of_the_trace_file_lists_its_runs_and_rows_per_table_as_sqlite3_
 def test_inspect_of_a_directory_with_no_store_or_trace_in_it_is_refused_naming_what_to_pass(run_dir, tmp_path):
     for directory in (run_dir / "checkpoints", tmp_path):
         assert_one_error_line(inspect(directory), "is a directory with no rollout_state.sqlite", "a run directory")
+
+
+RUNAWAY = "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c) SELECT count(*) FROM c"
+
+
+def test_a_runaway_query_stops_at_the_timeout_with_one_line_naming_the_option_and_nothing_written(run_dir):
+    before = untouched(run_dir)
+    result = sql(str(run_dir), RUNAWAY, "--timeout", "1")
+    assert_one_error_line(result, "1 s", "--timeout")
+    assert untouched(run_dir) == before
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "soon"])
+def test_a_timeout_that_is_not_a_positive_number_of_seconds_is_a_usage_error(run_dir, value):
+    result = sql(str(run_dir), "SELECT 1", f"--timeout={value}")
+    assert result.returncode == 2 and "--timeout" in result.stderr and "positive number of seconds" in result.stderr

@@ -59,4 +59,4 @@ def test_the_constants_the_help_texts_write_out_agree_with_the_store():
     from rolloutdb.store import DEFAULT_QUERY_TIMEOUT_S, head_revision
 
     assert head_of_revision_files() == head_revision()
-    assert inspect.DEFAULT_TIMEOUT_S == DEFAULT_QUERY_TIMEOUT_S
+    assert inspect.DEFAULT_TIMEOUT_S == DEFAULT_QUERY_TIMEOUT_S  # the one of every --timeout (sql's too)

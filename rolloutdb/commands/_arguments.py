@@ -4,8 +4,11 @@ discovery)."""
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from pathlib import Path
+
+DEFAULT_TIMEOUT_S = 30.0  # a user's query (inspect --sql, sql) stops after this long unless told otherwise
 
 
 def path_argument(text: str) -> Path:
@@ -21,3 +24,14 @@ def path_argument(text: str) -> Path:
     except OSError as e:
         raise argparse.ArgumentTypeError(f"{text}: {e.strerror}") from None
     return Path(text)
+
+
+def positive_seconds(text: str) -> float:
+    """argparse `type=` for a --timeout: a finite number of seconds above 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of seconds")
+    return value

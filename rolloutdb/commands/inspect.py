@@ -22,14 +22,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rolloutdb.commands._arguments import path_argument
+from rolloutdb.commands._arguments import DEFAULT_TIMEOUT_S, path_argument, positive_seconds
 from rolloutdb.commands._tables import format_table, json_cell
 from rolloutdb.timefmt import ago, iso_utc
 
 MANIFEST_NAME = "manifest.json"
 # The store's DEFAULT_QUERY_TIMEOUT_S, written out so that building the parser (--help)
 # imports no store; tests/test_cli_startup.py checks that the two agree.
-DEFAULT_TIMEOUT_S = 30.0
 
 DESCRIPTION = """\
 Look inside a rolloutdb store or snapshot file, a payload segment or a run's trace file,
@@ -88,16 +87,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--no-check", action="store_true", help="skip PRAGMA quick_check (faster on very large files)"
     )
     parser.set_defaults(func=run)
-
-
-def positive_seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of seconds")
-    return value
 
 
 def run(args: argparse.Namespace) -> int:

@@ -13,7 +13,7 @@ import argparse
 import re
 from pathlib import Path
 
-from rolloutdb.commands._arguments import path_argument
+from rolloutdb.commands._arguments import DEFAULT_TIMEOUT_S, path_argument, positive_seconds
 from rolloutdb.commands._tables import FORMATS, format_result
 
 DESCRIPTION = """\
@@ -41,6 +41,7 @@ BLOBs print as <blob N bytes> (select hex(col), or decode them as docs/schema.md
 Nothing is written anywhere: the files are attached read-only (a live store, or a file
 with a -wal beside it, through a private copy in a temporary directory, removed after);
 DuckDB can open no other file (COPY ... TO, read_csv, ATTACH, INSTALL are refused).
+A query stops after --timeout seconds (default 30), with one line naming the option.
 
 examples:
   rolloutdb sql runs/quickstart                       # what is attached
@@ -69,6 +70,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                              "(or pass it with -q)")
     parser.add_argument("-q", "--query", metavar="QUERY", help="the query (then every positional is a PATH)")
     parser.add_argument("--format", choices=FORMATS, default="table", help="how to print the result (default table)")
+    parser.add_argument(
+        "--timeout", metavar="SECONDS", type=positive_seconds, default=DEFAULT_TIMEOUT_S,
+        help=f"stop a query that runs longer than this (default {DEFAULT_TIMEOUT_S:g}), as inspect --sql does",
+    )
     parser.set_defaults(func=run)
 
 
@@ -84,7 +89,7 @@ def split_paths_and_query(items: list[str], query: str | None) -> tuple[list[Pat
 
 
 def run(args: argparse.Namespace) -> int:
-    from rolloutdb.store import AttachedFiles
+    from rolloutdb.store import AttachedFiles, QueryTimeout
 
     paths, query = split_paths_and_query(args.items, args.query)
     if query is not None and not query.strip():
@@ -99,7 +104,10 @@ def run(args: argparse.Namespace) -> int:
         if default is None and main is not None:
             default = renamed[main]
     with AttachedFiles(files, default=default) as attached:
-        table = attached.query(query) if query is not None else attached.catalog()
+        try:
+            table = attached.query(query, timeout_s=args.timeout) if query is not None else attached.catalog()
+        except QueryTimeout as e:
+            raise QueryTimeout(f"{e}; pass a larger --timeout SECONDS if the query needs longer") from None
     if query is None:
         rows = [(schema, name, columns) for schema, name, columns in table.rows]
         print(format_result(["schema", "table", "columns"], rows, args.format))

@@ -16,8 +16,10 @@ from __future__ import annotations
 import re
 import shutil
 import tempfile
+import threading
 from pathlib import Path
 
+from ..sqlite.readonly import QueryTimeout
 from .analysis import Table, _sql_string, connect_duckdb, standalone
 from .writer import TraceError
 
@@ -57,20 +59,37 @@ class AttachedFiles:
             self.close()
             raise
 
-    def query(self, sql: str) -> Table:
-        """Run the user's SQL; a DuckDB error is a `TraceError` with its first line."""
+    def query(self, sql: str, timeout_s: float | None = None) -> Table:
+        """Run the user's SQL; a DuckDB error is a `TraceError` with its first line. Past
+        `timeout_s` seconds the query is interrupted (DuckDB's `interrupt`, from a timer
+        thread: the query's own thread is inside DuckDB) and `QueryTimeout` raised."""
         import duckdb
 
         if _OPENS_A_PATH.search(sql):
             raise TraceError("sqlite_scan and sqlite_attach open files by path; query the attached schemas "
                              "instead (`rolloutdb sql PATH` lists them)")
+        fired = threading.Event()
+
+        def stop() -> None:
+            fired.set()
+            self.con.interrupt()
+
+        timer = threading.Timer(timeout_s, stop) if timeout_s is not None else None
+        if timer is not None:
+            timer.daemon = True
+            timer.start()
         try:
             cur = self.con.execute(sql)
             if cur.description is None:
                 return Table([], [])
             return Table([d[0] for d in cur.description], cur.fetchall())
         except duckdb.Error as e:
+            if fired.is_set():
+                raise QueryTimeout(f"query stopped after {timeout_s:g} s, its time limit") from None
             raise TraceError(f"query failed: {' '.join(str(e).split())}") from e
+        finally:
+            if timer is not None:
+                timer.cancel()
 
     def catalog(self) -> Table:
         """One row per attached table: schema, table, columns (name TYPE, ...)."""
