@@ -513,7 +513,8 @@ def _continuation(call: _Call, stop_reason: str | None = None) -> dict:
     from them. Seeded draws are a function of (seed, position), so a continuation by this
     sampler is the uninterrupted call (bitwise); one from a prefix another sampler decoded
     is a sample of the policy only (distribution), or restarted when bitwise was asked."""
-    extra: dict = {"stop_reason": stop_reason, "num_prefix_tokens": 0 if call.fallback else len(call.request.prefix_ids)}
+    extra: dict = {"stop_reason": stop_reason, "num_prefix_tokens": 0 if call.fallback else len(call.request.prefix_ids),
+                   "sampler": call.sampler}  # RunningCall.sampler of the finished call (a cut may save it whole)
     if call.fallback:
         extra["prefix_fallback"] = call.fallback
     elif call.request.prefix_ids:

@@ -659,7 +659,8 @@ class VLLMEngine:
             self._calls.pop(call.request.request_id, None)
         if text is None:
             text = self.tokenizer.decode(call.tokens, skip_special_tokens=True)
-        extra: dict[str, Any] = {"stop_reason": stop_reason, "num_prefix_tokens": k}
+        extra: dict[str, Any] = {"stop_reason": stop_reason, "num_prefix_tokens": k,
+                                 "sampler": call.sampler}  # RunningCall.sampler (a cut may save the call whole)
         if call.fallback:
             extra["prefix_fallback"] = call.fallback
         elif call.prefix:  # greedy calls continue bitwise, sampled ones distribution-exact (cut_support),

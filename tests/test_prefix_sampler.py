@@ -119,3 +119,18 @@ def test_a_store_upgraded_from_v1_9_a_reads_its_chunks_as_of_an_unrecorded_sampl
         store.close()
     assert attempts and all(c.sampler is None for cs in chunks.values() for c in cs)
     assert all(pools.CallPrefix.of(cs).sampler is None for cs in chunks.values())
+
+
+def test_a_call_that_finished_before_its_commit_is_saved_whole_with_its_engines_sampler(policy_dir):
+    # A cut saves a call the pump has finished but not committed as a complete prefix
+    # (live_episode.whole_call); its sampler comes from the result, or the resumed call
+    # would be reported distribution although the engine that decoded it resumes it.
+    from types import SimpleNamespace
+
+    from rolloutdb.controller.rollout.live_episode import whole_call
+
+    with ReferenceEngine(policy_dir, max_batch_size=4, num_threads=1) as eng:
+        result = eng.submit(GenerationRequest("w", _prompt(eng), PARAMS)).result(60)
+    assert result.extra["sampler"] == SAMPLER_IDENTITY
+    saved = whole_call(result, SimpleNamespace(limits=(PARAMS.max_tokens, PARAMS.min_tokens), cut_refused=None))
+    assert saved.sampler == SAMPLER_IDENTITY and saved.token_ids == result.token_ids

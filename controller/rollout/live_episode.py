@@ -48,6 +48,8 @@ class GroupRun:
 
 
 def whole_call(result: GenerationResult, live: LiveEpisode) -> RunningCall:
-    """A finished call as a complete prefix: resumed, it ends at once with this output."""
+    """A finished call as a complete prefix: resumed, it ends at once with this output.
+    Its sampler is the one its engine reported (`extra["sampler"]`), so the resumed call
+    is reported bitwise where the engine that decoded it resumes it."""
     return RunningCall(list(result.token_ids), list(result.logprobs), list(result.token_versions), *live.limits,
-                       live.cut_refused)
+                       live.cut_refused, sampler=(result.extra or {}).get("sampler"))

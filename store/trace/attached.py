@@ -68,16 +68,15 @@ class AttachedFiles:
         if _OPENS_A_PATH.search(sql):
             raise TraceError("sqlite_scan and sqlite_attach open files by path; query the attached schemas "
                              "instead (`rolloutdb sql PATH` lists them)")
-        fired = threading.Event()
+        fired, done = threading.Event(), threading.Event()
 
-        def stop() -> None:
-            fired.set()
-            self.con.interrupt()
+        def stop_at_the_deadline() -> None:
+            if not done.wait(timeout_s):
+                fired.set()
+                self.con.interrupt()
 
-        timer = threading.Timer(timeout_s, stop) if timeout_s is not None else None
-        if timer is not None:
-            timer.daemon = True
-            timer.start()
+        if timeout_s is not None:
+            threading.Thread(target=stop_at_the_deadline, name="rolloutdb-sql-timeout", daemon=True).start()
         try:
             cur = self.con.execute(sql)
             if cur.description is None:
@@ -88,8 +87,7 @@ class AttachedFiles:
                 raise QueryTimeout(f"query stopped after {timeout_s:g} s, its time limit") from None
             raise TraceError(f"query failed: {' '.join(str(e).split())}") from e
         finally:
-            if timer is not None:
-                timer.cancel()
+            done.set()
 
     def catalog(self) -> Table:
         """One row per attached table: schema, table, columns (name TYPE, ...)."""
