@@ -31,7 +31,11 @@ from rolloutdb.timefmt import iso_utc
 
 TIMEOUT_S = 240
 KILL_TRIES = 3
-STEPS = 8  # a few more than the crash harness's 5: a wider window for the kill
+# More than the crash harness's 5: a wider window for the kill. The pump runs max_staleness
+# steps ahead, so the last ~3 steps' snapshots find it done and idle; with 8 steps a run
+# under load left 3-5 snapshots with attempts running (measured beside 4 busy loops on 2
+# cores), with 12 it leaves 6-9.
+STEPS = 12
 # Staleness 2 lets the rollout pump run ahead of training, so that a snapshot anchored to
 # a trainer checkpoint usually holds running attempts (with 1 it often finds the pump
 # waiting for new weights, and a kill then throws nothing away).
@@ -43,11 +47,19 @@ TABLES = ("thrown_away_per_stop", "thrown_away_by_attempt", "lost_progress_per_s
 
 
 def _train(run_dir: Path, resume: bool = False) -> subprocess.Popen:
+    """Start the job; its stderr goes to `_stderr_file(run_dir, resume)`, a file, not a pipe
+    nobody reads while it runs (a full pipe would stall the job until the kill's timeout)."""
     cmd = [sys.executable, "-m", "rolloutdb", "train", "--config", str(EXAMPLE), "--run-dir", str(run_dir)]
     env = {k: v for k, v in os.environ.items() if k != "ROLLOUTDB_FAULT"}
     env["RAY_AUTH_MODE"] = "disabled"
-    return subprocess.Popen(cmd + (["--resume"] if resume else []) + CONFIG, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    with _stderr_file(run_dir, resume).open("w") as stderr:
+        return subprocess.Popen(cmd + (["--resume"] if resume else []) + CONFIG, env=env,
+                                stdout=subprocess.DEVNULL, stderr=stderr, text=True)
+
+
+def _stderr_file(run_dir: Path, resume: bool = False) -> Path:
+    return run_dir.parent / f"{run_dir.name}{'.resumed' if resume else ''}.stderr"
 
 
 def _anchor_of(snapshot: str) -> str:
@@ -81,24 +93,42 @@ def _kill_once_beyond_bootstrap(run_dir: Path, proc: subprocess.Popen) -> str | 
     return kill_when(proc, look, timeout=TIMEOUT_S, poll_s=0.01)
 
 
+def _snapshots_of(run_dir: Path) -> dict:
+    """What a run that ended did with its snapshots: the outcome of every snapshot it
+    logged, and (anchor, running attempts) of each it left on disk, oldest first."""
+    found = sorted(run_dir.glob("checkpoints/*/rollout_snapshots/snapshot_*/rollout_state.sqlite"),
+                   key=lambda db: int(db.parent.name.removeprefix("snapshot_")))
+    return {"logged": [(e.get("outcome"), e.get("anchor")) for e in metrics(run_dir, "snapshot")],
+            "on_disk": [(_anchor_of(str(db.parent)), _running_attempts(db)) for db in found]}
+
+
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
     root = tmp_path_factory.mktemp("real_run")
     twin_dir, out = root / "twin", root / "report"
     twin = _train(twin_dir)  # runs beside the killed run: the twin's timing does not matter
+    ended = []
     for attempt in range(KILL_TRIES):
         run_dir = root / f"run{attempt}"
         first = _train(run_dir)
         snapshot = _kill_once_beyond_bootstrap(run_dir, first)
         if snapshot is not None:
             break
+        # A run that failed is a defect to show, not bad luck to retry (the fixture once
+        # reported three such runs as "ended before a snapshot" and hid why).
+        assert first.returncode == 0, \
+            f"run {attempt} failed (exit {first.returncode}): {_stderr_file(run_dir).read_text()[-3000:]}"
+        ended.append(_snapshots_of(run_dir))
     else:
-        pytest.fail(f"{KILL_TRIES} runs ended before a snapshot beyond bootstrap with running attempts was published")
+        pytest.fail(f"{KILL_TRIES} runs ended before a snapshot beyond bootstrap with running attempts was published; "
+                    f"what each did with its snapshots: {ended}")
     assert first.returncode == -signal.SIGKILL
     resumed = _train(run_dir, resume=True)
     errs = {}
-    for name, proc in (("twin", twin), ("resumed", resumed)):
-        _, errs[name] = proc.communicate(timeout=TIMEOUT_S)
+    for name, proc, stderr in (("twin", twin, _stderr_file(twin_dir)),
+                               ("resumed", resumed, _stderr_file(run_dir, resume=True))):
+        proc.wait(timeout=TIMEOUT_S)
+        errs[name] = stderr.read_text()
         assert proc.returncode == 0, errs[name][-2000:]
     report = subprocess.run([sys.executable, "-m", "rolloutdb", "trace", str(run_dir), "--baseline", str(twin_dir),
                              "--out", str(out), "--steps"], capture_output=True, text=True, timeout=TIMEOUT_S)
