@@ -469,7 +469,8 @@ def kill_when(proc: subprocess.Popen, look, *, timeout: float = 300, with_server
     `look()`; the first time it returns something other than None, SIGKILL the process
     (and first, `with_servers`, the agent servers it started) and return that. A
     `look` that meets a file being written (sqlite3.Error) looks again next time. None
-    when the run ended (or `timeout` passed, then it is killed) before `look` found it."""
+    when the run ended well before `look` found it; AssertionError (with its stderr,
+    where that is a pipe) when it failed, or ran past `timeout` (then it is killed)."""
     deadline = time.monotonic() + timeout
     while proc.poll() is None and time.monotonic() < deadline:
         time.sleep(poll_s)
@@ -487,9 +488,17 @@ def kill_when(proc: subprocess.Popen, look, *, timeout: float = 300, with_server
         finally:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGCONT)
-    if proc.poll() is None:
+    hung = proc.poll() is None
+    if hung:
         proc.kill()
     proc.wait()
+    if hung or proc.returncode != 0:
+        # Not bad luck a caller may retry: a defect to show (three retried runs that
+        # failed once read as "ended before the snapshot" in CI, their stderr unread).
+        err = proc.stderr.read() if proc.stderr else ""
+        err = err.decode(errors="replace") if isinstance(err, bytes) else err
+        what = f"ran past {timeout} s" if hung else f"failed (exit {proc.returncode})"
+        raise AssertionError(f"the run {what} before the moment to kill it came: {err[-3000:]}")
     return None
 
 
