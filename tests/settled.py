@@ -48,3 +48,12 @@ def trained_per_step(conn: sqlite3.Connection) -> dict[int, int]:
 
 def discarded_for(conn: sqlite3.Connection, reason: str) -> int:
     return sum(1 for records in positions(conn).values() for o in records if o[0] == "discarded" and o[3] == reason)
+
+
+def settled_prompt_ids(conn: sqlite3.Connection) -> set[tuple[int, int]]:
+    """(epoch, prompt id) of every set bit of `settled_prompts`, decoded here from the
+    format docs/schema.md states (bit p % 8 of byte p // 8 of chunk c: prompt c * 4096 + p),
+    not with the store's code."""
+    return {(epoch, chunk * 4096 + 8 * i + b) for epoch, chunk, bits in
+            conn.execute("SELECT epoch, chunk, bits FROM settled_prompts")
+            for i, byte in enumerate(bits) for b in range(8) if byte >> b & 1}

@@ -90,9 +90,7 @@ def test_a_run_without_rollout_snapshots_resumes_from_its_newest_trainer_checkpo
     kept = {p for step in (1, 2, 3, 4) for p in runs[first][step]}
     with sqlite3.connect(f"file:{run_copy / 'rollout_state.sqlite'}?mode=ro", uri=True) as conn:
         spare = set(conn.execute("SELECT epoch, prompt_id FROM spare_prompts").fetchall())
-        settled_bits = {(epoch, chunk * 4096 + 8 * i + b) for epoch, chunk, bits in
-                        conn.execute("SELECT epoch, chunk, bits FROM settled_prompts")
-                        for i, byte in enumerate(bits) for b in range(8) if byte >> b & 1}
+        settled_bits = settled.settled_prompt_ids(conn)
         store_discards = settled.states(conn)["discarded"]
     traced_discards = len(_trace_rows(run_copy, "SELECT group_id FROM group_discarded"))
     unexplained = reserved(first) - kept - discarded - reserved(second) - spare
