@@ -74,6 +74,14 @@ FIGURES = {
             ("kept / decoded by the cut", "kept_of_by_cut", True),
         )),
     ],
+    "bench_turn_saves.py": [
+        ("early turn save ms (p50)", ("early_ms_p50",), False),
+        ("late turn save ms (p50)", ("late_ms_p50",), False),
+        ("late / early time", ("late_over_early_ms",), False),
+        ("late bytes per episode save", ("late_bytes_per_save",), False),
+        ("late / early bytes", ("late_over_early_bytes",), False),
+        ("bytes written / transcript bytes", ("bytes_written_over_transcript",), False),
+    ],
     "bench_group_commit.py": [
         ("batched calls/s", ("median", "batched", "calls_per_s"), True),
         ("batched window p99 ms", ("median", "batched", "window_p99_ms"), False),

@@ -13,7 +13,7 @@ and a large size side by side (BENCHMARKS.md, "Per-event costs against the run's
 - a trace batch: 1000 `call_finished` rows committed into an empty trace and into one
   holding --trace-rows rows (random prompt ids, as a run writes them), and the same
   with the prompt-id index dropped;
-- a turn's save (`pools.put_episodes`) of a 1k- and a 32k-token transcript;
+- a turn's save (`pools.put_episodes`, 256 tokens added) to a 1k- and a 32k-token transcript;
 - the memory `PromptOrder` holds after walking 40 epochs of a 100k-prompt dataset.
 """
 
@@ -110,14 +110,19 @@ def episode_saves(work: Path) -> None:
     store = Store.create(work / "episodes.sqlite", replay_capacity=16)
     (g,) = store.reserve([Reservation(0, 0, 0)], num_generations=1, target_step=1)
     (a,) = store.dispatch([g], policy_version=0)
+    # A turn of 256 tokens on top of n saved (v1_11_a: `saved_tokens` n, the turn's tokens
+    # appended; a store before it rewrote all n + 256); bench_turn_saves.py has the A/B.
+    appends = "saved_tokens" in pools.EpisodeProgress.__dataclass_fields__
     for n in (1_000, 32_000):
         def save(turn=[0], n=n) -> None:  # noqa: B006 (a counter)
             turn[0] += 1
-            p = pools.EpisodeProgress(a, g, 0, 0, turn[0], {"turn": turn[0]}, list(range(n)), [-0.1] * n,
-                                      [0] * (n // 2) + [-1] * (n - n // 2))
+            m = n + 256
+            extra = {"saved_tokens": n} if appends else {}
+            p = pools.EpisodeProgress(a, g, 0, 0, turn[0], {"turn": turn[0]}, list(range(m)), [-0.1] * m,
+                                      [0] * (m // 2) + [-1] * (m - m // 2), **extra)
             with store.atomic() as tx:
                 pools.put_episodes(tx, [p])
-        say(f"a turn's save of a {n}-token transcript: {_ms(save):.2f} ms")
+        say(f"a turn's save (256 tokens) of a {n}-token transcript: {_ms(save):.2f} ms")
     store.close()
 
 

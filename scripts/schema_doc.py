@@ -40,9 +40,9 @@ FORMATS = {
     ("samples", "version_token_counts"): VERSION_RUNS,
     ("token_chunks", "token_ids"): TOKENS + "; NULL when the chunk is in a segment",
     ("token_chunks", "logprobs"): LOGPROBS + "; NULL when not recorded or in a segment",
-    ("env_episodes", "token_ids"): TOKENS + " (the transcript after the prompt)",
-    ("env_episodes", "logprobs"): LOGPROBS + " (0.0 for environment tokens)",
-    ("env_episodes", "version_token_counts"): VERSION_RUNS + "; environment tokens under version -1",
+    ("episode_tokens", "token_ids"): TOKENS + " (a piece of the transcript after the prompt)",
+    ("episode_tokens", "logprobs"): LOGPROBS + " (0.0 for environment tokens)",
+    ("episode_tokens", "version_token_counts"): VERSION_RUNS + "; environment tokens under version -1",
     ("env_episodes", "state"): "JSON: the environment's saved state",
     ("settled_steps", "others"): "entries of three unsigned LEB128 varints (gap, length, code); NULL: every "
                                  "position of the span trained here (see the table's description)",

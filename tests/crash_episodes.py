@@ -2,7 +2,8 @@
 `sqlite3`, `json`, `struct`), never with the code a resume runs.
 
 - `transcript_problems`: after any kill, every `env_episodes` row of the live store (or of
-  a snapshot file) belongs to a running attempt, and its transcript lines up: as many
+  a snapshot file) belongs to a running attempt, and its transcript (the pieces of
+  `episode_tokens`, joined by tests/transcripts.py) lines up: its pieces contiguous; as many
   int32 token ids as float32 logprobs as the version runs add up to; one environment
   observation (a run under version -1, logprob 0.0) after each of its `turn` finished
   turns; key and turn as the pump writes them.
@@ -32,6 +33,8 @@ import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from transcripts import saved_transcripts
 
 ENV_VERSION = -1  # the version tag of environment tokens (docs: env_episodes, version runs)
 TRACE = Path("logs") / "rollout_trace.sqlite"
@@ -67,16 +70,21 @@ def transcript_problems(conn: sqlite3.Connection, where: str, *, max_turns: int 
     if not conn.execute("SELECT count(*) FROM sqlite_master WHERE name = 'env_episodes'").fetchone()[0]:
         return []
     problems = []
+    transcripts = saved_transcripts(conn)
     rows = conn.execute(
-        "SELECT e.episode_key, e.turn, e.token_ids, e.logprobs, e.version_token_counts, a.state, a.group_id, "
+        "SELECT e.episode_key, e.turn, e.attempt_id, a.state, a.group_id, "
         "a.generation_index, a.attempt FROM env_episodes e LEFT JOIN rollouts a ON a.attempt_id = e.attempt_id")
-    for key, turn, tokens, logprobs, runs_text, state, g, i, a in rows:
+    for key, turn, attempt_id, state, g, i, a in rows:
         bad = []
         if state != "running":
             bad.append(f"its attempt is {state or 'missing'}, not running")
         elif key != f"{g}.{i}-a{a}":
             bad.append(f"key of attempt ({g}, {i}, {a})")
-        if tokens is None and logprobs is None and runs_text is None:
+        saved = transcripts[attempt_id]
+        tokens, logprobs, runs_text = saved.token_ids, saved.logprobs, saved.version_token_counts
+        if saved.problem:
+            bad.append(f"its transcript's pieces (episode_tokens): {saved.problem}")
+        elif tokens is None and logprobs is None and runs_text is None:
             if max_turns is not None:  # turn level: the pump always saves the transcript
                 bad.append("no transcript")
         else:
@@ -175,9 +183,11 @@ def restore_problems(run_dir: Path, aside: Path, after_run: int, *, finished: bo
         return out
     with contextlib.closing(sqlite3.connect(f"file:{db}?mode=ro&immutable=1", uri=True)) as snap:
         out.problems += transcript_problems(snap, f"snapshot {rel}", max_turns=max_turns)
-        saved = {(g, i, a): (turn, policy_tokens(runs) if runs is not None else None)
-                 for g, i, a, turn, runs in snap.execute(
-                     "SELECT a.group_id, a.generation_index, a.attempt, e.turn, e.version_token_counts "
+        transcripts = saved_transcripts(snap)
+        saved = {(g, i, a): (turn, policy_tokens(runs) if (runs := transcripts[e].version_token_counts) is not None
+                             else None)
+                 for g, i, a, turn, e in snap.execute(
+                     "SELECT a.group_id, a.generation_index, a.attempt, e.turn, e.attempt_id "
                      "FROM env_episodes e JOIN rollouts a ON a.attempt_id = e.attempt_id WHERE a.state = 'running'")}
     restored = set()
     for g, i, a, frm, turn, tokens in events:

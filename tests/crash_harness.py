@@ -469,21 +469,25 @@ def kill_when(proc: subprocess.Popen, look, *, timeout: float = 300, with_server
     `look()`; the first time it returns something other than None, SIGKILL the process
     (and first, `with_servers`, the agent servers it started) and return that. A
     `look` that meets a file being written (sqlite3.Error) looks again next time. None
-    when the run ended well before `look` found it; AssertionError (with its stderr,
+    when the run ended well before `look` found it (AssertionError if its last 3 or more
+    looks all failed: a look that cannot read the files); AssertionError (with its stderr,
     where that is a pipe) when it failed, or ran past `timeout` (then it is killed)."""
     deadline = time.monotonic() + timeout
+    failing: list[sqlite3.Error] = []  # look's errors since it last ran clean
     while proc.poll() is None and time.monotonic() < deadline:
         time.sleep(poll_s)
         proc.send_signal(signal.SIGSTOP)
         try:
             got = look()
+            failing.clear()
             if got is not None:
                 for pid in server_pids(proc.pid).values() if with_servers else ():
                     os.kill(pid, signal.SIGKILL)
                 proc.send_signal(signal.SIGKILL)
                 proc.wait(timeout=30)
                 return got
-        except sqlite3.Error:
+        except sqlite3.Error as e:
+            failing.append(e)
             continue
         finally:
             if proc.poll() is None:
@@ -499,6 +503,10 @@ def kill_when(proc: subprocess.Popen, look, *, timeout: float = 300, with_server
         err = err.decode(errors="replace") if isinstance(err, bytes) else err
         what = f"ran past {timeout} s" if hung else f"failed (exit {proc.returncode})"
         raise AssertionError(f"the run {what} before the moment to kill it came: {err[-3000:]}")
+    if len(failing) >= 3:
+        # Not a file caught mid-write: the look itself is wrong (a column it names is
+        # gone), and every run would "end before the snapshot".
+        raise AssertionError(f"look() failed its last {len(failing)} times, the run ended meanwhile: {failing[-1]}")
     return None
 
 

@@ -34,6 +34,7 @@ from rolloutdb.controller.rollout.episodes import call_seed
 from rolloutdb.gpu_capture.reference_engine import ReferenceEngine
 from chunk_bytes import inline_copy
 from crash_harness import kill_when, metrics, newest_usable_snapshot, read_sql, server_pids, train_env
+from transcripts import read_transcripts
 from rolloutdb.store import CallPrefix
 
 PROMPT = [1, 5, 6, 7, 8]
@@ -270,14 +271,17 @@ def _saved_prefixes(db: Path) -> dict[int, dict]:
 def saved_agents(snapshot_db: Path) -> dict[tuple[int, int, int], tuple[int, int, int]]:
     """(group, generation, attempt) -> (turns committed, policy tokens, prompt id) of every
     running attempt's exported agent in a snapshot's env_episodes, decoded here."""
-    rows = read_sql(snapshot_db, "SELECT r.group_id, r.generation_index, r.attempt, e.turn, e.token_ids, "
-                                 "e.version_token_counts, g.prompt_id FROM env_episodes e "
+    rows = read_sql(snapshot_db, "SELECT r.group_id, r.generation_index, r.attempt, e.turn, e.attempt_id, "
+                                 "g.prompt_id FROM env_episodes e "
                                  "JOIN rollouts r ON r.attempt_id = e.attempt_id JOIN prompt_groups g USING (group_id) "
                                  "WHERE r.state = 'running'")
+    transcripts = read_transcripts(snapshot_db)
     out = {}
-    for g, i, a, turn, blob, runs, prompt in rows:
-        tokens = np.frombuffer(blob, "<i4")
-        pairs = json.loads(runs)
+    for g, i, a, turn, attempt_id, prompt in rows:
+        saved = transcripts[attempt_id]
+        assert saved.problem is None, saved.problem
+        tokens = np.frombuffer(saved.token_ids, "<i4")
+        pairs = json.loads(saved.version_token_counts)
         assert sum(n for _, n in pairs) == len(tokens)
         out[(g, i, a)] = (turn, sum(n for v, n in pairs if v != -1), prompt)
     return out

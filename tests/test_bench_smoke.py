@@ -259,3 +259,14 @@ def test_the_per_event_benchmark_runs_and_prints_every_figure_it_promises():
                    "100 call_finished rows, with its prompt-id index", "100 call_finished rows, index dropped",
                    "32000-token transcript", "PromptOrder after 40 epochs"):
         assert figure in proc.stdout, (figure, proc.stdout)
+
+
+def test_the_turn_saves_benchmark_reports_time_and_bytes_of_early_and_late_saves(tmp_path):
+    out = tmp_path / "figures.json"
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "bench_turn_saves.py"), "--quick", "--json", str(out)],
+                          cwd=REPO, capture_output=True, text=True, timeout=HANG_S)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    r = json.loads(out.read_text())
+    assert r["appends"] and r["turns"] == 16 and r["tokens_per_episode"] == 4096
+    assert r["early_ms_p50"] > 0 and r["late_ms_p50"] > 0 and r["late_bytes_per_save"] > 0
+    assert "late/early" in proc.stdout and "the transcript's own bytes" in proc.stdout

@@ -15,6 +15,7 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import Future
 
+from transcripts import saved_transcripts
 from test_streaming_pump import _samples, close, make_parts, policy_dir, run_pump  # noqa: F401  (fixture)
 
 from rolloutdb.controller.rollout.env_steps import EnvironmentStepper, EnvironmentWorkerLost, LocalStepper
@@ -108,7 +109,10 @@ def test_a_step_whose_worker_died_has_its_attempt_abandoned_as_error_and_redone_
 def saved_turns(path) -> list[tuple]:
     db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
     try:
-        return db.execute("SELECT turn, state, version_token_counts FROM env_episodes").fetchall()
+        db.execute("BEGIN")  # one read: the episodes and their pieces as of one commit
+        transcripts = saved_transcripts(db)
+        return [(turn, state, transcripts[a].version_token_counts)
+                for turn, state, a in db.execute("SELECT turn, state, attempt_id FROM env_episodes")]
     except sqlite3.OperationalError:  # not created yet
         return []
     finally:

@@ -19,6 +19,7 @@ import pytest
 
 from rolloutdb.store import EpisodeProgress, FinishedGeneration, Publisher, SavedEpisode, ledger, pools
 from rolloutdb.store.restore.apply import restore_snapshot
+from transcripts import saved_transcripts
 from test_restore import FIXTURES, RUN, make_store, publish_anchor, reserve, snapshot
 
 # A two-turn episode: reply (3 tokens, version 4), observation (2 tokens), reply (2 tokens,
@@ -36,8 +37,15 @@ def progress(attempt_id: int, group_id: int, gen: int, attempt: int = 0, *, turn
 
 
 def rows(conn: sqlite3.Connection) -> dict[str, tuple]:
-    return {r[0]: r[1:] for r in conn.execute(
-        "SELECT episode_key, attempt_id, turn, state, token_ids, logprobs, version_token_counts FROM env_episodes")}
+    """episode key -> (attempt id, turn, state, token ids, logprobs, version runs): the
+    transcript joined from its pieces by tests/transcripts.py (the documented layout)."""
+    transcripts = saved_transcripts(conn)
+    out = {}
+    for key, attempt_id, turn, state in conn.execute("SELECT episode_key, attempt_id, turn, state FROM env_episodes"):
+        t = transcripts[attempt_id]
+        assert t.problem is None, t.problem
+        out[key] = (attempt_id, turn, state, t.token_ids, t.logprobs, t.version_token_counts)
+    return out
 
 
 def test_put_episodes_writes_rows_a_second_connection_reads_back_byte_exact(tmp_path, second_connection):
@@ -202,9 +210,102 @@ def test_a_stored_transcript_that_does_not_line_up_reads_back_as_none(tmp_path):
     a0, a1 = store.dispatch([g], policy_version=4)
     with store.atomic() as tx:
         pools.put_episodes(tx, [progress(a0, g, 0), progress(a1, g, 1)])
-        tx.exec_driver_sql("UPDATE env_episodes SET version_token_counts = '[[4,3],[-1,2]]' WHERE attempt_id = ?", (a1,))
+        tx.exec_driver_sql("UPDATE episode_tokens SET version_token_counts = '[[4,3],[-1,2]]' WHERE attempt_id = ?", (a1,))
     with store.read() as conn:
         got = pools.read_episodes(conn, running_only=True)
     store.close()
     assert got[(g, 0)].token_ids == TOKENS
+    assert (got[(g, 1)].token_ids, got[(g, 1)].logprobs, got[(g, 1)].token_versions) == (None, None, None)
+
+
+# ---------------------------------------------------------------- appended pieces (v1_11_a)
+
+
+def _pieces(conn: sqlite3.Connection, attempt_id: int) -> list[tuple[int, list[int]]]:
+    return [(first, np.frombuffer(t, "<i4").tolist()) for first, t in conn.execute(
+        "SELECT first_token, token_ids FROM episode_tokens WHERE attempt_id = ? ORDER BY first_token", (attempt_id,))]
+
+
+def test_a_turns_save_appends_only_the_tokens_the_turn_added(tmp_path, second_connection):
+    """Three saves of one attempt, each naming what the one before wrote: three pieces,
+    each holding only its turn's tokens, that join into the transcript (a save that
+    rewrote the transcript so far would leave one piece of every token)."""
+    store = make_store(tmp_path / "live.sqlite")
+    g = reserve(store, 0, 1)
+    a0, _ = store.dispatch([g], policy_version=4)
+    for turn, (saved, upto) in enumerate([(0, 3), (3, 5), (5, 7)], start=1):
+        with store.atomic() as tx:
+            pools.put_episodes(tx, [EpisodeProgress(a0, g, 0, 0, turn, STATE, TOKENS[:upto], LOGPROBS[:upto],
+                                                    VERSIONS[:upto], saved_tokens=saved)])
+    store.close()
+    conn = second_connection(tmp_path / "live.sqlite")
+    assert _pieces(conn, a0) == [(0, TOKENS[:3]), (3, TOKENS[3:5]), (5, TOKENS[5:])]
+    assert conn.execute("SELECT turn, transcript_tokens FROM env_episodes").fetchall() == [(3, 7)]
+    attempt_id, turn, _, tokens, logprobs, runs = rows(conn)[f"{g}.0-a0"]
+    assert np.frombuffer(tokens, "<i4").tolist() == TOKENS and np.frombuffer(logprobs, "<f4").tolist() == LOGPROBS
+    assert json.loads(runs) == RUNS
+
+
+def test_a_save_that_starts_over_replaces_every_piece_and_a_state_only_save_drops_them(tmp_path, second_connection):
+    store = make_store(tmp_path / "live.sqlite")
+    g = reserve(store, 0, 1)
+    a0, _ = store.dispatch([g], policy_version=4)
+    with store.atomic() as tx:
+        pools.put_episodes(tx, [progress(a0, g, 0, tokens=TOKENS[:3], logprobs=LOGPROBS[:3], versions=VERSIONS[:3])])
+        pools.put_episodes(tx, [EpisodeProgress(a0, g, 0, 0, 2, STATE, TOKENS, LOGPROBS, VERSIONS, saved_tokens=3)])
+    with store.atomic() as tx:  # saved_tokens 0 (another writer's whole copy): one piece
+        pools.put_episodes(tx, [progress(a0, g, 0, tokens=TOKENS[:4], logprobs=LOGPROBS[:4], versions=VERSIONS[:4])])
+    assert _pieces(second_connection(tmp_path / "live.sqlite"), a0) == [(0, TOKENS[:4])]
+    with store.atomic() as tx:  # more saved than the transcript holds: written whole, not trusted
+        pools.put_episodes(tx, [EpisodeProgress(a0, g, 0, 0, 2, STATE, TOKENS[:2], LOGPROBS[:2], VERSIONS[:2],
+                                                saved_tokens=6)])
+    assert _pieces(second_connection(tmp_path / "live.sqlite"), a0) == [(0, TOKENS[:2])]
+    with store.atomic() as tx:
+        pools.put_episode(tx, a0, turn=3, state={"only": "state"})
+    store.close()
+    conn = second_connection(tmp_path / "live.sqlite")
+    assert _pieces(conn, a0) == []
+    assert conn.execute("SELECT transcript_tokens FROM env_episodes").fetchall() == [(None,)]
+
+
+@pytest.mark.parametrize("end", ["finish", "abandon"])
+def test_an_attempt_that_ends_leaves_no_piece_of_its_transcript(tmp_path, second_connection, end):
+    store = make_store(tmp_path / "live.sqlite")
+    g = reserve(store, 0, 1)
+    a0, a1 = store.dispatch([g], policy_version=4)
+    with store.atomic() as tx:
+        pools.put_episodes(tx, [progress(a0, g, 0), progress(a1, g, 1)])
+    if end == "finish":
+        store.finish(a0, FinishedGeneration([1, 2], [-0.5, -0.5], 1.0, [(4, 2)]))
+    else:
+        store.abandon([a0], "deadline")
+    store.close()
+    conn = second_connection(tmp_path / "live.sqlite")
+    assert conn.execute("SELECT DISTINCT attempt_id FROM episode_tokens").fetchall() == [(a1,)]
+    assert conn.execute("SELECT count(*) FROM env_episodes").fetchone() == (1,)
+
+
+@pytest.mark.parametrize("damage", [
+    "UPDATE episode_tokens SET first_token = first_token + 1 WHERE first_token > 0",  # a gap
+    "DELETE FROM episode_tokens WHERE first_token > 0",  # a lost piece: fewer tokens than recorded
+    "UPDATE env_episodes SET transcript_tokens = transcript_tokens + 1",  # a count the pieces do not reach
+    "UPDATE episode_tokens SET logprobs = substr(logprobs, 1, 4) WHERE first_token > 0",  # lengths that differ
+])
+def test_pieces_that_do_not_make_one_transcript_read_back_as_none(tmp_path, damage):
+    """Not written by put_episodes: such an episode is restarted rather than resumed."""
+    store = make_store(tmp_path / "live.sqlite")
+    g = reserve(store, 0, 1)
+    a0, a1 = store.dispatch([g], policy_version=4)
+    with store.atomic() as tx:
+        for attempt_id, index in ((a0, 0), (a1, 1)):
+            pools.put_episodes(tx, [progress(attempt_id, g, index, tokens=TOKENS[:3], logprobs=LOGPROBS[:3],
+                                             versions=VERSIONS[:3])])
+            pools.put_episodes(tx, [EpisodeProgress(attempt_id, g, index, 0, 2, STATE, TOKENS, LOGPROBS, VERSIONS,
+                                                    saved_tokens=3)])
+        tx.exec_driver_sql(damage.replace("WHERE", f"WHERE attempt_id = {a1} AND") if "WHERE" in damage
+                           else f"{damage} WHERE attempt_id = {a1}")
+    with store.read() as conn:
+        got = pools.read_episodes(conn, running_only=True)
+    store.close()
+    assert (got[(g, 0)].token_ids, got[(g, 0)].logprobs, got[(g, 0)].token_versions) == (TOKENS, LOGPROBS, VERSIONS)
     assert (got[(g, 1)].token_ids, got[(g, 1)].logprobs, got[(g, 1)].token_versions) == (None, None, None)

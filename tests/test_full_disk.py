@@ -103,10 +103,14 @@ _CHILD = textwrap.dedent(
     if mode == "rlimit_fsize":
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of death
         soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
-        # Just below the store's size: the copy (as large as the store) cannot be written
-        # to its end, while the live store's own small writes (the outcome row, in pages
-        # and WAL frames far below the limit) still can.
-        resource.setrlimit(resource.RLIMIT_FSIZE, (live.stat().st_size - (64 << 10), hard))
+        # Half the store's size: neither the segment the pump's attempt seals first (the
+        # store's inline payload, nearly all of it) nor the copy (as large as the store)
+        # can be written to its end, while the live store's own small writes (the outcome
+        # row, in WAL frames far below the limit) still can. Just below the store's size
+        # was a coin toss: the segment is a few KiB smaller than the store, and a schema
+        # revision that added two pages let it fit, the seal then committed WAL frames up
+        # to the limit and the outcome row found no room.
+        resource.setrlimit(resource.RLIMIT_FSIZE, (live.stat().st_size // 2, hard))
     print(json.dumps(snapshot()), flush=True)
     print(json.dumps(pump_attempt()), flush=True)
     assert sys.stdin.readline().strip() == "again"

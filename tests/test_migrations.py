@@ -183,6 +183,15 @@ def test_each_fixture_upgrades_to_head_keeping_every_row(fixture_copy):
         outcomes = None  # already at v1_5_a: its rows must be kept as they are (checked with the others)
     old.pop("settled_ranges", None)
     old.pop("finalizer_results", None)  # v1_7_a: the table goes with its rows (nothing wrote or read them)
+    transcripts = None
+    columns, rows = old["env_episodes"]
+    if "token_ids" in columns:
+        # v1_11_a: each transcript leaves its row for episode_tokens; the rest of the row stays.
+        at = {c: i for i, c in enumerate(columns)}
+        transcripts = {r[at["attempt_id"]]: tuple(r[at[c]] for c in ("token_ids", "logprobs", "version_token_counts"))
+                       for r in rows}
+        kept = [c for c in columns if c not in ("token_ids", "logprobs", "version_token_counts")]
+        old["env_episodes"] = (kept, sorted(tuple(r[at[c]] for c in kept) for r in rows))
     with _connect(path) as after:
         assert after.execute("SELECT version_num FROM alembic_version").fetchall() == [(HEAD,)]
         assert after.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
@@ -194,6 +203,18 @@ def test_each_fixture_upgrades_to_head_keeping_every_row(fixture_copy):
                 continue
             assert after.execute(f"SELECT count(*) FROM {table}").fetchone()[0] == counts[table], table
             assert _content(after, table, columns) == rows, table
+        if transcripts is not None:
+            assert transcripts, "the fixture has no episodes"
+            for attempt_id, (tokens, logprobs, runs) in transcripts.items():
+                n = after.execute("SELECT transcript_tokens FROM env_episodes WHERE attempt_id = ?",
+                                  (attempt_id,)).fetchone()[0]
+                pieces = after.execute("SELECT first_token, token_ids, logprobs, version_token_counts FROM "
+                                       "episode_tokens WHERE attempt_id = ? ORDER BY first_token", (attempt_id,)).fetchall()
+                if tokens is None or logprobs is None or runs is None:  # no transcript: none after
+                    assert (n, pieces) == (None, [])
+                    continue
+                assert n == len(tokens) // 4
+                assert pieces == ([(0, tokens, logprobs, runs)] if tokens else [])
         if outcomes is not None:
             got = {seq: (r.outcome, r.trained_step, r.target_step, r.discard_reason)
                    for r in queries.settled_runs(after) for seq in range(r.start, r.end)}
@@ -450,3 +471,35 @@ def test_v1_9_a_cuts_each_epoch_bitmap_into_chunks_and_a_downgrade_joins_them_ag
     with _connect(path) as conn:
         assert conn.execute("SELECT epoch, bits, settles FROM settled_prompts ORDER BY epoch").fetchall() == [
             (0, bytes(bits), 3), (1, b"", 0)]
+
+
+def test_v1_11_a_downgrade_joins_each_transcripts_pieces_into_its_row_and_upgrade_cuts_it_again(tmp_path):
+    """The v1_11_a fixture's transcripts are one piece per turn; a downgrade to v1_10_a
+    joins them into the row (tokens and logprobs end to end, the version runs merged
+    where two pieces meet on one version), and an upgrade makes each one piece again."""
+    path = tmp_path / "store.sqlite"
+    shutil.copyfile(FIXTURES / "store_v1_11_a.sqlite", path)
+    with _connect(path) as conn:
+        pieces: dict[int, list[tuple]] = {}
+        for a, first, t, lp, runs in conn.execute("SELECT attempt_id, first_token, token_ids, logprobs, "
+                                                  "version_token_counts FROM episode_tokens ORDER BY attempt_id, first_token"):
+            pieces.setdefault(a, []).append((first, t, lp, json.loads(runs)))
+    assert any(len(p) > 1 for p in pieces.values()), "the fixture should hold transcripts of several pieces"
+    want = {}
+    for a, ps in pieces.items():
+        versions = [v for *_, runs in ps for v, n in runs for _ in range(n)]
+        want[a] = (b"".join(p[1] for p in ps), b"".join(p[2] for p in ps), versions)
+    run_migrations(path, "v1_10_a", downgrade=True)
+    with _connect(path) as conn:
+        got = {a: (t, lp, [v for v, n in json.loads(runs) for _ in range(n)])
+               for a, t, lp, runs in conn.execute("SELECT attempt_id, token_ids, logprobs, version_token_counts "
+                                                  "FROM env_episodes WHERE token_ids IS NOT NULL")}
+        merged = [json.loads(r) for (r,) in conn.execute("SELECT version_token_counts FROM env_episodes")]
+    assert got == want
+    assert all(a[0] != b[0] for runs in merged for a, b in zip(runs, runs[1:]))  # adjacent runs of one version merged
+    run_migrations(path)
+    with _connect(path) as conn:
+        assert {a: (t, lp) for a, first, t, lp in conn.execute(
+            "SELECT attempt_id, first_token, token_ids, logprobs FROM episode_tokens")} == {
+            a: w[:2] for a, w in want.items()}
+        assert conn.execute("SELECT count(*) FROM episode_tokens WHERE first_token != 0").fetchone() == (0,)

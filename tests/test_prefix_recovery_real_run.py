@@ -35,6 +35,7 @@ import pytest
 
 from chunk_bytes import inline_copy
 from crash_harness import kill_when, metrics, newest_usable_snapshot, train_env
+from transcripts import saved_transcripts
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "multiturn.yaml"
@@ -89,9 +90,10 @@ def _kept_by_hand(snapshot_db: Path) -> int:
     tokens of the running attempts' saved episodes and their calls' prefixes."""
     uri = f"file:{snapshot_db}?mode=ro&immutable=1"
     with contextlib.closing(sqlite3.connect(uri, uri=True)) as conn:
-        runs = conn.execute("SELECT e.version_token_counts FROM env_episodes e JOIN rollouts r "
-                            "ON r.attempt_id = e.attempt_id WHERE r.state = 'running' AND e.token_ids IS NOT NULL")
-        turns = sum(n for (text,) in runs for v, n in json.loads(text) if v != -1)
+        transcripts = saved_transcripts(conn)
+        running = conn.execute("SELECT e.attempt_id FROM env_episodes e JOIN rollouts r "
+                               "ON r.attempt_id = e.attempt_id WHERE r.state = 'running' AND e.transcript_tokens IS NOT NULL")
+        turns = sum(n for (a,) in running for v, n in json.loads(transcripts[a].version_token_counts) if v != -1)
         chunks = conn.execute("SELECT c.token_ids FROM token_chunks c JOIN rollouts r ON r.attempt_id = c.attempt_id "
                               "WHERE r.state = 'running'").fetchall()
     return turns + sum(len(np.frombuffer(blob, "<i4")) for (blob,) in chunks)

@@ -24,7 +24,7 @@ from rolloutdb.controller.run.runtime import Progress, RolloutParts, RuntimeStat
 from rolloutdb.controller.run.sampler import PromptOrder, StalenessBound
 from rolloutdb.controller.tasks.digits import DigitPromptDataset, MultiTurnDigitEnv
 from rolloutdb.gpu_capture import ReferenceEngine, build_tiny_policy
-from rolloutdb.store import Store
+from rolloutdb.store import Store, pools
 
 
 @pytest.fixture(scope="module")
@@ -165,6 +165,38 @@ def test_a_multi_turn_episode_steps_its_environment_between_calls_and_trains_on_
     assert all(e["tokens"] > e["policy_tokens"] > 0 for e in windows)  # environment tokens between turns
 
 
+def test_each_turn_save_names_what_the_attempts_last_committed_save_wrote_so_only_new_tokens_are_written(
+        tmp_path, policy_dir, monkeypatch):
+    """Turn level, 4 turns an episode: every save the pump hands the store says how many
+    of the transcript's tokens the attempt's previous save wrote (`saved_tokens`), so the
+    store appends the rest (revision v1_11_a); the first save of an attempt says 0. The
+    pieces left behind are checked against this in test_episode_transcripts.py."""
+    from rolloutdb.gpu_capture import load_policy
+
+    _, tokenizer = load_policy(policy_dir)
+    env = MultiTurnDigitEnv(DigitPromptDataset(size=64, n_digits=2), tokenizer, turns=4)
+    saves: dict[int, list[tuple[int, int]]] = {}
+    real = pools.put_episodes
+
+    def recording(conn, rows):
+        real(conn, rows)
+        for p in rows:
+            saves.setdefault(p.attempt_id, []).append((p.saved_tokens, len(p.token_ids)))
+
+    monkeypatch.setattr(pools, "put_episodes", recording)
+    parts, _ = make_parts(tmp_path, policy_dir, env, overrides={
+        "generation": {"max_tokens": 3, "max_inflight_calls": 4},
+        "rollout_recovery": {"target_level": "turn", "commit_window_ms": 1.0}})
+    try:
+        run_pump(parts)
+    finally:
+        close(parts)
+    assert any(len(s) >= 2 for s in saves.values()), f"no attempt saved twice: {saves}"
+    for attempt_id, seq in saves.items():
+        assert seq[0][0] == 0, (attempt_id, seq)
+        assert all(now == before[1] for before, (now, _) in zip(seq, seq[1:])), (attempt_id, seq)
+
+
 # ---- the commit batch on its own ----------------------------------------------------------
 
 
@@ -263,7 +295,7 @@ def test_an_episode_restored_at_its_last_committed_turn_redoes_no_earlier_turn_a
 
     def stop_when_turns_are_saved(step):
         db = sqlite3.connect(live)
-        saved = db.execute("SELECT count(*) FROM env_episodes WHERE token_ids IS NOT NULL AND turn >= 1").fetchone()[0]
+        saved = db.execute("SELECT count(*) FROM env_episodes WHERE transcript_tokens IS NOT NULL AND turn >= 1").fetchone()[0]
         db.close()
         if saved >= 2:
             parts.runtime.stop.set()

@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 
 from crash_harness import kill_when, newest_usable_snapshot, resumed_events, train_env
+from transcripts import saved_transcripts
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "multiturn.yaml"
@@ -53,12 +54,15 @@ def _saved_turns(snapshot_db: Path) -> dict[tuple[int, int, int], tuple[int, int
     every running attempt's episode with a transcript, decoded by hand."""
     uri = f"file:{snapshot_db}?mode=ro&immutable=1"
     with contextlib.closing(sqlite3.connect(uri, uri=True)) as conn:
-        rows = conn.execute(
-            "SELECT r.group_id, r.generation_index, r.attempt, e.turn, e.token_ids, e.version_token_counts "
-            "FROM env_episodes e JOIN rollouts r ON r.attempt_id = e.attempt_id "
-            "WHERE r.state = 'running' AND e.token_ids IS NOT NULL").fetchall()
+        transcripts = saved_transcripts(conn)
+        rows = [(g, i, a, turn, transcripts[e].token_ids, transcripts[e].version_token_counts)
+                for g, i, a, turn, e in conn.execute(
+                    "SELECT r.group_id, r.generation_index, r.attempt, e.turn, e.attempt_id "
+                    "FROM env_episodes e JOIN rollouts r ON r.attempt_id = e.attempt_id "
+                    "WHERE r.state = 'running' AND e.transcript_tokens IS NOT NULL")]
     out = {}
     for g, i, a, turn, blob, runs in rows:
+        assert blob is not None, f"the transcript of ({g}, {i}, {a}) does not line up"
         tokens = np.frombuffer(blob, "<i4")
         pairs = json.loads(runs)
         assert sum(n for _, n in pairs) == len(tokens)
@@ -143,7 +147,7 @@ def _carried(snapshot_db: Path, saved: dict[tuple[int, int, int], tuple[int, int
         finished = set(conn.execute("SELECT group_id, generation_index FROM rollouts WHERE state = 'finished'").fetchall())
         turns = {(g, i): t for g, i, t in conn.execute(
             "SELECT r.group_id, r.generation_index, e.turn FROM env_episodes e JOIN rollouts r USING (attempt_id) "
-            "WHERE r.state = 'running' AND e.token_ids IS NOT NULL").fetchall()}
+            "WHERE r.state = 'running' AND e.transcript_tokens IS NOT NULL").fetchall()}
     out = {}
     for g, i, _a in saved:
         if states.get(g) not in ("dispatched", "sealed"):

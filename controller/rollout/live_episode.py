@@ -31,6 +31,10 @@ class LiveEpisode:
     prefix_len: int = 0  # tokens the current call was resumed with (not decoded by it)
     limits: tuple[int, int] = (0, 0)  # the current call's (max_tokens, min_tokens)
     cut_refused: str | None = None  # the engine's cut_support verdict on the current call (kept till it commits)
+    # (attempt id, transcript tokens) its last committed save wrote: the next save of the
+    # same attempt appends only what came after (pools.put_episodes); another attempt
+    # (a retry, a resumed episode) writes its transcript whole once.
+    saved: tuple[int | None, int] = (None, 0)
 
     def progress(self) -> EpisodeProgress:
         e = self.episode
@@ -38,7 +42,12 @@ class LiveEpisode:
         return EpisodeProgress(attempt_id=self.attempt_id, group_id=self.group.group_id,
                                generation_index=self.index, attempt=self.attempt, turn=e.turn,
                                state=e.state, token_ids=e.token_ids, logprobs=e.logprobs,
-                               token_versions=e.token_versions)
+                               token_versions=e.token_versions,
+                               saved_tokens=self.saved[1] if self.saved[0] == self.attempt_id else 0)
+
+    def saved_by(self, row: EpisodeProgress) -> None:
+        """Record what a committed save (`row`, from `progress`) wrote."""
+        self.saved = (row.attempt_id, len(row.token_ids) if row.token_ids is not None else 0)
 
 
 @dataclass

@@ -27,7 +27,7 @@ from .codec import (
     version_runs,
 )
 from ..errors import IllegalTransition
-from ..sqlite.prepared import Prepared
+from ..sqlite.prepared import Prepared, in_json, json_ids
 from .ledger import Reservation
 from .payload import SegmentRef, read_segment
 from .schema import T
@@ -37,6 +37,7 @@ spare = T["spare_prompts"]
 shortfall = T["step_shortfall"]
 chunks = T["token_chunks"]
 episodes = T["env_episodes"]
+episode_tokens = T["episode_tokens"]
 rollouts = T["rollouts"]
 
 # Built and compiled once (`Prepared`, see ledger.py): the cursor, the spare pool and the
@@ -350,15 +351,23 @@ def delete_chunks(conn: Connection, attempt_ids: Sequence[int]) -> None:
 # its last committed turn. A finished or abandoned attempt keeps no row (invariant 3;
 # `ledger.finish_attempts` and `ledger.abandon_attempts` drop them).
 
-# One key per running attempt; JSON state and transcript replaced whole on every turn.
-# Built once: the upsert runs in every group-commit batch that finished a turn.
-_EPISODE_COLUMNS = ("episode_key", "attempt_id", "turn", "state", "updated_at", "token_ids", "logprobs",
-                    "version_token_counts")
+# One key per running attempt: its small row (turn, JSON state, transcript length)
+# replaced on every turn, the transcript's new tokens appended as a piece of
+# `episode_tokens` (revision v1_11_a). Built once: these run in every group-commit batch
+# that finished a turn.
+_EPISODE_COLUMNS = ("episode_key", "attempt_id", "turn", "state", "updated_at", "transcript_tokens")
 _INSERT_EPISODES = sqlite_insert(episodes).values({c: bindparam(c) for c in _EPISODE_COLUMNS})
 _UPSERT_EPISODES = Prepared(_INSERT_EPISODES.on_conflict_do_update(
     index_elements=["episode_key"],
     set_={c: _INSERT_EPISODES.excluded[c] for c in _EPISODE_COLUMNS[1:]},
 ))
+_PIECE_COLUMNS = ("attempt_id", "first_token", "token_ids", "logprobs", "version_token_counts")
+_APPEND_PIECES = Prepared(insert(episode_tokens).values({c: bindparam(c) for c in _PIECE_COLUMNS}))
+# Pieces from the first token this save writes on: none in the common case (a primary-key
+# range probe that finds nothing); a save that starts over (a new attempt's first save,
+# an export written whole, a transcript that shrank) drops what it replaces.
+_DROP_PIECES_FROM = Prepared(delete(episode_tokens).where(episode_tokens.c.attempt_id == bindparam("attempt_id"),
+                                                          episode_tokens.c.first_token >= bindparam("first_token")))
 
 
 @dataclass(frozen=True)
@@ -379,6 +388,9 @@ class EpisodeProgress:
     token_ids: Sequence[int] | None  # None (all three): the state only, no transcript
     logprobs: Sequence[float] | None
     token_versions: Sequence[int] | None  # one per token; -1 for environment tokens
+    # Tokens of this transcript already saved under this attempt (`put_episodes` appends
+    # the rest): what the attempt's last committed save wrote. 0: write it whole.
+    saved_tokens: int = 0
 
     @property
     def key(self) -> str:
@@ -403,10 +415,12 @@ def episode_key(group_id: int, generation_index: int, attempt: int) -> str:
     return f"{group_id}.{generation_index}-a{attempt}"
 
 
-def _episode_row(p: EpisodeProgress, now: float) -> dict:
+def _episode_rows(p: EpisodeProgress, now: float) -> tuple[dict, int, dict | None]:
+    """(the episode's row, the first token this save writes, its new piece or None)."""
+    row = {"episode_key": p.key, "attempt_id": p.attempt_id, "turn": p.turn, "state": _state_json(p),
+           "updated_at": now, "transcript_tokens": None}
     if p.token_ids is None and p.logprobs is None and p.token_versions is None:
-        return {"episode_key": p.key, "attempt_id": p.attempt_id, "turn": p.turn, "state": _state_json(p),
-                "updated_at": now, "token_ids": None, "logprobs": None, "version_token_counts": None}
+        return row, 0, None
     if p.token_ids is None or p.logprobs is None or p.token_versions is None:
         raise ValueError(f"episode {p.key}: give token ids, logprobs and token versions, or none of them "
                          "(nothing was written)")
@@ -416,10 +430,15 @@ def _episode_row(p: EpisodeProgress, now: float) -> dict:
             f"episode {p.key}: transcript of {n_tokens} token ids, {n_logprobs} logprobs and "
             f"{n_versions} token versions; pass one logprob and one version per token (nothing was written)"
         )
-    return {
-        "episode_key": p.key, "attempt_id": p.attempt_id, "turn": p.turn, "state": _state_json(p), "updated_at": now,
-        "token_ids": encode_tokens(p.token_ids), "logprobs": encode_logprobs(p.logprobs),
-        "version_token_counts": encode_version_counts(version_runs(p.token_versions)),
+    row["transcript_tokens"] = n_tokens
+    first = p.saved_tokens if 0 <= p.saved_tokens <= n_tokens else 0  # shrank or nonsense: start over
+    if first == n_tokens:
+        return row, first, None
+    # Slices of what is new only: the cost of a save follows the turn, not the transcript.
+    return row, first, {
+        "attempt_id": p.attempt_id, "first_token": first,
+        "token_ids": encode_tokens(p.token_ids[first:]), "logprobs": encode_logprobs(p.logprobs[first:]),
+        "version_token_counts": encode_version_counts(version_runs(p.token_versions[first:])),
     }
 
 
@@ -432,10 +451,12 @@ def _state_json(p: EpisodeProgress) -> str:
 
 
 def put_episodes(conn: Connection | sqlite3.Connection, rows: Sequence[EpisodeProgress]) -> None:
-    """Save episodes after their last finished turn: one executemany upsert keyed by
-    the episode key, no SELECT (it runs inside the pump's group-commit transaction).
-    Every row is checked and encoded before anything is written: a transcript whose
-    tokens, logprobs and versions differ in length is refused with a ValueError.
+    """Save episodes after their last finished turn: one executemany upsert of their rows
+    keyed by the episode key, and their transcripts' new tokens appended as pieces
+    (`EpisodeProgress.saved_tokens` says where the new tokens begin), no SELECT (it runs
+    inside the pump's group-commit transaction). Every row is checked and encoded before
+    anything is written: a transcript whose tokens, logprobs and versions differ in
+    length is refused with a ValueError.
 
     Write progress only for running attempts, and before `ledger.finish_attempts` of
     the same batch: finishing drops the row, so an upsert after it would leave a row of
@@ -443,8 +464,12 @@ def put_episodes(conn: Connection | sqlite3.Connection, rows: Sequence[EpisodePr
     if not rows:
         return
     now = time.time()
-    params = [_episode_row(p, now) for p in rows]
-    _UPSERT_EPISODES.many(conn, params)
+    encoded = [_episode_rows(p, now) for p in rows]
+    _UPSERT_EPISODES.many(conn, [row for row, _, _ in encoded])
+    _DROP_PIECES_FROM.many(conn, [{"attempt_id": row["attempt_id"], "first_token": first} for row, first, _ in encoded])
+    pieces = [piece for _, _, piece in encoded if piece is not None]
+    if pieces:
+        _APPEND_PIECES.many(conn, pieces)
 
 
 def put_episode(conn: Connection, attempt_id: int, *, turn: int, state: dict) -> str:
@@ -454,53 +479,71 @@ def put_episode(conn: Connection, attempt_id: int, *, turn: int, state: dict) ->
     g, i, a = conn.execute(
         select(rollouts.c.group_id, rollouts.c.generation_index, rollouts.c.attempt).where(rollouts.c.attempt_id == attempt_id)
     ).one()
-    key = episode_key(g, i, a)
-    _UPSERT_EPISODES.many(conn, [{
-        "episode_key": key, "attempt_id": attempt_id, "turn": turn, "state": json.dumps(state),
-        "updated_at": time.time(), "token_ids": None, "logprobs": None, "version_token_counts": None,
-    }])
-    return key
+    put_episodes(conn, [EpisodeProgress(attempt_id, g, i, a, turn, state, None, None, None)])
+    return episode_key(g, i, a)
 
 
 _Transcript = tuple[list[int] | None, list[float] | None, list[int] | None]
+_NO_TRANSCRIPT: _Transcript = (None, None, None)
 
 
-def _transcript(tokens: bytes | None, logprobs: bytes | None, runs: str | None) -> _Transcript:
-    """Decode a saved transcript; (None, None, None) when there is none, or when its
-    three payloads disagree in length (not written by `put_episodes`): such an episode
-    is restarted, like one saved without a transcript, rather than resumed from tokens
-    that do not line up."""
-    if tokens is None or logprobs is None or runs is None:
-        return None, None, None
-    if len(tokens) % TOKEN_DTYPE.itemsize or len(logprobs) % LOGPROB_DTYPE.itemsize:
-        return None, None, None
-    ids, lps = decode_tokens(tokens), decode_logprobs(logprobs)
-    try:
-        pairs = decode_version_counts(runs)
-    except (ValueError, TypeError):
-        return None, None, None
-    versions = np.repeat(np.array([v for v, _ in pairs], dtype=np.int64),
-                         np.array([n for _, n in pairs], dtype=np.int64)) if pairs else np.zeros(0, np.int64)
-    if not len(ids) == len(lps) == len(versions):
-        return None, None, None
-    return ids.tolist(), lps.tolist(), versions.tolist()
+def _transcript(n_tokens: int | None, pieces: Sequence[tuple[int, bytes, bytes, str]]) -> _Transcript:
+    """Join a saved transcript's pieces ((first token, token ids, logprobs, version runs),
+    in order); (None, None, None) when there is none (`n_tokens` NULL), or when the pieces
+    do not line up (a gap, an overlap, a total other than `n_tokens`, payloads of
+    different lengths: not written by `put_episodes`): such an episode is restarted, like
+    one saved without a transcript, rather than resumed from tokens that do not line up."""
+    if n_tokens is None:
+        return _NO_TRANSCRIPT
+    ids: list[int] = []
+    lps: list[float] = []
+    versions: list[int] = []
+    for first, tokens, logprobs, runs in pieces:
+        if first != len(ids) or type(tokens) is not bytes or type(logprobs) is not bytes:
+            return _NO_TRANSCRIPT
+        if len(tokens) % TOKEN_DTYPE.itemsize or len(logprobs) % LOGPROB_DTYPE.itemsize:
+            return _NO_TRANSCRIPT
+        try:
+            pairs = decode_version_counts(runs)
+        except (ValueError, TypeError):
+            return _NO_TRANSCRIPT
+        piece_ids, piece_lps = decode_tokens(tokens), decode_logprobs(logprobs)
+        piece_versions = np.repeat(np.array([v for v, _ in pairs], dtype=np.int64),
+                                   np.array([n for _, n in pairs], dtype=np.int64)) if pairs else np.zeros(0, np.int64)
+        if not len(piece_ids) == len(piece_lps) == len(piece_versions) > 0:
+            return _NO_TRANSCRIPT
+        ids += piece_ids.tolist()
+        lps += piece_lps.tolist()
+        versions += piece_versions.tolist()
+    return (ids, lps, versions) if len(ids) == n_tokens else _NO_TRANSCRIPT
 
 
 def read_episodes(conn: Connection, *, running_only: bool = False) -> dict[tuple[int, int], SavedEpisode]:
     """(group id, generation index) -> the episode its attempt saved; with
     `running_only`, only episodes of attempts still running (a restore reads these before
-    abandoning them). A generation has one running attempt, so one episode."""
+    abandoning them). A generation has one running attempt, so one episode. Two reads:
+    the episodes, then their transcripts' pieces in order."""
     query = (
-        select(episodes.c.episode_key, rollouts.c.group_id, rollouts.c.generation_index, rollouts.c.attempt,
-               episodes.c.turn, episodes.c.state, episodes.c.token_ids, episodes.c.logprobs,
-               episodes.c.version_token_counts)
+        select(episodes.c.attempt_id, episodes.c.episode_key, rollouts.c.group_id, rollouts.c.generation_index,
+               rollouts.c.attempt, episodes.c.turn, episodes.c.state, episodes.c.transcript_tokens)
         .join(rollouts, rollouts.c.attempt_id == episodes.c.attempt_id)
         .order_by(rollouts.c.attempt_id)
     )
     if running_only:  # `+`: driven from the episodes, not from every running attempt's index entry
         query = query.where(literal_column("+rollouts.state") == "running")
+    rows = conn.execute(query).all()
+    pieces: dict[int, list[tuple[int, bytes, bytes, str]]] = {}
+    with_transcript = [r[0] for r in rows if r[7] is not None]
+    if with_transcript:
+        for attempt_id, *piece in conn.execute(
+                select(episode_tokens.c.attempt_id, episode_tokens.c.first_token, episode_tokens.c.token_ids,
+                       episode_tokens.c.logprobs, episode_tokens.c.version_token_counts)
+                .where(in_json(episode_tokens.c.attempt_id))
+                .order_by(episode_tokens.c.attempt_id, episode_tokens.c.first_token),
+                {"ids": json_ids(with_transcript)}).all():
+            pieces.setdefault(attempt_id, []).append(tuple(piece))
     return {
-        (g, i): SavedEpisode(k, a, t, json.loads(s), *_transcript(tok, lp, runs))
-        for k, g, i, a, t, s, tok, lp, runs in conn.execute(query).all()
+        (g, i): SavedEpisode(k, a, t, json.loads(s), *_transcript(n, pieces.get(attempt_id, ())))
+        for attempt_id, k, g, i, a, t, s, n in rows
     }
 

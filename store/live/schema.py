@@ -286,14 +286,13 @@ class EnvEpisode(Base):
     """An episode of a running attempt after its last finished turn (turn-level
     recovery). `episode_key` is `<group_id>.<generation_index>-a<attempt>`.
 
-    The transcript (revision v1_2_a) is every token after the prompt so far, the
-    policy's replies and the environment's observations in order: `token_ids` int32
-    little-endian, `logprobs` float32 little-endian (0.0 for environment tokens) and
-    `version_token_counts` JSON runs `[[version, count], ...]` as samples have them,
-    environment tokens under version -1. The loss mask is "version != -1", the rule the
-    train pump applies to samples. The three have one entry per token (the run counts
-    summed). NULL in all three: a row written before v1_2_a or by an environment that
-    saves only its state; not resumable at turn level (the pump restarts the episode).
+    `transcript_tokens` (revision v1_11_a) is how many tokens of transcript the episode
+    saved: every token after the prompt so far, the policy's replies and the
+    environment's observations in order, kept in `episode_tokens` as pieces appended
+    one per save. NULL: an episode that saves only its state (or one saved before
+    v1_2_a); not resumable at turn level (the pump restarts the episode). A turn's save
+    rewrites this small row and appends its new tokens: before v1_11_a the whole
+    transcript lived here and every turn rewrote it, O(tokens so far) per turn.
     """
 
     __tablename__ = "env_episodes"
@@ -305,9 +304,32 @@ class EnvEpisode(Base):
     turn: Mapped[int] = mapped_column(Integer)
     state: Mapped[str] = mapped_column(Text)  # JSON
     updated_at: Mapped[float] = mapped_column(Float)
-    token_ids: Mapped[bytes | None] = mapped_column(LargeBinary)
-    logprobs: Mapped[bytes | None] = mapped_column(LargeBinary)
-    version_token_counts: Mapped[str | None] = mapped_column(Text)
+    transcript_tokens: Mapped[int | None] = mapped_column(Integer)
+
+
+class EpisodeToken(Base):
+    """A piece of a saved episode's transcript (revision v1_11_a): the tokens
+    [first_token, first_token + n) of the transcript of the episode of `attempt_id`,
+    appended by the save that first had them (`pools.put_episodes`), so a turn writes
+    what it added, not the transcript so far. `token_ids` int32 little-endian,
+    `logprobs` float32 little-endian (0.0 for environment tokens), `version_token_counts`
+    JSON runs `[[version, count], ...]` as samples have them, environment tokens under
+    version -1 (the loss mask is "version != -1", the rule the train pump applies to
+    samples); one entry per token in all three. The pieces of an episode, in
+    `first_token` order, are contiguous from 0 and sum to its `transcript_tokens`; a
+    reader that finds otherwise restarts the episode rather than resume from tokens that
+    do not line up. Deleting the episode deletes its pieces (ON DELETE CASCADE)."""
+
+    __tablename__ = "episode_tokens"
+    __table_args__ = (CheckConstraint("first_token >= 0", name="piece_offset"),)
+
+    attempt_id: Mapped[int] = mapped_column(
+        ForeignKey("env_episodes.attempt_id", ondelete="CASCADE"), primary_key=True
+    )
+    first_token: Mapped[int] = mapped_column(Integer, primary_key=True)
+    token_ids: Mapped[bytes] = mapped_column(LargeBinary)
+    logprobs: Mapped[bytes] = mapped_column(LargeBinary)
+    version_token_counts: Mapped[str] = mapped_column(Text)
 
 
 class SettledStep(Base):
