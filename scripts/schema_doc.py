@@ -74,7 +74,10 @@ Times (`*_at`, `t`, `cut_time`) are seconds since the Unix epoch (REAL). A store
 records its schema revision in `alembic_version` (the store's `v1_*`, the trace's
 `trace_v1_*`). Decoding a BLOB in Python: `numpy.frombuffer(blob, "<i4")` for token ids,
 `numpy.frombuffer(blob, "<f4")` for logprobs; in DuckDB, `octet_length(token_ids) / 4`
-is the token count.
+is the token count. An episode's transcript (since `v1_11_a`) is its `episode_tokens` pieces
+joined in `first_token` order: `SELECT token_ids FROM episode_tokens WHERE attempt_id = ?
+ORDER BY first_token`, the BLOBs concatenated (in Python `b"".join(...)`), their count
+`env_episodes.transcript_tokens`.
 """
 
 
