@@ -42,7 +42,11 @@ def sqlite_rows(path: Path, query: str) -> list[tuple]:
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory) -> Path:
     run = tmp_path_factory.mktemp("sql") / "run"
-    result = train(run)
+    # Every checkpoint and snapshot kept: the last ones may find nothing left in flight and
+    # reference no segment, and retention then deletes every segment (a fresh-clone CI run
+    # ended with snapshot_5 and snapshot_6 and no segment); the early ones, taken with
+    # payload in flight, keep theirs.
+    result = train(run, overrides=["checkpointing.keep_last=1000", "rollout_checkpointing.keep_last=1000"])
     assert result.returncode == 0, result.stderr[-3000:]
     return run
 
