@@ -236,8 +236,8 @@ class RolloutPump:
         completed = list(pending.completed)
         t0 = time.perf_counter()
         with self.p.store.atomic() as tx:
-            saving = list(pending.progress.values())  # running attempts only
-            rows = [live.progress() for live in saving]
+            saves = [(live, live.progress()) for live in pending.progress.values()]  # running attempts only
+            rows = [row for _, row in saves]
             if rows:
                 pools.put_episodes(tx, rows)
             by_group: dict[int, tuple[GroupHandle, dict[int, FinishedGeneration]]] = {}
@@ -252,13 +252,10 @@ class RolloutPump:
                 # transaction that starts it: until its next turn commits they were only in
                 # this pump, and a snapshot cut meanwhile (a stop soon after a resume, as on a
                 # preemptible cluster) lost them for good.
-                resuming = [live for live in restored_started if live.from_attempt is not None]
-                resumed = [live.progress() for live in resuming]
+                resumed = [(live, live.progress()) for live in restored_started if live.from_attempt is not None]
                 if resumed:
-                    pools.put_episodes(tx, resumed)
-                saving, rows_saved = saving + resuming, rows + resumed
-            else:
-                rows_saved = rows
+                    pools.put_episodes(tx, [row for _, row in resumed])
+                saves += resumed
             completed += finalize
             keep, drop = self._split_by_variance(tx, completed)
             if drop:
@@ -280,7 +277,7 @@ class RolloutPump:
                                                 self._room() - len(restored_started))
             t_commit = time.time()  # before the commit: the trace stamps this batch's events with it
         t1 = time.perf_counter()
-        for live, row in zip(saving, rows_saved):  # committed: their next saves append
+        for live, row in saves:  # committed: their next saves append
             live.saved_by(row)
         if not self._restored:
             self.restored_started = True
