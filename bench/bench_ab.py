@@ -82,6 +82,15 @@ FIGURES = {
         ("late / early bytes", ("late_over_early_bytes",), False),
         ("bytes written / transcript bytes", ("bytes_written_over_transcript",), False),
     ],
+    "bench_bounded_store.py": [  # run with --steps 30 3000 --no-baseline
+        ("live store largest / smallest", ("live_growth",), False),
+        ("snapshot largest / smallest", ("snapshot_growth",), False),
+        ("settled_steps rows, largest", ("largest", "settled_rows"), False),
+        ("copy check ms, largest", ("largest", "check_ms"), False),
+        ("copy check largest / smallest", ("check_growth",), False),
+        ("audit ms, largest", ("largest", "audit_ms"), False),
+        ("audit largest / smallest", ("audit_growth",), False),
+    ],
     "bench_group_commit.py": [
         ("batched calls/s", ("median", "batched", "calls_per_s"), True),
         ("batched window p99 ms", ("median", "batched", "window_p99_ms"), False),

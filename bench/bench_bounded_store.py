@@ -4,6 +4,7 @@ as a ledger row), side by side in one run (BENCHMARKS.md, "A bounded live store"
 
     python bench/bench_bounded_store.py                    # 30, 300, 3000 steps
     python bench/bench_bounded_store.py --steps 30 300     # shorter
+    python bench/bench_ab.py --rev REV bench_bounded_store.py --steps 30 3000 --no-baseline
 
 The quickstart's shape through the Store API (no model, so 3000 steps take seconds, not
 hours): 8 groups per step of 8 generations, 4-token samples, groups stamped one step
@@ -21,15 +22,24 @@ connection reported busy without saying so and left one column's WAL in its figu
 "before" is the same loop with `compaction.settle_groups` replaced by a no-op: settled
 groups keep their ledger and attempt rows, as they did before v1_4_a. "after" is the
 compaction at head (v1_5_a: one `settled_steps` row per step; its rows and pages are
-listed). Goal, as issue 32 states it: the live store after 3000 steps <= 1.2x its size after
+listed; v1_12_a: the rows of steps older than the kept ones fold into `settled_prefix`).
+Goal, as issue 32 states it: the live store after 3000 steps <= 1.2x its size after
 30 (flat); every size is printed against the smallest, met/missed, live file and snapshot.
+
+At each size it also times, on the snapshot, the check every snapshot's publish runs on
+its copy (`check_invariants`, via `copy_problems`) and a resume's audit (`audit_ledger`):
+both decode the settled record, so they follow its rows. `--json PATH` writes the
+"after" figures (bench_ab.py compares them across revisions); `--no-baseline` skips the
+"before" loop.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import random
+import statistics
 import sqlite3
 import sys
 import tempfile
@@ -39,7 +49,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 from benchlib import machine_line, say  # noqa: E402
 
-from rolloutdb.store import FinishedGeneration, Reservation, Store, ledger, pools
+from rolloutdb.store import FinishedGeneration, Reservation, Store, check_invariants, ledger, pools
+from rolloutdb.store.restore.choice import audit_ledger
 
 GROUPS, GENERATIONS, TOKENS = 8, 8, 4
 GOAL = 1.2
@@ -115,19 +126,44 @@ def run(path: Path, steps: list[int], snaps: Path) -> dict[int, tuple[int, int, 
     return out
 
 
+def median_ms(f, n: int) -> float:
+    """The median of `n` timed calls of `f`, in ms."""
+    xs = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        f()
+        xs.append(time.perf_counter() - t0)
+    return statistics.median(xs) * 1e3
+
+
+def checks(snaps: Path, steps: list[int]) -> dict[int, tuple[float, float]]:
+    """(copy check ms, audit ms), medians, on the "after" snapshot at each step count."""
+    out = {}
+    for s in steps:
+        path = snaps / f"after_{s}.sqlite"
+        with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as conn:
+            assert check_invariants(conn).ok, f"{path}: the snapshot fails its own check"
+            check = median_ms(lambda: check_invariants(conn), 15)
+        out[s] = (check, median_ms(lambda: audit_ledger(path, groups_per_step=GROUPS), 5))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, nargs="+", default=[30, 300, 3000])
+    parser.add_argument("--no-baseline", action="store_true", help="skip the loop without compaction")
+    parser.add_argument("--json", type=Path, default=None, help="write the 'after' figures here")
     args = parser.parse_args(argv)
     steps = sorted(args.steps)
     say(f"# {machine_line()}")
     with tempfile.TemporaryDirectory(prefix="bench_bounded_") as tmp:
         work = Path(tmp)
         after = run(work / "after.sqlite", steps, work)
+        timed = checks(work, steps)
         keep = ledger.settle_groups
         ledger.settle_groups = lambda conn, ids: None  # the baseline: settled rows stay in the ledger
         try:
-            before = run(work / "before.sqlite", steps, work)
+            before = after if args.no_baseline else run(work / "before.sqlite", steps, work)
         finally:
             ledger.settle_groups = keep
     say(f"{'steps':>6} | {'before: live':>13} {'WAL':>7} {'snapshot':>10} {'rows':>8} | {'after: live':>12} {'WAL':>7} "
@@ -141,7 +177,22 @@ def main(argv: list[str] | None = None) -> int:
         for name, figures in (("before", before), ("after", after)):
             live, snap = figures[s][0] / figures[base][0], figures[s][1] / figures[base][1]
             verdict = "met" if max(live, snap) <= GOAL else "missed"
-            say(f"{name:<6} {s} vs {base} steps: live {live:.2f}x, snapshot {snap:.2f}x (goal <= {GOAL}x: {verdict})")
+            if name == "after" or not args.no_baseline:
+                say(f"{name:<6} {s} vs {base} steps: live {live:.2f}x, snapshot {snap:.2f}x (goal <= {GOAL}x: {verdict})")
+    for s in steps:
+        say(f"after  {s:>6} steps: the copy check {timed[s][0]:.2f} ms, the audit {timed[s][1]:.2f} ms (medians)")
+    top = steps[-1]
+    say(f"after  {top} vs {base} steps: copy check {timed[top][0] / timed[base][0]:.2f}x, "
+        f"audit {timed[top][1] / timed[base][1]:.2f}x")
+    if args.json:
+        args.json.write_text(json.dumps({
+            "by": {str(s): {"live_kib": after[s][0] / 1024, "snapshot_kib": after[s][1] / 1024,
+                            "settled_rows": after[s][3], "check_ms": timed[s][0], "audit_ms": timed[s][1]}
+                   for s in steps},
+            "live_growth": after[top][0] / after[base][0], "snapshot_growth": after[top][1] / after[base][1],
+            "check_growth": timed[top][0] / timed[base][0], "audit_growth": timed[top][1] / timed[base][1],
+            "largest": {"settled_rows": after[top][3], "check_ms": timed[top][0], "audit_ms": timed[top][1]},
+        }, indent=1))
     return 0
 
 

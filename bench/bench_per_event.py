@@ -44,12 +44,7 @@ _CALL = ("INSERT INTO call_finished (seq, t, run, group_id, prompt_id, generatio
 
 
 def _ms(f, n: int = 20) -> float:
-    xs = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        f()
-        xs.append(time.perf_counter() - t0)
-    return statistics.median(xs) * 1e3
+    return loop.median_ms(f, n)
 
 
 def settles_and_checks(work: Path, steps: list[int]) -> None:

@@ -48,6 +48,7 @@ from .sqlite.upgrade import upgrade_file
 # live: the Store, its transitions, reads, invariants and capture
 from .live import codec, ledger, pools, queries
 from .live.capture import Capture, capture_snapshot
+from .live.compaction import KEEP_STEPS, keep_steps_for
 from .live.invariants import InvariantReport, check_invariants
 from .live.ledger import FinishedGeneration, Reservation
 from .live.pools import CallPrefix, Chunk, ChunkReference, EpisodeProgress, SavedEpisode
@@ -160,6 +161,8 @@ __all__ = [
     "check_invariants",
     "codec",
     "ledger",
+    "KEEP_STEPS",
+    "keep_steps_for",
     "pools",
     "queries",
     # checkpoints

@@ -79,6 +79,10 @@ SEGMENT_POINTS: tuple[str, ...] = register(
     "segment.removed",
 )
 
+# Kill point of a settle's fold (store/live/compaction.py `fold_settled`): the folded rows
+# deleted, the prefix's counts not yet written, all in the settle's open transaction.
+FOLD_POINTS: tuple[str, ...] = register("settle.rows_folded")
+
 # Kill points of `rolloutdb upgrade` (store.revision.upgrade_file), between its steps.
 UPGRADE_POINTS: tuple[str, ...] = register("upgrade.copied", "upgrade.migrated")
 

@@ -14,7 +14,7 @@ from conftest import REPO
 from rolloutdb.controller import fault_points as controller_points
 from rolloutdb.store import faults
 
-STORE_POINTS = faults.POINTS + faults.SEGMENT_POINTS + faults.UPGRADE_POINTS
+STORE_POINTS = faults.POINTS + faults.SEGMENT_POINTS + faults.FOLD_POINTS + faults.UPGRADE_POINTS
 
 
 def _point_calls(folder: str) -> list[tuple[str, int, str]]:

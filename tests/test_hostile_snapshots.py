@@ -233,6 +233,13 @@ FORGED_RECORDS = {
     "target_step BLOB": ("UPDATE settled_steps SET target_step = x'01'", "settled_steps", "target_step"),
     "discard reason BLOB": ("UPDATE discard_reasons SET reason = x'00ff'", "discard_reasons", "reason"),
     "a 200 KB varint": ("UPDATE settled_steps SET others = ?", "settled_steps", "varint"),
+    # v1_12_a: the folded prefix's counts
+    "prefix seq_end TEXT": ("INSERT INTO settled_prefix (id, seq_end, trained, discarded, through_step) "
+                            "VALUES (1, 'x', 0, '{}', NULL)", "settled_prefix", "seq_end"),
+    "prefix discarded not JSON": ("INSERT INTO settled_prefix (id, seq_end, trained, discarded, through_step) "
+                                  "VALUES (1, 0, 0, 'nope', NULL)", "settled_prefix", "discarded"),
+    "prefix counts that do not add up": ("INSERT INTO settled_prefix (id, seq_end, trained, discarded, through_step) "
+                                         f"VALUES (1, 0, 0, '{{\"x\": {BIG}}}', NULL)", "settled_prefix", "discarded"),
 }
 
 

@@ -221,9 +221,16 @@ def test_each_fixture_upgrades_to_head_keeping_every_row(fixture_copy):
             assert got == outcomes
         # v1_5_a: one row per trained step, the discards coded inside: the rows make_fixture
         # writes out by hand for PLAN, whatever revision the file came from.
-        steps, reasons = _load_make_fixture()._settled_steps()
+        # v1_12_a: a file that was already there folded the rows below FOLDED_BELOW into
+        # settled_prefix (kept as they were: checked with the other tables); an older file
+        # upgrades with nothing folded.
+        fixture = _load_make_fixture()
+        steps, reasons = fixture._settled_steps()
+        below = fixture.FOLDED_BELOW if "settled_prefix" in old else 0
         assert after.execute("SELECT seq_start, seq_end, trained_step, target_step, others FROM settled_steps "
-                             "ORDER BY seq_start").fetchall() == [tuple(r.values()) for r in steps]
+                             "ORDER BY seq_start").fetchall() == [tuple(r.values()) for r in steps if r["seq_start"] >= below]
+        if "settled_prefix" not in old:
+            assert after.execute("SELECT count(*) FROM settled_prefix").fetchone()[0] == 0
         assert after.execute("SELECT code, reason FROM discard_reasons ORDER BY code").fetchall() == [
             tuple(r.values()) for r in reasons]
         if "settled_prompts" not in old:
@@ -503,3 +510,26 @@ def test_v1_11_a_downgrade_joins_each_transcripts_pieces_into_its_row_and_upgrad
             "SELECT attempt_id, first_token, token_ids, logprobs FROM episode_tokens")} == {
             a: w[:2] for a, w in want.items()}
         assert conn.execute("SELECT count(*) FROM episode_tokens WHERE first_token != 0").fetchone() == (0,)
+
+
+def test_v1_12_a_downgrade_writes_the_folded_prefix_back_as_one_row_settling_each_position_once(tmp_path):
+    """The v1_12_a fixture folded positions 0..7 (steps 1 and 2: 7 trained, position 5
+    discarded for zero reward variance). v1_11_a has no counts, so a downgrade writes
+    them as one `settled_steps` row from 0, by hand: the 7 trained first at step 2, then
+    the discard (varints gap 7, length 1, code 3 = zero_reward_variance). Which step
+    trained which position is gone; every position stays settled once."""
+    path = tmp_path / "store.sqlite"
+    shutil.copyfile(FIXTURES / "store_v1_12_a.sqlite", path)
+    with _connect(path) as conn:
+        assert conn.execute("SELECT seq_end, trained, discarded, through_step FROM settled_prefix").fetchall() == [
+            (8, 7, '{"zero_reward_variance": 1}', 2)]
+        kept = conn.execute("SELECT * FROM settled_steps ORDER BY seq_start").fetchall()
+    run_migrations(path, "v1_11_a", downgrade=True)
+    with _connect(path) as conn:
+        assert "settled_prefix" not in _tables(conn)
+        assert conn.execute("SELECT * FROM settled_steps ORDER BY seq_start").fetchall() == [
+            (0, 8, 2, None, bytes([7, 1, 3]))] + kept
+        assert conn.execute("SELECT code FROM discard_reasons WHERE reason = 'zero_reward_variance'").fetchone() == (3,)
+    assert _invariant_problems(path) == []
+    run_migrations(path)
+    assert _invariant_problems(path) == []

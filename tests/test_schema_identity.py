@@ -137,12 +137,13 @@ def test_an_old_schema_labelled_head_is_told_which_revision_it_matches(tmp_path)
     # The first two differences are named, the rest counted: v1_11_a's
     # env_episodes.transcript_tokens and episode_tokens table (v1_2_a's three episode
     # columns are gone again at head), v1_1_a's samples.version_token_counts, v1_3_a's token_chunks.logprobs,
-    # v1_4_a's settled_prompts table, v1_5_a's settled_steps and discard_reasons tables and
+    # v1_4_a's settled_prompts table, v1_5_a's settled_steps and discard_reasons tables,
+    # v1_12_a's settled_prefix table and
     # v1_6_a's payload_segments table and samples' segment reference (its column, index and
     # constraints) are missing (v1_4_a's settled_ranges is gone again at head), and v1_0_a's
     # finalizer_results table is unexpected (v1_7_a drops it); so is v1_8_a's segment
     # reference of token_chunks (its columns and constraints).
-    assert ("table discard_reasons is missing; column env_episodes.transcript_tokens is missing; and 15 more"
+    assert ("table discard_reasons is missing; column env_episodes.transcript_tokens is missing; and 16 more"
             in result.stderr)
 
 

@@ -31,7 +31,7 @@ from rolloutdb.controller.recovery.snapshot_pump import SnapshotPump
 from rolloutdb.controller.training.pump import TrainPump
 from rolloutdb.controller.training.checkpoints import TrainerCheckpoints
 from rolloutdb.controller.tasks.plugins import TaskPlugins
-from rolloutdb.store import Chunk, SavedEpisode, Store, anchor_name, faults, open_tracer, segments_dir_of
+from rolloutdb.store import Chunk, SavedEpisode, Store, anchor_name, faults, keep_steps_for, open_tracer, segments_dir_of
 
 if TYPE_CHECKING:  # aiohttp is imported only when a run has agent servers
     from rolloutdb.controller.agent_server.client import AgentPool
@@ -200,7 +200,9 @@ class Controller:
         self.checkpoints.publish_bootstrap()
         self.bar = ProgressBar(cfg.algorithm.total_steps, enabled=cfg.logging.progress, start_step=self.trainer.step)
         if cfg.ledger_dispatch:
-            dispatcher: LedgerDispatch | NoLedgerDispatch = LedgerDispatch()
+            # the settled record keeps the steps a rewind to the oldest kept checkpoint needs
+            dispatcher: LedgerDispatch | NoLedgerDispatch = LedgerDispatch(
+                keep_steps_for(cfg.checkpointing.interval_steps, cfg.checkpointing.keep_last))
         else:
             with self.store.read() as conn:
                 dispatcher = NoLedgerDispatch.resuming(conn)

@@ -22,7 +22,7 @@ from typing import Protocol
 
 from sqlalchemy import Connection
 
-from rolloutdb.store import FinishedGeneration, Reservation, ledger, queries
+from rolloutdb.store import KEEP_STEPS, FinishedGeneration, Reservation, ledger, queries
 
 
 @dataclass
@@ -66,6 +66,10 @@ class Dispatcher(Protocol):
 class LedgerDispatch:
     records_groups = True
 
+    def __init__(self, keep_steps: int = KEEP_STEPS):
+        # the settled record keeps a row per step for this many steps (compaction.keep_steps_for)
+        self.keep_steps = keep_steps
+
     def reserve(self, tx: Connection, prompts: Sequence[Reservation], *, step: int, num_generations: int) -> list[GroupHandle]:
         ids = ledger.reserve_groups(tx, prompts, num_generations=num_generations, target_step=step)
         return [GroupHandle(g, p, step, num_generations) for g, p in zip(ids, prompts)]
@@ -107,7 +111,7 @@ class LedgerDispatch:
         ledger.discard_groups(tx, [g.group_id for g in groups], reason=reason)
 
     def trained(self, tx: Connection, group_ids: Sequence[int], *, step: int) -> None:
-        ledger.mark_trained(tx, group_ids, step=step)
+        ledger.mark_trained(tx, group_ids, step=step, keep_steps=self.keep_steps)
 
 
 class NoLedgerDispatch:

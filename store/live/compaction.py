@@ -35,17 +35,26 @@ chunk its prompt is in.
 
 The payload rows (samples, replay, chunks, episodes) are dropped by
 the ledger's transitions before this runs; here only the ledger and attempt rows go.
+
+One row per step is still O(run): ~27 bytes a step that every snapshot copied and
+~20 us a step that every snapshot's copy check decoded. So every FOLD_EVERY train steps
+the settle folds the positions below both the lowest live position and the first row of
+a step it keeps into `settled_prefix` (revision v1_12_a): counts, not rows
+(`fold_settled`). The rows stay about KEEP_STEPS + FOLD_EVERY whatever the run's length;
+a rewind below the folded steps is refused (restore/rewind.py).
 """
 
 from __future__ import annotations
 
+import json
 import sqlite3
 from typing import Any
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from sqlalchemy import Connection, delete, select
 
+from .. import faults
 from ..errors import IllegalTransition, RecordDamaged
 from ..sqlite.prepared import Prepared, _driver, in_json, json_ids
 from .schema import PROMPT_CHUNK, T
@@ -292,9 +301,13 @@ def settle_groups(conn: Connection, group_ids: Sequence[int]) -> None:
         return
     ids = {"ids": json_ids(group_ids)}
     rows = _SETTLED_ROWS.run(conn, ids).fetchall()
+    raw = _driver(conn)
+    folded = raw.execute("SELECT seq_end FROM settled_prefix").fetchone()
+    if rows and folded and rows[0][0] < folded[0]:  # rows are in position order
+        raise IllegalTransition(f"sampler positions {rows[0][0]}..{rows[0][0]}: already settled (folded into "
+                                f"settled_prefix below {folded[0]}); a position settles once")
     _DELETE_ATTEMPTS.run(conn, ids)
     _DELETE_GROUPS.run(conn, ids)
-    raw = _driver(conn)
     trained: dict[tuple[int | None, int | None], list[int]] = {}
     discarded: list[tuple[int, str]] = []
     for seq, state, step, target, reason, *_ in rows:  # in position order
@@ -349,6 +362,10 @@ def unsettle_trained_after(raw: sqlite3.Connection, step: int) -> list[int]:
     position keeps its outcome. Returns the positions unsettled, in order. One read of
     the rows after `step` (no index on trained_step: a scan of about one row per step,
     once per such resume)."""
+    through = read_prefix(raw).through_step
+    if through is not None and through > step:
+        raise RecordDamaged(f"settled_prefix: the steps up to {through} are folded (which positions they trained is "
+                            f"no longer recorded), so the record cannot be rolled back to step {step}")
     rows = raw.execute("SELECT seq_start, seq_end, others FROM settled_steps WHERE trained_step > ? "
                        "ORDER BY seq_start", (step,)).fetchall()
     trained: list[int] = []
@@ -379,3 +396,129 @@ def unmark_settled(raw: sqlite3.Connection, prompts: Sequence[tuple[int, int]]) 
             bits[p >> 3] &= ~(1 << (p & 7)) & 0xFF
         raw.execute("UPDATE settled_prompts SET bits = ?, settles = ? WHERE epoch = ? AND chunk = ?",
                     (bytes(bits.rstrip(b"\0")), row[1] - len(ids), epoch, chunk))
+
+
+# --------------------------------------------------------------------------- the folded prefix
+
+# The record keeps a row per step for the last KEEP_STEPS train steps at least, and a
+# train step whose number is a multiple of FOLD_EVERY folds what is older into
+# `settled_prefix` (schema.SettledPrefix): the table then holds at most about
+# KEEP_STEPS + FOLD_EVERY rows whatever the run's length, and a fold decodes about
+# FOLD_EVERY rows (BENCHMARKS.md, "The settled record keeps the recent steps"). A resume
+# from a trainer checkpoint alone rewinds to a step after the newest fold; the controller
+# keeps more steps when its checkpoints are further apart (`keep_steps_for`).
+KEEP_STEPS = 256
+FOLD_EVERY = 64
+
+
+@dataclass(frozen=True)
+class Prefix:
+    """The folded prefix: positions [0, seq_end) settled once each, `trained` of them
+    trained, `discarded` {reason: count} the rest; `through_step`: the latest step folded."""
+
+    seq_end: int = 0
+    trained: int = 0
+    discarded: dict[str, int] = field(default_factory=dict)
+    through_step: int | None = None
+
+
+_PREFIX_COLUMNS = (("seq_end", "int"), ("trained", "int"), ("discarded", "text"), ("through_step", "int?"))
+
+
+def read_prefix(raw: sqlite3.Connection) -> Prefix:
+    """`settled_prefix`'s row; an empty Prefix when nothing is folded or the file is older
+    than v1_12_a. Raises RecordDamaged when its columns are not of their types or its
+    counts do not add up to its positions."""
+    if not raw.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'settled_prefix'").fetchone():
+        return Prefix()
+    row = raw.execute("SELECT seq_end, trained, discarded, through_step FROM settled_prefix").fetchone()
+    if row is None:
+        return Prefix()
+    where = "settled_prefix row id=1"
+    check_types(where, row, _PREFIX_COLUMNS)
+    try:
+        discarded = json.loads(row[2])
+    except ValueError:
+        discarded = None
+    if not isinstance(discarded, dict) or not all(type(n) is int and n >= 0 for n in discarded.values()):
+        raise RecordDamaged(f"{where}: discarded is not a JSON object of reason -> count; the record is "
+                            "damaged: restore another snapshot")
+    if row[1] + sum(discarded.values()) != row[0]:
+        raise RecordDamaged(f"{where}: {row[1]} trained and {sum(discarded.values())} discarded positions do not "
+                            f"add up to its {row[0]} positions; the record is damaged: restore another snapshot")
+    return Prefix(row[0], row[1], discarded, row[3])
+
+
+def keep_steps_for(interval_steps: int, keep_last: int) -> int:
+    """The steps the record keeps a row for, given the trainer checkpoints' interval and
+    how many are kept: a rewind can go back to the oldest kept checkpoint, so its steps
+    stay rows, and never fewer than KEEP_STEPS."""
+    return max(KEEP_STEPS, interval_steps * (keep_last + 1))
+
+
+def fold_settled(raw: sqlite3.Connection, *, through_step: int) -> int:
+    """Fold into `settled_prefix` the settled positions below `end`: the lowest live
+    position (the ledger, the spare pool, the sampler cursor) or the lowest start of a
+    row of a step after `through_step`, whichever is lower. Every row starting below
+    `end` gives up its positions below it: they become counts, and the row goes, or
+    keeps what it settles from `end` on as a row starting at its first such position (a
+    discard joins the row below it, so old rows reach forward over newer ones: a fold of
+    whole rows only would stop at the first of them). Returns the positions folded.
+    The folded positions are checked to be settled once each, in order after the prefix
+    (RecordDamaged otherwise: the settle's transaction rolls back). Reads the rows below
+    the lowest live position (about KEEP_STEPS + FOLD_EVERY) and decodes the ones it folds."""
+    prefix = read_prefix(raw)
+    (cursor,) = raw.execute("SELECT next_seq FROM sampler_state").fetchone()
+    lows = raw.execute("SELECT min(sample_seq) FROM prompt_groups UNION ALL SELECT min(sample_seq) FROM spare_prompts")
+    end = min([cursor, *(r[0] for r in lows if r[0] is not None)])
+    rows = raw.execute("SELECT seq_start, seq_end, trained_step, target_step, others FROM settled_steps "
+                       "WHERE seq_start < ? ORDER BY seq_start", (end,)).fetchall()
+    end = min([end, *(r[0] for r in rows if type(r[2]) is int and r[2] > through_step)])
+    folding = [r for r in rows if r[0] < end]
+    if not folding:
+        return 0
+    reasons = dict(raw.execute("SELECT code, reason FROM discard_reasons").fetchall())
+    below: list[tuple[int, int, int]] = []
+    kept: list[tuple[int, int | None, int | None, list[tuple[int, int, int]]]] = []
+    top = prefix.through_step
+    for start, stop, trained_step, target_step, others in folding:
+        check_types(_where(start), (trained_step, target_step), (("trained_step", "int?"), ("target_step", "int?")))
+        runs = decode_row(start, stop, others)
+        below += [(a, min(b, end), code) for a, b, code in runs if a < end and code != OPEN]
+        rest = [(max(a, end), b, code) for a, b, code in runs if b > end]
+        while rest and rest[0][2] == OPEN:  # a row starts at a position it settles
+            rest.pop(0)
+        while rest and rest[-1][2] == OPEN:
+            rest.pop()
+        if rest:  # what it settles from `end` on; a row of discards only has no step (schema.SettledStep)
+            stamps = (trained_step, target_step) if any(code == TRAINED for *_, code in rest) else (None, None)
+            kept.append((rest[0][0], *stamps, rest))
+        if trained_step is not None and any(code == TRAINED for a, _, code in runs if a < end):
+            top = trained_step if top is None else max(top, trained_step)
+    trained, discarded, at = prefix.trained, dict(prefix.discarded), prefix.seq_end
+    for a, b, code in sorted(below):
+        if a != at:
+            what = f"positions {at}..{a - 1} are not settled" if a > at else f"positions {a}..{min(b, at) - 1} are settled twice"
+            raise RecordDamaged(f"settled_steps: cannot fold the positions below {end}: {what}; the record is "
+                                "damaged: restore another snapshot")
+        if code == TRAINED:
+            trained += b - a
+        else:
+            reason = reasons.get(code, f"unknown code {code}")
+            discarded[reason] = discarded.get(reason, 0) + b - a
+        at = b
+    if at != end:
+        raise RecordDamaged(f"settled_steps: cannot fold the positions below {end}: positions {at}..{end - 1} are "
+                            "not settled; the record is damaged: restore another snapshot")
+    raw.execute("DELETE FROM settled_steps WHERE seq_start < ?", (end,))
+    try:
+        for start, trained_step, target_step, runs in kept:
+            raw.execute("INSERT INTO settled_steps (seq_start, seq_end, trained_step, target_step, others) "
+                        "VALUES (?, ?, ?, ?, ?)", (start, runs[-1][1], trained_step, target_step, encode_row(runs)))
+    except sqlite3.IntegrityError:  # two rows settle one position: their starts clash
+        raise RecordDamaged(f"settled_steps: cannot fold the positions below {end}: two rows settle position "
+                            f"{start}; the record is damaged: restore another snapshot") from None
+    faults.point("settle.rows_folded")
+    raw.execute("INSERT OR REPLACE INTO settled_prefix (id, seq_end, trained, discarded, through_step) "
+                "VALUES (1, ?, ?, ?, ?)", (end, trained, json.dumps(discarded, sort_keys=True), top))
+    return end - prefix.seq_end

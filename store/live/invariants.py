@@ -3,7 +3,7 @@
 1. Exactly once: every prompt the sampler handed out (every sampler position below the
    cursor) is in exactly one of the ledger, the spare pool or a settled record (revision
    v1_4_a: settled groups leave the ledger, `compaction.py`; v1_5_a: one `settled_steps`
-   row per step), never two, never missing; no position is settled in two records; no prompt of an epoch is settled twice or settled and
+   row per step; v1_12_a: the old steps' positions one folded run from 0, `settled_prefix`), never two, never missing; no position is settled in two records; no prompt of an epoch is settled twice or settled and
    live at once (`settled_prompts` bitmaps); a live group is in one state and never twice (UNIQUE
    (epoch, prompt_id)).
 2. A group is in the replay buffer or in flight, never both: replay rows belong to

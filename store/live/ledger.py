@@ -24,8 +24,8 @@ from functools import lru_cache
 
 from sqlalchemy import Connection, Integer, bindparam, case, delete, func, insert, literal_column, or_, select, type_coerce, update
 
-from ..sqlite.prepared import Prepared, in_json, json_ids
-from .compaction import settle_groups
+from ..sqlite.prepared import Prepared, _driver, in_json, json_ids
+from .compaction import FOLD_EVERY, KEEP_STEPS, fold_settled, settle_groups
 from .codec import encode_logprobs, encode_tokens, encode_version_counts
 from ..errors import IllegalTransition, ReplayFullError
 from .schema import ABANDON_REASONS, T
@@ -460,14 +460,18 @@ def _drop_payloads(conn: Connection, group_ids: Sequence[int]) -> None:
         stmt.run(conn, ids)
 
 
-def mark_trained(conn: Connection, group_ids: Sequence[int], *, step: int) -> None:
+def mark_trained(conn: Connection, group_ids: Sequence[int], *, step: int, keep_steps: int = KEEP_STEPS) -> None:
     """published -> trained: releases the replay permits and drops the payloads; the
-    groups then leave the ledger for `settled_steps` (compaction.py)."""
+    groups then leave the ledger for `settled_steps` (compaction.py). Every FOLD_EVERY
+    steps the record's rows older than `keep_steps` steps fold into `settled_prefix`
+    (`compaction.fold_settled`), so the record stays bounded by `keep_steps`."""
     if not group_ids:
         return
     _move_groups(conn, group_ids, "trained", trained_step=step)
     _drop_payloads(conn, group_ids)
     settle_groups(conn, group_ids)
+    if step % FOLD_EVERY == 0 and step > keep_steps:
+        fold_settled(_driver(conn), through_step=step - keep_steps)
 
 
 def release_replay(conn: Connection, group_ids: Sequence[int]) -> None:

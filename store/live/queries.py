@@ -19,7 +19,7 @@ from sqlalchemy import Connection, func, select
 
 from ..sqlite.prepared import Prepared, _driver, in_json, json_ids
 from . import codec, payload
-from .compaction import OPEN, TRAINED, check_types, decode_row
+from .compaction import OPEN, TRAINED, check_types, decode_row, read_prefix
 from .pools import episode_key
 from .schema import T
 
@@ -234,10 +234,14 @@ def abandoned_by_restart(conn: Connection, since: float) -> list[Any]:
 # --------------------------------------------------------------------------- settled record
 
 
+FOLDED = "folded"  # SettledRun.outcome of the folded prefix: settled, counted in `settled_prefix`
+
+
 @dataclass(frozen=True)
 class SettledRun:
     """Positions [start, end) that settled the same way: `outcome` 'trained' (at
-    `trained_step`, stamped for `target_step`) or 'discarded' (for `discard_reason`)."""
+    `trained_step`, stamped for `target_step`), 'discarded' (for `discard_reason`) or
+    'folded' (the prefix `settled_prefix` counts: settled once each, how is not kept)."""
 
     start: int
     end: int
@@ -259,9 +263,14 @@ def settled_runs(conn: Connection | sqlite3.Connection) -> list[SettledRun]:
     (invariants, audit_ledger, restore, inspect, the tests' and the crash harness's
     twin comparison) goes through here; the blob's decoder is compaction.decode_row,
     beside the writer. Python over every row: one row per step, ~3000 rows decode in a
-    few ms."""
+    few ms; since v1_12_a the steps older than the kept ones are one run of outcome
+    'folded' from position 0 (`settled_prefix`: counted, not decoded), so the rows are
+    bounded by the steps kept (compaction.fold_settled)."""
     raw = conn if isinstance(conn, sqlite3.Connection) else _driver(conn)
     out: list[SettledRun] = []
+    prefix = read_prefix(raw)  # v1_12_a on: the folded positions, one run
+    if prefix.seq_end:
+        out.append(SettledRun(0, prefix.seq_end, FOLDED, None, None, None))
     if _table(raw, "settled_steps"):
         reasons = {}
         for row in raw.execute("SELECT code, reason FROM discard_reasons"):
@@ -294,8 +303,13 @@ _RANGE_COLUMNS = (("seq_start", "int"), ("seq_end", "int"), ("outcome", "text"),
 
 
 def settled_counts(conn: Connection | sqlite3.Connection) -> dict[str, int]:
-    """{'trained': n, 'discarded': n}: groups in the settled record (`settled_runs`)."""
-    out = {"trained": 0, "discarded": 0}
-    for r in settled_runs(conn):
+    """{'trained': n, 'discarded': n}: groups in the settled record (`settled_runs`, the
+    folded prefix by its counts)."""
+    raw = conn if isinstance(conn, sqlite3.Connection) else _driver(conn)
+    prefix = read_prefix(raw)
+    out = {"trained": prefix.trained, "discarded": sum(prefix.discarded.values())}
+    for r in settled_runs(raw):
+        if r.outcome == FOLDED:
+            continue
         out[r.outcome] = out.get(r.outcome, 0) + r.end - r.start
     return out

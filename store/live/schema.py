@@ -368,6 +368,34 @@ class SettledStep(Base):
     others: Mapped[bytes | None] = mapped_column(LargeBinary)
 
 
+class SettledPrefix(Base):
+    """The settled record's folded prefix (revision v1_12_a): every sampler position below
+    `seq_end` settled exactly once, kept as counts instead of `settled_steps` rows. At most
+    one row (none: nothing folded). A train step's settle folds the rows that lie wholly
+    below the lowest live position (ledger, spare pool, cursor) and whose step is older
+    than the steps a resume could rewind to (compaction.fold_settled), so the record's
+    rows, the bytes a snapshot copies and the Python a check decodes stay bounded by the
+    steps kept, not the run (BENCHMARKS.md, "The settled record keeps the recent steps").
+
+    `trained`: how many folded positions were trained; `discarded`: JSON object, discard
+    reason -> how many folded positions were discarded for it; together they count
+    `seq_end` positions. `through_step`: the latest train step of a folded row (NULL:
+    only discards folded), below which a resume from a trainer checkpoint alone cannot
+    rewind: which positions those steps trained is no longer recorded."""
+
+    __tablename__ = "settled_prefix"
+    __table_args__ = (
+        CheckConstraint("id = 1", name="single_row"),
+        CheckConstraint("seq_end >= 0 AND trained >= 0 AND trained <= seq_end", name="counts"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    seq_end: Mapped[int] = mapped_column(Integer)
+    trained: Mapped[int] = mapped_column(Integer)
+    discarded: Mapped[str] = mapped_column(Text)  # JSON {reason: count}
+    through_step: Mapped[int | None] = mapped_column(Integer)
+
+
 class DiscardReason(Base):
     """The discard reasons `settled_steps.others` names by code (revision v1_5_a): a few
     rows per run ('zero_reward_variance', 'resume_check', ...), so a discard costs a

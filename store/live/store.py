@@ -219,9 +219,9 @@ class Store:
         with self.atomic() as tx:
             return ledger.enter_replay(tx, group_ids)
 
-    def mark_trained(self, group_ids: Sequence[int], *, step: int) -> None:
+    def mark_trained(self, group_ids: Sequence[int], *, step: int, keep_steps: int = ledger.KEEP_STEPS) -> None:
         with self.atomic() as tx:
-            ledger.mark_trained(tx, group_ids, step=step)
+            ledger.mark_trained(tx, group_ids, step=step, keep_steps=keep_steps)
 
     def discard(self, group_ids: Sequence[int], *, reason: str) -> None:
         with self.atomic() as tx:

@@ -41,7 +41,8 @@ from ..errors import (
 )
 from ..live.invariants import audit_prompts, check_invariants
 from ..checkpoints.layout import COMPLETE, SNAPSHOTS_DIR, Entry, scan
-from ..live.queries import SettledRun, settled_counts, settled_runs
+from ..live.compaction import Prefix, read_prefix
+from ..live.queries import FOLDED, SettledRun, settled_counts, settled_runs
 from ..live.ledger import ALGORITHM_DISCARD_REASONS
 from ..checkpoints.manifest import KIND_SNAPSHOT, KIND_TRAINER, ManifestError, read_manifest
 from .apply import RestorePlan, restore_snapshot
@@ -283,9 +284,11 @@ def audit_ledger(store_path: str | Path, *, groups_per_step: int,
             return v
         states = dict(q("SELECT state, count(*) FROM prompt_groups GROUP BY state"))
         runs = settled_runs(conn)
-        settled = {"trained": 0, "discarded": 0}
+        prefix = read_prefix(conn)  # the folded steps, as counts (compaction.fold_settled)
+        settled = {"trained": prefix.trained, "discarded": sum(prefix.discarded.values())}
         for r in runs:
-            settled[r.outcome] = settled.get(r.outcome, 0) + r.end - r.start
+            if r.outcome != FOLDED:
+                settled[r.outcome] = settled.get(r.outcome, 0) + r.end - r.start
         v.trained = states.pop("trained", 0) + settled["trained"]
         v.discarded = states.pop("discarded", 0) + settled["discarded"]
         v.pending = sum(states.values())
@@ -305,8 +308,8 @@ def audit_ledger(store_path: str | Path, *, groups_per_step: int,
             v.problems.append(f"sampler positions holding two different prompts: {_examples([r[0] for r in clashes])}")
         live = sorted({r[0] for r in q(f"SELECT sample_seq FROM ({handed})")})
         _check_positions(v, live, runs)
-        _check_discard_reasons(q, v, algorithm_reasons, runs)
-        _check_steps(q, v, runs)
+        _check_discard_reasons(q, v, algorithm_reasons, runs, prefix)
+        _check_steps(q, v, runs, prefix)
     return v
 
 
@@ -355,7 +358,8 @@ def _check_positions(v: LedgerAudit, live: list[int], runs: list[SettledRun]) ->
                           f"pool nor a settled range: {_examples(missing)}")
 
 
-def _check_discard_reasons(q, v: LedgerAudit, algorithm_reasons: frozenset[str], runs: list[SettledRun]) -> None:
+def _check_discard_reasons(q, v: LedgerAudit, algorithm_reasons: frozenset[str], runs: list[SettledRun],
+                           prefix: Prefix) -> None:
     """A group discarded for a reason the algorithm does not own is lost work: its
     sampler position is covered by a ledger row or a settled range, so the position
     count cannot see it."""
@@ -372,6 +376,10 @@ def _check_discard_reasons(q, v: LedgerAudit, algorithm_reasons: frozenset[str],
             n = r.end - r.start
             per_reason[str(r.discard_reason)] = per_reason.get(str(r.discard_reason), 0) + n
             examples.append(f"positions {r.start}..{r.end - 1} ({r.discard_reason!r})")
+    for reason, n in sorted(prefix.discarded.items()):
+        if n and reason not in algorithm_reasons:
+            per_reason[reason] = per_reason.get(reason, 0) + n
+            examples.append(f"{n} folded position(s) below {prefix.seq_end} ({reason!r})")
     total = sum(per_reason.values())
     if not total:
         return
@@ -384,9 +392,11 @@ def _check_discard_reasons(q, v: LedgerAudit, algorithm_reasons: frozenset[str],
         + "; e.g. " + _examples(examples))
 
 
-def _check_steps(q, v: LedgerAudit, runs: list[SettledRun]) -> None:
+def _check_steps(q, v: LedgerAudit, runs: list[SettledRun], prefix: Prefix) -> None:
     """Each group trained at most once and at its stamped step; each step trained exactly
-    groups_per_step groups, with no step skipped."""
+    groups_per_step groups, with no step skipped. The steps folded into the prefix
+    (up to its `through_step`) are checked together: their groups, folded or still
+    rows, number `through_step` x groups_per_step."""
     wrong = q("SELECT group_id FROM prompt_groups WHERE (state = 'trained') != (trained_step IS NOT NULL)")
     wrong += [(f"positions {r.start}..{r.end - 1}",) for r in runs if (r.outcome == "trained") != (r.trained_step is not None)]
     if wrong:
@@ -402,8 +412,13 @@ def _check_steps(q, v: LedgerAudit, runs: list[SettledRun]) -> None:
     for r in runs:
         if r.outcome == "trained":
             per_step[r.trained_step] = per_step.get(r.trained_step, 0) + r.end - r.start
-    v.steps = max((s for s in per_step if s is not None), default=0)
-    bad = [(s, per_step.get(s, 0)) for s in range(1, v.steps + 1) if per_step.get(s, 0) != v.groups_per_step]
+    folded = prefix.through_step or 0
+    v.steps = max([folded, *(s for s in per_step if s is not None)])
+    bad = [(s, per_step.get(s, 0)) for s in range(folded + 1, v.steps + 1) if per_step.get(s, 0) != v.groups_per_step]
+    early = prefix.trained + sum(n for s, n in per_step.items() if s is not None and 1 <= s <= folded)
+    if early != folded * v.groups_per_step:
+        v.problems.append(f"train steps 1..{folded} (folded into settled_prefix) trained {early} groups, not "
+                          f"{folded} x groups_per_step={v.groups_per_step}")
     bad += [(s, n) for s, n in per_step.items() if s is None or s < 1]
     if bad:
         v.problems.append(f"train steps that did not train groups_per_step={v.groups_per_step} groups: "

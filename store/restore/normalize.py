@@ -15,8 +15,10 @@ from sqlalchemy import Connection, delete, func, literal_column, select
 
 from ..errors import ReplayFullError, SnapshotInconsistent
 from ..live import ledger, pools, queries
+from ..live.compaction import read_prefix
 from ..live.payload import SegmentMissing
 from ..live.schema import T
+from ..sqlite.prepared import _driver
 from .plan import RestoredGroup
 
 # --------------------------------------------------------------------------- phase 6
@@ -68,6 +70,11 @@ def normalize_ledger(tx: Connection, source: Path, step: int, counts: dict[str, 
         select(func.count()).where(groups_t.c.state == "trained", groups_t.c.trained_step > step)
     ).scalar_one() + sum(  # and the settled ones (live/compaction.py)
         r.end - r.start for r in queries.settled_runs(tx) if r.outcome == "trained" and (r.trained_step or 0) > step)
+    folded = read_prefix(_driver(tx)).through_step
+    if folded is not None and folded > step:
+        raise SnapshotInconsistent(f"{source}: its settled record folded steps up to {folded}, after step {step}, the "
+                                   "snapshot's anchor; the snapshot does not match its trainer checkpoint; restore "
+                                   "another snapshot", 1)
     if beyond:
         raise SnapshotInconsistent(f"{source}: {beyond} group(s) trained after step {step}, the snapshot's anchor; "
                                    "the snapshot does not match its trainer checkpoint; restore another snapshot", 1)

@@ -42,7 +42,7 @@ from pathlib import Path
 
 from ..errors import NotAStoreError, RecordDamaged, RestoreError, SnapshotInconsistent
 from ..live import ledger, pools
-from ..live.compaction import unmark_settled, unsettle_trained_after
+from ..live.compaction import read_prefix, unmark_settled, unsettle_trained_after
 from ..live.invariants import check_invariants
 from ..live.ledger import Reservation
 from ..live.store import Store
@@ -75,7 +75,8 @@ def rewind_problem(live_store_path: str | Path, step: int, *, ledger_dispatch: b
         with contextlib.closing(open_for_checks(live_store_path)) as conn:
             meta = conn.execute("SELECT ledger_dispatch, config_fingerprint FROM run_meta").fetchone()
             top = conn.execute("SELECT max(trained_step) FROM settled_steps").fetchone()[0]
-    except (NotAStoreError, sqlite3.DatabaseError) as e:
+            folded = read_prefix(conn).through_step
+    except (NotAStoreError, sqlite3.DatabaseError, RecordDamaged) as e:
         return f"the live store cannot be read ({e})"
     if meta is None:
         return "the live store has no run_meta row"
@@ -90,7 +91,11 @@ def rewind_problem(live_store_path: str | Path, step: int, *, ledger_dispatch: b
     if config_fingerprints and fingerprint not in config_fingerprints:
         return (f"the live store carries config fingerprint {fingerprint}, this config's is {config_fingerprints[0]}; "
                 "resume with the config the run was started with (RUN_DIR/config.yaml)")
-    if step > 0 and (top or 0) < step:
+    if folded is not None and folded > step:
+        return (f"the live store keeps which prompts each step trained only after step {folded} (older steps are "
+                f"folded into counts, settled_prefix), so it cannot be rolled back to step {step}; keep trainer "
+                "checkpoints closer together (checkpointing.interval_steps x keep_last) or restore a rollout snapshot")
+    if step > 0 and max(top or 0, folded or 0) < step:
         return (f"the live store records training only up to step {top or 0}, below the trainer checkpoint's step "
                 f"{step}: it lost its last commits (a power loss?), so which prompts step {step} trained is not known")
     return None
