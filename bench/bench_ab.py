@@ -90,6 +90,8 @@ FIGURES = {
         ("copy check largest / smallest", ("check_growth",), False),
         ("audit ms, largest", ("largest", "audit_ms"), False),
         ("audit largest / smallest", ("audit_growth",), False),
+        ("settle p50 ms", ("settle_ms_p50",), False),
+        ("settle that folds p50 ms", ("fold_settle_ms_p50",), False),
     ],
     "bench_group_commit.py": [
         ("batched calls/s", ("median", "batched", "calls_per_s"), True),

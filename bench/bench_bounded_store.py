@@ -70,6 +70,11 @@ def _truncate_wal(store: Store) -> None:
     raise RuntimeError(f"{store.path}: the WAL stayed busy; the sizes would not compare")
 
 
+# Seconds per `mark_trained` of the "after" loop: the steps whose settle folds (v1_12_a,
+# every FOLD_EVERY steps past KEEP_STEPS) and the others.
+SETTLES: dict[str, list[float]] = {"fold": [], "plain": []}
+
+
 def run(path: Path, steps: list[int], snaps: Path) -> dict[int, tuple[int, int, int, int, int, int]]:
     """Sizes (live file bytes, snapshot bytes, ledger + attempt rows, settled_steps rows,
     settled_steps pages, WAL bytes after the truncate) at each step count in `steps`."""
@@ -104,9 +109,13 @@ def run(path: Path, steps: list[int], snaps: Path) -> dict[int, tuple[int, int, 
             pools.advance_cursor(tx, seq, seq // 1000)
 
     stamp(1)
+    every, kept = getattr(ledger, "FOLD_EVERY", None), getattr(ledger, "KEEP_STEPS", 0)  # v1_12_a on
     for step in range(1, max(steps) + 1):
         stamp(step + 1)
+        t0 = time.perf_counter()
         store.mark_trained(published.pop(step), step=step)
+        folds = bool(every) and step % every == 0 and step > kept
+        SETTLES["fold" if folds else "plain"].append(time.perf_counter() - t0)
         store.record_snapshot_attempt("published", anchor=f"step_{step}", snapshot_seq=step,
                                       timings={"lock": 0.0001, "env": 0.0, "cut": 0.0004, "capture": 0.003,
                                                "publish": 0.01})
@@ -159,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench_bounded_") as tmp:
         work = Path(tmp)
         after = run(work / "after.sqlite", steps, work)
+        settles = {k: statistics.median(v) * 1e3 if v else None for k, v in SETTLES.items()}
         timed = checks(work, steps)
         keep = ledger.settle_groups
         ledger.settle_groups = lambda conn, ids: None  # the baseline: settled rows stay in the ledger
@@ -182,6 +192,8 @@ def main(argv: list[str] | None = None) -> int:
     for s in steps:
         say(f"after  {s:>6} steps: the copy check {timed[s][0]:.2f} ms, the audit {timed[s][1]:.2f} ms (medians)")
     top = steps[-1]
+    say(f"after: a train step's settle p50 {settles['plain']:.3f} ms; one that folds "
+        + (f"p50 {settles['fold']:.3f} ms ({len(SETTLES['fold'])} folds)" if settles["fold"] else "never ran"))
     say(f"after  {top} vs {base} steps: copy check {timed[top][0] / timed[base][0]:.2f}x, "
         f"audit {timed[top][1] / timed[base][1]:.2f}x")
     if args.json:
@@ -192,6 +204,7 @@ def main(argv: list[str] | None = None) -> int:
             "live_growth": after[top][0] / after[base][0], "snapshot_growth": after[top][1] / after[base][1],
             "check_growth": timed[top][0] / timed[base][0], "audit_growth": timed[top][1] / timed[base][1],
             "largest": {"settled_rows": after[top][3], "check_ms": timed[top][0], "audit_ms": timed[top][1]},
+            "settle_ms_p50": settles["plain"], "fold_settle_ms_p50": settles["fold"],
         }, indent=1))
     return 0
 

@@ -117,6 +117,9 @@ def populate(store: Store, layout: Layout, order: Callable[[int], Reservation]) 
                 count = min(layout.groups_per_step, layout.trained - (step - 1) * layout.groups_per_step)
                 by_step[step] = ledger.reserve_groups(tx, take(count), num_generations=n, target_step=step)
             ids = [g for step_ids in by_step.values() for g in step_ids]
+            # The cursor covers what is reserved in the same commit, as the rollout pump's
+            # does (invariant 4 at every commit; the settle's fold reads it: v1_12_a).
+            pools.cover_cursor(tx, seq, order(seq - 1).epoch)
             ledger.dispatch_groups(tx, ids, policy_version=0)
             att = attempts_of(tx, ids)
             ledger.finish_attempts(tx, [(a, tiny) for g in ids for a in att[g]])
