@@ -124,7 +124,16 @@ class PromptGroup(Base):
 
 
 class Rollout(Base):
-    """One row per generation of a group and per attempt at it."""
+    """One row per generation of a group and per attempt at it.
+
+    Indexed by its key and by UNIQUE (group_id, generation_index, attempt) only, whose
+    leading column serves every look-up by group (revision v1_13_a dropped a separate
+    index on `group_id`, which duplicated it, and one on `state`: the pumps look attempts
+    up by id or group, and the few whole-table reads of running attempts, at a restore,
+    scan a table that holds only what is in flight). Each index cost every attempt's
+    insert and every state change a B-tree write, and a snapshot its pages: 2.2 of the
+    7.3 MiB of a snapshot with 80k attempts in flight (BENCHMARKS.md, "Two rollouts
+    indexes fewer")."""
 
     __tablename__ = "rollouts"
     __table_args__ = (
@@ -137,14 +146,11 @@ class Rollout(Base):
             f"abandon_reason IS NULL OR {_in('abandon_reason', ABANDON_REASONS)}",
             name="abandon_reason_known",
         ),
-        Index(None, "state"),
         {"sqlite_autoincrement": True},  # as prompt_groups
     )
 
     attempt_id: Mapped[int] = mapped_column(Integer, primary_key=True)
-    group_id: Mapped[int] = mapped_column(
-        ForeignKey("prompt_groups.group_id", ondelete="CASCADE"), index=True
-    )
+    group_id: Mapped[int] = mapped_column(ForeignKey("prompt_groups.group_id", ondelete="CASCADE"))
     generation_index: Mapped[int] = mapped_column(Integer)
     attempt: Mapped[int] = mapped_column(Integer)
     state: Mapped[str] = mapped_column(String(16))

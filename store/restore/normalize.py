@@ -100,9 +100,10 @@ def normalize_ledger(tx: Connection, source: Path, step: int, counts: dict[str, 
     counts["published_at_restore"] = len(sealed)
 
     finished: dict[int, set[int]] = {}
-    # `+state` keeps SQLite off the rollouts' state index (ix_rollouts_state), so it starts
-    # from the dispatched groups and reads their rows, not every finished rollout (0.55 s -> 0.02 s
-    # at 100k groups, bench/bench_restore.py).
+    # Driven from the dispatched groups, reading their rows through the UNIQUE (group_id,
+    # ...) index, not every finished rollout (0.55 s -> 0.02 s at 100k groups,
+    # bench/bench_restore.py, when a state index tempted SQLite; `+state` keeps it so in a
+    # file older than v1_13_a, which has one).
     for g, i in tx.execute(
         select(rollouts_t.c.group_id, rollouts_t.c.generation_index)
         .join(groups_t, groups_t.c.group_id == rollouts_t.c.group_id)

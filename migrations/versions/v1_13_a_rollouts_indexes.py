@@ -1,0 +1,31 @@
+"""Two rollouts indexes fewer: ``ix_rollouts_group_id`` and ``ix_rollouts_state`` dropped.
+
+Revision ID: v1_13_a
+Revises: v1_12_a
+Create Date: 2026-12-04
+
+``rollouts`` had three secondary indexes: UNIQUE (``group_id``, ``generation_index``,
+``attempt``), ``group_id`` alone and ``state``. The UNIQUE index's leading column serves
+every look-up by group, so the index on ``group_id`` duplicated it; the one on ``state``
+served only whole-table reads of the running attempts at a restore, over a table that
+holds only what is in flight. Each cost every attempt's insert (and, for ``state``, every
+finish and abandon) a B-tree write, and a snapshot its pages: 2.2 of the 7.3 MiB of a
+snapshot with 80k attempts in flight. No data changes; downgrade creates them again.
+"""
+
+from alembic import op
+
+revision = "v1_13_a"
+down_revision = "v1_12_a"
+branch_labels = None
+depends_on = None
+
+
+def upgrade() -> None:
+    op.drop_index("ix_rollouts_group_id", table_name="rollouts")
+    op.drop_index("ix_rollouts_state", table_name="rollouts")
+
+
+def downgrade() -> None:
+    op.create_index("ix_rollouts_group_id", "rollouts", ["group_id"])
+    op.create_index("ix_rollouts_state", "rollouts", ["state"])
