@@ -93,6 +93,15 @@ FIGURES = {
         ("settle p50 ms", ("settle_ms_p50",), False),
         ("settle that folds p50 ms", ("fold_settle_ms_p50",), False),
     ],
+    "bench_snapshot_segments.py": [
+        ("snapshot s", ("summary", "segments", "wall_s"), False),
+        ("seal s", ("summary", "segments", "seal_s"), False),
+        ("snapshot / cp time", ("summary", "time_goal", "ratio_to_cp"), False),
+        ("bytes per snapshot", ("summary", "segments", "bytes"), False),
+        ("metadata file bytes", ("summary", "segments", "store_file_bytes"), False),
+        ("bytes / new payload", ("summary", "bytes_goal", "ratio_to_new_payload"), False),
+        ("interval disk write bytes", ("summary", "segments", "interval_disk_write_bytes"), False),
+    ],
     "bench_group_commit.py": [
         ("batched calls/s", ("median", "batched", "calls_per_s"), True),
         ("batched window p99 ms", ("median", "batched", "window_p99_ms"), False),

@@ -143,8 +143,8 @@ def test_an_old_schema_labelled_head_is_told_which_revision_it_matches(tmp_path)
     # constraints) are missing (v1_4_a's settled_ranges is gone again at head), and v1_0_a's
     # finalizer_results table is unexpected (v1_7_a drops it); so is v1_8_a's segment
     # reference of token_chunks (its columns and constraints), and rollouts' indexes on
-    # group_id and state (v1_13_a drops them).
-    assert ("table discard_reasons is missing; column env_episodes.transcript_tokens is missing; and 18 more"
+    # group_id and state (v1_13_a drops them), and its partial index of abandoned attempts.
+    assert ("table discard_reasons is missing; column env_episodes.transcript_tokens is missing; and 19 more"
             in result.stderr)
 
 

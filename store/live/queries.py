@@ -21,7 +21,7 @@ from ..sqlite.prepared import Prepared, _driver, in_json, json_ids
 from . import codec, payload
 from .compaction import OPEN, TRAINED, check_types, decode_row, read_prefix
 from .pools import episode_key
-from .schema import T
+from .schema import ROLLOUT_STATES, T
 
 _samples = T["samples"]
 _replay = T["replay_groups"]
@@ -127,7 +127,11 @@ _EPISODES_IN_STATE = "SELECT group_id, generation_index, attempt FROM rollouts W
 def episode_keys(conn: Connection | sqlite3.Connection, state: str, *, except_reason: str | None = None) -> list[str]:
     """The episode keys (`pools.episode_key`) of the attempts in `state` ('running',
     'abandoned', ...), leaving out those abandoned with `except_reason`. Also over the raw
-    connection of a snapshot cut."""
+    connection of a snapshot cut. 'abandoned' reads the partial index of the abandoned
+    attempts (ix_rollouts_abandoned; SQLite plans with the bound value): the snapshot pump
+    reads them at every snapshot with agent servers."""
+    if state not in ROLLOUT_STATES:
+        raise ValueError(f"rollout state {state!r} unknown; use one of {', '.join(ROLLOUT_STATES)}")
     rows: Sequence[Any]
     sql, args = _EPISODES_IN_STATE, [state]
     if except_reason is not None:

@@ -22,6 +22,7 @@ from sqlalchemy import (
     String,
     Text,
     UniqueConstraint,
+    text,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
@@ -130,7 +131,8 @@ class Rollout(Base):
     leading column serves every look-up by group (revision v1_13_a dropped a separate
     index on `group_id`, which duplicated it, and one on `state`: the pumps look attempts
     up by id or group, and the few whole-table reads of running attempts, at a restore,
-    scan a table that holds only what is in flight). Each index cost every attempt's
+    scan a table that holds only what is in flight; a partial index holds the abandoned
+    ones, which a snapshot with agent servers reads). Each index cost every attempt's
     insert and every state change a B-tree write, and a snapshot its pages: 2.2 of the
     7.3 MiB of a snapshot with 80k attempts in flight (BENCHMARKS.md, "Two rollouts
     indexes fewer")."""
@@ -146,6 +148,9 @@ class Rollout(Base):
             f"abandon_reason IS NULL OR {_in('abandon_reason', ABANDON_REASONS)}",
             name="abandon_reason_known",
         ),
+        # Only the abandoned attempts (a few: retried generations), for the snapshot pump's
+        # read of them at every agent-server snapshot (`queries.episode_keys`).
+        Index("ix_rollouts_abandoned", "state", sqlite_where=text("state = 'abandoned'")),
         {"sqlite_autoincrement": True},  # as prompt_groups
     )
 
