@@ -286,3 +286,19 @@ def test_a_kill_inside_a_fold_leaves_the_record_as_the_last_committed_settle_lef
     assert _read(path, "SELECT through_step FROM settled_prefix") == [(12,)]
     with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as conn:
         assert check_invariants(conn).ok
+
+
+def test_inspect_counts_the_folded_groups_and_says_where_the_fold_ends(tmp_path):
+    run_dir, run = _run_dir(tmp_path)
+    path = run_dir / "rollout_state.sqlite"
+    (end,) = _read(path, "SELECT seq_end FROM settled_prefix")[0]
+    text = subprocess.run([sys.executable, "-m", "rolloutdb", "inspect", str(path)], capture_output=True, text=True,
+                          timeout=120)
+    assert text.returncode == 0, text.stderr
+    assert (f"settled record    positions below {end} folded into counts (steps 1-12; settled_prefix), later steps "
+            "one row each (settled_steps)") in text.stdout
+    doc = json.loads(subprocess.run([sys.executable, "-m", "rolloutdb", "inspect", str(path), "--json"],
+                                    capture_output=True, text=True, timeout=120).stdout)
+    assert doc["settled_prefix"] == {"folded_below": end, "through_step": 12}
+    assert doc["groups"]["trained"] == 16 * GROUPS_PER_STEP  # the folded ones counted with the rows'
+    assert doc["groups"]["discarded"] == len([d for d in DISCARDS if d < run.seq])  # each settled when discarded

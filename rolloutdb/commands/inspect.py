@@ -37,8 +37,9 @@ rollout_state.sqlite), or a run's logs/ directory (its rollout_trace.sqlite; the
 summarised as its revision, the processes that wrote to it and its rows per table).
 
 Without --sql, prints a summary: the schema revision (head, or old: then
-`rolloutdb upgrade PATH` migrates it, or `--out COPY` for a published snapshot file), rows per table, ledger groups per state, rollouts per state
-with abandon reasons, replay permits used of capacity, the sampler cursor and the
+`rolloutdb upgrade PATH` migrates it, or `--out COPY` for a published snapshot file), rows per table, ledger groups per state
+(settled ones included; where the old steps are folded into counts, below which
+position), rollouts per state with abandon reasons, replay permits used of capacity, the sampler cursor and the
 mutation counter, where the samples' payload is (inline, or sealed into payload
 segments: CHECKPOINT_DIR/payload_segments/segment_<n>.sqlite, one table `payload`
 (sample_id, token_ids, logprobs) that `sqlite3` and DuckDB's sqlite scanner read);
@@ -233,6 +234,9 @@ def summarize(conn: sqlite3.Connection, path: Path, revision: str, status: str) 
     for outcome, n in queries.settled_counts(conn).items():
         if n:
             summary["groups"][outcome] = summary["groups"].get(outcome, 0) + n
+    # v1_12_a: the steps older than the kept ones are counts, not settled_steps rows.
+    prefix = queries.settled_prefix(conn)
+    summary["settled_prefix"] = {"folded_below": prefix.seq_end, "through_step": prefix.through_step}
     summary["rollouts"] = _per_state(conn, "SELECT state, count(*) FROM rollouts GROUP BY state", ROLLOUT_STATES)
     summary["abandon_reasons"] = _per_state(
         conn,
@@ -307,6 +311,11 @@ def render_summary(s: dict[str, Any]) -> str:
     if s["ledger_dispatch"] is False:
         lines.append("ledger dispatch   off (the ledger stays empty by design)")
     lines.append("ledger groups     " + _states(s["groups"]))
+    f = s["settled_prefix"]
+    if f["folded_below"]:
+        steps = f"steps 1-{f['through_step']}" if f["through_step"] is not None else "discards only"
+        lines.append(f"settled record    positions below {f['folded_below']} folded into counts ({steps}; "
+                     "settled_prefix), later steps one row each (settled_steps)")
     abandoned = ", ".join(f"{k} {v}" for k, v in s["abandon_reasons"].items() if v)
     lines.append("rollouts          " + _states(s["rollouts"]) + (f" ({abandoned})" if abandoned else ""))
     p = s["payload"]

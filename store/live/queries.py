@@ -19,7 +19,7 @@ from sqlalchemy import Connection, func, select
 
 from ..sqlite.prepared import Prepared, _driver, in_json, json_ids
 from . import codec, payload
-from .compaction import OPEN, TRAINED, check_types, decode_row, read_prefix
+from .compaction import OPEN, TRAINED, Prefix, check_types, decode_row, read_prefix
 from .pools import episode_key
 from .schema import ROLLOUT_STATES, T
 
@@ -304,6 +304,11 @@ _REASON_COLUMNS = (("code", "int"), ("reason", "text"))
 _STAMP_COLUMNS = (("trained_step", "int?"), ("target_step", "int?"))
 _RANGE_COLUMNS = (("seq_start", "int"), ("seq_end", "int"), ("outcome", "text"), ("trained_step", "int?"),
                   ("target_step", "int?"), ("discard_reason", "text?"))
+
+
+def settled_prefix(conn: Connection | sqlite3.Connection) -> Prefix:
+    """The settled record's folded prefix (`settled_prefix`, v1_12_a; empty before it)."""
+    return read_prefix(conn if isinstance(conn, sqlite3.Connection) else _driver(conn))
 
 
 def settled_counts(conn: Connection | sqlite3.Connection) -> dict[str, int]:
