@@ -129,9 +129,24 @@ def _next_step_is_served_by_a_replacement(pool, env, slot: int, old_pid: int) ->
     assert pids[slot] != old_pid and old_pid not in pids
 
 
+def _wait_until_dead(actor) -> None:
+    """`ray.kill` returns before the actor is down: a step sent at once can still be served
+    by it (a fresh-clone CI run saw exactly that). Call it directly, outside the pool, until
+    Ray says it died."""
+    deadline = time.monotonic() + HANG_S
+    while time.monotonic() < deadline:
+        try:
+            ray.get(actor.describe.remote(), timeout=HANG_S)
+        except ray.exceptions.RayActorError:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"ray.kill did not take the worker down in {HANG_S} s")
+
+
 def test_a_worker_killed_with_ray_kill_fails_the_step_sent_to_it_and_the_next_runs_on_a_replacement(pool, env):
     pids = pool.worker_pids()
     ray.kill(pool.workers()[0])
+    _wait_until_dead(pool.workers()[0])
     state, reply, last = replies(env, 1)[0]
     future = pool.step(state, reply, last=last)  # least loaded, ties to the lowest index: worker 0
     with pytest.raises(EnvironmentWorkerLost, match="environment worker 0 is gone") as lost:
