@@ -116,6 +116,8 @@ def check_types(where: str, row: Sequence[object], columns: Sequence[tuple[str, 
 
 
 _STEP_COLUMNS = (("seq_start", "int"), ("seq_end", "int"), ("others", "blob?"))
+# A row's stamps, checked by every reader that uses them (queries.settled_runs, fold_settled).
+STAMP_COLUMNS = (("trained_step", "int?"), ("target_step", "int?"))
 
 
 def decode_row(seq_start: int, seq_end: int, others: bytes | None) -> list[tuple[int, int, int]]:
@@ -482,7 +484,7 @@ def fold_settled(raw: sqlite3.Connection, *, through_step: int) -> int:
     kept: list[tuple[int, int | None, int | None, list[tuple[int, int, int]]]] = []
     top = prefix.through_step
     for start, stop, trained_step, target_step, others in folding:
-        check_types(_where(start), (trained_step, target_step), (("trained_step", "int?"), ("target_step", "int?")))
+        check_types(_where(start), (trained_step, target_step), STAMP_COLUMNS)
         runs = decode_row(start, stop, others)
         below += [(a, min(b, end), code) for a, b, code in runs if a < end and code != OPEN]
         rest = [(max(a, end), b, code) for a, b, code in runs if b > end]

@@ -19,7 +19,7 @@ from sqlalchemy import Connection, func, select
 
 from ..sqlite.prepared import Prepared, _driver, in_json, json_ids
 from . import codec, payload
-from .compaction import OPEN, TRAINED, Prefix, check_types, decode_row, read_prefix
+from .compaction import OPEN, STAMP_COLUMNS, TRAINED, Prefix, check_types, decode_row, read_prefix
 from .pools import episode_key
 from .schema import ROLLOUT_STATES, T
 
@@ -283,7 +283,7 @@ def settled_runs(conn: Connection | sqlite3.Connection) -> list[SettledRun]:
         for start, end, trained, target, others in raw.execute(
                 "SELECT seq_start, seq_end, trained_step, target_step, others FROM settled_steps"):
             runs = decode_row(start, end, others)  # refuses a row of the wrong types, naming it
-            check_types(f"settled_steps row seq_start={start}", (trained, target), _STAMP_COLUMNS)
+            check_types(f"settled_steps row seq_start={start}", (trained, target), STAMP_COLUMNS)
             for a, b, code in runs:
                 if code == TRAINED:
                     out.append(SettledRun(a, b, "trained", trained, target, None))
@@ -301,7 +301,6 @@ def settled_runs(conn: Connection | sqlite3.Connection) -> list[SettledRun]:
 # The declared types of the settled record's other columns (SQLite keeps any type in any
 # column: a forged file is refused naming the row, not failed in arithmetic later).
 _REASON_COLUMNS = (("code", "int"), ("reason", "text"))
-_STAMP_COLUMNS = (("trained_step", "int?"), ("target_step", "int?"))
 _RANGE_COLUMNS = (("seq_start", "int"), ("seq_end", "int"), ("outcome", "text"), ("trained_step", "int?"),
                   ("target_step", "int?"), ("discard_reason", "text?"))
 
