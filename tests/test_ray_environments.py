@@ -189,6 +189,7 @@ def test_a_slot_whose_worker_keeps_dying_is_given_up_and_then_steps_are_refused_
         for _ in range(MAX_DEATHS_IN_A_ROW + 1):  # each replacement killed before it finishes a step
             victim = own.workers()[0]
             ray.kill(victim)
+            _wait_until_dead(victim)  # else the step can be served by the dying worker (a fresh-clone CI run did)
             with pytest.raises(EnvironmentWorkerLost):
                 own.step(state, reply, last=last).result(timeout=HANG_S)
             # The step's future fails before the pool has put the replacement in the slot:
