@@ -54,12 +54,16 @@ FIGURES = {
         ("since read: bytes per cut, late", ("by", "256_since", "late", "bytes_per_cut_mean"), False),
         ("since read: bytes late/early", ("by", "256_since", "bytes_growth"), False),
     ],
-    "bench_restore.py": [  # warm cache; in_flight: reading and abandoning the running attempts
+    "bench_restore.py": [  # warm cache; in_flight: the restore's work on the running attempts
         ("restore s", ("summary", "warm", "median_s", "restore"), False),
         ("read+blake3 s", ("summary", "warm", "median_s", "read+blake3"), False),
         ("restore / read+blake3", ("summary", "warm", "ratios", "restore/read+blake3"), False),
+        ("schema phase s", ("restore_phases_s", "schema"), False),
         ("ledger phase s", ("restore_phases_s", "ledger"), False),
         ("in_flight s (in the ledger phase)", ("restore_phases_s", "in_flight"), False),
+        # the pump's restart of every restored group afterwards (the bench of the working tree times both revisions)
+        ("restart of the restored groups s", ("restart", "median_s"), False),
+        ("restore + restart s", ("restart", "restore_and_restart_median_s"), False),
     ],
     "bench_recovery_scale.py": [  # by running calls: 256 and 1024 the full run, 32 --quick
         *((f"{n}: {label}", ("by", n, key), higher) for n in ("32", "256", "1024") for label, key, higher in (

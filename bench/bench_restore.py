@@ -24,7 +24,13 @@ times with the order rotated, each after `os.sync()`:
 * read+blake3: the same into BLAKE3, the hash of format-2 manifests, which restore
   verifies (the floor of a verifying restore);
 * copy+blake3+fsync: what any restore that copies must do at least (read, hash, write
-  the copy, fsync it), for context.
+  the copy, fsync it), for context;
+* restart (after each restore, on its result, not in the restore's time): what the rollout
+  pump then does with the restored groups, one call a transaction of RESTART_BATCH
+  groups as `_dispatch_restored` makes it: `ledger.restart_attempts` (abandons the
+  stopped run's attempts, reason `restart`, and starts new ones), or `start_attempts` on
+  a revision from before it (its restore had abandoned them). Restore + restart is the
+  whole work on the in-flight attempts, wherever it is done.
 
 With `--segments`, the payload is sealed into a payload segment before
 the snapshot is taken (`seal_inline_payload`, what the snapshot pump does): the
@@ -59,7 +65,7 @@ import benchlib  # noqa: E402
 from benchlib import say  # noqa: E402
 from rollout_payload import Layout, populate  # noqa: E402
 
-from rolloutdb.store import Publisher, Reservation, Store, seal_inline_payload, segments_dir_of
+from rolloutdb.store import Publisher, Reservation, Store, ledger, seal_inline_payload, segments_dir_of
 from rolloutdb.store.checkpoints.layout import SNAPSHOT_DB
 from rolloutdb.store.checkpoints.manifest import read_manifest
 from rolloutdb.store.restore.apply import restore_snapshot
@@ -109,6 +115,25 @@ def build(work: Path, args) -> tuple[Path, int, dict]:
     live.unlink()
     return published.path, step, {**counts, "snapshot_rows": published.manifest.row_counts,
                                   "snapshot_states": published.manifest.group_states}
+
+
+RESTART_BATCH = 64  # restored groups per pump transaction (a commit starts as many as there is room for)
+
+
+def restart_every_group(live: Path, plan) -> float:
+    """Seconds to start every restored group's unfinished generations again, as the
+    rollout pump does (see the module docstring)."""
+    restart = getattr(ledger, "restart_attempts", None)
+    with Store.open(live) as store:
+        t = time.perf_counter()
+        for k in range(0, len(plan.redispatch), RESTART_BATCH):
+            wanted = [(g.group_id, i) for g in plan.redispatch[k:k + RESTART_BATCH] for i in g.generations_to_run]
+            with store.atomic() as tx:
+                if restart is not None:
+                    restart(tx, wanted, policy_version=plan.trained_step)
+                else:
+                    ledger.start_attempts(tx, wanted, policy_version=plan.trained_step)
+        return time.perf_counter() - t
 
 
 def published_anchor(step: int) -> str:
@@ -232,6 +257,7 @@ def main() -> int:
                "copy+blake3+fsync": copy_floor}
         caches = ["warm"] + (["cold"] if args.cold else [])
         times: dict[str, dict[str, list[float]]] = {c: {k: [] for k in ops} for c in caches}
+        restarts: list[float] = []
         names = list(ops)
         py_read(files)  # warm
         for r in range(args.repeats):
@@ -244,6 +270,8 @@ def main() -> int:
                     t = time.perf_counter()
                     ops[name]()
                     times[cache][name].append(time.perf_counter() - t)
+                    if name == "restore" and cache == "warm":
+                        restarts.append(restart_every_group(live, plans[-1]))
             say(f"  repeat {r + 1}: " + "; ".join(
                 f"{c} " + ", ".join(f"{k} {v[-1]:.2f} s" for k, v in times[c].items()) for c in caches))
         result["times_s"] = times
@@ -261,6 +289,14 @@ def main() -> int:
                 r = ratios["restore/read+blake3"]
                 say(f"  restore / read+blake3 of the same bytes {r:.2f}x "
                     f"(goal <= {SEGMENTS_GOAL}x: {'met' if r <= SEGMENTS_GOAL else 'MISSED'})")
+        restore_and_restart = [a + b for a, b in zip(times["warm"]["restore"], restarts)]
+        result["restart"] = {"median_s": statistics.median(restarts),
+                             "restore_and_restart_median_s": statistics.median(restore_and_restart),
+                             "restore_and_restart_over_read_blake3": statistics.median(restore_and_restart)
+                             / result["summary"]["warm"]["median_s"]["read+blake3"]}
+        say(f"restart of every restored group afterwards (the pump's work, {RESTART_BATCH} groups a transaction): "
+            f"{result['restart']['median_s']:.3f} s; restore + restart {result['restart']['restore_and_restart_median_s']:.3f} s "
+            f"({result['restart']['restore_and_restart_over_read_blake3']:.2f}x read+blake3)")
         phases = {k: statistics.median(p.timings.get(k, 0.0) for p in plans) for k in plans[0].timings}
         result["restore_phases_s"] = phases
         result["restore_counts"] = plans[-1].counts

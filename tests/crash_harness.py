@@ -358,9 +358,10 @@ TRACE_FILE = "rollout_trace.sqlite"  # the run's trace, read with plain sqlite3
 
 def restored_work_redone(run_dir: Path) -> list[str]:
     """Every generation a restore handed back was generated again before its group was
-    discarded. A restore abandons the attempts running at the cut (trace event
-    `attempt_abandoned`, reason 'restart') and the rollout pump must dispatch a newer
-    attempt of the same (group, prompt, generation) first. A group discarded for zero
+    discarded. The attempts running at the cut are abandoned (trace event
+    `attempt_abandoned`, reason 'restart') by the rollout pump's commit that dispatches a
+    newer attempt of the same (group, prompt, generation), so each such event must have
+    that dispatch beside it. A group discarded for zero
     variance without that had its variance judged on work that was never done: the
     algorithm's reason used for a drop. (A kill can lose the last milliseconds of a
     trace, but a redispatch the trace missed was either lost with the kill too, or

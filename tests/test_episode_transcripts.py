@@ -158,7 +158,7 @@ def test_a_restore_hands_back_the_transcript_each_running_episode_had_at_the_cut
         (B, 0): SavedEpisode(f"{B}.0-a0", 0, 2, STATE, TOKENS, LOGPROBS, VERSIONS),
         (B, 1): SavedEpisode(f"{B}.1-a0", 0, 1, {"moves": 1}, None, None, None),
     }
-    assert plan.counts["abandoned_attempts"] == 5  # b0, b1, c1, d1 and D gen 0's retry
+    assert plan.counts["generations_to_run"] == 5  # b0, b1, c1, d1 and D gen 0's retry
 
 
 def _fixture_snapshot(tmp_path, revision: str):

@@ -146,7 +146,7 @@ def rewrite_snapshot(snap: Path, sql: str) -> None:
 # --------------------------------------------------------------------------- ledger restore
 
 
-def test_restart_normalization_abandons_running_attempts_publishes_sealed_and_hands_back_the_rest(
+def test_restart_normalization_leaves_running_attempts_publishes_sealed_and_hands_back_the_rest(
     tmp_path, second_connection
 ):
     run = build_ledger_run(tmp_path)
@@ -160,8 +160,8 @@ def test_restart_normalization_abandons_running_attempts_publishes_sealed_and_ha
     d = plan.redispatch[1]
     assert (d.sample_seq, d.epoch, d.prompt_id, d.target_step, d.num_generations) == (5, 0, 105, 3, 2)
     assert d.reservation == Reservation(5, 0, 105)
-    assert plan.counts == {"replay_groups": 1, "abandoned_attempts": 1, "reserved_to_dispatched": 1,
-                           "published_at_restore": 1, "payload_rows_cleared": 0, "spare_prompts": 2}
+    assert plan.counts == {"replay_groups": 1, "reserved_to_dispatched": 1, "published_at_restore": 1,
+                           "generations_to_run": 3, "payload_rows_cleared": 0, "spare_prompts": 2}
     ((key, chunks),) = plan.saved_prefixes.items()
     assert key == (run.B, 1) and [c.token_ids for c in chunks] == [[7, 8]] and chunks[0].max_tokens == 8
     assert plan.saved_episodes == {(run.B, 1): SavedEpisode(f"{run.B}.1-a1", 1, 1, {"turn": 1}, None, None, None)}
@@ -177,11 +177,11 @@ def test_restart_normalization_abandons_running_attempts_publishes_sealed_and_ha
     assert run.F not in states and run.t0 not in states
     assert conn.execute("SELECT * FROM settled_steps").fetchall() == [(0, 8, 1, 1, bytes([2, 5, 0, 0, 1, 1]))]
     assert conn.execute("SELECT * FROM discard_reasons").fetchall() == [(1, "zero_reward_variance")]
-    assert conn.execute("SELECT state, abandon_reason FROM rollouts WHERE attempt_id = ?", (run.b1_retry,)).fetchone() == (
-        "abandoned", "restart")
-    assert conn.execute("SELECT count(*) FROM rollouts WHERE state = 'running'").fetchone()[0] == 0
-    assert conn.execute("SELECT count(*) FROM token_chunks").fetchone()[0] == 0
-    assert conn.execute("SELECT count(*) FROM env_episodes").fetchone()[0] == 0
+    # The running attempt, its chunk and its episode stay until the pump restarts B
+    # (ledger.restart_attempts, tested below).
+    assert conn.execute("SELECT attempt_id FROM rollouts WHERE state = 'running'").fetchall() == [(run.b1_retry,)]
+    assert conn.execute("SELECT attempt_id FROM token_chunks").fetchall() == [(run.b1_retry,)]
+    assert conn.execute("SELECT attempt_id FROM env_episodes").fetchall() == [(run.b1_retry,)]
     assert sorted(conn.execute("SELECT group_id FROM replay_groups").fetchall()) == [(run.A,), (run.C,)]
     assert conn.execute("SELECT count(*) FROM rollouts WHERE group_id = ?", (run.D,)).fetchone()[0] == 0
     assert conn.execute("SELECT policy_version FROM prompt_groups WHERE group_id = ?", (run.D,)).fetchone()[0] == 1
@@ -191,15 +191,22 @@ def test_restart_normalization_abandons_running_attempts_publishes_sealed_and_ha
     assert check_invariants(conn).ok
 
 
-def test_the_restored_groups_can_be_redispatched_through_the_ledger(tmp_path):
+def test_the_restored_groups_can_be_restarted_through_the_ledger(tmp_path, second_connection):
     run = build_ledger_run(tmp_path)
     plan = restore(run.snap, run.live)
     with Store.open(run.live) as store, store.atomic() as tx:
         wanted = [(g.group_id, i) for g in plan.redispatch for i in g.generations_to_run]
-        new = ledger.start_attempts(tx, wanted, policy_version=plan.trained_step)
+        new, left = ledger.restart_attempts(tx, wanted, policy_version=plan.trained_step)
         attempts = dict(tx.exec_driver_sql(
             f"SELECT attempt_id, attempt FROM rollouts WHERE attempt_id IN ({','.join(map(str, new))})").all())
     assert [attempts[a] for a in new] == [2, 0, 0]  # B gen 1: third attempt; D: first ones
+    assert left == [(run.B, 1, 1, 1)]  # (group, generation, attempt, version): B gen 1's second attempt, the one running at the cut
+    conn = second_connection(run.live)
+    assert conn.execute("SELECT state, abandon_reason FROM rollouts WHERE attempt_id = ?", (run.b1_retry,)).fetchone() == (
+        "abandoned", "restart")
+    assert conn.execute("SELECT count(*) FROM token_chunks").fetchone()[0] == 0
+    assert conn.execute("SELECT count(*) FROM env_episodes").fetchone()[0] == 0
+    assert check_invariants(conn).ok
 
 
 def test_the_snapshot_directory_is_never_modified(tmp_path):
@@ -323,7 +330,7 @@ def test_an_old_revision_snapshot_is_restored_by_upgrading_a_copy(tmp_path, seco
                             forest_training=json.loads(forest), groups_per_step=4)
 
     assert (plan.schema_revision, plan.upgraded_from, plan.trained_step) == (revision, revision, 5)
-    assert plan.counts["abandoned_attempts"] == running
+    assert plan.counts["generations_to_run"] >= running  # each running attempt's generation starts again
     assert plan.counts["published_at_restore"] == groups["sealed"]
     assert len(plan.redispatch) + len(plan.to_finalize) == groups["dispatched"] + groups["reserved"]
     assert [g.sample_seq for g in plan.redispatch] == sorted(g.sample_seq for g in plan.redispatch)

@@ -34,10 +34,9 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
 
 from rolloutdb.config import Config
 from rolloutdb.controller.protocols import PromptDataset, Trainer
@@ -68,15 +67,11 @@ from rolloutdb.store import (
     live_run_id,
     live_store_work,
     move_run_aside,
-    queries,
     remove_sqlite_file,
     rewind_live_store,
     rewind_problem,
     select_and_restore,
 )
-
-if TYPE_CHECKING:
-    from sqlalchemy import Row
 
 RESTORE, START_OVER, START_OVER_EMPTY = "restore", "start_over", "start_over_empty"
 REWIND = "rewind"  # no rollout snapshot: the live store rolled back to the newest trainer checkpoint
@@ -396,7 +391,6 @@ def announce(done: Restored, *, metrics: RunMetrics, tracer: Tracer | NullTracer
             "restore_s": time.time() - done.t0,
         }
     )
-    RolloutTrace(tracer).abandoned(_abandoned_at_restore(done.store, done.t0), "restart")
     RolloutTrace(tracer).restore_done(
         step=done.step,
         policy_version=done.policy_version,
@@ -434,12 +428,6 @@ def _announce_rewind(done: Restored, say: Callable[[str], None], *, metrics: Run
     created = anchor.manifest.created_at if anchor.manifest is not None else None
     trace.restore_done(step=done.step, policy_version=done.policy_version, cut_time=created, snapshot_seq=None,
                        anchor=anchor.anchor, snapshot="", groups_restored=0, replay_restored=0)
-
-
-def _abandoned_at_restore(store: Store, since: float) -> Sequence[Row[Any]]:
-    """The attempts this restore's normalization abandoned (reason `restart`)."""
-    with store.read() as conn:
-        return queries.abandoned_by_restart(conn, since)
 
 
 def _move_aside(dirs: RunDir) -> Path:

@@ -246,7 +246,7 @@ class RolloutPump:
             if by_group:
                 self.p.dispatcher.finish(tx, list(by_group.values()))
             retried = self._retry_lost(tx, pending.retries, progress.policy_version)
-            restored_started, finalize = self._dispatch_restored(tx, progress.policy_version)
+            restored_started, finalize, restarted = self._dispatch_restored(tx, progress.policy_version)
             if self._writes_episodes:
                 # The turns a restored episode continues from, under its new attempt, in the
                 # transaction that starts it: until its next turn commits they were only in
@@ -283,7 +283,7 @@ class RolloutPump:
             self.restored_started = True
         self.calls.committed(committing)
         started = retried + restored_started + self._episodes_for(new_groups)  # env.start outside the transaction
-        self._after_commit(pending, new_groups, restored_started, entered, drop, counts, t_commit)
+        self._after_commit(pending, new_groups, restored_started, restarted, entered, drop, counts, t_commit)
         for live in started:
             self.calls.submit(live)
         episodes = [live.episode for live, _ in pending.finished]
@@ -297,10 +297,12 @@ class RolloutPump:
             self.p.runtime.notify()
 
     def _after_commit(self, pending: Pending, new_groups: list[GroupHandle], restored: list[LiveEpisode],
-                      entered: list[GroupHandle], drop: list[GroupHandle], counts: dict[int, dict[int, int]],
-                      t_commit: float) -> None:
+                      restarted: list[tuple], entered: list[GroupHandle], drop: list[GroupHandle],
+                      counts: dict[int, dict[int, int]], t_commit: float) -> None:
         """Fault points and trace events of a committed batch (the trace records only
-        what is durable, except `call_finished`), stamped with the batch's time."""
+        what is durable, except `call_finished`), stamped with the batch's time.
+        `restarted`: the stopped run's attempts this batch abandoned for the restored
+        groups it started (`Dispatcher.restart`)."""
         if pending.retries and self.trace.enabled:
             for why in sorted({reason for _, reason in pending.retries}):  # as the ledger records them
                 lost = [live for live, reason in pending.retries if reason == why]
@@ -324,6 +326,8 @@ class RolloutPump:
         if new_groups:
             trace.reserved(new_groups, self.group_size)
             trace.dispatched(new_groups)
+        if restarted:
+            trace.abandoned(restarted, "restart")
         if restored:
             prefixes = {(live.group.group_id, live.index): len(live.prefix.token_ids)
                         for live in restored if live.prefix is not None}
@@ -363,28 +367,39 @@ class RolloutPump:
                                 policy_version=policy_version)
         return [self._live(live.group, live.index) for live, _ in lost]
 
-    def _dispatch_restored(self, tx: Connection, policy_version: int) -> tuple[list[LiveEpisode], list[GroupHandle]]:
+    def _dispatch_restored(self, tx: Connection,
+                           policy_version: int) -> tuple[list[LiveEpisode], list[GroupHandle], list[tuple]]:
         """New attempts for the restored groups' unfinished generations, whole groups
         in their order, as many as there is room for (`_room`: calls still in flight
         count, so a commit of a batch while others run never passes
         max_inflight_calls); groups with every generation finished go straight to
-        completion (they only wait to be sealed)."""
-        started: list[LiveEpisode] = []
+        completion (they only wait to be sealed). Also returns the stopped run's
+        attempts abandoned for them, as the trace's rows."""
         finalize: list[GroupHandle] = []
-        room = self._room()
+        taken: list[tuple[GroupHandle, list[int]]] = []
+        room, n = self._room(), 0
         while self._restored:
             group, generations = self._restored[0]
-            if len(started) + len(generations) > room:
+            if n + len(generations) > room:
                 break
             self._restored.pop(0)
-            if not generations:
+            if generations:
+                taken.append((group, generations))
+                n += len(generations)
+            else:
                 finalize.append(group)
-                continue
-            self.p.dispatcher.redispatch(tx, group, generations, policy_version=policy_version)
+        if not taken:
+            return [], finalize, []
+        # One restart for the batch: a call per group, ~7 statements each, took 1.67 s for
+        # 10k restored groups (78k attempts) against 0.93 s in batches of 64
+        # (bench/bench_restore.py's restart, BENCHMARKS.md).
+        restarted = self.p.dispatcher.restart(tx, taken, policy_version=policy_version)
+        started: list[LiveEpisode] = []
+        for group, generations in taken:
             run = self._groups.setdefault(group.group_id, GroupRun(group))
             run.outstanding.update(generations)
             started += [self._live(group, i) for i in generations]
-        return started, finalize
+        return started, finalize, restarted
 
     def _dispatch_new(self, tx: Connection, last_step: int, policy_version: int, room: int) -> list[GroupHandle]:
         """Stamp and dispatch new groups, as many as `room` episodes hold, within the

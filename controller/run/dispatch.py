@@ -52,6 +52,9 @@ class Dispatcher(Protocol):
     def redispatch(self, tx: Connection, group: GroupHandle, generations: Sequence[int], *,
                    policy_version: int) -> None: ...
 
+    def restart(self, tx: Connection, groups: Sequence[tuple[GroupHandle, Sequence[int]]], *,
+                policy_version: int) -> list[tuple]: ...
+
     def retry(self, tx: Connection, lost: Sequence[tuple[GroupHandle, int, str]], *, policy_version: int) -> None: ...
 
     def finish(self, tx: Connection, wave: Sequence[tuple[GroupHandle, dict[int, FinishedGeneration]]]) -> None: ...
@@ -82,10 +85,31 @@ class LedgerDispatch:
             g.attempt_numbers = {i: 0 for i in range(g.num_generations)}
 
     def redispatch(self, tx: Connection, group: GroupHandle, generations: Sequence[int], *, policy_version: int) -> None:
-        """New attempts for the generations of a restored group that did not finish."""
+        """New attempts for these generations of a group, none of them running."""
         ids = ledger.start_attempts(tx, [(group.group_id, i) for i in generations], policy_version=policy_version)
-        group.attempts = {**(group.attempts or {}), **dict(zip(generations, ids))}
+        self._started(group, generations, ids, queries.attempt_numbers(tx, ids), policy_version)
+
+    def restart(self, tx: Connection, groups: Sequence[tuple[GroupHandle, Sequence[int]]], *,
+                policy_version: int) -> list[tuple]:
+        """New attempts for the generations of restored groups that did not finish, (group,
+        generations) each; the attempts the stopped run left running for them are
+        abandoned (reason `restart`) in the same transaction, one set of statements for
+        them all. Returns those as the trace's rows (group id, prompt id, generation index,
+        attempt, step, policy version)."""
+        ids, left = ledger.restart_attempts(tx, [(g.group_id, i) for g, generations in groups for i in generations],
+                                            policy_version=policy_version)
         numbers = queries.attempt_numbers(tx, ids)
+        started = iter(ids)
+        for group, generations in groups:
+            self._started(group, generations, [next(started) for _ in generations], numbers, policy_version)
+        handles = {g.group_id: g for g, _ in groups}
+        return [(g, handles[g].reservation.prompt_id, i, attempt, handles[g].target_step, version)
+                for g, i, attempt, version in left]
+
+    @staticmethod
+    def _started(group: GroupHandle, generations: Sequence[int], ids: Sequence[int], numbers: dict[int, int],
+                 policy_version: int) -> None:
+        group.attempts = {**(group.attempts or {}), **dict(zip(generations, ids))}
         # Merged, not replaced: an agent server's lost episodes are retried one generation
         # at a time, and the other generations keep the numbers their keys were made from.
         group.attempt_numbers = {**group.attempt_numbers, **{i: numbers[a] for i, a in zip(generations, ids)}}
@@ -135,6 +159,10 @@ class NoLedgerDispatch:
 
     def redispatch(self, tx: Connection, group: GroupHandle, generations: Sequence[int], *, policy_version: int) -> None:
         raise RuntimeError("no-ledger dispatch has no restored in-flight groups to redispatch")
+
+    def restart(self, tx: Connection, groups: Sequence[tuple[GroupHandle, Sequence[int]]], *,
+                policy_version: int) -> list[tuple]:
+        raise RuntimeError("no-ledger dispatch has no restored in-flight groups to restart")
 
     def retry(self, tx: Connection, lost: Sequence[tuple[GroupHandle, int, str]], *, policy_version: int) -> None:
         raise RuntimeError("no-ledger dispatch runs no agent servers (the config refuses them)")

@@ -78,6 +78,15 @@ _SELECT_ATTEMPT_HISTORY = Prepared(
     .where(in_json(rollouts.c.group_id))
     .group_by(rollouts.c.group_id, rollouts.c.generation_index)
 )
+# A restarted group's running attempts abandoned, through the UNIQUE (group_id, ...)
+# index, in one statement that returns what the trace records of each.
+_ABANDON_RUNNING_FOR_RESTART = Prepared(
+    update(rollouts)
+    .where(in_json(rollouts.c.group_id), rollouts.c.state == "running")
+    .values(state=literal_column("'abandoned'"), abandon_reason=literal_column("'restart'"), ended_at=bindparam("now"))
+    .returning(rollouts.c.attempt_id, rollouts.c.group_id, rollouts.c.generation_index, rollouts.c.attempt,
+               rollouts.c.policy_version)
+)
 _SELECT_ATTEMPT_STATES = Prepared(select(rollouts.c.attempt_id, rollouts.c.state).where(in_json(rollouts.c.attempt_id)))
 _END_ATTEMPTS = Prepared(
     update(rollouts)
@@ -301,6 +310,37 @@ def start_attempts(conn: Connection, generations: Sequence[tuple[int, int]], *, 
     return _insert_attempts(conn, rows, policy_version)
 
 
+def restart_attempts(conn: Connection, generations: Sequence[tuple[int, int]], *,
+                     policy_version: int) -> tuple[list[int], list[tuple[int, int, int, int]]]:
+    """A restored group's generations started again: the attempts a restore left
+    running for them (the stopped run's) become `abandoned` with reason `restart`, their
+    saved chunks and episode go with them (invariant 3), and each generation gets a new
+    running attempt (`start_attempts`), all in the caller's transaction. A group's
+    generations are restarted together: a running attempt of a named group whose
+    generation is not named is refused (IllegalTransition). Returns the new attempt ids
+    in order and the attempts abandoned, as (group id, generation index, attempt, policy
+    version), what the trace records.
+
+    Why here and not at restore: restart normalization left every running attempt as
+    it was, so its work does not grow with what was in flight (a 74k-attempt UPDATE was
+    a third of a 50k-group restore, BENCHMARKS.md "A restore leaves the running
+    attempts to their restart"); each is abandoned by the transaction that replaces it,
+    which reads its group's rows by key anyway. Until then a snapshot still holds the
+    saved progress, so a stop soon after a resume keeps it."""
+    if not generations:
+        return [], []
+    wanted = set(generations)
+    left = sorted(_ABANDON_RUNNING_FOR_RESTART.run(
+        conn, {"ids": json_ids(sorted({g for g, _ in wanted})), "now": time.time()}).fetchall())
+    if left:
+        stray = next((row for row in left if (row[1], row[2]) not in wanted), None)
+        if stray is not None:  # the whole transaction rolls back
+            raise IllegalTransition(f"group {stray[1]} generation {stray[2]}: attempt {stray[3]} is running and was not "
+                                    "named for restart (a restored group restarts all its running generations at once)")
+        _drop_attempt_payloads(conn, {"ids": json_ids([row[0] for row in left])})
+    return start_attempts(conn, generations, policy_version=policy_version), [tuple(row[1:]) for row in left]
+
+
 def _insert_attempts(conn: Connection, rows: list[tuple[int, int, int]], policy_version: int) -> list[int]:
     """Running attempts for (group id, generation index, attempt); their ids in order."""
     params = {"rows": json_ids(rows), "policy_version": policy_version, "now": time.time()}
@@ -376,34 +416,6 @@ def abandon_attempts(conn: Connection, attempt_ids: Sequence[int], reason: str) 
     if attempt_ids:
         _end_attempts(conn, attempt_ids, "abandoned", reason)
         _drop_attempt_payloads(conn, {"ids": json_ids(attempt_ids)})
-
-
-def abandon_every_running_attempt(conn: Connection, reason: str) -> int:
-    """What `abandon_attempts(conn, <every running attempt>, reason)` does, as three
-    statements over the whole table; returns how many were abandoned. Restart
-    normalization abandons *every* running attempt, and passing 72k attempt ids through
-    IN lists took 0.7 s of a 100k-group restore (bench/bench_restore.py) where these
-    take a fraction of it. What is left grows with the running attempts only in the
-    UPDATE's row and state-index rewrites, about 1.3 us an attempt (0.10 s for 74k);
-    constant work would need a lazy rule every reader of `state` applies (BENCHMARKS.md,
-    "Restore's work on in-flight attempts")."""
-    if reason not in ABANDON_REASONS:
-        raise ValueError(f"abandon reason {reason!r} unknown; use one of {', '.join(ABANDON_REASONS)}")
-    # Correlated EXISTS, driven from the payload rows: `attempt_id IN (<running ids>)`
-    # built the set of every running attempt first, 24 ms of a 50k-group restore with
-    # 74k running attempts and no saved progress (bench/bench_restore.py); now the two
-    # deletes cost what the saved progress holds, not what is running.
-    for table in (chunks, episodes):
-        conn.execute(delete(table).where(
-            select(rollouts.c.attempt_id)
-            .where(rollouts.c.attempt_id == table.c.attempt_id, rollouts.c.state == "running")
-            .exists()))
-    # The table's CHECKs stay on: skipping them (PRAGMA ignore_check_constraints) saved
-    # 0.05 s of 0.15 s for 74k attempts, not worth a write the schema does not guard.
-    return conn.execute(
-        update(rollouts).where(rollouts.c.state == "running")
-        .values(state="abandoned", abandon_reason=reason, ended_at=time.time())
-    ).rowcount
 
 
 def seal_groups(conn: Connection, group_ids: Sequence[int]) -> None:

@@ -221,20 +221,6 @@ def episode_turns(conn: Connection | sqlite3.Connection, attempt_ids: Iterable[i
     return dict(rows)
 
 
-def abandoned_by_restart(conn: Connection, since: float) -> list[Any]:
-    """The attempts a restore's normalization abandoned (reason `restart`) at or after
-    `since`, as rows (group_id, prompt_id, generation_index, attempt, target_step,
-    policy_version), the version the attempt was dispatched under."""
-    return list(
-        conn.exec_driver_sql(
-            "SELECT r.group_id, g.prompt_id, r.generation_index, r.attempt, g.target_step, r.policy_version "
-            "FROM rollouts r JOIN prompt_groups g ON g.group_id = r.group_id "
-            "WHERE r.state = 'abandoned' AND r.abandon_reason = 'restart' AND r.ended_at >= ?",
-            (since,),
-        ).all()
-    )
-
-
 # --------------------------------------------------------------------------- settled record
 
 

@@ -25,8 +25,10 @@ copy and integrity check in `copying.py`. In this order:
 5. replay groups: each published group holds one permit below capacity (invariant 2);
 6. the ledger (ledger dispatch only): the payload inventory is checked against the
    ledger *before* anything changes (invariant 3: a mismatch is refused, so nothing is
-   discarded by mistake); then restart normalization in one transaction: every
-   `running` attempt becomes `abandoned` with reason `restart`; `reserved` groups move
+   discarded by mistake); then restart normalization in one transaction: what the
+   `running` attempts saved (prefix chunks, episodes) is read, and the attempts are
+   left running: the rollout pump abandons each (reason `restart`) in the transaction
+   that starts its replacement (`ledger.restart_attempts`); `reserved` groups move
    to `dispatched` with no attempt (see below); `sealed` groups enter replay with one
    permit each; payload rows no live ledger row references are cleared; the inventory
    is checked again;
@@ -48,8 +50,8 @@ message, removes the copy, and leaves the live store file and the snapshot as th
 Reserved groups: a `reserved` group had prompts stamped but no attempt started. Restore
 moves it to `dispatched` with *no* attempt (its policy version set to the anchor's step),
 so every group handed back is in one state and the rollout pump treats them alike:
-``ledger.start_attempts(tx, [(group_id, i) for i in generations_to_run])`` (what
-`LedgerDispatch.redispatch` does). `RestoredGroup.was_reserved` tells them apart.
+``ledger.restart_attempts(tx, [(group_id, i) for i in generations_to_run])`` (what
+`LedgerDispatch.restart` does). `RestoredGroup.was_reserved` tells them apart.
 Dispatched groups whose generations had all finished but were not yet sealed (a cut
 between the pump's finish and publish transactions) are returned apart, in
 `RestorePlan.to_finalize`: they need no generation, only the pump's finalizer
@@ -210,7 +212,7 @@ def restore_snapshot(
                     chunks_dir = segments_dir_of(snapshot.checkpoint_dir) if snapshot.checkpoint_dir else None
                     redispatch, to_finalize = normalize_ledger(tx, source, step, counts, saved, chunks_dir, phases)
                 else:
-                    counts.update(abandoned_attempts=0, reserved_to_dispatched=0, published_at_restore=0)
+                    counts.update(reserved_to_dispatched=0, published_at_restore=0, generations_to_run=0)
                     normalize_without_ledger(tx, source, step, groups_per_step, counts)
                 shortfall = pools.get_shortfall(tx)
         finally:

@@ -43,8 +43,8 @@ def _clear_unreferenced(tx: Connection) -> int:
 
 
 def _read_saved_progress(tx: Connection, segments_dir: Path | None) -> tuple[dict, dict]:
-    """Prefix chunks and environment episodes of the attempts about to be abandoned (the
-    running ones), both keyed by (group id, generation index). Chunks whose segment
+    """Prefix chunks and environment episodes of the running attempts (their groups'
+    generations start again), both keyed by (group id, generation index). Chunks whose segment
     cannot give them are left out (their calls restart their turn): the segments' own
     verdict, read before the live store is replaced, refuses a damaged snapshot whole."""
     where = {a: (g, i) for a, g, i in tx.execute(
@@ -65,7 +65,7 @@ def normalize_ledger(tx: Connection, source: Path, step: int, counts: dict[str, 
     """Phase 6, inside one transaction on the copy. `segments_dir`: where the prefix
     chunks the snapshot references are (its checkpoint directory's payload_segments/).
     `phase(name)` times a part: `in_flight` is the work on the running attempts (read
-    what they saved, abandon them), the part of the restore that grows with them."""
+    what they saved; they are abandoned when the pump restarts them)."""
     beyond = tx.execute(
         select(func.count()).where(groups_t.c.state == "trained", groups_t.c.trained_step > step)
     ).scalar_one() + sum(  # and the settled ones (live/compaction.py)
@@ -78,9 +78,11 @@ def normalize_ledger(tx: Connection, source: Path, step: int, counts: dict[str, 
     if beyond:
         raise SnapshotInconsistent(f"{source}: {beyond} group(s) trained after step {step}, the snapshot's anchor; "
                                    "the snapshot does not match its trainer checkpoint; restore another snapshot", 1)
+    # The running attempts stay as they are: the rollout pump abandons each (reason
+    # `restart`) in the transaction that starts its replacement (`ledger.restart_attempts`),
+    # so this phase costs what they saved, not how many there are.
     with phase("in_flight"):
         saved["prefixes"], saved["episodes"] = _read_saved_progress(tx, segments_dir)
-        counts["abandoned_attempts"] = ledger.abandon_every_running_attempt(tx, "restart")
 
     reserved = list(tx.execute(
         select(groups_t.c.group_id).where(groups_t.c.state == "reserved").order_by(groups_t.c.sample_seq)
@@ -111,7 +113,8 @@ def normalize_ledger(tx: Connection, source: Path, step: int, counts: dict[str, 
     ).all():
         finished.setdefault(g, set()).add(i)
     was_reserved = set(reserved)
-    redispatch, to_finalize = [], []
+    redispatch: list[RestoredGroup] = []
+    to_finalize: list[RestoredGroup] = []
     for g, seq, epoch, pid, target, n in tx.execute(
         select(groups_t.c.group_id, groups_t.c.sample_seq, groups_t.c.epoch, groups_t.c.prompt_id,
                groups_t.c.target_step, groups_t.c.num_generations)
@@ -121,6 +124,7 @@ def normalize_ledger(tx: Connection, source: Path, step: int, counts: dict[str, 
         todo = tuple(i for i in range(n) if i not in finished.get(g, ()))
         group = RestoredGroup(g, seq, epoch, pid, target, n, todo, g in was_reserved)
         (redispatch if todo else to_finalize).append(group)
+    counts["generations_to_run"] = sum(len(r.generations_to_run) for r in redispatch)
     counts["payload_rows_cleared"] = _clear_unreferenced(tx)
     return redispatch, to_finalize
 

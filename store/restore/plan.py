@@ -84,15 +84,16 @@ class RestorePlan:
     redispatch: list[RestoredGroup]  # sampler order; dispatch these first
     to_finalize: list[RestoredGroup]  # every generation finished, not yet sealed
     shortfall: dict[int, int]  # per stamped step, groups still to reserve
-    # replay_groups (in the snapshot), abandoned_attempts, reserved_to_dispatched,
-    # published_at_restore (sealed groups), payload_rows_cleared, spare_prompts
+    # replay_groups (in the snapshot), reserved_to_dispatched, published_at_restore
+    # (sealed groups), generations_to_run (of `redispatch`), payload_rows_cleared,
+    # spare_prompts
     counts: dict[str, int]
     # wall seconds per phase (apply.py's list); `in_flight`, inside `ledger`: reading what
-    # the running attempts saved and abandoning them, the part that grows with them
+    # the running attempts saved (the pump abandons them: `ledger.restart_attempts`)
     timings: dict[str, float] = field(default_factory=dict)
     env_export: Path | None = None  # the environment's export in the snapshot, if any
-    # What the attempts abandoned at restore (reason restart) had saved, read before
-    # normalization drops it (invariant 3), for prefix and turn-level recovery, both
+    # What the running attempts had saved (the pump restarts them, and their saved rows
+    # go when it abandons them: invariant 3), for prefix and turn-level recovery, both
     # keyed by (group id, generation index): prefix chunks in order, and the episode
     # after its last committed turn (`token_ids` None: state only, restart the episode).
     saved_prefixes: dict[tuple[int, int], list[pools.Chunk]] = field(default_factory=dict)
