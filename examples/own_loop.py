@@ -116,7 +116,9 @@ def resume(run: Path, trainer: Trainer) -> Store:
     store = Store.open(run / "store.db")
     for group in sorted(plan.redispatch + plan.to_finalize, key=lambda g: g.sample_seq):
         with store.atomic() as tx:
-            attempts = rolloutdb.ledger.start_attempts(
+            # The attempts the crash left running are abandoned here (reason restart), as
+            # their replacements start.
+            attempts, _abandoned = rolloutdb.ledger.restart_attempts(
                 tx, [(group.group_id, i) for i in group.generations_to_run], policy_version=trainer.step)
         generate_into_replay(store, trainer, attempts, [group.group_id])
     print(f"resumed from {plan.snapshot_dir.name} at step {trainer.step}: "

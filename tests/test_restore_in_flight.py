@@ -133,3 +133,25 @@ def test_a_restart_of_part_of_a_restored_group_is_refused_and_abandons_nothing(t
     with sqlite3.connect(live) as conn:
         assert conn.execute("SELECT count(*) FROM rollouts WHERE state = 'abandoned'").fetchone()[0] == 0
         assert conn.execute("SELECT count(*) FROM token_chunks").fetchone()[0] == 2
+
+
+def test_a_restored_group_cannot_be_discarded_for_zero_variance_before_its_generations_ran_again(tmp_path):
+    """The algorithm judges a whole group (`LedgerDispatch.discard`): a pump that dropped a
+    restored group with the algorithm's reason, its stopped attempts still running, would
+    pass lost work off as the algorithm's choice (`rolloutdb verify` does not count those
+    discards as lost). The other reasons discard whatever the group holds."""
+    from rolloutdb.controller.run.dispatch import GroupHandle, LedgerDispatch
+
+    live, _, snap, groups = _in_flight_snapshot(tmp_path, groups=2)
+    plan = restore(snap, live)
+    handles = [GroupHandle(g.group_id, g.reservation, g.target_step, g.num_generations) for g in plan.redispatch]
+    with Store.open(live) as store:
+        with pytest.raises(IllegalTransition, match=f"group {groups[0]}: cannot be discarded for zero_reward_variance "
+                                                    "with 1 of 3 generations finished"):
+            with store.atomic() as tx:
+                LedgerDispatch().discard(tx, handles[:1], reason=ledger.ZERO_REWARD_VARIANCE)
+        with store.atomic() as tx:
+            LedgerDispatch().discard(tx, handles[1:], reason="resume_check")
+    with sqlite3.connect(live) as conn:
+        assert conn.execute("SELECT state FROM prompt_groups WHERE group_id = ?", (groups[0],)).fetchone() == ("dispatched",)
+        assert conn.execute("SELECT count(*) FROM prompt_groups WHERE group_id = ?", (groups[1],)).fetchone() == (0,)  # settled

@@ -132,7 +132,12 @@ class LedgerDispatch:
         ledger.enter_replay(tx, ids)
 
     def discard(self, tx: Connection, groups: Sequence[GroupHandle], *, reason: str) -> None:
-        ledger.discard_groups(tx, [g.group_id for g in groups], reason=reason)
+        ids = [g.group_id for g in groups]
+        if reason in ledger.ALGORITHM_DISCARD_REASONS:
+            # The algorithm judges a whole group: a restored group dropped for zero variance
+            # before its generations ran again would pass for the algorithm's choice.
+            ledger.require_every_generation_finished(tx, ids, f"be discarded for {reason}")
+        ledger.discard_groups(tx, ids, reason=reason)
 
     def trained(self, tx: Connection, group_ids: Sequence[int], *, step: int) -> None:
         ledger.mark_trained(tx, group_ids, step=step, keep_steps=self.keep_steps)

@@ -305,7 +305,8 @@ def start_attempts(conn: Connection, generations: Sequence[tuple[int, int]], *, 
         if states.get(g) != "dispatched":
             raise IllegalTransition(f"group {g}: cannot start an attempt while {states.get(g, 'missing')} (needs dispatched)")
         if (g, i) in live:
-            raise IllegalTransition(f"group {g} generation {i}: already has a running or finished attempt")
+            raise IllegalTransition(f"group {g} generation {i}: already has a running or finished attempt (a restored "
+                                    "group's generations start again with ledger.restart_attempts)")
         rows.append((g, i, last.get((g, i), -1) + 1))
     return _insert_attempts(conn, rows, policy_version)
 
@@ -418,13 +419,21 @@ def abandon_attempts(conn: Connection, attempt_ids: Sequence[int], reason: str) 
         _drop_attempt_payloads(conn, {"ids": json_ids(attempt_ids)})
 
 
-def seal_groups(conn: Connection, group_ids: Sequence[int]) -> None:
-    """dispatched -> sealed, only once every generation has a finished attempt."""
+def require_every_generation_finished(conn: Connection, group_ids: Sequence[int], doing: str) -> None:
+    """IllegalTransition naming the first group with a generation not finished (`doing`:
+    what needs them all, for the message)."""
     if not group_ids:
         return
     for g, need, done in _SELECT_SEAL_COUNTS.run(conn, {"ids": json_ids(group_ids)}).fetchall():
         if done != need:
-            raise IllegalTransition(f"group {g}: cannot seal with {done} of {need} generations finished")
+            raise IllegalTransition(f"group {g}: cannot {doing} with {done} of {need} generations finished")
+
+
+def seal_groups(conn: Connection, group_ids: Sequence[int]) -> None:
+    """dispatched -> sealed, only once every generation has a finished attempt."""
+    if not group_ids:
+        return
+    require_every_generation_finished(conn, group_ids, "seal")
     _move_groups(conn, group_ids, "sealed")
 
 

@@ -48,11 +48,16 @@ MUTANTS = [
         "drop_restored_groups",
         "exactly once across stops: a resume redoes the groups in flight",
         "controller/rollout/pump.py",
-        [("""            self.p.dispatcher.redispatch(tx, group, generations, policy_version=policy_version)
+        [("""        restarted = self.p.dispatcher.restart(tx, taken, policy_version=policy_version)
+        started: list[LiveEpisode] = []
+        for group, generations in taken:
             run = self._groups.setdefault(group.group_id, GroupRun(group))
             run.outstanding.update(generations)
             started += [self._live(group, i) for i in generations]""",
-          """            self.p.dispatcher.discard(tx, [group], reason="restart")  # MUTANT: drop it, refill its step
+          """        restarted: list[tuple] = []
+        started: list[LiveEpisode] = []
+        for group, generations in taken:
+            self.p.dispatcher.discard(tx, [group], reason="restart")  # MUTANT: drop it, refill its step
             pools.add_shortfall(tx, group.target_step, 1)
             self._open_shortfall = True""")],
         ["tests/test_crash_resume.py"],
@@ -61,11 +66,16 @@ MUTANTS = [
         "drop_restored_groups_as_zero_variance",
         "exactly once across stops (the same bug, disguised with the algorithm's reason)",
         "controller/rollout/pump.py",
-        [("""            self.p.dispatcher.redispatch(tx, group, generations, policy_version=policy_version)
+        [("""        restarted = self.p.dispatcher.restart(tx, taken, policy_version=policy_version)
+        started: list[LiveEpisode] = []
+        for group, generations in taken:
             run = self._groups.setdefault(group.group_id, GroupRun(group))
             run.outstanding.update(generations)
             started += [self._live(group, i) for i in generations]""",
-          """            self.p.dispatcher.discard(tx, [group], reason=ZERO_VARIANCE)  # MUTANT: the algorithm's reason
+          """        restarted: list[tuple] = []
+        started: list[LiveEpisode] = []
+        for group, generations in taken:
+            self.p.dispatcher.discard(tx, [group], reason=ZERO_VARIANCE)  # MUTANT: the algorithm's reason
             pools.add_shortfall(tx, group.target_step, 1)
             self._open_shortfall = True""")],
         ["tests/test_crash_resume.py"],
@@ -194,8 +204,8 @@ MUTANTS = [
         "restored_groups_ignore_max_inflight_calls",
         "a resume hands out the restored groups first and within generation.max_inflight_calls",
         "controller/rollout/pump.py",
-        [("        room = self._room()\n        while self._restored:",
-          "        room = 10**9  # MUTANT: every restored group at once\n        while self._restored:")],
+        [("        room, n = self._room(), 0\n        while self._restored:",
+          "        room, n = 10**9, 0  # MUTANT: every restored group at once\n        while self._restored:")],
         ["tests/test_hostile_proofs_pump.py::"
          "test_a_resume_hands_out_the_restored_groups_first_and_never_more_calls_than_max_inflight_calls"],
     ),
