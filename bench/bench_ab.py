@@ -100,6 +100,8 @@ FIGURES = {
     "bench_snapshot_segments.py": [
         ("snapshot s", ("summary", "segments", "wall_s"), False),
         ("seal s", ("summary", "segments", "seal_s"), False),
+        *((f"  {part}", ("summary", "segments", f"seal_{part}_s"), False) for part in ("read", "write", "reference", "vacuum")),
+        ("live store write bytes", ("summary", "segments", "live_write_bytes"), False),
         ("snapshot / cp time", ("summary", "time_goal", "ratio_to_cp"), False),
         ("bytes per snapshot", ("summary", "segments", "bytes"), False),
         ("metadata file bytes", ("summary", "segments", "store_file_bytes"), False),

@@ -155,11 +155,17 @@ class Phase:
             "wchar": io1["wchar"] - io0["wchar"],
             "files": [str(p) for p in new_segments + snap_files],
             "sealed_rows": sealed.rows if sealed else 0,
+            # the seal's parts (`Sealed.timings`): read the inline rows, write + hash + fsync
+            # the segment, the transactions pointing at it, the free pages given back
+            **({f"{k}_s": v for k, v in sealed.timings.items()} if sealed else {}),
         }
 
     def close(self) -> None:
         self.pub.close()
         self.store.close()
+
+
+SEAL_PARTS = ("seal_read_s", "seal_write_s", "seal_reference_s", "seal_vacuum_s")  # Sealed.timings
 
 
 def cp_floor(files: list[str], scratch: Path) -> float:
@@ -246,6 +252,7 @@ def main() -> int:
         summary = {
             "new_payload_bytes": new_bytes,
             "segments": {"wall_s": med(rows["segments"], "wall_s"), "seal_s": med(rows["segments"], "seal_s"),
+                         **{k: med(rows["segments"], k) for k in SEAL_PARTS},
                          "bytes": seg_written, "segment_bytes": med(rows["segments"], "segment_bytes"),
                          "snapshot_dir_bytes": med(rows["segments"], "snapshot_dir_bytes"), "store_file_bytes": store_file,
                          "disk_write_bytes": med(rows["segments"], "disk_write_bytes"),
@@ -269,7 +276,8 @@ def main() -> int:
         mib = 2**20
         say(f"\nmedian of {args.intervals} intervals, {new_bytes / mib:.1f} MiB new payload each, "
             f"{counts['payload_bytes'] / 2**30:.2f} GiB in flight:")
-        say(f"  segments : {summary['segments']['wall_s']:.3f} s (seal {summary['segments']['seal_s']:.3f} s), "
+        say(f"  segments : {summary['segments']['wall_s']:.3f} s (seal {summary['segments']['seal_s']:.3f} s: "
+            + ", ".join(f"{k[5:-2]} {summary['segments'][k]:.3f}" for k in SEAL_PARTS) + "), "
             f"{seg_written / mib:.2f} MiB written (segment {summary['segments']['segment_bytes'] / mib:.2f} + snapshot dir "
             f"{summary['segments']['snapshot_dir_bytes'] / mib:.2f}), disk write_bytes {summary['segments']['disk_write_bytes'] / mib:.1f} MiB")
         say(f"  full copy: {summary['full_copy']['wall_s']:.3f} s, {summary['full_copy']['bytes'] / mib:.1f} MiB written, "

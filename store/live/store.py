@@ -28,7 +28,7 @@ from sqlalchemy import Connection, delete, func, insert, select, update
 
 from . import ledger, payload, pools
 from .capture import Capture, capture_snapshot
-from ..sqlite.database import BUSY_TIMEOUT_MS, Database
+from ..sqlite.database import BUSY_TIMEOUT_MS, SECURE_DELETE, Database
 from ..errors import NotAStoreError
 from .invariants import InvariantReport, check_invariants
 from .ledger import FinishedGeneration, Reservation
@@ -295,6 +295,7 @@ class Store:
         was appended last, so few move (measured in bench/bench_snapshot_segments.py)."""
         with contextlib.closing(sqlite3.connect(self.path, isolation_level=None)) as conn:
             conn.execute(f"PRAGMA busy_timeout = {self.db.busy_timeout_ms}")
+            conn.execute(f"PRAGMA secure_delete = {SECURE_DELETE}")  # moved pages' old places are not zeroed
             if conn.execute("PRAGMA auto_vacuum").fetchone()[0] != 2:
                 return 0
             (free,) = conn.execute("PRAGMA freelist_count").fetchone()

@@ -63,6 +63,14 @@ CATCH_UP_PASSES = 4
 CATCH_UP_FRAMES = 256
 
 
+# Debian's libsqlite3 (and Pythons built on it, as here) is compiled with
+# SQLITE_SECURE_DELETE: every freed page is overwritten with zeros, so each payload the
+# store drops (a sealed sample's BLOBs, a trained group's samples, a finished attempt's
+# chunks) is written a second time, as zeros, through the WAL and then the checkpoint.
+# Rollout payloads are not secrets the file must scrub; OFF is SQLite's own default.
+SECURE_DELETE = "OFF"
+
+
 def _apply_pragmas(dbapi_conn: sqlite3.Connection, *, synchronous: str, writer: bool, busy_timeout_ms: int) -> None:
     cur = dbapi_conn.cursor()
     cur.execute(f"PRAGMA busy_timeout = {int(busy_timeout_ms)}")
@@ -70,6 +78,7 @@ def _apply_pragmas(dbapi_conn: sqlite3.Connection, *, synchronous: str, writer: 
     cur.execute(f"PRAGMA synchronous = {synchronous}")
     cur.execute("PRAGMA foreign_keys = ON")
     cur.execute(f"PRAGMA journal_size_limit = {JOURNAL_SIZE_LIMIT}")
+    cur.execute(f"PRAGMA secure_delete = {SECURE_DELETE}")
     if writer:
         cur.execute("PRAGMA wal_autocheckpoint = 0")
     cur.close()
