@@ -14,7 +14,7 @@ in this order:
 
 A resume runs the rest of its setup inside `restore_scope(episodes)`
 (controller/job/controller.py): a context manager that installs the saved episodes (the
-restored snapshot's `env_episodes`, keyed by the abandoned attempts' episode keys) and
+restored snapshot's `env_episodes`, keyed by the stopped run's attempts' episode keys) and
 removes them again if anything later fails. The agent servers' backend implements it over
 HTTP (controller/agent_server/client.py).
 

@@ -576,7 +576,8 @@ class SnapshotPump:
     def _abandoned_episode_keys(self) -> list[str]:
         if not self.env.holds_rollout_state:
             return []
-        # Not those a restore abandoned (reason `restart`): they ran under a controller
+        # Not those abandoned for a restart (reason `restart`, as the pump starts a
+        # restored group's generations again): they ran under a controller
         # that is gone, and the servers were reset at connect, so none runs them; their
         # keys name the saved agents the restore installed for the new attempts to
         # continue (`continue_from`), which a retire would remove before they start.

@@ -335,7 +335,7 @@ class RolloutPump:
             if prefixes and self._restored_cut is not None:
                 # The stopped run recorded these cuts only once its snapshot was published,
                 # and a SIGKILL right after can lose that record: the restore says it again,
-                # at the cut's own time, for the attempts it abandoned (the same values).
+                # at the cut's own time, for the attempts this batch restarted (the same values).
                 self.trace.cut([{"group_id": live.group.group_id, "prompt_id": live.group.reservation.prompt_id,
                                  "generation_index": live.index, "attempt": live.attempt - 1,
                                  "step": live.group.target_step, "policy_version": live.prefix.token_versions[-1],
