@@ -57,10 +57,6 @@ def _revision_ids(package: str) -> tuple[str, ...]:
     return ids
 
 
-def script_directory() -> ScriptDirectory:
-    return ScriptDirectory.from_config(alembic_config())
-
-
 def head_revision() -> str:
     return _revision_ids(STORE_MIGRATIONS)[-1]
 
