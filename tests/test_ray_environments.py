@@ -187,6 +187,13 @@ def test_a_slot_whose_worker_keeps_dying_is_given_up_and_then_steps_are_refused_
     with EnvironmentWorkerPool(config, policy_dir, workers=1, worker_cpus=0) as own:
         state, reply, last = replies(env, 1)[0]
         for _ in range(MAX_DEATHS_IN_A_ROW + 1):  # each replacement killed before it finishes a step
+            # Killed only once placed: the pool watches a new worker until it answers, and a
+            # worker killed before that is replaced by the pool's own watch, so the step then
+            # ran on the next one (a fresh-clone CI run on 1fb4e82: DID NOT RAISE).
+            deadline = time.monotonic() + 60
+            while own.worker_nodes()[0] is None:
+                assert time.monotonic() < deadline, "the replacement worker was never placed"
+                time.sleep(0.02)
             victim = own.workers()[0]
             ray.kill(victim)
             _wait_until_dead(victim)  # else the step can be served by the dying worker (a fresh-clone CI run did)
