@@ -17,6 +17,8 @@ POINTS: tuple[str, ...] = faults.register(
     "train.prepared",
     "train.after_commit",
     "train.after_checkpoint",
+    # a train step's metrics line written (its trace event committed before it)
+    "train.after_step_logged",
     # checkpointing.async: the state copied and the cut held (train pump); the files
     # written (background thread); the write ended, not yet renamed; renamed, its
     # held snapshot not yet published (train pump, a later step boundary).

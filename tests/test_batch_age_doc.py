@@ -5,9 +5,11 @@ the steps trained twice included."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import signal
+import sqlite3
 import subprocess
 import sys
 from pathlib import Path
@@ -83,3 +85,22 @@ def test_the_documented_batch_age_sql_gives_the_logged_batch_age_of_every_step_o
            if abs(r["batch_age"] - age) > TOLERANCE]
     assert not off, f"(step, documented SQL, logged) differ: {off}"
     assert any(age > 0 for _, age in logged)
+
+
+def test_a_run_killed_right_after_a_train_steps_metrics_line_has_that_step_in_its_trace(tmp_path):
+    """The trace commits its events every few milliseconds and a SIGKILL loses the last
+    ones; a train step's metrics line is written only once the trace holds its event, so a
+    step logged as trained is in the trace the documented SQL reads."""
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "rolloutdb", "train", "--config", str(REPO / "examples" / "quickstart.yaml"),
+           "--run-dir", str(run_dir), "algorithm.total_steps=6", "logging.progress=false", "logging.plot=false",
+           "trace.enabled=true"]
+    killed = subprocess.run(cmd, env={**env(), "ROLLOUTDB_FAULT": "train.after_step_logged@3"}, capture_output=True,
+                            text=True, timeout=300)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    logged = [step for step, _ in logged_batch_ages(run_dir)]
+    assert logged == [1, 2, 3]
+    trace = run_dir / "logs" / "rollout_trace.sqlite"
+    with contextlib.closing(sqlite3.connect(f"file:{trace}?mode=ro", uri=True)) as conn:
+        traced = [step for (step,) in conn.execute("SELECT step FROM train_step ORDER BY seq")]
+    assert traced == logged

@@ -62,7 +62,7 @@ from rolloutdb.controller.recovery.cut_contents import AtCut, CutContents, into_
 from rolloutdb.controller.recovery.env_checkpoint import EnvironmentCheckpoint
 from rolloutdb.controller.recovery.prefix_chunks import PrefixChunks
 from rolloutdb.controller.run.runtime import RolloutParts
-from rolloutdb.controller.run.tracing import RolloutTrace
+from rolloutdb.controller.run.tracing import TRACE_WAIT_S, RolloutTrace
 from rolloutdb.gpu_capture.protocol import PrefixCapture
 from rolloutdb.store import (Capture, Published, Publisher, PublishError, SegmentRef, SnapshotStage, TrainerStage, anchor_name,
                              faults, queries, scan, seal_inline_payload, segments_dir_of, write_chunk_segment)
@@ -72,10 +72,6 @@ log = logging.getLogger("rolloutdb.controller")
 # How long a snapshot waits for the rollout pump to commit what finished before its cut
 # (turn and prefix level); past it the cut goes ahead without (one loop turn is ~ms).
 FLUSH_WAIT_S = 0.1
-
-# How long a cut waits for the trace to commit its calls' events (and every event before
-# them) before the snapshot is published; past it, it is published all the same.
-TRACE_WAIT_S = 2.0
 
 # How long the train pump waits for the cut of the snapshot anchored to a new trainer
 # checkpoint before it gives the wait up (`anchor_new_checkpoint`).

@@ -13,6 +13,12 @@ from rolloutdb.controller.run.dispatch import GroupHandle
 from rolloutdb.store import NullTracer, Tracer
 
 
+# How long a pump waits for the trace to commit what it emitted (a snapshot's cut calls
+# before the snapshot is published; a train step's event before its metrics line); past
+# it, the pump goes on all the same.
+TRACE_WAIT_S = 2.0
+
+
 class _AtTime:
     """A tracer whose events all carry one given time."""
 

@@ -46,7 +46,7 @@ import numpy as np
 from rolloutdb.controller.rollout.episodes import ENV_TOKEN_VERSION
 from rolloutdb.controller.run.runtime import RolloutParts
 from rolloutdb.controller.protocols import Completion, NonFiniteTraining, StagedTrainer, TrainGroup
-from rolloutdb.controller.run.tracing import RolloutTrace
+from rolloutdb.controller.run.tracing import TRACE_WAIT_S, RolloutTrace
 from rolloutdb.store import faults, codec, queries
 
 POLL_S = 0.5
@@ -167,6 +167,11 @@ class TrainPump:
         staleness = [(step - 1) - v for v in stats["first_versions"]]
         tokens = sum(n for runs in stats["runs"] for v, n in runs if v != ENV_TOKEN_VERSION)
         self.trace.train_step(step, ids, age, tokens)
+        # The metrics line waits for the trace to commit the step's event (a few ms, once a
+        # step): a SIGKILL loses the trace's last milliseconds, and without the wait a step
+        # could be logged as trained yet be missing from the trace the docs' batch-age SQL
+        # reads (a fresh-clone CI run saw it). Past the wait it is logged all the same.
+        self.trace.flush(TRACE_WAIT_S)
         self.p.log_event(
             {
                 "kind": "train_step",
@@ -182,4 +187,5 @@ class TrainPump:
                 **{k: float(v) for k, v in metrics.items()},
             }
         )
+        faults.point("train.after_step_logged")
         self.on_step_done(step)
