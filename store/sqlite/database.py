@@ -22,7 +22,10 @@ keep arriving while it copies), the WAL is never restarted and grows without bou
 (measured: 220 MB in 2 s). So when the WAL holds more than a threshold of frames, the
 checkpointer runs one more PASSIVE pass holding the writer lock: it only copies the frames written since
 its previous pass, the checkpoint completes, and the writer's next commit restarts the
-WAL from its start and truncates it to ``journal_size_limit``.
+WAL from its start and truncates it to ``journal_size_limit``. How far the WAL grows
+between restarts follows the disk: each pass that copies pays two fsyncs, so under a
+writer of ~100 MB/s it peaked at 64-66 MiB on a quiet disk and at 100-131 MiB while
+another process wrote and fsynced beside it (2026-12-04).
 
 Two more stalls showed up beside a snapshot of 1M ledger rows and 1 GB of payload
 (bench/bench_snapshot_latency.py). While the capture's read transaction pins the WAL it
