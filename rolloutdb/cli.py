@@ -76,7 +76,24 @@ def installed_version() -> str:
         return f"{__version__} (not installed)"
 
 
-def _on_sigterm(_signum, _frame) -> NoReturn:  # noqa: ANN001
+# The stop signals (SIGINT, SIGTERM) a reading command received. A handler's exception
+# can be lost: raised inside a weakref callback or a __del__ that garbage collection runs,
+# Python prints "Exception ignored in ..." and goes on. Seen: Ctrl-C at `inspect --sql`'s
+# start-up landed in SQLAlchemy's `_collection_gced`, and the runaway query then ran to its
+# --timeout. The record outlives the exception: a query checks it (`run_readonly_query`'s
+# `stop`), and a command that returns after one ends as the signal says.
+_received: list[int] = []
+
+
+def stop_signal_received() -> int | None:
+    """The first stop signal this reading command received, or None."""
+    return _received[0] if _received else None
+
+
+def _on_stop_signal(signum, _frame) -> NoReturn:  # noqa: ANN001
+    _received.append(signum)
+    if signum == signal.SIGINT:
+        raise KeyboardInterrupt
     raise Terminated
 
 
@@ -86,14 +103,14 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as e:  # a usage error (already printed as one line) or --help
         return e.code if isinstance(e.code, int) else EXIT_USAGE
-    previous = None
+    previous = {}
     if args.command in READING_COMMANDS and threading.current_thread() is threading.main_thread():
-        previous = signal.signal(signal.SIGTERM, _on_sigterm)
+        previous = {sig: signal.signal(sig, _on_stop_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         return _run(args)
     finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _error(message: object, code: int = EXIT_USAGE) -> int:
@@ -105,7 +122,10 @@ def _run(args: argparse.Namespace) -> int:
     from rolloutdb.store import StoreError
 
     try:
-        return int(args.func(args) or 0)
+        code = int(args.func(args) or 0)
+        if _received:  # its exception was lost (see `_received`): end as the signal says
+            raise KeyboardInterrupt if _received[0] == signal.SIGINT else Terminated
+        return code
     except (StoreError, FileExistsError, ValueError) as e:
         return _error_of(e)
     except KeyboardInterrupt:

@@ -493,6 +493,45 @@ def test_ctrl_c_stops_a_runaway_query_with_one_error_line(store_file, tmp_path):
     assert list(scratch.iterdir()) == [], "the private copy is removed"
 
 
+# Ctrl-C whose KeyboardInterrupt Python loses: its handler runs inside a __del__ (as it
+# did inside SQLAlchemy's weakref callback `_collection_gced` in a CI run), Python prints
+# "Exception ignored in ..." and goes on. Planted at the start-up's quick check.
+_LOST_CTRL_C = """
+import os, signal, sys
+import rolloutdb.store as store
+from rolloutdb import cli
+
+real = store.quick_check
+
+
+class LosesItsException:
+    def __del__(self):
+        os.kill(os.getpid(), signal.SIGINT)
+        sum(range(100))  # the handler runs here, inside __del__: its KeyboardInterrupt is lost
+
+
+def quick_check(conn, path):
+    LosesItsException()  # collected at once
+    return real(conn, path)
+
+
+store.quick_check = quick_check
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("query", [RUNAWAY, None], ids=["runaway query", "summary"])
+def test_ctrl_c_whose_exception_python_lost_still_stops_inspect(store_file, tmp_path, query):
+    extra = ["--sql", query, "--timeout", "30"] if query else []
+    proc = subprocess.run([sys.executable, "-c", _LOST_CTRL_C, "inspect", str(store_file), *extra],
+                          capture_output=True, text=True, timeout=120)
+    assert "Exception ignored" in proc.stderr, proc.stderr  # the plant worked: the exception was lost
+    assert proc.returncode == 130, proc.stderr
+    assert proc.stderr.splitlines()[-1] == "error: interrupted", proc.stderr
+    if query:
+        assert proc.stdout == ""  # stopped, not run to its --timeout (a summary is printed before the check)
+
+
 def test_sigterm_during_a_query_on_a_private_copy_removes_the_copy(store_file, tmp_path):
     import signal
 

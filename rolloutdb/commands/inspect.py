@@ -91,6 +91,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from rolloutdb.cli import stop_signal_received
     from rolloutdb.store import (
         NotAStoreError,
         QueryTimeout,
@@ -121,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
             revision = None
         if args.sql is not None:
             try:
-                columns, rows = run_readonly_query(conn, args.sql, timeout_s=args.timeout)
+                columns, rows = run_readonly_query(conn, args.sql, timeout_s=args.timeout, stop=stop_signal_received)
             except QueryTimeout as e:
                 raise QueryTimeout(f"{e}; pass a larger --timeout SECONDS if the query needs longer") from None
             _print_query(path, revision, columns, rows, as_json=args.json)

@@ -33,6 +33,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import quote
 
@@ -228,8 +229,8 @@ DEFAULT_QUERY_TIMEOUT_S = 30.0
 _PROGRESS_EVERY = 10_000
 
 
-def run_readonly_query(conn: sqlite3.Connection, sql: str, timeout_s: float = DEFAULT_QUERY_TIMEOUT_S
-                       ) -> tuple[list[str], list[tuple]]:
+def run_readonly_query(conn: sqlite3.Connection, sql: str, timeout_s: float = DEFAULT_QUERY_TIMEOUT_S, *,
+                       stop: Callable[[], int | None] | None = None) -> tuple[list[str], list[tuple]]:
     """Run one statement that only reads; returns (column names, rows). Anything that
     would write, attach, call a function not in `SAFE_FUNCTIONS`, or run more than one
     statement raises `ReadOnlyViolation`; running past `timeout_s` raises `QueryTimeout`.
@@ -237,18 +238,24 @@ def run_readonly_query(conn: sqlite3.Connection, sql: str, timeout_s: float = DE
     SIGINT and SIGTERM stop the query (SQLite's VM does not return to Python on its own,
     so without this a runaway recursive query ignores Ctrl-C); the signal is then raised
     again under the handler that was in place, so the caller's cleanup runs (the
-    connection's close removes a private copy) and the process ends as the signal says."""
+    connection's close removes a private copy) and the process ends as the signal says.
+    `stop()`: a stop signal the caller received before the query (or None), whose own
+    exception may have been lost (rolloutdb/cli.py, `_received`): the query does not start,
+    or stops, as if that signal had arrived during it."""
     sql = sql.strip().rstrip(";").strip()
     if not sql:
         raise ReadOnlyViolation("empty query; pass one SELECT statement with --sql")
     deadline = time.monotonic() + timeout_s
     caught: list[int] = []
+    earlier = stop or (lambda: None)
 
     def on_signal(signum, _frame):  # noqa: ANN001
         caught.append(signum)
         conn.interrupt()
 
     def progress() -> int:
+        if not caught and (signum := earlier()) is not None:
+            caught.append(signum)
         return 1 if caught or time.monotonic() > deadline else 0
 
     previous = {}
@@ -256,6 +263,8 @@ def run_readonly_query(conn: sqlite3.Connection, sql: str, timeout_s: float = DE
         previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     conn.set_progress_handler(progress, _PROGRESS_EVERY)
     try:
+        if progress():  # stopped before it started
+            raise sqlite3.OperationalError("interrupted")
         cur = conn.execute(sql)
         columns = [d[0] for d in cur.description or []]
         rows = cur.fetchall()
