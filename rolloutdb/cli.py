@@ -104,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as e:  # a usage error (already printed as one line) or --help
         return e.code if isinstance(e.code, int) else EXIT_USAGE
     previous = {}
+    _received.clear()  # a record is one command's (tests call main several times in one process)
     if args.command in READING_COMMANDS and threading.current_thread() is threading.main_thread():
         previous = {sig: signal.signal(sig, _on_stop_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
