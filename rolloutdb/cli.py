@@ -19,6 +19,8 @@ import sys
 import threading
 from typing import NoReturn
 
+from rolloutdb.commands._stop_signals import Terminated, forget, on_stop_signal, stop_signal_received
+
 EXIT_USAGE = 2
 EXIT_SIGINT = 128 + signal.SIGINT
 EXIT_SIGTERM = 128 + signal.SIGTERM
@@ -28,10 +30,6 @@ EXIT_SIGTERM = 128 + signal.SIGTERM
 # run.shutdown_grace_s); before that it keeps the default, which its crash tests prove safe.
 READING_COMMANDS = {"inspect", "verify", "snapshots", "trace", "sql"}
 MAX_MESSAGE = 2000
-
-
-class Terminated(BaseException):
-    """SIGTERM arrived; a BaseException so that no `except Exception` swallows it."""
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -76,27 +74,6 @@ def installed_version() -> str:
         return f"{__version__} (not installed)"
 
 
-# The stop signals (SIGINT, SIGTERM) a reading command received. A handler's exception
-# can be lost: raised inside a weakref callback or a __del__ that garbage collection runs,
-# Python prints "Exception ignored in ..." and goes on. Seen: Ctrl-C at `inspect --sql`'s
-# start-up landed in SQLAlchemy's `_collection_gced`, and the runaway query then ran to its
-# --timeout. The record outlives the exception: a query checks it (`run_readonly_query`'s
-# `stop`), and a command that returns after one ends as the signal says.
-_received: list[int] = []
-
-
-def stop_signal_received() -> int | None:
-    """The first stop signal this reading command received, or None."""
-    return _received[0] if _received else None
-
-
-def _on_stop_signal(signum, _frame) -> NoReturn:  # noqa: ANN001
-    _received.append(signum)
-    if signum == signal.SIGINT:
-        raise KeyboardInterrupt
-    raise Terminated
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     try:
@@ -104,9 +81,9 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as e:  # a usage error (already printed as one line) or --help
         return e.code if isinstance(e.code, int) else EXIT_USAGE
     previous = {}
-    _received.clear()  # a record is one command's (tests call main several times in one process)
+    forget()
     if args.command in READING_COMMANDS and threading.current_thread() is threading.main_thread():
-        previous = {sig: signal.signal(sig, _on_stop_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+        previous = {sig: signal.signal(sig, on_stop_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         return _run(args)
     finally:
@@ -119,31 +96,39 @@ def _error(message: object, code: int = EXIT_USAGE) -> int:
     return code
 
 
+def _stopped(signum: int) -> int:
+    if signum == signal.SIGINT:
+        return _error("interrupted", EXIT_SIGINT)
+    return _error("terminated (SIGTERM)", EXIT_SIGTERM)
+
+
 def _run(args: argparse.Namespace) -> int:
     from rolloutdb.store import StoreError
 
     try:
         code = int(args.func(args) or 0)
-        if _received:  # its exception was lost (see `_received`): end as the signal says
-            raise KeyboardInterrupt if _received[0] == signal.SIGINT else Terminated
-        return code
-    except (StoreError, FileExistsError, ValueError) as e:
-        return _error_of(e)
-    except KeyboardInterrupt:
-        return _error("interrupted", EXIT_SIGINT)
+    except KeyboardInterrupt:  # the recorded signal names it: DuckDB turns a SIGTERM into its interrupt too
+        return _stopped(stop_signal_received() or signal.SIGINT)
     except Terminated:
-        return _error("terminated (SIGTERM)", EXIT_SIGTERM)
+        return _stopped(stop_signal_received() or signal.SIGTERM)
+    except (StoreError, FileExistsError, ValueError) as e:
+        return _stopped(signum) if (signum := stop_signal_received()) else _error_of(e)
     except BrokenPipeError:
         # `rolloutdb inspect ... | head`: the reader left; that is not an error of ours.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     except Exception as e:  # noqa: BLE001 - the backstop: one line, never a traceback of ours
+        if signum := stop_signal_received():  # what a stop signal broke (a library's own error for it)
+            return _stopped(signum)
         theirs = _user_error(e)
         if theirs is not None:
             return _error_of(theirs)
         if os.environ.get("ROLLOUTDB_TRACEBACK"):
             raise
         return _error(_backstop_message(e))
+    if signum := stop_signal_received():  # its exception was lost (commands/_stop_signals.py)
+        return _stopped(signum)
+    return code
 
 
 def _error_of(e: Exception) -> int:

@@ -91,7 +91,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rolloutdb.cli import stop_signal_received
+    from rolloutdb.commands._stop_signals import stop_signal_received
     from rolloutdb.store import (
         NotAStoreError,
         QueryTimeout,

@@ -240,7 +240,7 @@ def run_readonly_query(conn: sqlite3.Connection, sql: str, timeout_s: float = DE
     again under the handler that was in place, so the caller's cleanup runs (the
     connection's close removes a private copy) and the process ends as the signal says.
     `stop()`: a stop signal the caller received before the query (or None), whose own
-    exception may have been lost (rolloutdb/cli.py, `_received`): the query does not start,
+    exception may have been lost (rolloutdb/commands/_stop_signals.py): the query does not start,
     or stops, as if that signal had arrived during it."""
     sql = sql.strip().rstrip(";").strip()
     if not sql:
