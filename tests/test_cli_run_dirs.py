@@ -13,11 +13,9 @@ import io
 import json
 import os
 import shutil
-import signal
 import sqlite3
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -206,32 +204,6 @@ def test_a_runaway_query_stops_at_the_timeout_with_one_line_naming_the_option_an
     before = untouched(run_dir)
     result = sql(str(run_dir), RUNAWAY, "--timeout", "1")
     assert_one_error_line(result, "1 s", "--timeout")
-    assert untouched(run_dir) == before
-
-
-@pytest.mark.parametrize(("signum", "code", "line"), [(signal.SIGINT, 130, "error: interrupted"),
-                                                       (signal.SIGTERM, 143, "error: terminated (SIGTERM)")],
-                         ids=["ctrl-c", "sigterm"])
-def test_a_signal_stops_a_runaway_query_with_one_line_naming_it_and_nothing_written(run_dir, signum, code, line):
-    """DuckDB's client stops the query on the signal itself and raises its own RuntimeError
-    ('Query interrupted'), whatever the signal: before the fix, one line calling it a
-    defect of rolloutdb, exit 2."""
-    before = untouched(run_dir)
-    proc = subprocess.Popen([sys.executable, "-m", "rolloutdb", "sql", str(run_dir), RUNAWAY, "--timeout", "60"],
-                            env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    # Well into the query: a signal while DuckDB attaches the files or starts the query can
-    # crash or hang the process inside DuckDB (seen 2026-12-04: a segfault at exit after
-    # "error: interrupted", once a hang; not fixed, see the session note).
-    time.sleep(10)
-    try:
-        proc.send_signal(signum)
-        out, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:  # never leave a runaway query behind (it holds every core)
-            proc.kill()
-            proc.communicate()
-    assert (proc.returncode, err.strip().splitlines()) == (code, [line]), err
-    assert out == ""
     assert untouched(run_dir) == before
 
 
