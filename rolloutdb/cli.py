@@ -96,39 +96,44 @@ def _error(message: object, code: int = EXIT_USAGE) -> int:
     return code
 
 
-def _stopped(signum: int) -> int:
-    if signum == signal.SIGINT:
-        return _error("interrupted", EXIT_SIGINT)
-    return _error("terminated (SIGTERM)", EXIT_SIGTERM)
+def _call(args: argparse.Namespace) -> int:
+    """The command. Once a stop signal is recorded, whatever the command ended with becomes
+    that signal's exception: its own may have been lost (commands/_stop_signals.py), or a
+    library turned it into an error of its own (DuckDB's client raises RuntimeError('Query
+    interrupted'), for a SIGTERM too)."""
+    try:
+        code = int(args.func(args) or 0)
+    except BaseException:
+        if stop_signal_received() is None:
+            raise
+    signum = stop_signal_received()
+    if signum is not None:
+        raise (KeyboardInterrupt if signum == signal.SIGINT else Terminated)() from None
+    return code
 
 
 def _run(args: argparse.Namespace) -> int:
     from rolloutdb.store import StoreError
 
     try:
-        code = int(args.func(args) or 0)
-    except KeyboardInterrupt:  # the recorded signal names it: DuckDB turns a SIGTERM into its interrupt too
-        return _stopped(stop_signal_received() or signal.SIGINT)
-    except Terminated:
-        return _stopped(stop_signal_received() or signal.SIGTERM)
+        return _call(args)
     except (StoreError, FileExistsError, ValueError) as e:
-        return _stopped(signum) if (signum := stop_signal_received()) else _error_of(e)
+        return _error_of(e)
+    except KeyboardInterrupt:
+        return _error("interrupted", EXIT_SIGINT)
+    except Terminated:
+        return _error("terminated (SIGTERM)", EXIT_SIGTERM)
     except BrokenPipeError:
         # `rolloutdb inspect ... | head`: the reader left; that is not an error of ours.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     except Exception as e:  # noqa: BLE001 - the backstop: one line, never a traceback of ours
-        if signum := stop_signal_received():  # what a stop signal broke (a library's own error for it)
-            return _stopped(signum)
         theirs = _user_error(e)
         if theirs is not None:
             return _error_of(theirs)
         if os.environ.get("ROLLOUTDB_TRACEBACK"):
             raise
         return _error(_backstop_message(e))
-    if signum := stop_signal_received():  # its exception was lost (commands/_stop_signals.py)
-        return _stopped(signum)
-    return code
 
 
 def _error_of(e: Exception) -> int:

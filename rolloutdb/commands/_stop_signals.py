@@ -6,7 +6,7 @@ garbage collection runs, Python prints "Exception ignored in ..." and goes on. S
 at `inspect --sql`'s start-up landed in SQLAlchemy's `_collection_gced`, and the runaway
 query then ran to its --timeout. So the signal is also recorded here, and the record
 outlives the exception: a query checks it (`run_readonly_query`'s `stop`), and the CLI ends a
-command that returns, or fails in a library's own way, after one as the signal says.
+command that returns, or fails in any way, after one as the signal says (`cli._call`).
 """
 
 from __future__ import annotations

@@ -86,12 +86,6 @@ class AttachedFiles:
             if fired.is_set():
                 raise QueryTimeout(f"query stopped after {timeout_s:g} s, its time limit") from None
             raise TraceError(f"query failed: {' '.join(str(e).split())}") from e
-        except RuntimeError as e:
-            # DuckDB's Python client stops a query on Ctrl-C itself and raises this in place
-            # of the KeyboardInterrupt (duckdb 1.5.5): give the caller the interrupt back.
-            if "interrupted" in str(e).lower() and not fired.is_set():
-                raise KeyboardInterrupt from None
-            raise
         finally:
             done.set()
 
