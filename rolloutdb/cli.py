@@ -75,11 +75,12 @@ def installed_version() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
     try:
-        args = parser.parse_args(argv)
+        args = build_parser().parse_args(argv)
     except SystemExit as e:  # a usage error (already printed as one line) or --help
         return e.code if isinstance(e.code, int) else EXIT_USAGE
+    except KeyboardInterrupt:  # Ctrl-C before a command started: one line, not a traceback
+        return _error("interrupted", EXIT_SIGINT)
     previous = {}
     forget()
     if args.command in READING_COMMANDS and threading.current_thread() is threading.main_thread():

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+import lost_ctrl_c
 from rolloutdb.store import FinishedGeneration, Reservation, Store, pools
 from rolloutdb.store.sqlite.revision import head_revision, known_revisions
 
@@ -493,31 +494,9 @@ def test_ctrl_c_stops_a_runaway_query_with_one_error_line(store_file, tmp_path):
     assert list(scratch.iterdir()) == [], "the private copy is removed"
 
 
-# Ctrl-C whose KeyboardInterrupt Python loses: its handler runs inside a __del__ (as it
-# did inside SQLAlchemy's weakref callback `_collection_gced` in a CI run), Python prints
-# "Exception ignored in ..." and goes on. Planted at the start-up's quick check.
-_LOST_CTRL_C = """
-import os, signal, sys
-import rolloutdb.store as store
-from rolloutdb import cli
-
-real = store.quick_check
-
-
-class LosesItsException:
-    def __del__(self):
-        os.kill(os.getpid(), signal.SIGINT)
-        sum(range(100))  # the handler runs here, inside __del__: its KeyboardInterrupt is lost
-
-
-def quick_check(conn, path):
-    LosesItsException()  # collected at once
-    return real(conn, path)
-
-
-store.quick_check = quick_check
-sys.exit(cli.main(sys.argv[1:]))
-"""
+# A Ctrl-C whose KeyboardInterrupt Python loses (tests/lost_ctrl_c.py), planted at the
+# start-up's quick check.
+_LOST_CTRL_C = lost_ctrl_c.script("rolloutdb.store", "quick_check")
 
 
 @pytest.mark.parametrize("query", [RUNAWAY, None], ids=["runaway query", "summary"])

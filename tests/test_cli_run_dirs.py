@@ -13,13 +13,16 @@ import io
 import json
 import os
 import shutil
+import signal
 import sqlite3
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
+import lost_ctrl_c
 from train_cli import assert_one_error_line, digest, env, train
 
 
@@ -205,6 +208,55 @@ def test_a_runaway_query_stops_at_the_timeout_with_one_line_naming_the_option_an
     result = sql(str(run_dir), RUNAWAY, "--timeout", "1")
     assert_one_error_line(result, "1 s", "--timeout")
     assert untouched(run_dir) == before
+
+
+@pytest.mark.parametrize("after_s", [0.0, 0.5, 3.0], ids=["while attaching", "as the query starts", "mid-query"])
+@pytest.mark.parametrize(("signum", "code", "line"), [(signal.SIGINT, 130, "error: interrupted"),
+                                                       (signal.SIGTERM, 143, "error: terminated (SIGTERM)")],
+                         ids=["ctrl-c", "sigterm"])
+def test_a_signal_at_any_moment_of_a_runaway_query_ends_it_with_one_line_and_nothing_left_behind(
+        run_dir, tmp_path, signum, code, line, after_s):
+    """DuckDB's client runs Python's signal handlers inside its execution loop; a handler
+    that raised there (the CLI's, or Python's default) crossed DuckDB's frames: seen
+    2026-12-04, "error: interrupted" then SIGSEGV at exit, and hangs deaf to any signal (one
+    in a CI run). The signal now only interrupts DuckDB (store/trace/interrupts.py). The
+    moments count from DuckDB's working directory appearing (the CLI's handlers are in
+    place by then)."""
+    before = untouched(run_dir)
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    proc = subprocess.Popen([sys.executable, "-m", "rolloutdb", "sql", str(run_dir), RUNAWAY, "--timeout", "60"],
+                            env={**env(), "TMPDIR": str(scratch)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        deadline = time.monotonic() + 60  # detects a start-up that never comes; not a speed test
+        while not any(scratch.glob("rolloutdb-sql-*")) and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(after_s)
+        proc.send_signal(signum)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:  # never leave a runaway query behind (it holds every core)
+            proc.kill()
+            proc.communicate()
+    assert (proc.returncode, err.strip().splitlines()) == (code, [line]), err
+    assert out == ""
+    assert list(scratch.iterdir()) == []  # its working directory (private copies, DuckDB's) removed
+    assert untouched(run_dir) == before
+
+
+# A Ctrl-C whose KeyboardInterrupt Python loses, planted while the live store is copied for DuckDB.
+_LOST_CTRL_C = lost_ctrl_c.script("rolloutdb.store.trace.attached", "standalone")
+
+
+def test_a_ctrl_c_whose_exception_python_lost_keeps_the_runaway_query_from_starting(run_dir):
+    """Without the check (`stop=` of AttachedFiles.query) the query runs to its --timeout
+    (600 s here: the run's 120 s limit fails the test first)."""
+    proc = subprocess.run([sys.executable, "-c", _LOST_CTRL_C, "sql", str(run_dir), RUNAWAY, "--timeout", "600"],
+                          env=env(), capture_output=True, text=True, timeout=120)
+    assert "Exception ignored" in proc.stderr, proc.stderr  # the plant worked: the exception was lost
+    assert (proc.returncode, proc.stderr.splitlines()[-1]) == (130, "error: interrupted"), proc.stderr
+    assert proc.stdout == ""
 
 
 @pytest.mark.parametrize("value", ["0", "-1", "nan", "soon"])

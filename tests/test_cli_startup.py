@@ -60,3 +60,16 @@ def test_the_constants_the_help_texts_write_out_agree_with_the_store():
 
     assert head_of_revision_files() == head_revision()
     assert inspect.DEFAULT_TIMEOUT_S == DEFAULT_QUERY_TIMEOUT_S  # the one of every --timeout (sql's too)
+
+
+def test_ctrl_c_while_the_commands_load_ends_with_one_line_not_a_traceback(monkeypatch, capsys):
+    """The CLI's own handlers come later (per command); a Ctrl-C while the parser imports
+    the command modules raised a KeyboardInterrupt traceback out of `main`."""
+    from rolloutdb import cli
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "build_parser", interrupted)
+    assert cli.main(["sql", "x.sqlite"]) == 130
+    assert capsys.readouterr().err == "error: interrupted\n"

@@ -89,6 +89,7 @@ def split_paths_and_query(items: list[str], query: str | None) -> tuple[list[Pat
 
 
 def run(args: argparse.Namespace) -> int:
+    from rolloutdb.commands._stop_signals import stop_signal_received
     from rolloutdb.store import AttachedFiles, QueryTimeout
 
     paths, query = split_paths_and_query(args.items, args.query)
@@ -105,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
             default = renamed[main]
     with AttachedFiles(files, default=default) as attached:
         try:
-            table = attached.query(query, timeout_s=args.timeout) if query is not None else attached.catalog()
+            table = attached.query(query, timeout_s=args.timeout, stop=stop_signal_received) if query is not None else attached.catalog()
         except QueryTimeout as e:
             raise QueryTimeout(f"{e}; pass a larger --timeout SECONDS if the query needs longer") from None
     if query is None:

@@ -40,6 +40,7 @@ from urllib.parse import quote
 from ..sqlite.readonly import PrivateCopyConnection, private_copy
 from ..sqlite.revision import file_revision, run_trace_migrations, trace_head_revision, trace_known_revisions
 from . import queries as trace_queries
+from .interrupts import interruptible
 from .writer import TraceError
 
 # The base table of trace_queries -> its table in a trace file, where the names differ.
@@ -198,7 +199,8 @@ class TraceAnalysis:
         self._work_dir = Path(tempfile.mkdtemp(prefix="rolloutdb-duckdb-"))
         self.con = None
         try:
-            self.con = connect_duckdb(self._work_dir)
+            with interruptible(lambda: self.con):  # a signal inside DuckDB: see interrupts.py
+                self.con = connect_duckdb(self._work_dir)
             aliases: dict[str, list[str]] = {"run": [], "baseline": []}
             for job, paths, prefix in (("run", runs, "r"), ("baseline", baseline, "b")):
                 for i, path in enumerate(paths):
@@ -210,11 +212,12 @@ class TraceAnalysis:
             # One scan of each table the figures read into DuckDB's columnar memory, only
             # its columns: the figures read some tables several times each, and every read
             # of an attached table is a scan through SQLite.
-            for statement in base_view_statements(aliases, kind="TABLE", skip=frozenset(_SEMI_JOINED)):
-                self.con.execute(statement)
-            _semi_joined(self.con, aliases)
-            for statement in derived_view_statements():
-                self.con.execute(statement)
+            with interruptible(lambda: self.con):
+                for statement in base_view_statements(aliases, kind="TABLE", skip=frozenset(_SEMI_JOINED)):
+                    self.con.execute(statement)
+                _semi_joined(self.con, aliases)
+                for statement in derived_view_statements():
+                    self.con.execute(statement)
         except BaseException:
             self.close()
             raise
@@ -223,8 +226,9 @@ class TraceAnalysis:
         import duckdb
 
         try:
-            self.con.execute(f"ATTACH '{_sql_string(Path(path).resolve())}' AS {alias} (TYPE sqlite, READ_ONLY)")
-            self.con.execute(f"SELECT count(*) FROM {alias}.runs WHERE run < 0").fetchone()
+            with interruptible(lambda: self.con):
+                self.con.execute(f"ATTACH '{_sql_string(Path(path).resolve())}' AS {alias} (TYPE sqlite, READ_ONLY)")
+                self.con.execute(f"SELECT count(*) FROM {alias}.runs WHERE run < 0").fetchone()
         except duckdb.Error as e:
             raise TraceError(f"{named}: not a readable trace file ({str(e).splitlines()[0]})") from e
 
@@ -234,15 +238,17 @@ class TraceAnalysis:
         import duckdb
 
         try:
-            self.con.execute(f"ATTACH '{_sql_string(Path(path).resolve())}' AS {alias} (TYPE sqlite, READ_ONLY)")
+            with interruptible(lambda: self.con):
+                self.con.execute(f"ATTACH '{_sql_string(Path(path).resolve())}' AS {alias} (TYPE sqlite, READ_ONLY)")
         except duckdb.Error as e:
             raise TraceError(f"{path}: not a readable snapshot file ({str(e).splitlines()[0]})") from e
 
     def query(self, name_or_sql: str) -> Table:
         """Run a named query of `trace_queries.QUERIES` (or any SQL over the views)."""
         sql = trace_queries.QUERIES.get(name_or_sql, name_or_sql)
-        cur = self.con.execute(sql)
-        return Table([d[0] for d in cur.description], cur.fetchall())
+        with interruptible(lambda: self.con):
+            cur = self.con.execute(sql)
+            return Table([d[0] for d in cur.description], cur.fetchall())
 
     def report(self) -> dict[str, Table]:
         """Every figure of `trace_queries.QUERIES`, by name."""

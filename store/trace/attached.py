@@ -16,11 +16,12 @@ from __future__ import annotations
 import re
 import shutil
 import tempfile
-import threading
+from collections.abc import Callable
 from pathlib import Path
 
 from ..sqlite.readonly import QueryTimeout
 from .analysis import Table, _sql_string, connect_duckdb, standalone
+from .interrupts import interruptible
 from .writer import TraceError
 
 # Table functions that open a SQLite file by path (in place, where its -wal and -shm would
@@ -34,60 +35,62 @@ class AttachedFiles:
     `default` (one of the names) is the schema unqualified table names resolve to."""
 
     def __init__(self, files: dict[str, Path], default: str | None = None):
-        import duckdb
-
         if not files:
             raise TraceError("no SQLite files to attach")
         self._work_dir = Path(tempfile.mkdtemp(prefix="rolloutdb-sql-"))
         self.con = None
         try:
-            self.con = connect_duckdb(self._work_dir)
+            with interruptible(lambda: self.con):  # a signal while DuckDB starts: see interrupts.py
+                self.con = connect_duckdb(self._work_dir)
             for name, path in files.items():
                 if not SCHEMA_NAME.match(name):
                     raise TraceError(f"{name!r}: not a schema name (lowercase letters, digits and _)")
+                # Not under `interruptible`: copying a large live store must stop at Ctrl-C.
                 readable = standalone(path, self._work_dir / "copies", name)
-                try:
-                    self.con.execute(f"ATTACH '{_sql_string(Path(readable).resolve())}' AS {name} (TYPE sqlite, READ_ONLY)")
-                    self.con.execute(f"SELECT count(*) FROM duckdb_tables() WHERE database_name = '{name}'").fetchone()
-                except duckdb.Error as e:
-                    raise TraceError(f"{path}: not a readable SQLite file ({str(e).splitlines()[0]})") from e
-            if default is not None:
-                self.con.execute(f"USE {default}")
-            self.con.execute("SET enable_external_access = false")
-            self.con.execute("SET lock_configuration = true")
+                self._attach(name, path, readable)
+            with interruptible(lambda: self.con):
+                if default is not None:
+                    self.con.execute(f"USE {default}")
+                self.con.execute("SET enable_external_access = false")
+                self.con.execute("SET lock_configuration = true")
         except BaseException:
             self.close()
             raise
 
-    def query(self, sql: str, timeout_s: float | None = None) -> Table:
+    def _attach(self, name: str, path: Path, readable: Path) -> None:
+        import duckdb
+
+        with interruptible(lambda: self.con):
+            try:
+                self.con.execute(f"ATTACH '{_sql_string(Path(readable).resolve())}' AS {name} (TYPE sqlite, READ_ONLY)")
+                self.con.execute(f"SELECT count(*) FROM duckdb_tables() WHERE database_name = '{name}'").fetchone()
+            except duckdb.Error as e:
+                raise TraceError(f"{path}: not a readable SQLite file ({str(e).splitlines()[0]})") from e
+
+    def query(self, sql: str, timeout_s: float | None = None, *, stop: Callable[[], int | None] | None = None) -> Table:
         """Run the user's SQL; a DuckDB error is a `TraceError` with its first line. Past
-        `timeout_s` seconds the query is interrupted (DuckDB's `interrupt`, from a timer
-        thread: the query's own thread is inside DuckDB) and `QueryTimeout` raised."""
+        `timeout_s` seconds the query is interrupted (DuckDB's `interrupt`, from a watcher
+        thread: the query's own thread is inside DuckDB) and `QueryTimeout` raised. SIGINT
+        and SIGTERM stop it the same way and are then raised again under the caller's
+        handlers (`interrupts.interruptible`); `stop()` names a stop signal the caller
+        received before the query, whose exception may have been lost."""
         import duckdb
 
         if _OPENS_A_PATH.search(sql):
             raise TraceError("sqlite_scan and sqlite_attach open files by path; query the attached schemas "
                              "instead (`rolloutdb sql PATH` lists them)")
-        fired, done = threading.Event(), threading.Event()
-
-        def stop_at_the_deadline() -> None:
-            if not done.wait(timeout_s):
-                fired.set()
-                self.con.interrupt()
-
-        if timeout_s is not None:
-            threading.Thread(target=stop_at_the_deadline, name="rolloutdb-sql-timeout", daemon=True).start()
-        try:
-            cur = self.con.execute(sql)
-            if cur.description is None:
-                return Table([], [])
-            return Table([d[0] for d in cur.description], cur.fetchall())
-        except duckdb.Error as e:
-            if fired.is_set():
-                raise QueryTimeout(f"query stopped after {timeout_s:g} s, its time limit") from None
-            raise TraceError(f"query failed: {' '.join(str(e).split())}") from e
-        finally:
-            done.set()
+        with interruptible(lambda: self.con, timeout_s=timeout_s, stop=stop) as stopped:
+            try:
+                cur = self.con.execute(sql)
+                if cur.description is None:
+                    return Table([], [])
+                return Table([d[0] for d in cur.description], cur.fetchall())
+            except duckdb.Error as e:
+                if stopped.signum is not None:
+                    raise  # leaving the block raises the signal instead
+                if stopped.timed_out:
+                    raise QueryTimeout(f"query stopped after {timeout_s:g} s, its time limit") from None
+                raise TraceError(f"query failed: {' '.join(str(e).split())}") from e
 
     def catalog(self) -> Table:
         """One row per attached table: schema, table, columns (name TYPE, ...)."""
