@@ -16,8 +16,9 @@ on a random stream that restarts with the process:
 Reported logprob of a token: log-softmax of the raw logits divided by the temperature
 (temperature 1 for greedy calls), before penalties, min-tokens masking and top-p. That
 is the quantity a trainer recomputes from the same weights for the GRPO importance ratio
-(it cannot see penalties or the top-p nucleus), so on-policy ratios are exactly 1 up to
-float noise. The token itself is drawn from the processed distribution (penalties,
+(it cannot see penalties or the top-p nucleus; the built-in trainer divides by the same
+temperature: controller/job/build.py `logprob_temperature`), so on-policy ratios are
+exactly 1 up to float noise. The token itself is drawn from the processed distribution (penalties,
 masking, temperature, top-p).
 """
 

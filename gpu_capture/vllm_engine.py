@@ -19,8 +19,9 @@ Semantics, and where they differ from the reference engine (reference_engine.py)
   continued call would be missed. A hit aborts the vLLM request; tokens vLLM decoded
   after the stop (one step at most) are dropped.
 * Logprobs are vLLM's raw logprobs: log-softmax of the logits at temperature 1, what the
-  GRPO trainer recomputes. (The reference engine reports them at the call's temperature;
-  the two agree at temperature 1 and for greedy calls.)
+  GRPO trainer recomputes for this engine (controller/job/build.py `logprob_temperature`).
+  (The reference engine reports them at the call's temperature; the two agree at
+  temperature 1 and for greedy calls.)
 * Versions: `load_weights` pauses the scheduler with mode "keep" (running calls stay,
   between two steps), reloads the weights in place from a safetensors file, sets vLLM's
   weight version label and resumes. Each token's version comes from vLLM's own

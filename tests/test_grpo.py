@@ -326,3 +326,36 @@ def test_huge_finite_rewards_give_the_same_advantages_as_the_same_rewards_in_a_s
     assert all(math.isfinite(a) for a in huge)
     assert huge == pytest.approx(plain, rel=1e-9)
     assert group_advantages([1.0, -1.0, 0.0, 0.5]) == group_advantages([1.0, -1.0, 0.0, 0.5], 1e-6, True)
+
+
+# ---- the importance ratio at the temperature the engine sampled at -------------------------
+
+
+@pytest.mark.parametrize("temperature", [0.5, 1.7])
+def test_samples_the_reference_engine_drew_at_a_temperature_have_ratio_one_when_trained_at_it(
+        policy_dir, temperature):
+    """The reference engine reports log-softmax(logits / temperature); a trainer computing
+    at temperature 1 (as before) saw on-policy samples as off-policy: ratios away from 1,
+    tokens clipped, the PPO objective wrong with no stale weights anywhere."""
+    from rolloutdb.gpu_capture import GenerationRequest, ReferenceEngine, SamplingParams
+
+    prompt = [3, 4, 5, 6]
+    with ReferenceEngine(policy_dir, max_batch_size=4, num_threads=1) as engine:
+        results = [engine.submit(GenerationRequest(f"r{i}", prompt, SamplingParams(
+            max_tokens=12, min_tokens=12, temperature=temperature, seed=i))).result() for i in range(4)]
+    group = [TrainGroup(0, 0, [Completion(prompt, r.token_ids, r.logprobs, [0] * len(r.token_ids), float(i))
+                               for i, r in enumerate(results)])]
+
+    metrics = trainer(policy_dir, temperature=temperature).prepare_step(group).metrics
+    ratio, clipped = metrics["ratio_mean"], metrics["clip_fraction"]
+    assert ratio == pytest.approx(1.0, abs=1e-4) and clipped == 0.0
+    for trainer_temperature, agrees in ((temperature, True), (1.0, False)):  # at 1.0: the bug, shown
+        tr = trainer(policy_dir, temperature=trainer_temperature)
+        gap = max(abs(a - b) for r in results for a, b in zip(tr.logprobs_of(prompt, r.token_ids), r.logprobs))
+        assert gap < 1e-4 if agrees else gap > 1e-2, gap
+
+
+def test_a_temperature_that_is_not_positive_is_refused_naming_the_setting():
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="temperature must be a positive number"):
+            GRPOConfig(temperature=bad)

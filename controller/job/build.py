@@ -92,8 +92,17 @@ def build_trainer(config: Config, policy_dir: Path) -> Trainer:
     return GRPOTrainer(
         policy_dir,
         GRPOConfig(lr=algo.learning_rate, clip_eps=algo.clip_eps, entropy_coef=algo.entropy_coef, seed=config.run.seed,
-                   shared_prefix_packing=algo.shared_prefix_packing),
+                   shared_prefix_packing=algo.shared_prefix_packing, temperature=logprob_temperature(config)),
     )
+
+
+def logprob_temperature(config: Config) -> float:
+    """The temperature at which the run's engine reports the logprobs of the tokens it
+    samples, which the trainer's importance ratio must match: the reference engine reports
+    log-softmax(logits / temperature) at the call's temperature; vLLM reports its raw
+    logprobs (temperature 1, vllm_engine.py); greedy calls report at 1."""
+    t = config.generation.temperature
+    return t if config.generation.backend == "reference" and t > 0 else 1.0
 
 
 def build_engine(config: Config, policy_dir: Path, work_dir: Path | None = None):

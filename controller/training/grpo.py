@@ -9,7 +9,8 @@ the train pump holds the commit lock only around the second. The step:
   keeps only the mean subtraction (Dr. GRPO);
 - every policy token gets its sequence's advantage and an importance ratio
   exp(logp_new - logp_old) against the log-probability the generating policy reported
-  (`Completion.logprobs`), so groups generated under an older policy version (the
+  (`Completion.logprobs`), both at the temperature the engine reported it at
+  (`GRPOConfig.temperature`), so groups generated under an older policy version (the
   asynchronous case) are corrected, and the ratio is clipped PPO-style to
   [1 - clip_eps, 1 + clip_eps_high];
 - tokens the environment wrote (`loss_mask` 0) are context, never trained;
@@ -85,12 +86,22 @@ class GRPOConfig:
     # completions (controller/training/packing.py); same loss and gradients, fewer tokens.
     shared_prefix_packing: bool = False
     seed: int = 0  # recorded with the checkpoint; a step itself draws no random numbers
+    # The temperature the engine reported the old logprobs at: the policy's logprobs are
+    # computed at it too (log-softmax of logits / temperature), so that a sample of the
+    # policy has ratio 1 and an older policy's samples are corrected against the tempered
+    # distribution they were drawn from. The reference engine reports at the call's
+    # temperature (controller/job/build.py passes generation.temperature); vLLM reports raw
+    # logprobs (1.0). Greedy calls (temperature 0) report at 1.0. One per run: a call an
+    # agent server makes at a temperature of its own is corrected against this one.
+    temperature: float = 1.0
 
     def __post_init__(self):
         if self.loss_aggregation not in ("token_mean", "sequence_mean"):
             raise ValueError("loss_aggregation must be token_mean or sequence_mean")
         if not 0 < self.clip_eps < 1:
             raise ValueError("clip_eps must be in (0, 1)")
+        if not (math.isfinite(self.temperature) and self.temperature > 0):
+            raise ValueError("temperature must be a positive number (1.0 for greedy calls and raw logprobs)")
         self.betas = tuple(self.betas)
 
 
@@ -162,11 +173,11 @@ def aggregate(token_losses: torch.Tensor, mask: torch.Tensor, how: str,
 
 
 def token_logprobs(model: torch.nn.Module, batch: PackedBatch, rows: slice = slice(None),
-                   seqs: slice | None = None, with_entropy: bool = False):
+                   seqs: slice | None = None, with_entropy: bool = False, temperature: float = 1.0):
     """Log-probabilities of the output tokens of sequences `seqs` (default: `rows`, the
-    plain layout's one row per sequence) under `model`, [seqs, T], running the forward
-    pass on `rows`, which must hold those sequences; with `with_entropy`, also the
-    entropy of the policy's distribution at each of them."""
+    plain layout's one row per sequence) under `model` at `temperature`, [seqs, T],
+    running the forward pass on `rows`, which must hold those sequences; with
+    `with_entropy`, also the entropy of the policy's distribution at each of them."""
     seqs = rows if seqs is None else seqs
     mask = batch.attention_mask[rows]
     if mask.dim() == 3:  # a tree mask (pack_shared_prefix): the model's dtype, additive
@@ -175,6 +186,8 @@ def token_logprobs(model: torch.nn.Module, batch: PackedBatch, rows: slice = sli
     logits = model(input_ids=batch.input_ids[rows], attention_mask=mask, **extra).logits.float()
     row_of = batch.seq_rows[seqs] - (rows.start or 0)
     picked = logits[row_of.unsqueeze(1), batch.gather_positions[seqs]]  # [seqs, T, V]
+    if temperature != 1.0:
+        picked = picked / temperature
     logp_all = torch.log_softmax(picked, dim=-1)
     logp = logp_all.gather(-1, batch.target_ids[seqs].unsqueeze(-1)).squeeze(-1)
     if not with_entropy:
@@ -241,7 +254,7 @@ class GRPOTrainer:
         loss_sum = clipped_sum = kl_sum = ratio_sum = entropy_sum = 0.0
         for rows, seqs in micro_batches(batch, cfg.micro_batch_size):
             mask = batch.loss_mask[seqs]
-            new, entropy = token_logprobs(self.model, batch, rows, seqs, with_entropy=True)
+            new, entropy = token_logprobs(self.model, batch, rows, seqs, with_entropy=True, temperature=cfg.temperature)
             old = batch.old_logprobs[seqs]
             # Environment tokens and padding may carry any "old" logprob; keep them out
             # of exp() so a garbage value cannot turn into inf * 0 = nan.
@@ -250,7 +263,7 @@ class GRPOTrainer:
                                                        cfg.clip_eps, clip_high)
             if self.reference is not None:
                 with torch.no_grad():
-                    ref = token_logprobs(self.reference, batch, rows, seqs)
+                    ref = token_logprobs(self.reference, batch, rows, seqs, temperature=cfg.temperature)
                 d = ref - new
                 kl = torch.exp(d) - d - 1.0
                 losses = losses + cfg.kl_coef * kl
@@ -307,11 +320,12 @@ class GRPOTrainer:
     @torch.no_grad()
     def logprobs_of(self, prompt_ids: Sequence[int], token_ids: Sequence[int]) -> list[float]:
         """The current policy's log-probability of each of `token_ids` after
-        `prompt_ids` (for tests, and for engines that report no logprobs)."""
+        `prompt_ids`, at the configured temperature (for tests, and for engines that report
+        no logprobs)."""
         c = Completion(list(prompt_ids), list(token_ids), [0.0] * len(token_ids),
                        [self._step] * len(token_ids), 0.0)
         batch = pack([c], [0.0], self.pad_id)
-        return token_logprobs(self.model, batch)[0, : len(token_ids)].tolist()
+        return token_logprobs(self.model, batch, temperature=self.config.temperature)[0, : len(token_ids)].tolist()
 
     # -------------------------------------------------------------------------- refit
 
