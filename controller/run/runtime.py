@@ -74,8 +74,10 @@ no code starts:
 - `rolloutdb-restore-segments`: during a restore, hashes the payload segments the snapshot
   lists, in place (never copied), while the store file is restored; the restore waits for
   its verdict before it replaces the live store (`store/restore/plan.py`).
-- `rolloutdb-sql-timeout`: not a thread of a run: `rolloutdb sql` waits on it for the
-  query's --timeout and then interrupts the DuckDB query (`store/trace/attached.py`).
+- `rolloutdb-duckdb-interrupt`: not a thread of a run: while `rolloutdb sql` or
+  `rolloutdb trace` runs a DuckDB call, it interrupts the call at the query's --timeout
+  or on SIGINT/SIGTERM, whose handler only records the signal
+  (`store/trace/interrupts.py`).
 - `conformance-policy`: not a thread of a run: `rolloutdb conformance` serves its fixed
   policy endpoint on it (`controller/agent_server/conformance_policy.py`); its
   http.server answers each call on a thread of its own, and a held call waits there.
