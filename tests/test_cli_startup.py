@@ -9,6 +9,8 @@ import subprocess
 import sys
 from importlib.metadata import version
 
+import pytest
+
 HEAVY = ("torch", "duckdb", "sqlalchemy", "alembic", "transformers", "matplotlib", "ray")
 
 # In a fresh interpreter: parse `--help` of the top level and of every command, and after
@@ -71,5 +73,38 @@ def test_ctrl_c_while_the_commands_load_ends_with_one_line_not_a_traceback(monke
         raise KeyboardInterrupt
 
     monkeypatch.setattr(cli, "build_parser", interrupted)
-    assert cli.main(["sql", "x.sqlite"]) == 130
+    try:
+        got = cli.main(["sql", "x.sqlite"])
+    except KeyboardInterrupt:  # escaping a test, it would end the whole run
+        pytest.fail("KeyboardInterrupt escaped main (a traceback for the user)", pytrace=False)
+    assert got == 130
     assert capsys.readouterr().err == "error: interrupted\n"
+
+
+@pytest.mark.parametrize(("exception", "code", "line"), [("KeyboardInterrupt", 130, "error: interrupted"),
+                                                         ("Terminated", 143, "error: terminated (SIGTERM)")])
+def test_a_stop_signal_while_the_store_is_imported_ends_with_one_line_not_a_traceback(
+        monkeypatch, capsys, exception, code, line):
+    """The store's import (SQLAlchemy, ~0.5 s) runs after the CLI's handlers are in place
+    but before the command's own error handling: a SIGTERM 0.8 s into `rolloutdb trace`
+    printed a Terminated traceback, exit 1."""
+    import types
+
+    from rolloutdb import cli
+    from rolloutdb.commands._stop_signals import Terminated
+
+    raised = {"KeyboardInterrupt": KeyboardInterrupt, "Terminated": Terminated}[exception]
+
+    class Importing(types.ModuleType):
+        def __getattr__(self, name):
+            if name == "StoreError":  # what the CLI imports first; nothing else (pytest looks too)
+                raise raised
+            raise AttributeError(name)
+
+    monkeypatch.setitem(sys.modules, "rolloutdb.store", Importing("rolloutdb.store"))
+    try:
+        got = cli.main(["verify", "x.sqlite"])
+    except BaseException as e:  # noqa: BLE001 - a KeyboardInterrupt escaping a test would end the whole run
+        pytest.fail(f"{type(e).__name__} escaped main (a traceback for the user)", pytrace=False)
+    assert got == code
+    assert capsys.readouterr().err == line + "\n"
