@@ -87,8 +87,8 @@ def main(argv: list[str] | None = None) -> int:
         previous = {sig: signal.signal(sig, on_stop_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         return _run(args)
-    # A stop signal while _run imports the store (~0.5 s of SQLAlchemy, before its own
-    # handlers' try): one line too, not a traceback (seen: SIGTERM 0.8 s into `trace`).
+    # The one place a stop signal becomes its line: from the command (`_call`), or while
+    # _run imports the store (~0.5 s of SQLAlchemy; seen: SIGTERM 0.8 s into `trace`).
     except KeyboardInterrupt:
         return _error("interrupted", EXIT_SIGINT)
     except Terminated:
@@ -126,10 +126,6 @@ def _run(args: argparse.Namespace) -> int:
         return _call(args)
     except (StoreError, FileExistsError, ValueError) as e:
         return _error_of(e)
-    except KeyboardInterrupt:
-        return _error("interrupted", EXIT_SIGINT)
-    except Terminated:
-        return _error("terminated (SIGTERM)", EXIT_SIGTERM)
     except BrokenPipeError:
         # `rolloutdb inspect ... | head`: the reader left; that is not an error of ours.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
