@@ -108,6 +108,12 @@ FIGURES = {
         ("bytes / new payload", ("summary", "bytes_goal", "ratio_to_new_payload"), False),
         ("interval disk write bytes", ("summary", "segments", "interval_disk_write_bytes"), False),
     ],
+    "bench_trace_analysis.py": [  # run with --events 2000000 --skip-pandas
+        ("duckdb s (median)", ("median_s", "duckdb"), False),
+        ("sqlite s (median)", ("median_s", "sqlite"), False),
+        ("duckdb vs sqlite", ("ratios", "sqlite", "median"), True),
+        ("upgrade to head s", ("upgrade_s",), False),
+    ],
     "bench_group_commit.py": [
         ("batched calls/s", ("median", "batched", "calls_per_s"), True),
         ("batched window p99 ms", ("median", "batched", "window_p99_ms"), False),

@@ -4,6 +4,7 @@ and a large size side by side (BENCHMARKS.md, "Per-event costs against the run's
 
     python bench/bench_per_event.py                      # 30 vs 3000 steps, 0 vs 3M trace rows
     python bench/bench_per_event.py --steps 30 300 --trace-rows 300000   # shorter
+    python bench/bench_per_event.py --only trace         # the trace's batches alone
 
 - settle: `Store.mark_trained` and `Store.discard` p50 over the first and the last 30
   steps of bench_bounded_store.py's loop (the quickstart's shape through the Store API);
@@ -11,8 +12,9 @@ and a large size side by side (BENCHMARKS.md, "Per-event costs against the run's
   copy) and `settled_runs` (its decode of the settled record) on that loop's snapshot at
   each step count, and `audit_ledger` (a resume's, verify's audit);
 - a trace batch: 1000 `call_finished` rows committed into an empty trace and into one
-  holding --trace-rows rows (random prompt ids, as a run writes them), and the same
-  with the prompt-id index dropped;
+  holding --trace-rows rows (random prompt ids, group ids in the order a run reserves
+  them), its index keyed as at trace_v1_5_a (prompt first), as at trace_v1_6_a (group
+  first) and with none, batches alternated across the three (`--only trace`: just this);
 - a turn's save (`pools.put_episodes`, 256 tokens added) to a 1k- and a 32k-token transcript;
 - the memory `PromptOrder` holds after walking 40 epochs of a 100k-prompt dataset.
 """
@@ -73,32 +75,57 @@ def settles_and_checks(work: Path, steps: list[int]) -> None:
                 f"{_ms(lambda: audit_ledger(path, groups_per_step=loop.GROUPS), 5):.2f} ms")
 
 
-def trace_batches(work: Path, rows: int) -> None:
+# The index keys the trace's per-attempt tables have had: trace_v1_5_a's (led by the
+# prompt id, which a run draws at random), trace_v1_6_a's (led by the group id, which
+# grows as the run reserves groups), and none at all (the floor).
+_INDEX_KEYS = {
+    "prompt_id first (trace_v1_5_a)": ("prompt_id", "generation_index", "attempt"),
+    "group_id first (trace_v1_6_a)": ("group_id", "generation_index", "attempt"),
+    "none": None,
+}
+# Calls finish out of order among the groups in flight: a row's group is one of the last
+# this many reserved.
+IN_FLIGHT_GROUPS = 1024
+
+
+def trace_batches(work: Path, rows: int, rounds: int = 20) -> None:
+    """1000-row `call_finished` batches into traces of 0 and `rows` rows under each index
+    key, alternated (each round one batch into each file, the same rows): the median."""
     rng = random.Random(0)
     for n in (0, rows):
-        path = open_trace_file(work / f"trace_{n}.sqlite")
-        with contextlib.closing(sqlite3.connect(path)) as conn:
+        files = {}
+        for k, (label, key) in enumerate(_INDEX_KEYS.items()):
+            path = open_trace_file(work / f"trace_{n}_{k}.sqlite")
+            conn = sqlite3.connect(path)
+            conn.execute("PRAGMA synchronous = NORMAL")  # as the trace writer
             conn.execute("INSERT INTO runs (run, run_id, pid, host, first_t, last_t, last_seq) "
                          "VALUES (1, 'bench', 0, 'bench', 0, 0, 0)")
+            conn.execute("DROP INDEX ix_call_finished_group_id_generation_index_attempt")
+            # Groups of 8 generations reserved in order, prompts drawn at random.
             conn.execute(f"WITH RECURSIVE k(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM k WHERE i < {n}) "
                          "INSERT INTO call_finished (seq, t, run, group_id, prompt_id, generation_index, attempt, step, "
                          "policy_version, turn, tokens, finish_reason) SELECT i, 0, 1, i / 8, abs(random()) % 300000, "
                          "i % 8, 0, i / 64, i / 64, 0, 100, 'stop' FROM k" if n else "SELECT 1")
+            if key:
+                conn.execute(f"CREATE INDEX bench_key ON call_finished ({', '.join(key)})")
             conn.commit()
             conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-            seq = n + 1
-            for label in ("with its prompt-id index", "index dropped"):
-                if label == "index dropped":
-                    conn.execute("DROP INDEX ix_call_finished_prompt_id_generation_index_attempt")
-                xs = []
-                for _ in range(20):
-                    batch = [(seq + j, j // 8, rng.randrange(300_000), j % 8) for j in range(1000)]
-                    seq += 1000
-                    t0 = time.perf_counter()
-                    conn.executemany(_CALL, batch)
-                    conn.commit()
-                    xs.append(time.perf_counter() - t0)
-                say(f"trace of {n:>9} call_finished rows, {label}: a 1000-row batch {statistics.median(xs) * 1e3:.2f} ms")
+            files[label] = (conn, [])
+        seq = n + 1
+        for _ in range(rounds):
+            batch = [(seq + j, max(0, (seq + j) // 8 - rng.randrange(IN_FLIGHT_GROUPS)), rng.randrange(300_000), j % 8)
+                     for j in range(1000)]
+            seq += 1000
+            for conn, xs in files.values():
+                t0 = time.perf_counter()
+                conn.executemany(_CALL, batch)
+                conn.commit()
+                xs.append(time.perf_counter() - t0)
+        floor = statistics.median(files["none"][1])
+        for label, (conn, xs) in files.items():
+            say(f"trace of {n:>9} call_finished rows, index {label}: a 1000-row batch "
+                f"{statistics.median(xs) * 1e3:.2f} ms ({statistics.median(xs) / floor:.2f}x the unindexed table)")
+            conn.close()
 
 
 def episode_saves(work: Path) -> None:
@@ -136,10 +163,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, nargs="+", default=[30, 3000])
     parser.add_argument("--trace-rows", type=int, default=3_000_000)
+    parser.add_argument("--only", choices=("trace",), help="run only this part")
     args = parser.parse_args(argv)
     say(f"# {machine_line()}")
     with tempfile.TemporaryDirectory(prefix="bench_per_event_") as tmp:
         work = Path(tmp)
+        if args.only == "trace":
+            trace_batches(work, args.trace_rows)
+            return 0
         settles_and_checks(work, sorted(args.steps))
         trace_batches(work, args.trace_rows)
         episode_saves(work)

@@ -192,9 +192,11 @@ def run_pandas(job: Path, baseline: Path) -> tuple[dict, float]:
                 sql = f"SELECT {cols} FROM {'runs' if name == 'trace_runs' else name}"
                 tables[name].append(pd.read_sql_query(sql, conn).assign(job=job_name))
             # Only the dispatches of attempts abandoned with reason restart, as DuckDB reads them.
-            sql = ("SELECT DISTINCT d.seq, d.t, d.run, d.prompt_id, d.generation_index, d.attempt "
-                   "FROM attempt_abandoned a JOIN attempt_dispatched d ON d.prompt_id = a.prompt_id "
-                   "AND d.generation_index = a.generation_index AND d.attempt = a.attempt WHERE a.reason = 'restart'")
+            # By the index the trace has for it (trace_v1_6_a: group first).
+            sql = ("SELECT DISTINCT d.seq, d.t, d.run, d.group_id, d.prompt_id, d.generation_index, d.attempt "
+                   "FROM attempt_abandoned a JOIN attempt_dispatched d ON d.group_id = a.group_id "
+                   "AND d.prompt_id = a.prompt_id AND d.generation_index = a.generation_index "
+                   "AND d.attempt = a.attempt WHERE a.reason = 'restart'")
             tables["attempt_dispatched"].append(pd.read_sql_query(sql, conn).assign(job=job_name))
     f = {name: pd.concat(frames, ignore_index=True) for name, frames in tables.items()}
     read_s = time.perf_counter() - t_read
@@ -312,12 +314,14 @@ def main(argv: list[str] | None = None) -> int:
                 p.unlink(missing_ok=True)
             build_baseline(baseline, groups)
             build_stopped_job(job, baseline, groups)
+        upgrade_s: dict[str, float] = {}
         for p in (job, baseline):
             with contextlib.closing(sqlite3.connect(p)) as c:
                 revision = file_revision(c)
             if revision != trace_head_revision():
                 t_up = time.perf_counter()
                 run_trace_migrations(p)
+                upgrade_s[p.stem] = time.perf_counter() - t_up
                 print(f"upgraded {p.name} from {revision} to {trace_head_revision()} in {time.perf_counter() - t_up:.1f} s")
         with contextlib.closing(sqlite3.connect(baseline)) as c:
             groups = c.execute("SELECT count(*) FROM group_reserved").fetchone()[0]
@@ -368,7 +372,9 @@ def main(argv: list[str] | None = None) -> int:
         steps = results["duckdb"]["batch_age_per_step"]
         print(f"figures agree: {len(steps)} steps, mean batch age {sum(r[6] for r in steps) / len(steps):.3f}; "
               f"thrown away {results['duckdb']['thrown_away_per_stop']}; lost {results['duckdb']['lost_progress_per_stop']}")
-        figures: dict = {"events": n_job, "repeats": args.repeats, "seconds": timings, "ratios": {}}
+        figures: dict = {"events": n_job, "repeats": args.repeats, "seconds": timings, "ratios": {},
+                         "median_s": {n: statistics.median(timings[n]) for n in names},
+                         "upgrade_s": sum(upgrade_s.values()) if upgrade_s else None}
         for other, goal in (("sqlite", SQLITE_GOAL), ("pandas", PANDAS_GOAL)):
             if other not in timings:
                 continue

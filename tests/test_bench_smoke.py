@@ -259,7 +259,8 @@ def test_the_per_event_benchmark_runs_and_prints_every_figure_it_promises():
                            "--trace-rows", "100"], cwd=REPO, capture_output=True, text=True, timeout=HANG_S)
     assert proc.returncode == 0, proc.stderr[-2000:]
     for figure in ("mark_trained: p50", "discard: p50", "3 steps: check_invariants", "6 steps: check_invariants",
-                   "100 call_finished rows, with its prompt-id index", "100 call_finished rows, index dropped",
+                   "100 call_finished rows, index prompt_id first (trace_v1_5_a)",
+                   "100 call_finished rows, index group_id first (trace_v1_6_a)", "100 call_finished rows, index none",
                    "32000-token transcript", "PromptOrder after 40 epochs"):
         assert figure in proc.stdout, (figure, proc.stdout)
 

@@ -25,7 +25,9 @@ from alembic.migration import MigrationContext
 from sqlalchemy import create_engine
 from sqlalchemy.pool import NullPool
 
-from rolloutdb.store.trace.events import EVENTS, trace_metadata
+from rolloutdb.store.trace import queries as trace_queries
+from rolloutdb.store.trace.analysis import attempt_rows_sql
+from rolloutdb.store.trace.events import APPEND_ORDER_COLUMNS, EVENTS, trace_metadata
 from rolloutdb.store.trace.writer import (
     TRACE_FILENAME,
     NullTracer,
@@ -47,8 +49,8 @@ def rows(path, sql, *args):
 
 def test_a_new_trace_file_is_built_by_its_migrations_and_equals_the_trace_metadata(tmp_path):
     path = open_trace_file(tmp_path / "logs" / TRACE_FILENAME)
-    assert rows(path, "SELECT version_num FROM alembic_version") == [("trace_v1_5_a",)]
-    assert trace_head_revision() == "trace_v1_5_a"
+    assert rows(path, "SELECT version_num FROM alembic_version") == [("trace_v1_6_a",)]
+    assert trace_head_revision() == "trace_v1_6_a"
     engine = create_engine(f"sqlite:///{path}", poolclass=NullPool)
     try:
         with engine.connect() as conn:
@@ -56,6 +58,32 @@ def test_a_new_trace_file_is_built_by_its_migrations_and_equals_the_trace_metada
             assert compare_metadata(context, trace_metadata) == []
     finally:
         engine.dispose()
+
+
+def test_every_trace_index_leads_with_a_column_that_grows_as_the_run_goes(tmp_path):
+    # A key drawn at random (a prompt id) puts each new row on a random page of the whole
+    # index: a page read and write per event once the trace outgrows the cache (23-29 ms
+    # per 1000-row batch at 3M rows, BENCHMARKS.md "Per-event costs"). Read from the file
+    # the migrations build, not from events.py alone.
+    path = open_trace_file(tmp_path / TRACE_FILENAME)
+    leading = {name: rows(path, f"PRAGMA index_info({name})")[0][2]
+               for (name,) in rows(path, "SELECT name FROM sqlite_master WHERE type = 'index' AND sql IS NOT NULL")}
+    assert leading, "the trace has no index at all: the analysis's look-ups would scan"
+    random_keyed = {name: col for name, col in leading.items() if col not in APPEND_ORDER_COLUMNS}
+    assert random_keyed == {}, f"indexes led by a column a run does not write in order: {random_keyed}"
+    for table in ("attempt_dispatched", "call_finished", "turn_committed"):
+        assert leading[f"ix_{table}_group_id_generation_index_attempt"] == "group_id"
+
+
+def test_the_analysis_reads_an_abandoned_attempts_rows_by_index_search_not_by_scanning_the_trace(tmp_path):
+    path = open_trace_file(tmp_path / TRACE_FILENAME)
+    keys = [[7, 70, 1, 0], [8, 80, 0, 2]]
+    with contextlib.closing(sqlite3.connect(path)) as conn:
+        for table in ("attempt_dispatched", "call_finished", "turn_committed"):
+            columns = trace_queries.BASE_COLUMNS[table].split(", ")
+            plan = " | ".join(r[3] for r in conn.execute("EXPLAIN QUERY PLAN " + attempt_rows_sql(table, columns, keys)))
+            assert f"SEARCH d USING INDEX ix_{table}_group_id_generation_index_attempt" in plan, plan
+            assert "SCAN d" not in plan and "AUTOMATIC" not in plan, plan
 
 
 def test_events_from_many_threads_are_all_written_with_the_run_id_and_common_columns(tmp_path):

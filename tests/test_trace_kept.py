@@ -167,6 +167,32 @@ def test_the_kept_figures_are_the_same_in_sqlite_and_for_a_job_resumed_into_othe
         assert _per_stop(a.query("kept_per_stop")) == PER_STOP
 
 
+def test_a_prompts_later_group_running_beside_the_stopped_one_adds_nothing_to_its_figures(tmp_path):
+    # A small dataset's next epoch draws prompt 10 again while its group 1 is still in
+    # flight: group 5's generation 0, attempt 0 has the same (prompt, generation, attempt)
+    # and runs at the same time. An attempt is matched by its group as well, so group 5's
+    # call and turn count neither as group 1's decoded tokens nor move its last commit.
+    path = tmp_path / "run" / "logs" / TRACE_FILENAME
+    tr = write_turn_run_a(path)
+    tr.emit("group_reserved", t=101.1, group_id=5, prompt_id=10, step=2, policy_version=0, group_size=2)
+    later = dict(group_id=5, prompt_id=10, generation_index=0, attempt=0, policy_version=0)
+    tr.emit("attempt_dispatched", t=101.2, **later)
+    tr.emit("call_finished", t=105.8, turn=0, tokens=100, finish_reason="stop", **later)
+    tr.emit("turn_committed", t=105.9, turn=0, tokens=100, total_tokens=110, **later)
+    tr.close()
+    for write in (write_turn_run_b, write_turn_run_c):
+        write(path).close()
+    conn = open_sqlite_analysis([path])
+    try:
+        assert sqlite_query(conn, "kept_by_attempt").rows == BY_ATTEMPT
+        assert _per_stop(sqlite_query(conn, "kept_per_stop")) == PER_STOP
+    finally:
+        conn.close()
+    with TraceAnalysis([path]) as a:
+        assert a.query("kept_by_attempt").rows == BY_ATTEMPT
+        assert _per_stop(a.query("kept_per_stop")) == PER_STOP
+
+
 def write_group_level_job(path) -> None:
     """test_trace_analysis's job (group-level recovery: no turn events) with the calls of
     its attempts: one call per generation (turn 0)."""

@@ -41,9 +41,10 @@ V1_2_A = importlib.import_module("rolloutdb.migrations.trace.versions.trace_v1_2
 V1_3_A = importlib.import_module("rolloutdb.migrations.trace.versions.trace_v1_3_a_call_fallback")
 V1_4_A = importlib.import_module("rolloutdb.migrations.trace.versions.trace_v1_4_a_cut_accounting")
 V1_5_A = importlib.import_module("rolloutdb.migrations.trace.versions.trace_v1_5_a_prefix_exactness")
+V1_6_A = importlib.import_module("rolloutdb.migrations.trace.versions.trace_v1_6_a_append_order_indexes")
 NEW_AT_V1_2_A = ("call_finished", "turn_committed", "episode_restored")
 NEW_AT_V1_3_A = ("call_fallback",)
-HEAD = "trace_v1_5_a"
+HEAD = "trace_v1_6_a"
 
 
 def rows(path, sql):
@@ -97,6 +98,16 @@ def v1_4_a_tables():
     """Every table at trace_v1_4_a: trace_v1_3_a's with the columns that revision appends."""
     m = v1_3_a_tables()
     for name, columns in V1_4_A.NEW_COLUMNS.items():
+        for column, kind in columns:
+            m.tables[name].append_column(sa.Column(column, kind()))
+    return m
+
+
+def v1_5_a_tables():
+    """Every table at trace_v1_5_a: trace_v1_4_a's with `call_finished.prefix_exactness`
+    (and its indexes keyed by prompt, as every revision before trace_v1_6_a)."""
+    m = v1_4_a_tables()
+    for name, columns in V1_5_A.NEW_COLUMNS.items():
         for column, kind in columns:
             m.tables[name].append_column(sa.Column(column, kind()))
     return m
@@ -336,3 +347,34 @@ def test_a_trace_holding_a_continued_calls_exactness_refuses_the_downgrade_to_tr
         downgrade_to(path, "trace_v1_4_a", v1_4_a_tables())
     assert rows(path, "SELECT version_num FROM alembic_version") == [(HEAD,)]
     assert rows(path, "SELECT prefix_exactness FROM call_finished") == [("distribution",)]
+
+
+def _indexes(path) -> dict[str, tuple]:
+    """Index name -> (table, its key columns), read from the file."""
+    return {name: (table, tuple(r[2] for r in rows(path, f"PRAGMA index_info({name})")))
+            for name, table in rows(path, "SELECT name, tbl_name FROM sqlite_master "
+                                          "WHERE type = 'index' AND sql IS NOT NULL")}
+
+
+def test_a_trace_v1_5_a_file_upgrades_to_trace_v1_6_a_with_every_row_kept_and_its_attempt_indexes_keyed_by_group(tmp_path):
+    run, base = _job(tmp_path, "v1_5_a")
+    head_rows, head_indexes, head_figures = _every_row(run), _indexes(run), _figures(run, base)
+    downgrade_to(run, "trace_v1_5_a", v1_5_a_tables())
+    assert rows(run, "SELECT version_num FROM alembic_version") == [("trace_v1_5_a",)]
+    old = _indexes(run)
+    assert old["ix_call_finished_prompt_id_generation_index_attempt"] == (
+        "call_finished", ("prompt_id", "generation_index", "attempt"))
+    assert old["ix_group_reserved_prompt_id"] == ("group_reserved", ("prompt_id",))
+    assert _every_row(run) == head_rows
+    assert _figures(run, base) == head_figures  # read through an upgraded copy
+
+    run_trace_migrations(run)  # a run appending to it upgrades it in place
+
+    assert rows(run, "SELECT version_num FROM alembic_version") == [(HEAD,)]
+    assert _every_row(run) == head_rows
+    assert _indexes(run) == head_indexes
+    for table in V1_6_A.PER_ATTEMPT:
+        assert head_indexes[f"ix_{table}_group_id_generation_index_attempt"] == (
+            table, ("group_id", "generation_index", "attempt"))
+    assert not any(key[0] == "prompt_id" for _, key in head_indexes.values())
+    assert _figures(run, base) == head_figures

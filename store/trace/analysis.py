@@ -14,7 +14,7 @@ only the columns the figures read, in one scan. The exceptions are the per-call 
 per-turn tables (`attempt_dispatched`, the largest, `call_finished`, `turn_committed`), of
 which the figures need only the rows of attempts abandoned with reason 'restart': DuckDB's
 scanner pushes no filter or join down to SQLite, so we send that semi-join to SQLite
-(`sqlite_query`, answered from each table's (prompt_id, generation_index, attempt) index)
+(`sqlite_query`, answered from each table's (group_id, generation_index, attempt) index)
 and copy only its answer.
 
 A trace file of an older revision is upgraded in a copy in the working directory, and
@@ -47,7 +47,7 @@ from .writer import TraceError
 _FILE_TABLE = {"trace_runs": "runs"}
 # Semi-joined in SQLite for DuckDB (see the module docstring).
 _SEMI_JOINED = ("attempt_dispatched", "call_finished", "turn_committed", "call_cut")
-_DUCKDB_TYPES = {"seq": "BIGINT", "t": "DOUBLE", "run": "BIGINT", "prompt_id": "BIGINT",
+_DUCKDB_TYPES = {"seq": "BIGINT", "t": "DOUBLE", "run": "BIGINT", "group_id": "BIGINT", "prompt_id": "BIGINT",
                  "generation_index": "BIGINT", "attempt": "BIGINT", "turn": "BIGINT", "tokens": "BIGINT",
                  "prefix_tokens": "BIGINT"}
 
@@ -152,27 +152,37 @@ def _semi_joined(con, aliases: dict[str, list[str]]) -> None:
     reason 'restart' (what THROWN_AWAY_ATTEMPTS and KEPT_ATTEMPTS read), looked up by
     SQLite itself."""
     keys: dict[str, list] = {}
-    for job, p, g, a in con.execute("SELECT DISTINCT job, prompt_id, generation_index, attempt FROM attempt_abandoned "
-                                    "WHERE reason = 'restart' AND prompt_id IS NOT NULL").fetchall():
-        keys.setdefault(job, []).append([p, g, a])
+    for job, group, p, i, a in con.execute(
+            "SELECT DISTINCT job, group_id, prompt_id, generation_index, attempt FROM attempt_abandoned "
+            "WHERE reason = 'restart' AND group_id IS NOT NULL AND prompt_id IS NOT NULL").fetchall():
+        keys.setdefault(job, []).append([group, p, i, a])
     # The dispatch of the attempt that replaced each abandoned one carries its prefix.
-    next_keys = {job: ks + [[p, g, a + 1] for p, g, a in ks] for job, ks in keys.items()}
+    next_keys = {job: ks + [[group, p, i, a + 1] for group, p, i, a in ks] for job, ks in keys.items()}
     for table in _SEMI_JOINED:
         columns = trace_queries.BASE_COLUMNS[table].split(", ")
         con.execute(f"CREATE TEMP TABLE {table} (job VARCHAR, src INTEGER, "
                     + ", ".join(f"{c} {_DUCKDB_TYPES[c]}" for c in columns) + ")")
         for job, job_keys in (next_keys if table == "attempt_dispatched" else keys).items():
             # The abandonment may be in another file of the job than the rows: ask each.
-            inner = (
-                f"SELECT {', '.join(_as_text(c) for c in columns)} FROM json_each('{json.dumps(job_keys)}') k "
-                f"JOIN {table} d ON d.prompt_id = json_extract(k.value, '$[0]') "
-                "AND d.generation_index = json_extract(k.value, '$[1]') AND d.attempt = json_extract(k.value, '$[2]')"
-            )
+            inner = attempt_rows_sql(table, columns, job_keys)
             for src, alias in enumerate(aliases[job]):
                 # sqlite_query returns text: cast back to the columns' types.
                 casts = ", ".join(f"CAST({c} AS {_DUCKDB_TYPES[c]})" for c in columns)
                 con.execute(f"INSERT INTO {table} SELECT '{job}', {src}, {casts} "
                             f"FROM sqlite_query('{alias}', '{_sql_string(inner)}')")
+
+
+def attempt_rows_sql(table: str, columns: Sequence[str], keys: Sequence[Sequence[int]]) -> str:
+    """The SQLite statement that reads `table`'s rows of the attempts `keys` ([group_id,
+    prompt_id, generation_index, attempt] each), `columns` as text: a search of the
+    table's (group_id, generation_index, attempt) index per key (trace_v1_6_a), so its
+    cost follows the attempts asked for, not the trace's size."""
+    return (
+        f"SELECT {', '.join(_as_text(c) for c in columns)} FROM json_each('{json.dumps([list(k) for k in keys])}') k "
+        f"JOIN {table} d ON d.group_id = json_extract(k.value, '$[0]') "
+        "AND d.generation_index = json_extract(k.value, '$[2]') AND d.attempt = json_extract(k.value, '$[3]') "
+        "AND d.prompt_id = json_extract(k.value, '$[1]')"
+    )
 
 
 def derived_view_statements() -> list[str]:

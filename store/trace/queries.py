@@ -32,12 +32,12 @@ BASE_COLUMNS: dict[str, str] = {
     "trained_groups": "seq, group_id",
     "restore_done": "seq, t, run, snapshot_seq, cut_time, decoded_at",
     "attempt_abandoned": "seq, t, run, prompt_id, generation_index, attempt, group_id, reason",
-    "attempt_dispatched": "seq, t, run, prompt_id, generation_index, attempt, prefix_tokens",
-    "call_cut": "seq, t, run, prompt_id, generation_index, attempt, tokens",
-    "call_finished": "seq, t, run, prompt_id, generation_index, attempt, turn, tokens",
-    "turn_committed": "seq, t, run, prompt_id, generation_index, attempt, turn, tokens",
-    "episode_restored": "seq, t, run, prompt_id, generation_index, attempt, from_attempt, turn, tokens",
-    "call_fallback": "seq, t, run, attempt_id, turn, reason, prompt_id, generation_index, attempt, tokens",
+    "attempt_dispatched": "seq, t, run, group_id, prompt_id, generation_index, attempt, prefix_tokens",
+    "call_cut": "seq, t, run, group_id, prompt_id, generation_index, attempt, tokens",
+    "call_finished": "seq, t, run, group_id, prompt_id, generation_index, attempt, turn, tokens",
+    "turn_committed": "seq, t, run, group_id, prompt_id, generation_index, attempt, turn, tokens",
+    "episode_restored": "seq, t, run, group_id, prompt_id, generation_index, attempt, from_attempt, turn, tokens",
+    "call_fallback": "seq, t, run, attempt_id, turn, reason, group_id, prompt_id, generation_index, attempt, tokens",
 }
 
 # --------------------------------------------------------------------------- views
@@ -141,7 +141,7 @@ WITH abandoned AS (
     FROM assigned x
     JOIN stops st ON st.job = x.job AND st.stop_no = x.stop_no
     LEFT JOIN attempt_dispatched d
-           ON d.job = x.job AND d.prompt_id = x.prompt_id AND d.generation_index = x.generation_index
+           ON d.job = x.job AND d.prompt_id = x.prompt_id AND d.group_id = x.group_id AND d.generation_index = x.generation_index
           AND d.attempt = x.attempt AND d.t <= st.cut_time
     GROUP BY x.job, x.stop_no, x.prompt_id, x.generation_index, x.attempt, x.group_id, st.cut_time,
              st.decoded_at, st.decode_point
@@ -152,7 +152,7 @@ WITH abandoned AS (
            max(c.t) AS committed_at, max(c.turn) AS last_committed_turn
     FROM dispatched x
     JOIN turn_committed c
-      ON c.job = x.job AND c.prompt_id = x.prompt_id AND c.generation_index = x.generation_index
+      ON c.job = x.job AND c.prompt_id = x.prompt_id AND c.group_id = x.group_id AND c.generation_index = x.generation_index
      AND c.attempt = x.attempt AND c.t <= x.cut_time AND (x.dispatched_at IS NULL OR c.t >= x.dispatched_at)
     GROUP BY x.job, x.stop_no, x.prompt_id, x.generation_index, x.attempt
 ), cut_at AS (
@@ -161,7 +161,7 @@ WITH abandoned AS (
     SELECT x.job, x.stop_no, x.prompt_id, x.generation_index, x.attempt, max(c.t) AS cut_at
     FROM dispatched x
     JOIN call_cut c
-      ON c.job = x.job AND c.prompt_id = x.prompt_id AND c.generation_index = x.generation_index
+      ON c.job = x.job AND c.prompt_id = x.prompt_id AND c.group_id = x.group_id AND c.generation_index = x.generation_index
      AND c.attempt = x.attempt AND abs(c.t - x.cut_time) < 1e-6
     GROUP BY x.job, x.stop_no, x.prompt_id, x.generation_index, x.attempt
 ), since AS (
@@ -211,7 +211,7 @@ WITH decoded AS (
     FROM thrown_away_attempts x
     JOIN stops st ON st.job = x.job AND st.stop_no = x.stop_no
     JOIN call_finished c
-      ON c.job = x.job AND c.prompt_id = x.prompt_id AND c.generation_index = x.generation_index
+      ON c.job = x.job AND c.prompt_id = x.prompt_id AND c.group_id = x.group_id AND c.generation_index = x.generation_index
      AND c.attempt = x.attempt AND c.t <= st.stopped_at AND (x.dispatched_at IS NULL OR c.t >= x.dispatched_at)
     GROUP BY x.job, x.stop_no, x.prompt_id, x.generation_index, x.attempt
 ), by_cut AS (
@@ -222,11 +222,11 @@ WITH decoded AS (
     SELECT x.job, x.stop_no, x.prompt_id, x.generation_index, x.attempt, sum(c.tokens) AS tokens
     FROM thrown_away_attempts x
     JOIN call_finished c
-      ON c.job = x.job AND c.prompt_id = x.prompt_id AND c.generation_index = x.generation_index
+      ON c.job = x.job AND c.prompt_id = x.prompt_id AND c.group_id = x.group_id AND c.generation_index = x.generation_index
      AND c.attempt = x.attempt AND (x.dispatched_at IS NULL OR c.t >= x.dispatched_at)
      AND (c.t <= x.decode_point OR EXISTS (
           SELECT 1 FROM turn_committed tc
-          WHERE tc.job = x.job AND tc.prompt_id = x.prompt_id AND tc.generation_index = x.generation_index
+          WHERE tc.job = x.job AND tc.prompt_id = x.prompt_id AND tc.group_id = x.group_id AND tc.generation_index = x.generation_index
             AND tc.attempt = x.attempt AND tc.turn = c.turn AND tc.t >= c.t AND tc.t <= x.cut_time))
     GROUP BY x.job, x.stop_no, x.prompt_id, x.generation_index, x.attempt
 ), saved_whole AS (
@@ -236,18 +236,18 @@ WITH decoded AS (
     SELECT DISTINCT x.job, x.stop_no, x.prompt_id, x.generation_index, x.attempt
     FROM thrown_away_attempts x
     JOIN call_finished f
-      ON f.job = x.job AND f.prompt_id = x.prompt_id AND f.generation_index = x.generation_index
+      ON f.job = x.job AND f.prompt_id = x.prompt_id AND f.group_id = x.group_id AND f.generation_index = x.generation_index
      AND f.attempt = x.attempt AND f.t <= x.decode_point AND (x.dispatched_at IS NULL OR f.t >= x.dispatched_at)
     WHERE NOT EXISTS (
         SELECT 1 FROM turn_committed tc
-        WHERE tc.job = x.job AND tc.prompt_id = x.prompt_id AND tc.generation_index = x.generation_index
+        WHERE tc.job = x.job AND tc.prompt_id = x.prompt_id AND tc.group_id = x.group_id AND tc.generation_index = x.generation_index
           AND tc.attempt = x.attempt AND tc.turn = f.turn AND tc.t <= x.cut_time)
 ), frozen AS (
     -- Its call running at the restored cut, frozen there (prefix level), finished later or not.
     SELECT x.job, x.stop_no, x.prompt_id, x.generation_index, x.attempt, max(c.tokens) AS tokens
     FROM thrown_away_attempts x
     JOIN call_cut c
-      ON c.job = x.job AND c.prompt_id = x.prompt_id AND c.generation_index = x.generation_index
+      ON c.job = x.job AND c.prompt_id = x.prompt_id AND c.group_id = x.group_id AND c.generation_index = x.generation_index
      AND c.attempt = x.attempt AND abs(c.t - x.cut_time) < 1e-6
     WHERE NOT EXISTS (
         SELECT 1 FROM saved_whole w
@@ -262,11 +262,11 @@ WITH decoded AS (
     FROM thrown_away_attempts x
     JOIN stops st ON st.job = x.job AND st.stop_no = x.stop_no
     JOIN call_cut c
-      ON c.job = x.job AND c.prompt_id = x.prompt_id AND c.generation_index = x.generation_index
+      ON c.job = x.job AND c.prompt_id = x.prompt_id AND c.group_id = x.group_id AND c.generation_index = x.generation_index
      AND c.attempt = x.attempt AND abs(c.t - x.cut_time) < 1e-6
     WHERE NOT EXISTS (
         SELECT 1 FROM call_finished f
-        WHERE f.job = x.job AND f.prompt_id = x.prompt_id AND f.generation_index = x.generation_index
+        WHERE f.job = x.job AND f.prompt_id = x.prompt_id AND f.group_id = x.group_id AND f.generation_index = x.generation_index
           AND f.attempt = x.attempt AND f.t > x.decode_point AND f.t <= st.stopped_at)
       AND NOT EXISTS (
         SELECT 1 FROM saved_whole w
@@ -281,7 +281,7 @@ WITH decoded AS (
     FROM thrown_away_attempts x
     JOIN stops st ON st.job = x.job AND st.stop_no = x.stop_no
     JOIN episode_restored e
-      ON e.job = x.job AND e.prompt_id = x.prompt_id AND e.generation_index = x.generation_index
+      ON e.job = x.job AND e.prompt_id = x.prompt_id AND e.group_id = x.group_id AND e.generation_index = x.generation_index
      AND e.from_attempt = x.attempt AND e.t > st.stopped_at
 ), prefixed AS (
     -- The first dispatch after the stop of the attempt that replaces this one, with the
@@ -292,7 +292,7 @@ WITH decoded AS (
     FROM thrown_away_attempts x
     JOIN stops st ON st.job = x.job AND st.stop_no = x.stop_no
     JOIN attempt_dispatched d
-      ON d.job = x.job AND d.prompt_id = x.prompt_id AND d.generation_index = x.generation_index
+      ON d.job = x.job AND d.prompt_id = x.prompt_id AND d.group_id = x.group_id AND d.generation_index = x.generation_index
      AND d.attempt = x.attempt + 1 AND d.t > st.stopped_at
 ), inherited AS (
     -- What this attempt itself started from: its own episode_restored before the stop.
@@ -302,7 +302,7 @@ WITH decoded AS (
     FROM thrown_away_attempts x
     JOIN stops st ON st.job = x.job AND st.stop_no = x.stop_no
     JOIN episode_restored e
-      ON e.job = x.job AND e.prompt_id = x.prompt_id AND e.generation_index = x.generation_index
+      ON e.job = x.job AND e.prompt_id = x.prompt_id AND e.group_id = x.group_id AND e.generation_index = x.generation_index
      AND e.attempt = x.attempt AND e.t <= st.stopped_at
 ), own_prefix AS (
     -- The prefix this attempt itself was dispatched with (its last dispatch before the
@@ -313,7 +313,7 @@ WITH decoded AS (
     FROM thrown_away_attempts x
     JOIN stops st ON st.job = x.job AND st.stop_no = x.stop_no
     JOIN attempt_dispatched d
-      ON d.job = x.job AND d.prompt_id = x.prompt_id AND d.generation_index = x.generation_index
+      ON d.job = x.job AND d.prompt_id = x.prompt_id AND d.group_id = x.group_id AND d.generation_index = x.generation_index
      AND d.attempt = x.attempt AND d.t <= st.stopped_at
 ), fell_calls AS (
     -- What the restored cut read of its calls and did not keep (call_fallback at the
@@ -327,12 +327,12 @@ WITH decoded AS (
                 ELSE coalesce(fb.tokens, 0) END AS tokens,
            CASE WHEN EXISTS (
                SELECT 1 FROM call_finished f
-               WHERE f.job = x.job AND f.prompt_id = x.prompt_id AND f.generation_index = x.generation_index
+               WHERE f.job = x.job AND f.prompt_id = x.prompt_id AND f.group_id = x.group_id AND f.generation_index = x.generation_index
                  AND f.attempt = x.attempt AND f.turn = fb.turn AND f.t <= x.decode_point
                  AND (x.dispatched_at IS NULL OR f.t >= x.dispatched_at)) THEN 0 ELSE 1 END AS open
     FROM thrown_away_attempts x
     JOIN call_fallback fb
-      ON fb.job = x.job AND fb.prompt_id = x.prompt_id AND fb.generation_index = x.generation_index
+      ON fb.job = x.job AND fb.prompt_id = x.prompt_id AND fb.group_id = x.group_id AND fb.generation_index = x.generation_index
      AND fb.attempt = x.attempt AND abs(fb.t - x.cut_time) < 1e-6
     LEFT JOIN inherited i ON i.job = x.job AND i.stop_no = x.stop_no AND i.prompt_id = x.prompt_id
      AND i.generation_index = x.generation_index AND i.attempt = x.attempt AND i.nth = 1
