@@ -23,6 +23,8 @@ import contextlib
 import csv
 import json
 import sqlite3
+import subprocess
+import sys
 
 import pytest
 
@@ -31,6 +33,8 @@ from rolloutdb.store.trace.analysis import TraceAnalysis, open_sqlite_analysis, 
 from rolloutdb.store.trace import queries as trace_queries
 from rolloutdb.store.trace.writer import TRACE_FILENAME, Tracer
 from test_trace_analysis import write_run_a, write_run_b
+import lost_ctrl_c
+from train_cli import env
 
 
 def _attempt(p, gi, a, **kw):
@@ -253,6 +257,19 @@ def test_rolloutdb_trace_prints_what_each_stop_kept_and_writes_it_as_csv_json_an
         (56, 35, 21), (29, 21, 8)]
     assert [r["thrown_away_s"] for r in report["kept_by_attempt"]] == [1.5, 4.5, 0.5, 0.25]
     assert (plots / "kept.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_ctrl_c_whose_exception_python_lost_stops_rolloutdb_trace_before_it_writes_a_report(turn_job):
+    """The analysis checks the recorded signal (`TraceAnalysis(stop=)`): without it the
+    whole analysis ran, wrote its report to plots/ and only then exited 130."""
+    run_dir = turn_job.parent.parent
+    plant = lost_ctrl_c.script("rolloutdb.store.trace.analysis", "standalone")
+    proc = subprocess.run([sys.executable, "-c", plant, "trace", str(run_dir)], env=env(), capture_output=True,
+                          text=True, timeout=120)
+    assert "Exception ignored" in proc.stderr, proc.stderr  # the plant worked: the exception was lost
+    assert (proc.returncode, proc.stderr.splitlines()[-1]) == (130, "error: interrupted"), proc.stderr
+    assert proc.stdout == ""
+    assert not (run_dir / "plots").exists()
 
 
 def test_rolloutdb_trace_on_a_run_never_stopped_shows_no_stop(tmp_path, capsys):

@@ -100,6 +100,7 @@ def _run_dir_of(trace: Path) -> Path:
 
 
 def run(args: argparse.Namespace) -> int:
+    from rolloutdb.commands._stop_signals import stop_signal_received
     from rolloutdb.store import TraceAnalysis, TraceError, trace_file_for
 
     traces = [trace_file_for(d) for d in args.run_dirs]
@@ -107,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else _run_dir_of(traces[0]) / "plots"
     if out.exists() and not out.is_dir():
         raise TraceError(f"{out}: is a file; pass a directory with --out")
-    with TraceAnalysis(traces, baseline) as analysis:
+    with TraceAnalysis(traces, baseline, stop=stop_signal_received) as analysis:
         report = {name: analysis.query(name) for name, _ in TABLES}
     document = _document(report, traces, baseline)
     # The files first, then stdout: a reader that leaves early (`| head -1`) must not

@@ -32,7 +32,7 @@ import json
 import shutil
 import sqlite3
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import quote
@@ -198,7 +198,11 @@ class TraceAnalysis:
     """The traces of one job (`runs`: every file it wrote, across stops) and optionally
     of a baseline run that never stopped, attached read-only in an in-memory DuckDB."""
 
-    def __init__(self, runs: Sequence[str | Path], baseline: Sequence[str | Path] = ()):
+    def __init__(self, runs: Sequence[str | Path], baseline: Sequence[str | Path] = (), *,
+                 stop: Callable[[], int | None] | None = None):
+        """`stop`: a stop signal the caller recorded whose exception may have been lost
+        (`interruptible`'s `stop`): the analysis stops at its next DuckDB statement."""
+        self._stop = stop
         runs, baseline = _dedupe(runs), _dedupe(baseline)
         if not runs:
             raise TraceError("no trace files to analyse; pass at least one run directory")
@@ -209,7 +213,7 @@ class TraceAnalysis:
         self._work_dir = Path(tempfile.mkdtemp(prefix="rolloutdb-duckdb-"))
         self.con = None
         try:
-            with interruptible(lambda: self.con):  # a signal inside DuckDB: see interrupts.py
+            with interruptible(lambda: self.con, stop=self._stop):  # a signal inside DuckDB: see interrupts.py
                 self.con = connect_duckdb(self._work_dir)
             aliases: dict[str, list[str]] = {"run": [], "baseline": []}
             for job, paths, prefix in (("run", runs, "r"), ("baseline", baseline, "b")):
@@ -222,7 +226,7 @@ class TraceAnalysis:
             # One scan of each table the figures read into DuckDB's columnar memory, only
             # its columns: the figures read some tables several times each, and every read
             # of an attached table is a scan through SQLite.
-            with interruptible(lambda: self.con):
+            with interruptible(lambda: self.con, stop=self._stop):
                 for statement in base_view_statements(aliases, kind="TABLE", skip=frozenset(_SEMI_JOINED)):
                     self.con.execute(statement)
                 _semi_joined(self.con, aliases)
@@ -236,7 +240,7 @@ class TraceAnalysis:
         import duckdb
 
         try:
-            with interruptible(lambda: self.con):
+            with interruptible(lambda: self.con, stop=self._stop):
                 self.con.execute(f"ATTACH '{_sql_string(Path(path).resolve())}' AS {alias} (TYPE sqlite, READ_ONLY)")
                 self.con.execute(f"SELECT count(*) FROM {alias}.runs WHERE run < 0").fetchone()
         except duckdb.Error as e:
@@ -248,7 +252,7 @@ class TraceAnalysis:
         import duckdb
 
         try:
-            with interruptible(lambda: self.con):
+            with interruptible(lambda: self.con, stop=self._stop):
                 self.con.execute(f"ATTACH '{_sql_string(Path(path).resolve())}' AS {alias} (TYPE sqlite, READ_ONLY)")
         except duckdb.Error as e:
             raise TraceError(f"{path}: not a readable snapshot file ({str(e).splitlines()[0]})") from e
@@ -256,7 +260,7 @@ class TraceAnalysis:
     def query(self, name_or_sql: str) -> Table:
         """Run a named query of `trace_queries.QUERIES` (or any SQL over the views)."""
         sql = trace_queries.QUERIES.get(name_or_sql, name_or_sql)
-        with interruptible(lambda: self.con):
+        with interruptible(lambda: self.con, stop=self._stop):
             cur = self.con.execute(sql)
             return Table([d[0] for d in cur.description], cur.fetchall())
 
