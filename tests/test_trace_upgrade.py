@@ -153,7 +153,7 @@ def test_a_trace_v1_0_a_file_analyses_exactly_as_the_same_job_at_head_and_is_lef
     assert {p: p.read_bytes() for p in (old_run, old_base)} == before  # upgraded in a copy
 
 
-def test_a_run_appending_to_a_trace_v1_0_a_file_upgrades_it_in_place_and_keeps_every_event(tmp_path):
+def test_a_run_appending_to_a_trace_v1_0_a_file_upgrades_it_in_place_and_keeps_every_event(tmp_path, caplog):
     run, _ = _job(tmp_path, "old")
     downgrade_to_v1_0_a(run)
     old = rows(run, "SELECT seq, t, run_id, event, prompt_id, generation_index, group_id, attempt, step, "
@@ -161,6 +161,9 @@ def test_a_run_appending_to_a_trace_v1_0_a_file_upgrades_it_in_place_and_keeps_e
     with Tracer(run) as again:
         again.emit("group_sealed", group_id=99, prompt_id=99)
     assert rows(run, "SELECT version_num FROM alembic_version") == [(HEAD,)]
+    # Said once at the start, not left silent: an upgrade can rebuild indexes for seconds.
+    said = [r.getMessage() for r in caplog.records if r.name == "rolloutdb.trace"]
+    assert said == [f"trace: upgrading {run} (0 MiB) from trace_v1_0_a to {HEAD}, once"], said
     # Every old event, now read through the `events` view, then the new run's two.
     new = rows(run, "SELECT seq, t, run_id, event, prompt_id, generation_index, group_id, attempt, step, "
                     "policy_version, reason FROM events ORDER BY seq")

@@ -105,7 +105,11 @@ def open_trace_file(path: str | Path) -> Path:
         raise TraceError(f"{path}: not a rolloutdb trace file; move it aside or point the run at another log directory")
     if revision not in known:
         raise TraceError(f"{path}: trace revision {revision} is newer than this rolloutdb knows (head {head}); upgrade rolloutdb")
-    run_trace_migrations(path)  # older: the log is ours, migrate it in place
+    # Older: the log is ours, migrate it in place. Said on stderr because a revision that
+    # rebuilds indexes (trace_v1_6_a) takes seconds on a trace of millions of events, and
+    # the run would otherwise sit silent at its start.
+    log.warning("trace: upgrading %s (%.0f MiB) from %s to %s, once", path, path.stat().st_size / 2**20, revision, head)
+    run_trace_migrations(path)
     return path
 
 
