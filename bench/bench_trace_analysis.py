@@ -239,15 +239,23 @@ def run_pandas(job: Path, baseline: Path) -> tuple[dict, float]:
     # thrown-away time per stop
     ab = f["attempt_abandoned"]
     ab = ab[(ab.reason == "restart") & (ab.job == "run")].merge(runs[["job", "run", "run_no"]], on=["job", "run"])
-    restored = run_stops[run_stops.cut_time.notna()].stop_no.to_numpy()
-    idx = np.searchsorted(restored, ab.run_no.to_numpy() - 1)
-    ab = ab.assign(stop_no=restored[np.minimum(idx, len(restored) - 1)])
-    ab = ab.merge(run_stops[["stop_no", "cut_time"]], on="stop_no")
+    restored = run_stops[run_stops.cut_time.notna()].sort_values("stop_no")
     disp = f["attempt_dispatched"]
-    disp = disp[disp.job == "run"][["prompt_id", "generation_index", "attempt", "t"]]
-    m = ab[["stop_no", "prompt_id", "generation_index", "attempt", "cut_time"]].drop_duplicates().merge(
-        disp, on=["prompt_id", "generation_index", "attempt"], suffixes=("", "_d"))
-    m = m[m.t <= m.cut_time].groupby(["stop_no", "prompt_id", "generation_index", "attempt", "cut_time"]).t.max().reset_index()
+    key = ["group_id", "prompt_id", "generation_index", "attempt"]
+    disp = disp[disp.job == "run"][[*key, "t"]]
+    # The first restored stop before the recording run whose cut is at or after the
+    # attempt's first dispatch; without one, the first at or after the recording run.
+    ab = ab.merge(disp.groupby(key).t.min().rename("first_t").reset_index(), on=key, how="left")
+    stop_no = np.full(len(ab), -1)
+    for s in restored.itertuples():
+        hit = (stop_no < 0) & (s.stop_no <= ab.run_no.to_numpy() - 1) & (s.cut_time >= ab.first_t.to_numpy())
+        stop_no[hit] = s.stop_no
+    later = restored.stop_no.to_numpy()
+    idx = np.searchsorted(later, ab.run_no.to_numpy() - 1)
+    stop_no = np.where(stop_no < 0, later[np.minimum(idx, len(later) - 1)], stop_no)
+    ab = ab.assign(stop_no=stop_no).merge(run_stops[["stop_no", "cut_time"]], on="stop_no")
+    m = ab[["stop_no", *key, "cut_time"]].drop_duplicates().merge(disp, on=key, suffixes=("", "_d"))
+    m = m[m.t <= m.cut_time].groupby(["stop_no", *key, "cut_time"]).t.max().reset_index()
     m["thrown"] = m.cut_time - m.t
     thrown = [(int(s.stop_no), int((m.stop_no == s.stop_no).sum()), float(m[m.stop_no == s.stop_no].thrown.sum()))
               for s in run_stops.itertuples()]

@@ -197,6 +197,42 @@ def test_a_prompts_later_group_running_beside_the_stopped_one_adds_nothing_to_it
         assert _per_stop(a.query("kept_per_stop")) == PER_STOP
 
 
+def test_an_attempt_a_resumed_run_never_restarted_belongs_to_the_stop_that_first_held_it(tmp_path):
+    # Run B restores the cut of 106 and is stopped again before it restarts group 1 (room
+    # for it never came); its own snapshot at 205 still holds group 1's attempts running,
+    # and run C, restoring that, is the one that records their restart abandon. The work
+    # they lost was lost at stop 1 (dispatched in run A, after it the cut of 106): they are
+    # stop 1's attempts, with stop 1's figures, and stop 2 has none.
+    path = tmp_path / "run" / "logs" / TRACE_FILENAME
+    write_turn_run_a(path).close()
+    b = Tracer(path, clock=lambda: 200.0)
+    b.emit("restore_done", t=202, snapshot_seq=1, cut_time=106, anchor="bootstrap", groups_restored=1)
+    b.emit("snapshot_cut", t=205.1, cut_time=205, snapshot_seq=2, anchor="bootstrap")
+    b.emit("group_reserved", t=207, group_id=2, prompt_id=20, step=2, policy_version=0, group_size=2)
+    b.close()
+    c = Tracer(path, clock=lambda: 300.0)
+    c.emit("attempt_abandoned", t=301, reason="restart", **_attempt(10, 0, 0))
+    c.emit("attempt_abandoned", t=301, reason="restart", **_attempt(10, 1, 0))
+    c.emit("restore_done", t=302, snapshot_seq=2, cut_time=205, anchor="bootstrap", groups_restored=2)
+    c.emit("attempt_dispatched", t=303, **_attempt(10, 0, 1))
+    c.emit("episode_restored", t=303, from_attempt=0, turn=2, tokens=35, total_tokens=50, **_attempt(10, 0, 1))
+    c.emit("attempt_dispatched", t=303, **_attempt(10, 1, 1))
+    c.close()
+    conn = open_sqlite_analysis([path])
+    try:
+        sqlite_rows = sqlite_query(conn, "thrown_away_by_attempt").as_dicts()
+    finally:
+        conn.close()
+    with TraceAnalysis([path]) as a:
+        rows = a.query("thrown_away_by_attempt").as_dicts()
+        kept = a.query("kept_by_attempt").rows
+    assert rows == sqlite_rows
+    # (stop, gen, attempt, thrown-away s): as stop 1 of BY_ATTEMPT.
+    assert [(r["stop_no"], r["generation_index"], r["attempt"], r["thrown_away_s"]) for r in rows] == [
+        (1, 0, 0, 1.5), (1, 1, 0, 4.5)]
+    assert [r[:5] + r[6:8] for r in kept] == [(1, 10, 0, 0, 1, 35, 35), (1, 10, 1, 0, 1, 9, 0)]
+
+
 def write_group_level_job(path) -> None:
     """test_trace_analysis's job (group-level recovery: no turn events) with the calls of
     its attempts: one call per generation (turn 0)."""

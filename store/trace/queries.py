@@ -117,30 +117,47 @@ LEFT JOIN stops st ON st.job = e.job AND st.stop_no = ru.run_no
 THROWN_AWAY_ATTEMPTS = """
 -- Thrown-away time, one row per attempt abandoned with reason 'restart': from the later
 -- of the attempt's last attempt_dispatched and its latest turn_committed (same
--- prompt_id, generation_index, attempt; both at or before the cut) to the cut_time of
+-- group_id, prompt_id, generation_index, attempt; both at or before the cut) to the cut_time of
 -- the snapshot that the resumed run restored, floored at 0. The attempt had been working
 -- since its dispatch; a turn committed before the cut is in the snapshot and kept (turn-
 -- level recovery), so only the time since it is thrown away. Without turn_committed
 -- events (group-level recovery) this is cut_time - last dispatch.
--- The abandonment belongs to the first stop, at or after the run that recorded it,
--- whose resumed run restored a snapshot (normally the run that restored is the run
--- that recorded it).
+-- The abandonment belongs to the first stop whose restored cut held the attempt: the
+-- first, before the run that recorded it, with a cut at or after the attempt's first
+-- dispatch. Normally the run that restored is the run that recorded it; a resumed run
+-- stopped before it restarted a restored group leaves the abandon to a later run, and
+-- the attempt is still the earlier stop's (its work was lost there). Without a dispatch
+-- in the trace: the first stop at or after the recording run whose resumed run restored
+-- a snapshot.
 WITH abandoned AS (
     SELECT a.job, a.prompt_id, a.generation_index, a.attempt, a.group_id, ru.run_no
     FROM attempt_abandoned a
     JOIN runs ru ON ru.job = a.job AND ru.src = a.src AND ru.run = a.run
     WHERE a.reason = 'restart'
+), its_dispatches AS (
+    -- Every dispatch of each abandoned attempt: the one read of the dispatches.
+    SELECT x.job, x.prompt_id, x.generation_index, x.attempt, x.group_id, d.t
+    FROM (SELECT DISTINCT job, prompt_id, generation_index, attempt, group_id FROM abandoned) x
+    JOIN attempt_dispatched d
+      ON d.job = x.job AND d.prompt_id = x.prompt_id AND d.group_id = x.group_id
+     AND d.generation_index = x.generation_index AND d.attempt = x.attempt
 ), assigned AS (
-    SELECT a.*,
-           (SELECT min(st.stop_no) FROM stops st
-            WHERE st.job = a.job AND st.cut_time IS NOT NULL AND st.stop_no >= a.run_no - 1) AS stop_no
+    SELECT a.job, a.prompt_id, a.generation_index, a.attempt, a.group_id, a.run_no,
+           coalesce(
+               (SELECT min(st.stop_no) FROM stops st
+                WHERE st.job = a.job AND st.cut_time IS NOT NULL AND st.stop_no <= a.run_no - 1
+                  AND st.cut_time >= (SELECT min(i.t) FROM its_dispatches i
+                                      WHERE i.job = a.job AND i.prompt_id = a.prompt_id AND i.group_id = a.group_id
+                                        AND i.generation_index = a.generation_index AND i.attempt = a.attempt)),
+               (SELECT min(st.stop_no) FROM stops st
+                WHERE st.job = a.job AND st.cut_time IS NOT NULL AND st.stop_no >= a.run_no - 1)) AS stop_no
     FROM abandoned a
 ), dispatched AS (
     SELECT x.job, x.stop_no, x.prompt_id, x.generation_index, x.attempt, x.group_id, st.cut_time,
            st.decoded_at, st.decode_point, max(d.t) AS dispatched_at
     FROM assigned x
     JOIN stops st ON st.job = x.job AND st.stop_no = x.stop_no
-    LEFT JOIN attempt_dispatched d
+    LEFT JOIN its_dispatches d
            ON d.job = x.job AND d.prompt_id = x.prompt_id AND d.group_id = x.group_id AND d.generation_index = x.generation_index
           AND d.attempt = x.attempt AND d.t <= st.cut_time
     GROUP BY x.job, x.stop_no, x.prompt_id, x.generation_index, x.attempt, x.group_id, st.cut_time,
