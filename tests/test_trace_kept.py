@@ -197,6 +197,38 @@ def test_a_prompts_later_group_running_beside_the_stopped_one_adds_nothing_to_it
         assert _per_stop(a.query("kept_per_stop")) == PER_STOP
 
 
+def test_two_groups_of_one_prompt_running_at_a_stop_each_get_their_own_figures(tmp_path):
+    # Group 5 draws prompt 10 again while group 1 runs; both are running at the cut of
+    # 106, both are restarted: the same (prompt, generation, attempt) twice at one stop.
+    # Group 5's attempt: its turn 0 (100 tokens) committed at 103.5, before the cut: kept
+    # whole, nothing redone, thrown away 106 - 103.5 = 2.5 s.
+    path = tmp_path / "run" / "logs" / TRACE_FILENAME
+    later = dict(group_id=5, prompt_id=10, generation_index=0, policy_version=0)
+    a = write_turn_run_a(path)
+    a.emit("group_reserved", t=101.1, group_id=5, prompt_id=10, step=2, policy_version=0, group_size=2)
+    a.emit("attempt_dispatched", t=101.2, attempt=0, **later)
+    a.emit("call_finished", t=103, turn=0, tokens=100, finish_reason="stop", attempt=0, **later)
+    a.emit("turn_committed", t=103.5, turn=0, tokens=100, total_tokens=110, attempt=0, **later)
+    a.close()
+    b = write_turn_run_b(path)
+    b.emit("attempt_abandoned", t=201, reason="restart", attempt=0, **later)
+    b.emit("attempt_dispatched", t=203.5, attempt=1, **later)
+    b.emit("episode_restored", t=203.5, from_attempt=0, turn=1, tokens=100, total_tokens=110, attempt=1, **later)
+    b.close()
+    write_turn_run_c(path).close()
+    expected = sorted(BY_ATTEMPT + [(1, 10, 0, 0, 5, 100, 100, 100, 0, None, 0, 1, 0, 2.5)],
+                      key=lambda r: (r[0], r[1], r[2], r[3], r[4]))
+    conn = open_sqlite_analysis([path])
+    try:
+        assert sqlite_query(conn, "kept_by_attempt").rows == expected
+    finally:
+        conn.close()
+    with TraceAnalysis([path]) as an:
+        assert an.query("kept_by_attempt").rows == expected
+        per_stop = _per_stop(an.query("kept_per_stop"))
+    assert per_stop == [(1, 106.0, 3, 156, 135, 21, 3, 8.5), PER_STOP[1]]
+
+
 def test_an_attempt_a_resumed_run_never_restarted_belongs_to_the_stop_that_first_held_it(tmp_path):
     # Run B restores the cut of 106 and is stopped again before it restarts group 1 (room
     # for it never came); its own snapshot at 205 still holds group 1's attempts running,

@@ -153,43 +153,43 @@ WITH abandoned AS (
                 WHERE st.job = a.job AND st.cut_time IS NOT NULL AND st.stop_no >= a.run_no - 1)) AS stop_no
     FROM abandoned a
 ), dispatched AS (
-    SELECT x.job, x.stop_no, x.prompt_id, x.generation_index, x.attempt, x.group_id, st.cut_time,
+    SELECT x.job, x.stop_no, x.group_id, x.prompt_id, x.generation_index, x.attempt, st.cut_time,
            st.decoded_at, st.decode_point, max(d.t) AS dispatched_at
     FROM assigned x
     JOIN stops st ON st.job = x.job AND st.stop_no = x.stop_no
     LEFT JOIN its_dispatches d
            ON d.job = x.job AND d.prompt_id = x.prompt_id AND d.group_id = x.group_id AND d.generation_index = x.generation_index
           AND d.attempt = x.attempt AND d.t <= st.cut_time
-    GROUP BY x.job, x.stop_no, x.prompt_id, x.generation_index, x.attempt, x.group_id, st.cut_time,
+    GROUP BY x.job, x.stop_no, x.group_id, x.prompt_id, x.generation_index, x.attempt, st.cut_time,
              st.decoded_at, st.decode_point
 ), committed AS (
     -- The attempt's turns durable by the cut: after its dispatch (a prompt seen in an
     -- earlier epoch reuses its attempt numbers) and at or before the cut.
-    SELECT x.job, x.stop_no, x.prompt_id, x.generation_index, x.attempt,
+    SELECT x.job, x.stop_no, x.group_id, x.prompt_id, x.generation_index, x.attempt,
            max(c.t) AS committed_at, max(c.turn) AS last_committed_turn
     FROM dispatched x
     JOIN turn_committed c
       ON c.job = x.job AND c.prompt_id = x.prompt_id AND c.group_id = x.group_id AND c.generation_index = x.generation_index
      AND c.attempt = x.attempt AND c.t <= x.cut_time AND (x.dispatched_at IS NULL OR c.t >= x.dispatched_at)
-    GROUP BY x.job, x.stop_no, x.prompt_id, x.generation_index, x.attempt
+    GROUP BY x.job, x.stop_no, x.group_id, x.prompt_id, x.generation_index, x.attempt
 ), cut_at AS (
     -- Prefix level: a call the restored cut froze (call_cut at the cut's time) kept its
     -- work up to the cut.
-    SELECT x.job, x.stop_no, x.prompt_id, x.generation_index, x.attempt, max(c.t) AS cut_at
+    SELECT x.job, x.stop_no, x.group_id, x.prompt_id, x.generation_index, x.attempt, max(c.t) AS cut_at
     FROM dispatched x
     JOIN call_cut c
       ON c.job = x.job AND c.prompt_id = x.prompt_id AND c.group_id = x.group_id AND c.generation_index = x.generation_index
      AND c.attempt = x.attempt AND abs(c.t - x.cut_time) < 1e-6
-    GROUP BY x.job, x.stop_no, x.prompt_id, x.generation_index, x.attempt
+    GROUP BY x.job, x.stop_no, x.group_id, x.prompt_id, x.generation_index, x.attempt
 ), since AS (
     SELECT x.*, c.committed_at, c.last_committed_turn,
            CASE WHEN k.cut_at IS NOT NULL THEN x.cut_time
                 WHEN c.committed_at IS NOT NULL AND (x.dispatched_at IS NULL OR c.committed_at > x.dispatched_at)
                 THEN c.committed_at ELSE x.dispatched_at END AS working_since
     FROM dispatched x
-    LEFT JOIN committed c ON c.job = x.job AND c.stop_no = x.stop_no AND c.prompt_id = x.prompt_id
+    LEFT JOIN committed c ON c.job = x.job AND c.stop_no = x.stop_no AND c.prompt_id = x.prompt_id AND c.group_id = x.group_id
      AND c.generation_index = x.generation_index AND c.attempt = x.attempt
-    LEFT JOIN cut_at k ON k.job = x.job AND k.stop_no = x.stop_no AND k.prompt_id = x.prompt_id
+    LEFT JOIN cut_at k ON k.job = x.job AND k.stop_no = x.stop_no AND k.prompt_id = x.prompt_id AND k.group_id = x.group_id
      AND k.generation_index = x.generation_index AND k.attempt = x.attempt
 )
 SELECT job, stop_no, prompt_id, generation_index, attempt, group_id, dispatched_at, committed_at,
@@ -224,19 +224,19 @@ KEPT_ATTEMPTS = """
 --   redone_tokens: decoded_tokens - kept_tokens, the finished calls whose turns were not
 --     in the snapshot and are generated again.
 WITH decoded AS (
-    SELECT x.job, x.stop_no, x.prompt_id, x.generation_index, x.attempt, sum(c.tokens) AS tokens
+    SELECT x.job, x.stop_no, x.group_id, x.prompt_id, x.generation_index, x.attempt, sum(c.tokens) AS tokens
     FROM thrown_away_attempts x
     JOIN stops st ON st.job = x.job AND st.stop_no = x.stop_no
     JOIN call_finished c
       ON c.job = x.job AND c.prompt_id = x.prompt_id AND c.group_id = x.group_id AND c.generation_index = x.generation_index
      AND c.attempt = x.attempt AND c.t <= st.stopped_at AND (x.dispatched_at IS NULL OR c.t >= x.dispatched_at)
-    GROUP BY x.job, x.stop_no, x.prompt_id, x.generation_index, x.attempt
+    GROUP BY x.job, x.stop_no, x.group_id, x.prompt_id, x.generation_index, x.attempt
 ), by_cut AS (
     -- What its finished calls had decoded by the restored cut: finished by its decode
     -- point, or committed by the cut (the pump's flush after the engine read commits a
     -- call whose call_finished the pump wrote after the decode point: the snapshot holds
     -- its turn whole).
-    SELECT x.job, x.stop_no, x.prompt_id, x.generation_index, x.attempt, sum(c.tokens) AS tokens
+    SELECT x.job, x.stop_no, x.group_id, x.prompt_id, x.generation_index, x.attempt, sum(c.tokens) AS tokens
     FROM thrown_away_attempts x
     JOIN call_finished c
       ON c.job = x.job AND c.prompt_id = x.prompt_id AND c.group_id = x.group_id AND c.generation_index = x.generation_index
@@ -245,12 +245,12 @@ WITH decoded AS (
           SELECT 1 FROM turn_committed tc
           WHERE tc.job = x.job AND tc.prompt_id = x.prompt_id AND tc.group_id = x.group_id AND tc.generation_index = x.generation_index
             AND tc.attempt = x.attempt AND tc.turn = c.turn AND tc.t >= c.t AND tc.t <= x.cut_time))
-    GROUP BY x.job, x.stop_no, x.prompt_id, x.generation_index, x.attempt
+    GROUP BY x.job, x.stop_no, x.group_id, x.prompt_id, x.generation_index, x.attempt
 ), saved_whole AS (
     -- Prefix level: a call that finished by the decode point but whose turn was committed
     -- only after the cut is in the cut's call_cut as a whole prefix (the pump had absorbed
     -- it): its tokens are in by_cut / decoded already, so its call_cut is not counted again.
-    SELECT DISTINCT x.job, x.stop_no, x.prompt_id, x.generation_index, x.attempt
+    SELECT DISTINCT x.job, x.stop_no, x.group_id, x.prompt_id, x.generation_index, x.attempt
     FROM thrown_away_attempts x
     JOIN call_finished f
       ON f.job = x.job AND f.prompt_id = x.prompt_id AND f.group_id = x.group_id AND f.generation_index = x.generation_index
@@ -261,21 +261,21 @@ WITH decoded AS (
           AND tc.attempt = x.attempt AND tc.turn = f.turn AND tc.t <= x.cut_time)
 ), frozen AS (
     -- Its call running at the restored cut, frozen there (prefix level), finished later or not.
-    SELECT x.job, x.stop_no, x.prompt_id, x.generation_index, x.attempt, max(c.tokens) AS tokens
+    SELECT x.job, x.stop_no, x.group_id, x.prompt_id, x.generation_index, x.attempt, max(c.tokens) AS tokens
     FROM thrown_away_attempts x
     JOIN call_cut c
       ON c.job = x.job AND c.prompt_id = x.prompt_id AND c.group_id = x.group_id AND c.generation_index = x.generation_index
      AND c.attempt = x.attempt AND abs(c.t - x.cut_time) < 1e-6
     WHERE NOT EXISTS (
         SELECT 1 FROM saved_whole w
-        WHERE w.job = x.job AND w.stop_no = x.stop_no AND w.prompt_id = x.prompt_id
+        WHERE w.job = x.job AND w.stop_no = x.stop_no AND w.prompt_id = x.prompt_id AND w.group_id = x.group_id
           AND w.generation_index = x.generation_index AND w.attempt = x.attempt)
-    GROUP BY x.job, x.stop_no, x.prompt_id, x.generation_index, x.attempt
+    GROUP BY x.job, x.stop_no, x.group_id, x.prompt_id, x.generation_index, x.attempt
 ), cut AS (
     -- The call running at the restored cut, frozen there, unless it finished after the
     -- decode point and before the stop (then its tokens are in decoded). Cut events carry
     -- the cut's own time.
-    SELECT x.job, x.stop_no, x.prompt_id, x.generation_index, x.attempt, max(c.tokens) AS tokens
+    SELECT x.job, x.stop_no, x.group_id, x.prompt_id, x.generation_index, x.attempt, max(c.tokens) AS tokens
     FROM thrown_away_attempts x
     JOIN stops st ON st.job = x.job AND st.stop_no = x.stop_no
     JOIN call_cut c
@@ -287,13 +287,13 @@ WITH decoded AS (
           AND f.attempt = x.attempt AND f.t > x.decode_point AND f.t <= st.stopped_at)
       AND NOT EXISTS (
         SELECT 1 FROM saved_whole w
-        WHERE w.job = x.job AND w.stop_no = x.stop_no AND w.prompt_id = x.prompt_id
+        WHERE w.job = x.job AND w.stop_no = x.stop_no AND w.prompt_id = x.prompt_id AND w.group_id = x.group_id
           AND w.generation_index = x.generation_index AND w.attempt = x.attempt)
-    GROUP BY x.job, x.stop_no, x.prompt_id, x.generation_index, x.attempt
+    GROUP BY x.job, x.stop_no, x.group_id, x.prompt_id, x.generation_index, x.attempt
 ), restored AS (
     -- The first episode_restored after the stop that continues this attempt.
-    SELECT x.job, x.stop_no, x.prompt_id, x.generation_index, x.attempt, e.turn, e.tokens,
-           row_number() OVER (PARTITION BY x.job, x.stop_no, x.prompt_id, x.generation_index, x.attempt
+    SELECT x.job, x.stop_no, x.group_id, x.prompt_id, x.generation_index, x.attempt, e.turn, e.tokens,
+           row_number() OVER (PARTITION BY x.job, x.stop_no, x.group_id, x.prompt_id, x.generation_index, x.attempt
                               ORDER BY e.t, e.src, e.seq) AS nth
     FROM thrown_away_attempts x
     JOIN stops st ON st.job = x.job AND st.stop_no = x.stop_no
@@ -303,8 +303,8 @@ WITH decoded AS (
 ), prefixed AS (
     -- The first dispatch after the stop of the attempt that replaces this one, with the
     -- prefix it continues from (prefix level).
-    SELECT x.job, x.stop_no, x.prompt_id, x.generation_index, x.attempt, coalesce(d.prefix_tokens, 0) AS tokens,
-           row_number() OVER (PARTITION BY x.job, x.stop_no, x.prompt_id, x.generation_index, x.attempt
+    SELECT x.job, x.stop_no, x.group_id, x.prompt_id, x.generation_index, x.attempt, coalesce(d.prefix_tokens, 0) AS tokens,
+           row_number() OVER (PARTITION BY x.job, x.stop_no, x.group_id, x.prompt_id, x.generation_index, x.attempt
                               ORDER BY d.t, d.src, d.seq) AS nth
     FROM thrown_away_attempts x
     JOIN stops st ON st.job = x.job AND st.stop_no = x.stop_no
@@ -313,8 +313,8 @@ WITH decoded AS (
      AND d.attempt = x.attempt + 1 AND d.t > st.stopped_at
 ), inherited AS (
     -- What this attempt itself started from: its own episode_restored before the stop.
-    SELECT x.job, x.stop_no, x.prompt_id, x.generation_index, x.attempt, e.turn, e.tokens,
-           row_number() OVER (PARTITION BY x.job, x.stop_no, x.prompt_id, x.generation_index, x.attempt
+    SELECT x.job, x.stop_no, x.group_id, x.prompt_id, x.generation_index, x.attempt, e.turn, e.tokens,
+           row_number() OVER (PARTITION BY x.job, x.stop_no, x.group_id, x.prompt_id, x.generation_index, x.attempt
                               ORDER BY e.t DESC, e.src DESC, e.seq DESC) AS nth
     FROM thrown_away_attempts x
     JOIN stops st ON st.job = x.job AND st.stop_no = x.stop_no
@@ -324,8 +324,8 @@ WITH decoded AS (
 ), own_prefix AS (
     -- The prefix this attempt itself was dispatched with (its last dispatch before the
     -- stop): in its cut tokens and in the next attempt's prefix, kept at an earlier stop.
-    SELECT x.job, x.stop_no, x.prompt_id, x.generation_index, x.attempt, coalesce(d.prefix_tokens, 0) AS tokens,
-           row_number() OVER (PARTITION BY x.job, x.stop_no, x.prompt_id, x.generation_index, x.attempt
+    SELECT x.job, x.stop_no, x.group_id, x.prompt_id, x.generation_index, x.attempt, coalesce(d.prefix_tokens, 0) AS tokens,
+           row_number() OVER (PARTITION BY x.job, x.stop_no, x.group_id, x.prompt_id, x.generation_index, x.attempt
                               ORDER BY d.t DESC, d.src DESC, d.seq DESC) AS nth
     FROM thrown_away_attempts x
     JOIN stops st ON st.job = x.job AND st.stop_no = x.stop_no
@@ -337,7 +337,7 @@ WITH decoded AS (
     -- cut's time), less the prefix the attempt was itself restored with when the call
     -- is the one of its restored turn (not this attempt's decoding). open: the call had
     -- not finished by the decode point (its tokens are in no call_finished of by_cut).
-    SELECT x.job, x.stop_no, x.prompt_id, x.generation_index, x.attempt,
+    SELECT x.job, x.stop_no, x.group_id, x.prompt_id, x.generation_index, x.attempt,
            CASE WHEN i.turn IS NOT NULL AND fb.turn = i.turn AND fb.reason <> 'newer_policy_version'
                 THEN CASE WHEN coalesce(fb.tokens, 0) > coalesce(o.tokens, 0)
                           THEN coalesce(fb.tokens, 0) - coalesce(o.tokens, 0) ELSE 0 END
@@ -351,17 +351,17 @@ WITH decoded AS (
     JOIN call_fallback fb
       ON fb.job = x.job AND fb.prompt_id = x.prompt_id AND fb.group_id = x.group_id AND fb.generation_index = x.generation_index
      AND fb.attempt = x.attempt AND abs(fb.t - x.cut_time) < 1e-6
-    LEFT JOIN inherited i ON i.job = x.job AND i.stop_no = x.stop_no AND i.prompt_id = x.prompt_id
+    LEFT JOIN inherited i ON i.job = x.job AND i.stop_no = x.stop_no AND i.prompt_id = x.prompt_id AND i.group_id = x.group_id
      AND i.generation_index = x.generation_index AND i.attempt = x.attempt AND i.nth = 1
-    LEFT JOIN own_prefix o ON o.job = x.job AND o.stop_no = x.stop_no AND o.prompt_id = x.prompt_id
+    LEFT JOIN own_prefix o ON o.job = x.job AND o.stop_no = x.stop_no AND o.prompt_id = x.prompt_id AND o.group_id = x.group_id
      AND o.generation_index = x.generation_index AND o.attempt = x.attempt AND o.nth = 1
 ), fell AS (
-    SELECT job, stop_no, prompt_id, generation_index, attempt, sum(tokens) AS tokens,
+    SELECT job, stop_no, group_id, prompt_id, generation_index, attempt, sum(tokens) AS tokens,
            sum(CASE WHEN open = 1 THEN tokens ELSE 0 END) AS open_tokens
     FROM fell_calls
-    GROUP BY job, stop_no, prompt_id, generation_index, attempt
+    GROUP BY job, stop_no, group_id, prompt_id, generation_index, attempt
 ), kept AS (
-    SELECT x.job, x.stop_no, x.prompt_id, x.generation_index, x.attempt,
+    SELECT x.job, x.stop_no, x.group_id, x.prompt_id, x.generation_index, x.attempt,
            -- The call the cut froze holds its own prefix only while it is still the call
            -- of the turn it started at: once it committed a turn, it froze a later one.
            coalesce(d.tokens, 0) + CASE WHEN x.last_committed_turn IS NOT NULL THEN coalesce(c.tokens, 0)
@@ -382,23 +382,23 @@ WITH decoded AS (
                      + CASE WHEN coalesce(pf.tokens, 0) > coalesce(o.tokens, 0)
                             THEN coalesce(pf.tokens, 0) - coalesce(o.tokens, 0) ELSE 0 END END AS kept_tokens
     FROM thrown_away_attempts x
-    LEFT JOIN decoded d ON d.job = x.job AND d.stop_no = x.stop_no AND d.prompt_id = x.prompt_id
+    LEFT JOIN decoded d ON d.job = x.job AND d.stop_no = x.stop_no AND d.prompt_id = x.prompt_id AND d.group_id = x.group_id
      AND d.generation_index = x.generation_index AND d.attempt = x.attempt
-    LEFT JOIN cut c ON c.job = x.job AND c.stop_no = x.stop_no AND c.prompt_id = x.prompt_id
+    LEFT JOIN cut c ON c.job = x.job AND c.stop_no = x.stop_no AND c.prompt_id = x.prompt_id AND c.group_id = x.group_id
      AND c.generation_index = x.generation_index AND c.attempt = x.attempt
-    LEFT JOIN by_cut b ON b.job = x.job AND b.stop_no = x.stop_no AND b.prompt_id = x.prompt_id
+    LEFT JOIN by_cut b ON b.job = x.job AND b.stop_no = x.stop_no AND b.prompt_id = x.prompt_id AND b.group_id = x.group_id
      AND b.generation_index = x.generation_index AND b.attempt = x.attempt
-    LEFT JOIN frozen fz ON fz.job = x.job AND fz.stop_no = x.stop_no AND fz.prompt_id = x.prompt_id
+    LEFT JOIN frozen fz ON fz.job = x.job AND fz.stop_no = x.stop_no AND fz.prompt_id = x.prompt_id AND fz.group_id = x.group_id
      AND fz.generation_index = x.generation_index AND fz.attempt = x.attempt
-    LEFT JOIN restored r ON r.job = x.job AND r.stop_no = x.stop_no AND r.prompt_id = x.prompt_id
+    LEFT JOIN restored r ON r.job = x.job AND r.stop_no = x.stop_no AND r.prompt_id = x.prompt_id AND r.group_id = x.group_id
      AND r.generation_index = x.generation_index AND r.attempt = x.attempt AND r.nth = 1
-    LEFT JOIN prefixed pf ON pf.job = x.job AND pf.stop_no = x.stop_no AND pf.prompt_id = x.prompt_id
+    LEFT JOIN prefixed pf ON pf.job = x.job AND pf.stop_no = x.stop_no AND pf.prompt_id = x.prompt_id AND pf.group_id = x.group_id
      AND pf.generation_index = x.generation_index AND pf.attempt = x.attempt AND pf.nth = 1
-    LEFT JOIN inherited i ON i.job = x.job AND i.stop_no = x.stop_no AND i.prompt_id = x.prompt_id
+    LEFT JOIN inherited i ON i.job = x.job AND i.stop_no = x.stop_no AND i.prompt_id = x.prompt_id AND i.group_id = x.group_id
      AND i.generation_index = x.generation_index AND i.attempt = x.attempt AND i.nth = 1
-    LEFT JOIN own_prefix o ON o.job = x.job AND o.stop_no = x.stop_no AND o.prompt_id = x.prompt_id
+    LEFT JOIN own_prefix o ON o.job = x.job AND o.stop_no = x.stop_no AND o.prompt_id = x.prompt_id AND o.group_id = x.group_id
      AND o.generation_index = x.generation_index AND o.attempt = x.attempt AND o.nth = 1
-    LEFT JOIN fell fl ON fl.job = x.job AND fl.stop_no = x.stop_no AND fl.prompt_id = x.prompt_id
+    LEFT JOIN fell fl ON fl.job = x.job AND fl.stop_no = x.stop_no AND fl.prompt_id = x.prompt_id AND fl.group_id = x.group_id
      AND fl.generation_index = x.generation_index AND fl.attempt = x.attempt
 )
 SELECT x.job, x.stop_no, x.prompt_id, x.generation_index, x.attempt, x.group_id,
@@ -409,7 +409,7 @@ SELECT x.job, x.stop_no, x.prompt_id, x.generation_index, x.attempt, x.group_id,
        k.decoded_tokens - k.kept_tokens AS redone_tokens,
        x.last_committed_turn, x.dispatched_at, x.committed_at, x.cut_time, x.thrown_away_s
 FROM thrown_away_attempts x
-JOIN kept k ON k.job = x.job AND k.stop_no = x.stop_no AND k.prompt_id = x.prompt_id
+JOIN kept k ON k.job = x.job AND k.stop_no = x.stop_no AND k.prompt_id = x.prompt_id AND k.group_id = x.group_id
  AND k.generation_index = x.generation_index AND k.attempt = x.attempt
 """
 
@@ -553,7 +553,7 @@ THROWN_AWAY_BY_ATTEMPT = """
 SELECT stop_no, prompt_id, generation_index, attempt, group_id, dispatched_at, committed_at, cut_time, thrown_away_s
 FROM thrown_away_attempts
 WHERE job = 'run'
-ORDER BY stop_no, prompt_id, generation_index, attempt
+ORDER BY stop_no, prompt_id, generation_index, attempt, group_id
 """
 
 LOST_PROGRESS_PER_STOP = """
@@ -617,7 +617,7 @@ SELECT stop_no, prompt_id, generation_index, attempt, group_id, decoded_tokens, 
        fallback_tokens, unexplained_tokens, redone_tokens, turns_kept, last_committed_turn, thrown_away_s
 FROM kept_attempts
 WHERE job = 'run'
-ORDER BY stop_no, prompt_id, generation_index, attempt
+ORDER BY stop_no, prompt_id, generation_index, attempt, group_id
 """
 
 FALLBACKS_PER_STOP = """
