@@ -266,7 +266,10 @@ def test_the_trace_holds_exactly_the_finishes_and_seals_a_real_pump_committed(tm
 
 # ---- (d), (e) a stopped run, restored and resumed -------------------------------------------
 
-RESUMED_INFLIGHT = 3
+# Below what the first run leaves to redo: it is stopped once its first calls finished,
+# but on a loaded machine more finish before it stops (3 of 8 left in a CI run, when the
+# limit was 3 and the stop waited for 2 finished: the fixture had nothing to test).
+RESUMED_INFLIGHT = 2
 
 
 @pytest.fixture(scope="module")
@@ -294,7 +297,7 @@ def resumed_run(tmp_path_factory, policy_dir):  # noqa: F811
     def stop_once_some_finished(step):
         with contextlib.closing(sqlite3.connect(live)) as db:
             done = db.execute("SELECT count(*) FROM rollouts WHERE state = 'finished'").fetchone()[0]
-        if done >= 2:
+        if done >= 1:
             parts.runtime.stop.set()
 
     parts.engine.step_callback = stop_once_some_finished
