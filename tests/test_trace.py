@@ -27,7 +27,7 @@ from sqlalchemy.pool import NullPool
 
 from rolloutdb.store.trace import queries as trace_queries
 from rolloutdb.store.trace.analysis import attempt_rows_sql
-from rolloutdb.store.trace.events import APPEND_ORDER_COLUMNS, EVENTS, trace_metadata
+from rolloutdb.store.trace.events import EVENTS, trace_metadata
 from rolloutdb.store.trace.writer import (
     TRACE_FILENAME,
     NullTracer,
@@ -58,6 +58,12 @@ def test_a_new_trace_file_is_built_by_its_migrations_and_equals_the_trace_metada
             assert compare_metadata(context, trace_metadata) == []
     finally:
         engine.dispose()
+
+
+# Columns whose values grow as a run goes: an index led by one takes new rows at its end
+# (group ids are the live store's AUTOINCREMENT keys, steps and policy versions grow with
+# training, seq and t with every event, run with every process).
+APPEND_ORDER_COLUMNS = frozenset({"seq", "t", "run", "group_id", "step", "policy_version"})
 
 
 def test_every_trace_index_leads_with_a_column_that_grows_as_the_run_goes(tmp_path):

@@ -94,10 +94,6 @@ EVENT_INDEXES = {
     "turn_committed": ("group_id", "generation_index", "attempt"),
     "episode_restored": ("group_id", "generation_index", "attempt"),
 }
-# Columns whose values grow with the run: an index led by one of them takes new rows at
-# its end (group ids grow with the groups reserved, steps and policy versions with the
-# training, seq and t with every event).
-APPEND_ORDER_COLUMNS = frozenset({"seq", "t", "run", "group_id", "step", "policy_version"})
 
 ABANDON_REASONS = ("restart", "deadline", "error")
 
