@@ -330,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
                 t_up = time.perf_counter()
                 run_trace_migrations(p)
                 upgrade_s[p.stem] = time.perf_counter() - t_up
-                print(f"upgraded {p.name} from {revision} to {trace_head_revision()} in {time.perf_counter() - t_up:.1f} s")
+                print(f"upgraded {p.name} from {revision} to {trace_head_revision()} in {upgrade_s[p.stem]:.1f} s")
         with contextlib.closing(sqlite3.connect(baseline)) as c:
             groups = c.execute("SELECT count(*) FROM group_reserved").fetchone()[0]
         with contextlib.closing(sqlite3.connect(job)) as c:

@@ -213,7 +213,7 @@ class TraceAnalysis:
         self._work_dir = Path(tempfile.mkdtemp(prefix="rolloutdb-duckdb-"))
         self.con = None
         try:
-            with interruptible(lambda: self.con, stop=self._stop):  # a signal inside DuckDB: see interrupts.py
+            with self._interruptible():  # a signal inside DuckDB: see interrupts.py
                 self.con = connect_duckdb(self._work_dir)
             aliases: dict[str, list[str]] = {"run": [], "baseline": []}
             for job, paths, prefix in (("run", runs, "r"), ("baseline", baseline, "b")):
@@ -226,7 +226,7 @@ class TraceAnalysis:
             # One scan of each table the figures read into DuckDB's columnar memory, only
             # its columns: the figures read some tables several times each, and every read
             # of an attached table is a scan through SQLite.
-            with interruptible(lambda: self.con, stop=self._stop):
+            with self._interruptible():
                 for statement in base_view_statements(aliases, kind="TABLE", skip=frozenset(_SEMI_JOINED)):
                     self.con.execute(statement)
                 _semi_joined(self.con, aliases)
@@ -236,11 +236,16 @@ class TraceAnalysis:
             self.close()
             raise
 
+    def _interruptible(self):
+        """Every DuckDB statement of the analysis runs inside this: a stop signal, or one
+        recorded before (`stop`), interrupts it (interrupts.py)."""
+        return interruptible(lambda: self.con, stop=self._stop)
+
     def _attach(self, path: Path, alias: str, named: Path) -> None:
         import duckdb
 
         try:
-            with interruptible(lambda: self.con, stop=self._stop):
+            with self._interruptible():
                 self.con.execute(f"ATTACH '{_sql_string(Path(path).resolve())}' AS {alias} (TYPE sqlite, READ_ONLY)")
                 self.con.execute(f"SELECT count(*) FROM {alias}.runs WHERE run < 0").fetchone()
         except duckdb.Error as e:
@@ -252,7 +257,7 @@ class TraceAnalysis:
         import duckdb
 
         try:
-            with interruptible(lambda: self.con, stop=self._stop):
+            with self._interruptible():
                 self.con.execute(f"ATTACH '{_sql_string(Path(path).resolve())}' AS {alias} (TYPE sqlite, READ_ONLY)")
         except duckdb.Error as e:
             raise TraceError(f"{path}: not a readable snapshot file ({str(e).splitlines()[0]})") from e
@@ -260,7 +265,7 @@ class TraceAnalysis:
     def query(self, name_or_sql: str) -> Table:
         """Run a named query of `trace_queries.QUERIES` (or any SQL over the views)."""
         sql = trace_queries.QUERIES.get(name_or_sql, name_or_sql)
-        with interruptible(lambda: self.con, stop=self._stop):
+        with self._interruptible():
             cur = self.con.execute(sql)
             return Table([d[0] for d in cur.description], cur.fetchall())
 

@@ -7,9 +7,9 @@ Create Date: 2026-12-04
 
 Why: an index keyed by a random value takes each new row on a random leaf page of the
 whole index. Once the trace outgrows the page cache every event paid a page read and a
-page write (4 KB of WAL per row): a 1000-row batch of `call_finished` cost 1.7-2.6 ms on an
-empty trace and 23-29 ms at 3M rows (BENCHMARKS.md, "Per-event costs against the run's
-length"). Group ids are the live store's AUTOINCREMENT keys, so the rows a run writes go to
+page write (5.4 KB of WAL per row in batches of 30 at 3M rows): a 1000-row batch of
+`call_finished` cost 1.7-2.6 ms on an empty trace and 23-29 ms at 3M rows (BENCHMARKS.md,
+"Per-event costs against the run's length"). Group ids are the live store's AUTOINCREMENT keys, so the rows a run writes go to
 the index pages of the groups in flight: the pages touched per event follow the work in
 flight, not the trace's size. The analysis matches an attempt's rows by
 (`group_id`, `prompt_id`, `generation_index`, `attempt`) and looks them up in SQLite by the
