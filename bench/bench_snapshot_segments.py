@@ -85,6 +85,18 @@ def io_counters() -> dict[str, int]:
     return out
 
 
+def changed_pages(before: Path, after: Path) -> tuple[int, int, int]:
+    """(pages of `after` that differ from the same page of `before`, pages of `after`,
+    page size): the SQLite backup copies page n of the live file to page n of the
+    copy, so an unchanged page of the live store is an identical page of both copies."""
+    old, new = before.read_bytes(), after.read_bytes()
+    size = int.from_bytes(new[16:18], "big") or 65536  # the header stores 65536 as 1
+    size = 65536 if size == 1 else size
+    pages = len(new) // size
+    changed = sum(1 for i in range(pages) if new[i * size:(i + 1) * size] != old[i * size:(i + 1) * size])
+    return changed, pages, size
+
+
 def tree_bytes(paths: list[Path]) -> int:
     total = 0
     for p in paths:
@@ -108,6 +120,7 @@ class Phase:
         self.sample = FinishedGeneration(rng.integers(0, 50_000, tokens, dtype=np.int32),
                                          -rng.random(tokens, dtype=np.float32), 1.0, [(0, tokens)])
         self.rows: list[dict] = []
+        self.previous_store_file: Path | None = None
 
     def live_bytes(self) -> int:
         """The live store's file + WAL on disk."""
@@ -144,12 +157,18 @@ class Phase:
         io1 = io_counters()
         new_segments = sorted(set(seg_dir.iterdir()) - before) if seg_dir.is_dir() else []
         snap_files = [p for p in published.path.rglob("*") if p.is_file()]
+        store_file = published.path / "rollout_state.sqlite"
+        changed = changed_pages(self.previous_store_file, store_file) if self.previous_store_file else None
+        self.previous_store_file = store_file  # retention keeps the newest 2: still there next time
         return {
             "wall_s": wall,
             "seal_s": t_seal - t0,
             "segment_bytes": tree_bytes(new_segments),
             "snapshot_dir_bytes": tree_bytes([published.path]),
-            "store_file_bytes": (published.path / "rollout_state.sqlite").stat().st_size,
+            "store_file_bytes": store_file.stat().st_size,
+            # what an incremental metadata file would hold: the pages that differ from the
+            # previous snapshot's file (outside the timed part)
+            **({"changed_pages": changed[0], "pages": changed[1], "page_size": changed[2]} if changed else {}),
             "disk_write_bytes": io1["write_bytes"] - io0["write_bytes"] - (io1["cancelled_write_bytes"]
                                                                           - io0["cancelled_write_bytes"]),
             "wchar": io1["wchar"] - io0["wchar"],
@@ -158,6 +177,10 @@ class Phase:
             # the seal's parts (`Sealed.timings`): read the inline rows, write + hash + fsync
             # the segment, the transactions pointing at it, the free pages given back
             **({f"{k}_s": v for k, v in sealed.timings.items()} if sealed else {}),
+            # the capture's parts (`Capture.timings`, in the manifest) and the publication's
+            # (`Published.timings`): where the rest of the wall time goes
+            "phases": {**{f"capture_{k}": v for k, v in (published.manifest.timings or {}).items()},
+                       **{f"publish_{k}": v for k, v in published.timings.items()}},
         }
 
     def close(self) -> None:
@@ -271,6 +294,14 @@ def main() -> int:
                                  "metadata_file_bytes": store_file, "met": seg_written <= bound}
         summary["time_goal"] = {"ratio_to_cp": summary["segments"]["wall_s"] / summary["cp"]["wall_s"]}
         summary["time_goal"]["met"] = summary["time_goal"]["ratio_to_cp"] <= TIME_GOAL
+        changed = [r for r in rows["segments"] if "changed_pages" in r]
+        if changed:
+            summary["segments"]["changed_pages"] = statistics.median(r["changed_pages"] for r in changed)
+            summary["segments"]["changed_page_bytes"] = statistics.median(r["changed_pages"] * r["page_size"] for r in changed)
+            summary["segments"]["changed_page_share"] = statistics.median(r["changed_pages"] / r["pages"] for r in changed)
+        phase_names = sorted({k for r in rows["segments"] for k in r["phases"]})
+        summary["segments"]["phases"] = {k: statistics.median(r["phases"].get(k, 0.0) for r in rows["segments"])
+                                         for k in phase_names}
         result["rows"] = {k: [{kk: vv for kk, vv in r.items() if kk != "files"} for r in v] for k, v in rows.items()}
         result["summary"] = summary
         mib = 2**20
@@ -280,6 +311,7 @@ def main() -> int:
             + ", ".join(f"{k[5:-2]} {summary['segments'][k]:.3f}" for k in SEAL_PARTS) + "), "
             f"{seg_written / mib:.2f} MiB written (segment {summary['segments']['segment_bytes'] / mib:.2f} + snapshot dir "
             f"{summary['segments']['snapshot_dir_bytes'] / mib:.2f}), disk write_bytes {summary['segments']['disk_write_bytes'] / mib:.1f} MiB")
+        say("             after the seal: " + ", ".join(f"{k} {v:.3f}" for k, v in summary["segments"]["phases"].items()))
         say(f"  full copy: {summary['full_copy']['wall_s']:.3f} s, {summary['full_copy']['bytes'] / mib:.1f} MiB written, "
             f"disk write_bytes {summary['full_copy']['disk_write_bytes'] / mib:.1f} MiB")
         say(f"  cp       : {summary['cp']['wall_s']:.3f} s for the same {summary['cp']['bytes'] / mib:.2f} MiB")
@@ -288,6 +320,10 @@ def main() -> int:
             f"{bound / mib:.2f} MiB: {'met' if summary['bytes_goal']['met'] else 'missed'}; "
             f"full copy / segments {summary['full_copy']['bytes'] / seg_written:.0f}x")
         sg, fc = summary["segments"], summary["full_copy"]
+        if "changed_pages" in sg:
+            say(f"  metadata pages changed since the previous snapshot: {sg['changed_pages']:.0f} "
+                f"({sg['changed_page_share']:.1%} of the file, {sg['changed_page_bytes'] / mib:.2f} MiB): what an "
+                f"incremental metadata file would write instead of {store_file / mib:.2f} MiB")
         say(f"  live store's own writes per interval (finishing the new payload): write_bytes "
             f"{sg['live_write_bytes'] / mib:.2f} MiB, file + WAL growth {sg['live_growth_bytes'] / mib:.2f} MiB; "
             f"whole interval (live + snapshot) disk writes {sg['interval_disk_write_bytes'] / mib:.2f} MiB = "

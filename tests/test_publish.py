@@ -327,3 +327,43 @@ def test_a_publish_makes_files_durable_before_the_manifest_and_the_rename_durabl
     assert fsynced[manifest] < fsynced[tmp] < rename_at, "the manifest and directory must be durable before the rename"
     parent = str(published.path.parent)
     assert fsynced.get(parent, -1) > rename_at, "the parent directory was not fsynced after the rename"
+
+
+def test_a_snapshot_copy_is_checked_while_its_files_are_fsynced_and_the_manifest_waits_for_the_check(
+        pub, store, monkeypatch):
+    """The copy's check (CPU) runs beside the files' fsync and hash (disk): the check
+    sees the store file fsynced before it returns, and nothing of the manifest exists
+    until it has returned. Checked in sequence, the check would wait for an fsync that
+    comes only after it (and fail here)."""
+    import threading
+
+    from rolloutdb.store.checkpoints import publish as publish_module
+
+    _work(store, 0)
+    pub.publish_bootstrap(_weights)
+    events = _record_durability(monkeypatch)
+    real_check = publish_module.copy_problems
+    seen = {}
+
+    def slow_check(root, db_path):
+        fsynced = threading.Event()
+        for _ in range(3000):  # up to 30 s: the fsync runs on the other thread meanwhile
+            if any(e[0] == "fsync" and e[1] == str(db_path) for e in list(events)):
+                fsynced.set()
+                break
+            threading.Event().wait(0.01)
+        seen["fsynced_during_check"] = fsynced.is_set()
+        seen["manifest_during_check"] = (Path(db_path).parent / "manifest.json").exists()
+        problems = real_check(root, db_path)
+        events.append(("check_done", str(db_path), False))
+        return problems
+
+    monkeypatch.setattr(publish_module, "copy_problems", slow_check)
+    published = snap(pub, store)
+    monkeypatch.undo()
+    assert seen == {"fsynced_during_check": True, "manifest_during_check": False}
+    (check_at,) = [i for i, e in enumerate(events) if e[0] == "check_done"]
+    tmp = Path(events[check_at][1]).parent
+    manifest_fsyncs = [i for i, e in enumerate(events) if e[0] == "fsync" and e[1] == f"{tmp}/manifest.json"]
+    assert manifest_fsyncs and min(manifest_fsyncs) > check_at, "the manifest was written before the check ended"
+    assert "check_copy" in published.timings and verify_files(published.path, read_manifest(published.path)) == []

@@ -27,6 +27,8 @@ def _callee(node: ast.Call) -> str | None:
 
 
 def _literal_prefix(value: ast.expr) -> str | None:
+    """A literal name as it is; an f-string's literal text before its first field,
+    marked with a trailing `*` (the name starts with it)."""
     if isinstance(value, ast.Constant) and isinstance(value.value, str):
         return value.value
     if isinstance(value, ast.JoinedStr):
@@ -35,14 +37,26 @@ def _literal_prefix(value: ast.expr) -> str | None:
             if not (isinstance(part, ast.Constant) and isinstance(part.value, str)):
                 break
             text += part.value
-        return text or None
+        return text + "*" if text else None
     return None
+
+
+def _names(entry: str, name: str) -> bool:
+    """Whether the docstring's `entry` names the thread the code calls `name`: the same
+    name, or for an f-string (`prefix*`) one that starts with its literal part. A
+    literal name is matched whole: `rolloutdb-check` is not `rolloutdb-checkpointer:...`;
+    an executor's prefix (`prefix_*`) is listed as itself or with its suffix."""
+    if name.endswith("_*") and entry == name[:-2]:
+        return True
+    return entry.startswith(name[:-1]) if name.endswith("*") else entry == name
 
 
 def _thread_name(call: ast.Call) -> str | None:
     for kw in call.keywords:
         if kw.arg in NAME_KWARGS:
-            return _literal_prefix(kw.value)
+            name = _literal_prefix(kw.value)
+            # An executor's threads are `<prefix>_<n>`: the prefix is what names them.
+            return name + "_*" if name and kw.arg == "thread_name_prefix" and not name.endswith("*") else name
     return None
 
 
@@ -82,7 +96,7 @@ def test_the_scan_finds_the_threads_we_know_of():
     """Guards the scan itself: if it found nothing, the tests below could not fail."""
     names = {name for _, _, name in thread_starts()}
     assert {"rollout-pump", "snapshot-pump", "reference-engine"} <= names
-    assert any(n and n.startswith("rolloutdb-checkpointer") for n in names)
+    assert any(n and n.startswith("rolloutdb-checkpointer") and n.endswith("*") for n in names)
 
 
 def test_every_thread_the_code_starts_is_named_and_listed_in_the_runtime_docstring():
@@ -91,7 +105,7 @@ def test_every_thread_the_code_starts_is_named_and_listed_in_the_runtime_docstri
     for rel, line, name in thread_starts():
         if name is None:
             problems.append(f"{rel}:{line}: starts a thread without a literal name= / thread_name_prefix=")
-        elif not any(entry.startswith(name) for entry in listed):
+        elif not any(_names(entry, name) for entry in listed):
             problems.append(f"{rel}:{line}: starts thread {name!r}, which controller/run/runtime.py's docstring does not list")
     assert not problems, "\n".join(problems)
 
@@ -99,5 +113,5 @@ def test_every_thread_the_code_starts_is_named_and_listed_in_the_runtime_docstri
 def test_every_thread_the_runtime_docstring_lists_is_started_somewhere():
     started = [name for _, _, name in thread_starts() if name]
     stale = [entry for entry in documented_threads()
-             if entry != "MainThread" and not any(entry.startswith(name) for name in started)]
+             if entry != "MainThread" and not any(_names(entry, name) for name in started)]
     assert not stale, f"controller/run/runtime.py lists threads no code starts: {stale}"

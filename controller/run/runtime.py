@@ -42,6 +42,10 @@ no code starts:
 - `rolloutdb-fsync`: the fsync helper (`store/checkpoints/publish.py`,
   `commit_directory`), a one-thread pool for the length of one publication: fsyncs each
   file while the publishing thread hashes it.
+- `rolloutdb-copy-check`: a rollout snapshot's copy check (`store/checkpoints/publish.py`,
+  `Publisher._check_copy`), a one-thread pool for the length of one publication: checks
+  the captured copy as verify would and records the sequence high water while the
+  publishing thread fsyncs and hashes the files; the manifest waits for it.
 - `rolloutdb-publish`: the Publisher's background pool (`publish_deferred`, background
   retention, and the writer of asynchronous trainer checkpoints,
   `store/checkpoints/staged.py`). `rolloutdb train` starts it only with

@@ -147,16 +147,22 @@ def _fail(what: str, target: Path, e: OSError) -> PublishError:
     )
 
 
-def commit_directory(tmp: Path, target: Path, manifest: Manifest, *, skip_dirs: tuple[str, ...] = ()) -> dict[str, float]:
+def commit_directory(tmp: Path, target: Path, manifest: Manifest, *, skip_dirs: tuple[str, ...] = (),
+                     before_manifest: Callable[[], object] | None = None) -> dict[str, float]:
     """Steps 2-5 of the protocol for a temporary directory whose payload is written.
     Fills `manifest.files`. Raises OSError; the caller maps it to PublishError."""
-    timings = seal_directory(tmp, manifest, skip_dirs=skip_dirs)
+    timings = seal_directory(tmp, manifest, skip_dirs=skip_dirs, before_manifest=before_manifest)
     return {**timings, **rename_into_place(tmp, target)}
 
 
-def seal_directory(tmp: Path, manifest: Manifest, *, skip_dirs: tuple[str, ...] = ()) -> dict[str, float]:
+def seal_directory(tmp: Path, manifest: Manifest, *, skip_dirs: tuple[str, ...] = (),
+                   before_manifest: Callable[[], object] | None = None) -> dict[str, float]:
     """Steps 2-3: every file fsynced and hashed, the manifest written last, every
-    directory fsynced. The directory is still temporary (a crash leaves a leftover)."""
+    directory fsynced. The directory is still temporary (a crash leaves a leftover).
+    `before_manifest()` runs once the files are durable and before the manifest is
+    written: what must hold before the directory can be published (a rollout
+    snapshot's copy check, done beside the fsyncs) waits there, and its exception
+    stops the publication."""
     t0 = time.perf_counter()
     faults.point("publish.payload_written")
     files: list[FileEntry] = []
@@ -183,13 +189,17 @@ def seal_directory(tmp: Path, manifest: Manifest, *, skip_dirs: tuple[str, ...] 
     manifest.files = sorted(files, key=lambda f: f.path)
     t_files = time.perf_counter()
     faults.point("publish.files_fsynced")
+    if before_manifest is not None:
+        before_manifest()
+    t_ready = time.perf_counter()
     write_file(tmp / MANIFEST_NAME, manifest.to_json())
     fsync_file(tmp / MANIFEST_NAME)
     faults.point("publish.manifest_written")
     for d in reversed(dirs):
         fsync_dir(d)
     faults.point("publish.tmpdir_fsynced")
-    return {"hash_fsync_files": t_files - t0, "manifest_dirs": time.perf_counter() - t_files}
+    return {"hash_fsync_files": t_files - t0, **({"wait_before_manifest": t_ready - t_files} if before_manifest else {}),
+            "manifest_dirs": time.perf_counter() - t_ready}
 
 
 def rename_into_place(tmp: Path, target: Path) -> dict[str, float]:
@@ -228,11 +238,12 @@ def _discard_tmp(tmp: Path) -> None:
         log.warning("could not remove %s after a failed publish (%s); the next save will", tmp, e)
 
 
-def _read_revision(db_path: Path) -> tuple[str | None, dict[str, int], dict[str, int]]:
-    """Schema revision (from the file's alembic_version) and row counts of a snapshot file."""
+def _read_revision(db_path: Path, *, count: bool = True) -> tuple[str | None, dict[str, int], dict[str, int]]:
+    """Schema revision (from the file's alembic_version) and, with `count`, row counts of
+    a snapshot file (a capture that counted at its cut has them already)."""
     conn = open_readonly(db_path)
     try:
-        return file_revision(conn), *count_rows(conn)
+        return file_revision(conn), *(count_rows(conn) if count else ({}, {}))
     finally:
         conn.close()
 
@@ -512,6 +523,18 @@ class Publisher:
                 pending.snapshots.append(stage)
             return stage
 
+    def _check_copy(self, stage: SnapshotStage, revision: str | None, timings: dict[str, float]) -> None:
+        """What verify would refuse in the captured copy (a file that is no store has
+        nothing to check: a restore refuses it), then the sequence number recorded as
+        the high water before the snapshot can be listed, so before anyone can delete it.
+        Raises CopyRefused, or OSError from the record."""
+        t_check = time.perf_counter()
+        for problem in (copy_problems(self.root, stage.db_path) if revision else [])[:1]:
+            raise CopyRefused(f"{stage.target}: the captured copy fails its checks: {problem}; the snapshot "
+                              "is not published (earlier snapshots are intact)", path=stage.target)
+        timings["check_copy"] = time.perf_counter() - t_check
+        record_high_water(self.root, stage.sequence)
+
     def _abort(self, stage: SnapshotStage) -> None:
         with self._lock:
             _discard_tmp(stage.tmp)
@@ -530,32 +553,32 @@ class Publisher:
                 try:
                     if not stage.db_path.is_file():
                         raise PublishError(f"{stage.db_path}: nothing was captured into the stage", path=stage.target)
-                    revision, counts, states = _read_revision(stage.db_path)
+                    counted = getattr(capture, "row_counts", None), getattr(capture, "group_states", None)
+                    revision, counts, states = _read_revision(stage.db_path, count=not all(counted))
                     segments = _listed_segments(self.root, stage.db_path)
-                    t_check = time.perf_counter()
-                    # What verify would refuse; a file that is no store has nothing to check (a restore refuses it).
-                    for problem in (copy_problems(self.root, stage.db_path) if revision else [])[:1]:
-                        raise CopyRefused(f"{stage.target}: the captured copy fails its checks: {problem}; the snapshot "
-                                          "is not published (earlier snapshots are intact)", path=stage.target)
-                    timings = {"check_copy": time.perf_counter() - t_check}
-                    record_high_water(self.root, stage.sequence)  # before anyone can delete it
-                    if config_text is not None:
-                        write_file(stage.tmp / CONFIG_FILE, config_text.encode() if isinstance(config_text, str) else config_text)
-                    if env_export is not None:
-                        write_file(stage.tmp / ENV_EXPORT, env_export.encode() if isinstance(env_export, str) else env_export)
-                    manifest = Manifest(
-                        kind=KIND_SNAPSHOT, anchor=stage.anchor, files=[], sequence=stage.sequence,
-                        schema_revision=revision,
-                        cut_time=getattr(capture, "cut_time", None),
-                        decoded_at=getattr(capture, "decoded_at", None),
-                        mutation_counter=getattr(capture, "mutation_counter", None),
-                        row_counts=getattr(capture, "row_counts", None) or counts,
-                        group_states=getattr(capture, "group_states", None) or states,
-                        config_fingerprint=config_fingerprint(config_text),
-                        timings=dict(getattr(capture, "timings", None) or {}),
-                        segments=segments,
-                    )
-                    timings.update(commit_directory(stage.tmp, stage.target, manifest))
+                    timings: dict[str, float] = {}
+                    # The copy's check (CPU, in SQLite) runs on a helper thread while this
+                    # one fsyncs and hashes the files (the disk, BLAKE3): a snapshot pays
+                    # about the longer of the two, not their sum; the manifest waits for it.
+                    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="rolloutdb-copy-check") as helper:
+                        checked = helper.submit(self._check_copy, stage, revision, timings)
+                        if config_text is not None:
+                            write_file(stage.tmp / CONFIG_FILE, config_text.encode() if isinstance(config_text, str) else config_text)
+                        if env_export is not None:
+                            write_file(stage.tmp / ENV_EXPORT, env_export.encode() if isinstance(env_export, str) else env_export)
+                        manifest = Manifest(
+                            kind=KIND_SNAPSHOT, anchor=stage.anchor, files=[], sequence=stage.sequence,
+                            schema_revision=revision,
+                            cut_time=getattr(capture, "cut_time", None),
+                            decoded_at=getattr(capture, "decoded_at", None),
+                            mutation_counter=getattr(capture, "mutation_counter", None),
+                            row_counts=counted[0] or counts,
+                            group_states=counted[1] or states,
+                            config_fingerprint=config_fingerprint(config_text),
+                            timings=dict(getattr(capture, "timings", None) or {}),
+                            segments=segments,
+                        )
+                        timings.update(commit_directory(stage.tmp, stage.target, manifest, before_manifest=checked.result))
                 except OSError as e:
                     raise _fail("rollout snapshot", stage.target, e) from e
                 except NotAStoreError as e:
