@@ -18,7 +18,7 @@ from ..live import ledger, pools, queries
 from ..live.compaction import read_prefix
 from ..live.payload import SegmentMissing
 from ..live.schema import T
-from ..sqlite.prepared import _driver
+from ..sqlite.prepared import Prepared, _driver
 from .plan import RestoredGroup
 
 # --------------------------------------------------------------------------- phase 6
@@ -27,6 +27,25 @@ from .plan import RestoredGroup
 groups_t, rollouts_t, samples_t = T["prompt_groups"], T["rollouts"], T["samples"]
 chunks_t, episodes_t = T["token_chunks"], T["env_episodes"]
 replay_t = T["replay_groups"]
+
+# The two reads that grow with the groups in flight (a row per finished generation, a
+# row per dispatched group: 50k rows at 10k groups in flight), run on the DBAPI cursor
+# (`Prepared`): SQLAlchemy's row wrapping cost more than SQLite's work for them.
+# Driven from the dispatched groups, reading their rows through the UNIQUE (group_id,
+# ...) index, not every finished rollout (0.55 s -> 0.02 s at 100k groups,
+# bench/bench_restore.py, when a state index tempted SQLite; `+state` keeps it so in a
+# file older than v1_13_a, which has one).
+_FINISHED_GENERATIONS = Prepared(
+    select(rollouts_t.c.group_id, rollouts_t.c.generation_index)
+    .join(groups_t, groups_t.c.group_id == rollouts_t.c.group_id)
+    .where(groups_t.c.state == "dispatched", literal_column("+rollouts.state") == "finished")
+)
+_DISPATCHED_GROUPS = Prepared(
+    select(groups_t.c.group_id, groups_t.c.sample_seq, groups_t.c.epoch, groups_t.c.prompt_id,
+           groups_t.c.target_step, groups_t.c.num_generations)
+    .where(groups_t.c.state == "dispatched")
+    .order_by(groups_t.c.sample_seq)
+)
 
 
 def _clear_unreferenced(tx: Connection) -> int:
@@ -102,26 +121,14 @@ def normalize_ledger(tx: Connection, source: Path, step: int, counts: dict[str, 
     counts["published_at_restore"] = len(sealed)
 
     finished: dict[int, set[int]] = {}
-    # Driven from the dispatched groups, reading their rows through the UNIQUE (group_id,
-    # ...) index, not every finished rollout (0.55 s -> 0.02 s at 100k groups,
-    # bench/bench_restore.py, when a state index tempted SQLite; `+state` keeps it so in a
-    # file older than v1_13_a, which has one).
-    for g, i in tx.execute(
-        select(rollouts_t.c.group_id, rollouts_t.c.generation_index)
-        .join(groups_t, groups_t.c.group_id == rollouts_t.c.group_id)
-        .where(groups_t.c.state == "dispatched", literal_column("+rollouts.state") == "finished")
-    ).all():
+    for g, i in _FINISHED_GENERATIONS.run(tx).fetchall():
         finished.setdefault(g, set()).add(i)
     was_reserved = set(reserved)
     redispatch: list[RestoredGroup] = []
     to_finalize: list[RestoredGroup] = []
-    for g, seq, epoch, pid, target, n in tx.execute(
-        select(groups_t.c.group_id, groups_t.c.sample_seq, groups_t.c.epoch, groups_t.c.prompt_id,
-               groups_t.c.target_step, groups_t.c.num_generations)
-        .where(groups_t.c.state == "dispatched")
-        .order_by(groups_t.c.sample_seq)
-    ).all():
-        todo = tuple(i for i in range(n) if i not in finished.get(g, ()))
+    for g, seq, epoch, pid, target, n in _DISPATCHED_GROUPS.run(tx).fetchall():
+        done = finished.get(g)
+        todo = tuple(range(n)) if done is None else tuple(i for i in range(n) if i not in done)
         group = RestoredGroup(g, seq, epoch, pid, target, n, todo, g in was_reserved)
         (redispatch if todo else to_finalize).append(group)
     counts["generations_to_run"] = sum(len(r.generations_to_run) for r in redispatch)
