@@ -270,12 +270,17 @@ def run_pandas(job: Path, baseline: Path) -> tuple[dict, float]:
     lost = []
     for s in run_stops.itertuples():
         r = res[(res.run_no <= s.stop_no) & ((res.run_no == s.stop_no) | res.kept)]
-        latest = r.groupby("prompt_id").t.max()
-        before = settled[(settled.run_no <= s.stop_no) & (settled.t <= s.cut)].groupby("prompt_id").t.max()
-        before = before.reindex(latest.index)
-        running = latest[before.isna() | (before < latest)].index
-        after = run_seals[(run_seals.run_no > s.stop_no) & run_seals.prompt_id.isin(running)].drop_duplicates("prompt_id")
-        matched = after.merge(base_seals, on=["prompt_id", "occurrence"], suffixes=("", "_b"))
+        # the latest reservation of each (epoch, prompt); a group settled by the cut is not running
+        r = r.sort_values(["t", "group_id"]).drop_duplicates(["prompt_id", "epoch"], keep="last")
+        before = settled[(settled.run_no <= s.stop_no) & (settled.t <= s.cut)]
+        before = before.groupby(["prompt_id", "group_id"], dropna=False).t.max().rename("settled_at").reset_index()
+        r = r.merge(before, on=["prompt_id", "group_id"], how="left")
+        running = r[r.settled_at.isna() | (r.settled_at < r.t)].sort_values(["t", "group_id"])
+        running = running.assign(k=running.groupby("prompt_id").cumcount() + 1)  # its k-th group: the k-th seal after
+        after = run_seals[(run_seals.run_no > s.stop_no) & run_seals.prompt_id.isin(running.prompt_id)]
+        after = after.assign(k=after.groupby("prompt_id").cumcount() + 1)
+        matched = running[["prompt_id", "k"]].merge(after, on=["prompt_id", "k"]).merge(
+            base_seals, on=["prompt_id", "occurrence"], suffixes=("", "_b"))
         diff = matched.effective_t - matched.effective_t_b
         lost.append((int(s.stop_no), len(running), len(diff), float(diff.sum())))
     return {"batch_age": batch_age, "thrown": thrown, "lost": lost}, read_s

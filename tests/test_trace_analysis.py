@@ -200,6 +200,56 @@ def test_a_prompt_seen_in_several_epochs_is_matched_occurrence_by_occurrence(tmp
         assert an.query("thrown_away_per_stop").rows[0][3:] == (6.0, None, None, 0, 0.0)
 
 
+def test_two_groups_of_one_prompt_running_at_a_stop_are_two_rows_matched_to_its_next_two_seals(tmp_path):
+    """Epoch 1 drew prompt 7 while its epoch-0 group still ran: both groups were running at
+    the stop. Keyed by the prompt's latest reservation, the epoch-0 group went uncounted
+    (and the epoch-1 group was matched with the earlier of the two seals)."""
+    run, base = tmp_path / "run.sqlite", tmp_path / "base.sqlite"
+    with Tracer(run, clock=lambda: 0.0) as a:
+        a.emit("group_reserved", t=1, group_id=1, prompt_id=7, epoch=0)
+        a.emit("group_reserved", t=3, group_id=2, prompt_id=7, epoch=1)
+    with Tracer(run, clock=lambda: 10.0) as b:  # 7 s down (a ran 0..3); no snapshot: cut = 3
+        b.emit("group_sealed", t=12, group_id=1, prompt_id=7)
+        b.emit("group_sealed", t=14, group_id=2, prompt_id=7)
+    with Tracer(base, clock=lambda: 0.0) as c:
+        c.emit("group_sealed", t=2, group_id=1, prompt_id=7)
+        c.emit("group_sealed", t=5, group_id=2, prompt_id=7)
+    with TraceAnalysis([run], [base]) as an:
+        # Effective seals 12 - 0 - 7 = 5 and 14 - 7 = 7, against the baseline's 2 and 5.
+        assert an.query("lost_progress_by_group").rows == [(1, 7, 1, 5.0, 2.0, 3.0), (1, 7, 2, 7.0, 5.0, 2.0)]
+        assert an.query("lost_progress_per_stop").rows == [(1, 2, 2, 5.0, 2.5, 3.0)]
+        conn = open_sqlite_analysis([run], [base])
+        try:
+            assert sqlite_query(conn, "lost_progress_by_group").rows == an.query("lost_progress_by_group").rows
+        finally:
+            conn.close()
+
+
+def test_a_group_reserved_again_after_a_rewind_counts_once_at_the_next_stop(tmp_path):
+    """A resume that rewinds to a trainer checkpoint (no snapshot) hands the groups it held
+    back to the spare pool without an event, and the resumed run reserves their prompts
+    again in the same epoch: at its own stop the prompt is one group running, not two."""
+    run, base = tmp_path / "run.sqlite", tmp_path / "base.sqlite"
+    with Tracer(run, clock=lambda: 0.0) as a:  # stop 1 at 2: prompt 7 (epoch 0) running
+        a.emit("group_reserved", t=1, group_id=1, prompt_id=7, epoch=0)
+        a.emit("group_reserved", t=2, group_id=2, prompt_id=8, epoch=0)
+    with Tracer(run, clock=lambda: 10.0) as b:  # rewound: prompt 7 reserved again; stop 2 at 12
+        b.emit("group_reserved", t=11, group_id=1, prompt_id=7, epoch=0)
+        b.emit("group_reserved", t=12, group_id=3, prompt_id=9, epoch=0)
+    with Tracer(run, clock=lambda: 20.0) as c:
+        c.emit("group_sealed", t=21, group_id=1, prompt_id=7)
+    with Tracer(base, clock=lambda: 0.0) as d:
+        d.emit("group_sealed", t=3, group_id=1, prompt_id=7)
+    with TraceAnalysis([run], [base]) as an:
+        # Stop 1: prompts 7 and 8 running. Stop 2: prompt 7 once (its reservation at 11),
+        # prompt 8 (held since run 1: kept, no snapshot), prompt 9. Prompt 7's seal at 21:
+        # effective 21 - 8 - 8 = 5 (downtime 8 + 8), the baseline's 3.
+        rows = an.query("lost_progress_by_group").rows
+        assert [(r[0], r[1]) for r in rows] == [(1, 7), (1, 8), (2, 7), (2, 8), (2, 9)]
+        assert rows[0] == (1, 7, 1, 5.0, 3.0, 2.0) and rows[2] == (2, 7, 1, 5.0, 3.0, 2.0)
+        assert [r[:3] for r in an.query("lost_progress_per_stop").rows] == [(1, 2, 1), (2, 3, 1)]
+
+
 def test_batch_age_per_step_matches_the_hand_worked_answer_and_the_logged_value(job):
     run, base = job
     with TraceAnalysis([run], [base]) as a:

@@ -23,7 +23,7 @@ from __future__ import annotations
 # type (see rolloutdb.store.trace.events.EVENT_FIELDS), a list table, or `runs` (as trace_runs).
 BASE_COLUMNS: dict[str, str] = {
     "trace_runs": "run, run_id, first_t, last_t",
-    "group_reserved": "seq, t, run, prompt_id, group_id",
+    "group_reserved": "seq, t, run, prompt_id, group_id, epoch",
     "group_sealed": "seq, t, run, prompt_id, group_id",
     "group_discarded": "seq, t, run, prompt_id, group_id",
     "group_published": "seq, t, run, group_id",
@@ -94,19 +94,19 @@ LEFT JOIN (
 """
 
 GROUP_TIMELINE = """
--- Every group_reserved, group_sealed and group_discarded event with its run number, its
--- effective time (downtime removed) and whether it was *kept*: it happened in the last
--- run, or before the cut of the snapshot that the next run restored. An event that was
--- not kept (a group sealed after the cut, say) was lost with the stop and happened
--- again later.
+-- Every group_reserved, group_sealed and group_discarded event with its run number (and
+-- a reservation's epoch), its effective time (downtime removed) and whether it was
+-- *kept*: it happened in the last run, or before the cut of the snapshot that the next
+-- run restored. An event that was not kept (a group sealed after the cut, say) was lost
+-- with the stop and happened again later.
 WITH group_events AS (
-    SELECT job, src, seq, t, run, 'group_reserved' AS event, prompt_id, group_id FROM group_reserved
+    SELECT job, src, seq, t, run, 'group_reserved' AS event, prompt_id, group_id, epoch FROM group_reserved
     UNION ALL
-    SELECT job, src, seq, t, run, 'group_sealed' AS event, prompt_id, group_id FROM group_sealed
+    SELECT job, src, seq, t, run, 'group_sealed' AS event, prompt_id, group_id, NULL AS epoch FROM group_sealed
     UNION ALL
-    SELECT job, src, seq, t, run, 'group_discarded' AS event, prompt_id, group_id FROM group_discarded
+    SELECT job, src, seq, t, run, 'group_discarded' AS event, prompt_id, group_id, NULL AS epoch FROM group_discarded
 )
-SELECT e.job, e.src, e.seq, e.t, e.event, e.prompt_id, e.group_id, ru.run_no,
+SELECT e.job, e.src, e.seq, e.t, e.event, e.prompt_id, e.group_id, e.epoch, ru.run_no,
        e.t - ru.job_started - ru.downtime_until AS effective_t,
        CASE WHEN st.stop_no IS NULL OR e.t <= st.cut THEN 1 ELSE 0 END AS kept
 FROM group_events e
@@ -414,58 +414,64 @@ JOIN kept k ON k.job = x.job AND k.stop_no = x.stop_no AND k.prompt_id = x.promp
 """
 
 LOST_PROGRESS_GROUPS = """
--- Lost progress, one row per (stop, prompt) that was running at the stop: how much
--- later, on the job's effective timeline, the prompt's group was sealed than the same
--- prompt's group in the baseline on the baseline's effective timeline.
--- Running at a stop: the prompt's latest group_reserved before the stop (kept, or in
--- the stopped run itself) is followed by neither a kept group_sealed nor a kept
--- group_discarded up to the cut. A group discarded by the cut (zero reward variance,
--- say) is settled: the restored state knows it, and it will never be sealed.
--- Sealed after the stop: its first kept group_sealed in a later run.
+-- Lost progress, one row per group that was running at a stop: how much later, on the
+-- job's effective timeline, its prompt was sealed than the same prompt's group in the
+-- baseline on the baseline's effective timeline.
+-- Running at a stop: a group_reserved before the stop (kept, or in the stopped run
+-- itself) followed by neither a kept group_sealed nor a kept group_discarded of that
+-- group up to the cut. A group discarded by the cut (zero reward variance, say) is
+-- settled: the restored state knows it, and it will never be sealed. Of several
+-- reservations of one (epoch, prompt), only the latest counts: a resume that rewinds to
+-- a trainer checkpoint hands the groups it held back to the spare pool, which reserves
+-- them again (a file without epochs: the latest reservation of each prompt). Two groups
+-- of one prompt in different epochs (the next epoch drew it while the earlier group ran)
+-- are two rows.
+-- Sealed after the stop: the prompt's kept group_sealed events in later runs, the k-th
+-- for the k-th of its groups running at the stop (by reservation time).
 -- A prompt sealed several times (epochs) is matched occurrence by occurrence: the n-th
 -- kept seal of the prompt in the run against the n-th seal in the baseline.
 WITH reserved AS (
-    SELECT prompt_id, t, run_no, kept FROM group_timeline
+    SELECT prompt_id, group_id, epoch, t, run_no, kept FROM group_timeline
     WHERE job = 'run' AND event = 'group_reserved'
 ), seals AS (
     SELECT job, prompt_id, t, run_no, effective_t,
            row_number() OVER (PARTITION BY job, prompt_id ORDER BY t, src, seq) AS occurrence
     FROM group_timeline
     WHERE event = 'group_sealed' AND kept = 1
-), latest AS (
-    SELECT st.stop_no, st.cut, r.prompt_id, max(r.t) AS reserved_at
+), held AS (
+    SELECT st.stop_no, r.prompt_id, r.group_id, r.t AS reserved_at,
+           row_number() OVER (PARTITION BY st.stop_no, r.prompt_id, r.epoch ORDER BY r.t DESC, r.group_id DESC) AS latest
     FROM stops st
     JOIN reserved r ON r.run_no <= st.stop_no AND (r.run_no = st.stop_no OR r.kept = 1)
     WHERE st.job = 'run'
-    GROUP BY st.stop_no, st.cut, r.prompt_id
 ), settled AS (
-    SELECT prompt_id, t, run_no FROM seals WHERE job = 'run'
-    UNION ALL
-    SELECT prompt_id, t, run_no FROM group_timeline
-    WHERE job = 'run' AND event = 'group_discarded' AND kept = 1
+    SELECT prompt_id, group_id, t, run_no FROM group_timeline
+    WHERE job = 'run' AND event IN ('group_sealed', 'group_discarded') AND kept = 1
 ), settled_before AS (
-    SELECT st.stop_no, s.prompt_id, max(s.t) AS settled_at
+    SELECT st.stop_no, s.prompt_id, s.group_id, max(s.t) AS settled_at
     FROM stops st
     JOIN settled s ON s.run_no <= st.stop_no AND s.t <= st.cut
     WHERE st.job = 'run'
-    GROUP BY st.stop_no, s.prompt_id
+    GROUP BY st.stop_no, s.prompt_id, s.group_id
 ), running AS (
-    SELECT l.stop_no, l.prompt_id, l.reserved_at
-    FROM latest l
-    LEFT JOIN settled_before b ON b.stop_no = l.stop_no AND b.prompt_id = l.prompt_id
-    WHERE b.settled_at IS NULL OR b.settled_at < l.reserved_at
+    SELECT h.stop_no, h.prompt_id, h.group_id, h.reserved_at,
+           row_number() OVER (PARTITION BY h.stop_no, h.prompt_id ORDER BY h.reserved_at, h.group_id) AS k
+    FROM held h
+    LEFT JOIN settled_before b
+           ON b.stop_no = h.stop_no AND b.prompt_id = h.prompt_id AND coalesce(b.group_id, -1) = coalesce(h.group_id, -1)
+    WHERE h.latest = 1 AND (b.settled_at IS NULL OR b.settled_at < h.reserved_at)
 ), sealed_after AS (
     SELECT r.stop_no, r.prompt_id, s.occurrence, s.effective_t,
-           row_number() OVER (PARTITION BY r.stop_no, r.prompt_id ORDER BY s.t) AS nth
-    FROM running r
+           row_number() OVER (PARTITION BY r.stop_no, r.prompt_id ORDER BY s.t, s.occurrence) AS nth
+    FROM (SELECT DISTINCT stop_no, prompt_id FROM running) r
     JOIN seals s ON s.job = 'run' AND s.prompt_id = r.prompt_id AND s.run_no > r.stop_no
 )
-SELECT r.stop_no, r.prompt_id, a.occurrence,
+SELECT r.stop_no, r.prompt_id, r.group_id, a.occurrence,
        a.effective_t AS sealed_effective_t,
        b.effective_t AS baseline_sealed_effective_t,
        a.effective_t - b.effective_t AS lost_s
 FROM running r
-LEFT JOIN sealed_after a ON a.stop_no = r.stop_no AND a.prompt_id = r.prompt_id AND a.nth = 1
+LEFT JOIN sealed_after a ON a.stop_no = r.stop_no AND a.prompt_id = r.prompt_id AND a.nth = r.k
 LEFT JOIN seals b ON b.job = 'baseline' AND b.prompt_id = r.prompt_id AND b.occurrence = a.occurrence
 """
 
@@ -576,7 +582,7 @@ LOST_PROGRESS_BY_GROUP = """
 -- Figure 2, one row per group running at a stop.
 SELECT stop_no, prompt_id, occurrence, sealed_effective_t, baseline_sealed_effective_t, lost_s
 FROM lost_progress_groups
-ORDER BY stop_no, prompt_id, occurrence
+ORDER BY stop_no, prompt_id, occurrence, group_id
 """
 
 BATCH_AGE_PER_STEP = """
