@@ -206,14 +206,20 @@ def main(argv=None) -> None:
     print(f"  {'':34s}{'before':>12s}{'after':>12s}   after vs before")
     for label, path, higher in FIGURES[a.bench]:
         b, t = (median_of(runs[v], path) for v in (a.rev, "tree"))
-        if b is None or t is None:  # a figure one side did not measure: the other's alone
-            print(f"  {label:34s}" + "".join(f"{'-' if v is None else f'{v:.3f}':>12s}" for v in (b, t)))
-            continue
-        if not b or not t:  # a share of 0 on either side has no ratio
-            print(f"  {label:34s}{b:12.3f}{t:12.3f}   -")
+        cells = "".join(f"{_cell(v):>12s}" for v in (b, t))
+        if b is None or t is None or not b or not t:  # one side did not measure it, or a 0 share: no ratio
+            print(f"  {label:34s}{cells}   -")
             continue
         gain = (t / b) if higher else (b / t)
-        print(f"  {label:34s}{b:12.3f}{t:12.3f}   {gain:.2f}x {'better' if gain >= 1 else 'worse'}")
+        print(f"  {label:34s}{cells}   {gain:.2f}x {'better' if gain >= 1 else 'worse'}")
+
+
+def _cell(value: float | None) -> str:
+    """A figure in its 12-character column: a byte count past a million in millions (M),
+    so the columns stay apart."""
+    if value is None:
+        return "-"
+    return f"{value / 1e6:.2f}M" if abs(value) >= 1e6 else f"{value:.3f}"
 
 
 if __name__ == "__main__":

@@ -155,6 +155,14 @@ MUTANTS = [
         ["tests/test_store_core.py", "tests/test_restore.py"],
     ),
     Mutant(
+        "publish_does_not_wait_for_the_copy_check",
+        "a snapshot whose captured copy fails its checks is never published",
+        "store/checkpoints/publish.py",
+        [("manifest, before_manifest=checked.result))",
+          "manifest, before_manifest=None))  # MUTANT: the check's verdict is never waited for")],
+        ["tests/test_hostile_snapshots.py", "tests/test_publish.py"],
+    ),
+    Mutant(
         "sequence_number_reuse",
         "snapshot sequence numbers are never reused, after deletes or crashes",
         "store/checkpoints/publish.py",
