@@ -90,8 +90,8 @@ def changed_pages(before: Path, after: Path) -> tuple[int, int, int]:
     page size): the SQLite backup copies page n of the live file to page n of the
     copy, so an unchanged page of the live store is an identical page of both copies."""
     old, new = before.read_bytes(), after.read_bytes()
-    size = int.from_bytes(new[16:18], "big") or 65536  # the header stores 65536 as 1
-    size = 65536 if size == 1 else size
+    size = int.from_bytes(new[16:18], "big")
+    size = 65536 if size == 1 else size  # the header stores 65536 as 1
     pages = len(new) // size
     changed = sum(1 for i in range(pages) if new[i * size:(i + 1) * size] != old[i * size:(i + 1) * size])
     return changed, pages, size

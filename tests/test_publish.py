@@ -335,7 +335,7 @@ def test_a_snapshot_copy_is_checked_while_its_files_are_fsynced_and_the_manifest
     sees the store file fsynced before it returns, and nothing of the manifest exists
     until it has returned. Checked in sequence, the check would wait for an fsync that
     comes only after it (and fail here)."""
-    import threading
+    import time
 
     from rolloutdb.store.checkpoints import publish as publish_module
 
@@ -346,13 +346,13 @@ def test_a_snapshot_copy_is_checked_while_its_files_are_fsynced_and_the_manifest
     seen = {}
 
     def slow_check(root, db_path):
-        fsynced = threading.Event()
+        fsynced = False
         for _ in range(3000):  # up to 30 s: the fsync runs on the other thread meanwhile
-            if any(e[0] == "fsync" and e[1] == str(db_path) for e in list(events)):
-                fsynced.set()
+            fsynced = any(e[0] == "fsync" and e[1] == str(db_path) for e in list(events))
+            if fsynced:
                 break
-            threading.Event().wait(0.01)
-        seen["fsynced_during_check"] = fsynced.is_set()
+            time.sleep(0.01)
+        seen["fsynced_during_check"] = fsynced
         seen["manifest_during_check"] = (Path(db_path).parent / "manifest.json").exists()
         problems = real_check(root, db_path)
         events.append(("check_done", str(db_path), False))
