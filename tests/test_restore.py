@@ -293,6 +293,25 @@ def test_a_payload_row_no_ledger_row_references_is_refused_before_normalization(
     assert err.invariant == 3 and "episode orphan" in str(err)
 
 
+def test_a_replay_row_of_a_sealed_group_is_refused_before_normalization_puts_that_group_into_replay(tmp_path):
+    # Normalization moves sealed groups into replay: a replay row already naming one is
+    # refused by the audit before it (invariant 2), not left to fail inside it.
+    run = build_ledger_run(tmp_path)
+    rewrite_snapshot(run.snap, "INSERT INTO replay_groups (group_id, permit, epoch, prompt_id, target_step, num_tokens, "
+                               f"published_at) VALUES ({run.C}, 5, 0, 104, 3, 6, 0.0);")
+    err = assert_refused_and_unchanged(run, SnapshotInconsistent, "before restart normalization: invariant 2")
+    assert err.invariant == 2 and f"group {run.C} is sealed" in str(err)
+
+
+def test_a_prompt_both_settled_and_spare_is_refused_by_the_audit_after_normalization(tmp_path):
+    # The audit before normalization checks only what normalization could erase or trip
+    # over (invariants 2 and 3); the prompts and positions are audited once, after it.
+    run = build_ledger_run(tmp_path)
+    rewrite_snapshot(run.snap, "UPDATE spare_prompts SET prompt_id = 100 WHERE sample_seq = 8;")  # t0's, trained
+    err = assert_refused_and_unchanged(run, SnapshotInconsistent, "after restart normalization: invariant 1")
+    assert err.invariant == 1 and "epoch 0 prompt 100" in str(err)
+
+
 def test_restoring_a_snapshot_over_other_weights_is_refused(tmp_path):
     run = build_ledger_run(tmp_path)
     assert_refused_and_unchanged(run, RestoreError, "anchored to step_1 but the trainer loaded step 2", trainer_step=2)

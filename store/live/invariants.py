@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import bisect
 import sqlite3
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from .compaction import check_types
@@ -131,10 +132,11 @@ class InvariantReport:
 SINGLETONS = ("run_meta", "sampler_state")
 
 
-def check_invariants(conn: sqlite3.Connection) -> InvariantReport:
+def check_invariants(conn: sqlite3.Connection, only: Collection[int] | None = None) -> InvariantReport:
     """Run every check; each failing one adds a line with its count and examples.
     A store whose singleton tables do not hold exactly one row is reported as such (the
-    checks below read their settings from those rows) and checked no further."""
+    checks below read their settings from those rows) and checked no further. `only`:
+    the numbers of the invariants to check (0: the foreign keys); None, all of them."""
     counts = dict(conn.execute("SELECT state, count(*) FROM prompt_groups GROUP BY state").fetchall())
     counts["spare"] = conn.execute("SELECT count(*) FROM spare_prompts").fetchone()[0]
     counts["replay"] = conn.execute("SELECT count(*) FROM replay_groups").fetchone()[0]
@@ -149,8 +151,9 @@ def check_invariants(conn: sqlite3.Connection) -> InvariantReport:
     ledger = bool(conn.execute("SELECT ledger_dispatch FROM run_meta").fetchone()[0])
     counts["cursor"] = conn.execute("SELECT next_seq FROM sampler_state").fetchone()[0]
     checks = (_LEDGER_CHECKS if ledger else []) + _ALWAYS_CHECKS
-    found = [(n, what, [r[0] for r in conn.execute(sql).fetchall()]) for n, what, sql in checks]
-    if ledger:
+    found = [(n, what, [r[0] for r in conn.execute(sql).fetchall()]) for n, what, sql in checks
+             if only is None or n in only]
+    if ledger and (only is None or 1 in only or 4 in only):
         # Decoded once for both checks: a snapshot's publish runs these on its copy
         # (copy_problems), and the decode is Python over every settled_steps row (one per
         # step: ~20 ms at 3000 steps, 2 shared cores), the one part of the check that
@@ -172,8 +175,13 @@ def _settled_checks(conn: sqlite3.Connection, cursor: int, runs: list[SettledRun
     are still ledger rows) and the live positions: every position below the cursor in
     exactly one of a settled row, the ledger or the spare pool; none beyond the cursor.
     Python over the decoded runs (one row per step) and the live positions (what is in
-    flight): a merge, no per-position SQL."""
-    live = sorted({r[0] for r in conn.execute("SELECT sample_seq FROM prompt_groups UNION SELECT sample_seq FROM spare_prompts")})
+    flight): a merge, no per-position SQL. SQLite dedups and orders the live positions
+    (a merge of the ledger's sample_seq index with the spare pool), and each settled span
+    finds the live positions inside it by bisection: O(spans x log live), not a bisection
+    per live position (6.5 -> 3 ms for the positions, 2 ms -> ~0 for the spans at 10k
+    groups in flight; every snapshot's copy check runs this)."""
+    live = [r[0] for r in conn.execute("SELECT sample_seq FROM prompt_groups UNION SELECT sample_seq FROM spare_prompts "
+                                       "ORDER BY 1")]
     settled = sum(r.end - r.start for r in runs)
     missing = [f"missing {cursor - len(live) - settled} of {cursor} positions"] if len(live) + settled < cursor else []
     both, twice, beyond = [], [], []
@@ -187,11 +195,9 @@ def _settled_checks(conn: sqlite3.Connection, cursor: int, runs: list[SettledRun
             union.append([r.start, r.end])
         if r.end > cursor:
             beyond.append(f"positions {r.start}..{r.end - 1}")
-    starts = [a for a, _ in union]
-    for seq in live:
-        i = bisect.bisect_right(starts, seq) - 1
-        if i >= 0 and seq < union[i][1]:
-            both.append(f"position {seq}")
+    for start, end in union:
+        inside = live[bisect.bisect_left(live, start):bisect.bisect_left(live, end)]
+        both += [f"position {seq}" for seq in inside]
     return [
         (1, "sampler positions handed out but neither in the ledger nor in the spare pool", missing),
         (1, "sampler positions both settled (settled_steps) and in the ledger or the spare pool", both),

@@ -163,6 +163,22 @@ MUTANTS = [
         ["tests/test_hostile_snapshots.py", "tests/test_publish.py"],
     ),
     Mutant(
+        "restore_skips_replay_before_normalization",
+        "a restore refuses a snapshot whose replay names an unpublished group before normalization moves it",
+        "store/restore/apply.py",
+        [('"before restart normalization", only=(2, 3))',
+          '"before restart normalization", only=(3,))  # MUTANT: replay not audited before')],
+        ["tests/test_restore.py"],
+    ),
+    Mutant(
+        "restore_skips_prompts_after_normalization",
+        "a restore refuses a snapshot that hands a settled prompt out again",
+        "store/restore/apply.py",
+        [('refuse_on_invariants(conn, source, "after restart normalization")',
+          'refuse_on_invariants(conn, source, "after restart normalization", only=(2, 3))  # MUTANT')],
+        ["tests/test_restore.py"],
+    ),
+    Mutant(
         "sequence_number_reuse",
         "snapshot sequence numbers are never reused, after deletes or crashes",
         "store/checkpoints/publish.py",
