@@ -309,10 +309,11 @@ def copy_problems(checkpoint_dir: str | Path, db_path: str | Path) -> list[str]:
     sample's payload in the segment it names (`missing_payload`). The copy holds what
     is in flight, its sealed payload as references, so both read little. Measured per
     snapshot with bench/bench_snapshot_segments.py's setup (10,000 groups x 8
-    generations, 1 GiB in flight in segments, 10 MiB new per interval; a copy of 11.6 MiB;
-    2 shared cores at load ~12): 0.47 s of a 1.90 s snapshot (seal, capture, publish;
-    ratio 0.25, median of 5; 0.64 of 2.89 s, 0.22, in a second run at a higher load),
-    the invariants ~0.3 s of it, the references 0.09-0.15 s.
+    generations, 1 GiB in flight in segments, 10 MiB new per interval; a copy of 9.3 MiB;
+    2 shared cores at load ~1, 2026-12-05): 0.034 s of a 0.113 s snapshot, on a helper
+    thread beside the files' fsync and hash (publish.py); the invariants ~0.02 s of it
+    (the prompt bitmaps' audit half of that), the references ~0.01 s. (At load ~12,
+    before the settled record was bounded: 0.47 s of 1.90 s.)
     One line per problem; empty when sound."""
     try:
         with contextlib.closing(open_readonly(db_path)) as conn:
