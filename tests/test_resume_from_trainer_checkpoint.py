@@ -92,7 +92,7 @@ def test_a_run_without_rollout_snapshots_resumes_from_its_newest_trainer_checkpo
         spare = set(conn.execute("SELECT epoch, prompt_id FROM spare_prompts").fetchall())
         settled_bits = settled.settled_prompt_ids(conn)
         store_discards = settled.states(conn)["discarded"]
-    traced_discards = len(_trace_rows(run_copy, "SELECT group_id FROM group_discarded"))
+    traced_discards = len(_trace_rows(run_copy, "SELECT group_id FROM group_discarded WHERE reason IS NOT 'rewind'"))
     unexplained = reserved(first) - kept - discarded - reserved(second) - spare
     assert unexplained <= settled_bits and len(unexplained) <= store_discards - traced_discards, unexplained
     assert len(reserved(first) - kept - discarded) >= GROUPS
@@ -104,6 +104,19 @@ def test_a_run_without_rollout_snapshots_resumes_from_its_newest_trainer_checkpo
     restore = [m for m in metrics(run_copy, "restore")]
     assert restore[-1]["snapshot"] is None and restore[-1]["anchor"] == "step_4"
     assert restore[-1]["rewound"]["trained_after"] == GROUPS
+    # Every group the rewind withdrew is in the trace, recorded by the resumed run as it
+    # left the ledger untrained: a group of the killed run (whose own reservation event
+    # may have died unflushed with it), not trained by its checkpoint's steps, not
+    # discarded by it, and no group of the resumed run.
+    withdrawn = _trace_rows(run_copy, "SELECT run, group_id FROM group_discarded WHERE reason = 'rewind'")
+    assert len(withdrawn) == restore[-1]["rewound"]["withdrawn"] > 0
+    assert {run for run, _ in withdrawn} == {second}
+    ids = lambda sql: {r[0] for r in _trace_rows(run_copy, sql)}  # noqa: E731
+    settled_first = ids(f"SELECT g.group_id FROM train_step s JOIN trained_groups g ON g.seq = s.seq WHERE s.run = {first} "
+                        f"AND s.step <= 4 UNION SELECT group_id FROM group_discarded WHERE run = {first}")
+    reserved_second = ids(f"SELECT group_id FROM group_reserved WHERE run = {second}")
+    assert not {g for _, g in withdrawn} & (settled_first | reserved_second)
+    assert {g for _, g in withdrawn} & ids(f"SELECT group_id FROM group_reserved WHERE run = {first}")
     # The trace knows the stop's cut: the checkpoint's time, no snapshot.
     (cut, seq), = _trace_rows(run_copy, "SELECT cut_time, snapshot_seq FROM restore_done")
     assert cut is not None and seq is None

@@ -250,6 +250,36 @@ def test_a_group_reserved_again_after_a_rewind_counts_once_at_the_next_stop(tmp_
         assert [r[:3] for r in an.query("lost_progress_per_stop").rows] == [(1, 2, 1), (2, 3, 1)]
 
 
+def test_a_group_a_rewind_withdrew_is_not_running_at_the_next_stop_though_its_prompt_waits(tmp_path):
+    """The rewinding resume records each group it withdrew (`group_discarded`, reason
+    `rewind`): prompt 8's group, withdrawn and not reserved again before the next stop,
+    is not running there (without the event it was: reserved, kept, never settled)."""
+    run, base = tmp_path / "run.sqlite", tmp_path / "base.sqlite"
+    with Tracer(run, clock=lambda: 0.0) as a:  # stop 1 at 2: prompts 7 and 8 running
+        a.emit("group_reserved", t=1, group_id=1, prompt_id=7, epoch=0)
+        a.emit("group_reserved", t=2, group_id=2, prompt_id=8, epoch=0)
+    with Tracer(run, clock=lambda: 10.0) as b:  # rewound: both withdrawn; prompt 7 reserved again
+        b.emit("group_discarded", t=10.5, group_id=1, prompt_id=7, reason="rewind")
+        b.emit("group_discarded", t=10.5, group_id=2, prompt_id=8, reason="rewind")
+        b.emit("group_reserved", t=11, group_id=3, prompt_id=7, epoch=0)
+        b.emit("group_reserved", t=12, group_id=4, prompt_id=9, epoch=0)
+    with Tracer(run, clock=lambda: 20.0) as c:
+        c.emit("group_sealed", t=21, group_id=3, prompt_id=7)
+    with Tracer(base, clock=lambda: 0.0) as d:
+        d.emit("group_sealed", t=3, group_id=1, prompt_id=7)
+    with TraceAnalysis([run], [base]) as an:
+        # Stop 1 as before the rewind; stop 2: prompt 7's new group and prompt 9 only.
+        # Prompt 7's seal at 21: effective 21 - 8 - 8 = 5, the baseline's 3.
+        rows = an.query("lost_progress_by_group").rows
+        assert rows == [(1, 7, 1, 5.0, 3.0, 2.0), (1, 8, None, None, None, None),
+                        (2, 7, 1, 5.0, 3.0, 2.0), (2, 9, None, None, None, None)]
+        conn = open_sqlite_analysis([run], [base])
+        try:
+            assert sqlite_query(conn, "lost_progress_by_group").rows == rows
+        finally:
+            conn.close()
+
+
 def test_batch_age_per_step_matches_the_hand_worked_answer_and_the_logged_value(job):
     run, base = job
     with TraceAnalysis([run], [base]) as a:

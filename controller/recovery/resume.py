@@ -424,6 +424,7 @@ def _announce_rewind(done: Restored, say: Callable[[str], None], *, metrics: Run
                    "dropped_anchors": done.dropped, "restore_s": time.time() - done.t0})
     trace = RolloutTrace(tracer)
     trace.abandoned(r.abandoned, "restart")
+    trace.withdrawn(r.withdrawn_groups)
     # The cut is the checkpoint's: what the stopped run did after it is done again.
     created = anchor.manifest.created_at if anchor.manifest is not None else None
     trace.restore_done(step=done.step, policy_version=done.policy_version, cut_time=created, snapshot_seq=None,

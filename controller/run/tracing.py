@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from rolloutdb.controller.run.dispatch import GroupHandle
-from rolloutdb.store import NullTracer, Tracer
+from rolloutdb.store import NullTracer, Tracer, ledger
 
 
 # How long a pump waits for the trace to commit what it emitted (a snapshot's cut calls
@@ -134,6 +134,17 @@ class RolloutTrace:
         for g in groups:
             self.tracer.emit("group_discarded", group_id=g.group_id, prompt_id=g.reservation.prompt_id,
                         step=g.target_step, policy_version=g.policy_version, reason=reason)
+
+    def withdrawn(self, rows: Sequence[tuple]) -> None:
+        """A rewinding resume's withdrawn groups, (group_id, prompt_id, step,
+        policy_version) each (`Rewound.withdrawn_groups`): each left the ledger untrained,
+        a `group_discarded` with reason `rewind`, so the trace's figures no longer count
+        it as running at a later stop (its prompt's next group is a new one)."""
+        if not self.tracer.enabled:
+            return
+        for group_id, prompt_id, step, policy_version in rows:
+            self.tracer.emit("group_discarded", group_id=group_id, prompt_id=prompt_id, step=step,
+                             policy_version=policy_version, reason=ledger.REWIND_WITHDRAWAL)
 
     def abandoned(self, rows: Sequence[tuple], reason: str, tokens: Sequence[int] | None = None) -> None:
         """rows: (group_id, prompt_id, generation_index, attempt, step, policy_version);

@@ -44,6 +44,10 @@ run_meta = T["run_meta"]
 # controller discards with these names; the store never imports the controller.
 ZERO_REWARD_VARIANCE = "zero_reward_variance"
 ALGORITHM_DISCARD_REASONS = frozenset({ZERO_REWARD_VARIANCE})
+# The trace's reason for a group a resume from a trainer checkpoint alone withdrew
+# (`withdraw_every_group`): it left the ledger untrained and its prompt went back to the
+# spare pool, to be reserved again as a new group. Never a store discard (no settled row).
+REWIND_WITHDRAWAL = "rewind"
 
 # Which states each target state may be entered from.
 GROUP_SOURCES = {
@@ -514,17 +518,20 @@ def discard_groups(conn: Connection, group_ids: Sequence[int], *, reason: str) -
     settle_groups(conn, group_ids)
 
 
-def withdraw_every_group(conn: Connection) -> tuple[list[Reservation], list[tuple]]:
+def withdraw_every_group(conn: Connection) -> tuple[list[Reservation], list[tuple], list[tuple]]:
     """Every ledger row leaves unsettled, with its attempts, its payload and its replay
     permit: a resume from a trainer checkpoint alone (restore/rewind.py) hands these
     positions out again, because what they hold was decoded or trained under weights
     newer than the checkpoint. Returns their reservations (in sampler order, for the
-    spare pool) and the running attempts as (group_id, prompt_id, generation_index,
-    attempt, target_step, policy_version), what the trace records as abandoned. Every
-    payload row belongs to a live ledger row (invariant 3), so with the ledger gone the
-    payload tables are emptied whole: a few statements, not one per group."""
-    held = [Reservation(s, e, p) for s, e, p in conn.execute(
-        select(groups.c.sample_seq, groups.c.epoch, groups.c.prompt_id).order_by(groups.c.sample_seq)).all()]
+    spare pool); the groups as (group_id, prompt_id, target_step, policy_version) and
+    their running attempts as (group_id, prompt_id, generation_index, attempt,
+    target_step, policy_version): what the trace records as withdrawn and abandoned.
+    Every payload row belongs to a live ledger row (invariant 3), so with the ledger
+    gone the payload tables are emptied whole: a few statements, not one per group."""
+    rows = conn.execute(select(groups.c.sample_seq, groups.c.epoch, groups.c.prompt_id, groups.c.group_id,
+                               groups.c.target_step, groups.c.policy_version).order_by(groups.c.sample_seq)).all()
+    held = [Reservation(s, e, p) for s, e, p, *_ in rows]
+    withdrawn = [(g, p, step, version) for _, _, p, g, step, version in rows]
     running = [tuple(r) for r in conn.execute(
         select(rollouts.c.group_id, groups.c.prompt_id, rollouts.c.generation_index, rollouts.c.attempt,
                groups.c.target_step, rollouts.c.policy_version)
@@ -532,4 +539,4 @@ def withdraw_every_group(conn: Connection) -> tuple[list[Reservation], list[tupl
         .where(rollouts.c.state == "running").order_by(rollouts.c.attempt_id)).all()]
     for table in (chunks, episodes, replay, samples, rollouts, groups):
         conn.execute(delete(table))
-    return held, running
+    return held, withdrawn, running

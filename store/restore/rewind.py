@@ -37,7 +37,7 @@ from __future__ import annotations
 import contextlib
 import sqlite3
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import NotAStoreError, RecordDamaged, RestoreError, SnapshotInconsistent
@@ -62,6 +62,9 @@ class Rewound:
     abandoned: list[tuple]  # their running attempts, for the trace (ledger.withdraw_every_group)
     shortfall_dropped: int  # stamped steps after `step` whose shortfall went
     config_fingerprint_was: str | None = None  # the earlier formula's, when the store carried it
+    # the `withdrawn` groups as (group_id, prompt_id, target_step, policy_version), for
+    # the trace: each leaves the ledger untrained (a `group_discarded`, reason `rewind`)
+    withdrawn_groups: list[tuple] = field(default_factory=list)
 
 
 def rewind_problem(live_store_path: str | Path, step: int, *, ledger_dispatch: bool | None = None,
@@ -126,7 +129,7 @@ def rewind_live_store(live_store_path: str | Path, *, step: int, position: Calla
             _refuse_on_invariants(raw, path, "before the rewind")
             trained = [position(seq) for seq in unsettle_trained_after(raw, step)]
             unmark_settled(raw, [(r.epoch, r.prompt_id) for r in trained])
-            held, running = ledger.withdraw_every_group(tx)
+            held, withdrawn, running = ledger.withdraw_every_group(tx)
             pools.push_spare(tx, sorted(trained + held, key=lambda r: r.sample_seq))
             dropped = raw.execute("DELETE FROM step_shortfall WHERE step > ?", (step,)).rowcount
             _refuse_on_invariants(raw, path, "after the rewind")
@@ -135,7 +138,7 @@ def rewind_live_store(live_store_path: str | Path, *, step: int, position: Calla
             from None
     finally:
         store.close()
-    return Rewound(step, len(trained), len(held), running, dropped, was)
+    return Rewound(step, len(trained), len(held), running, dropped, was, withdrawn)
 
 
 def _refuse_on_invariants(raw: sqlite3.Connection, path: Path, when: str) -> None:

@@ -425,7 +425,9 @@ LOST_PROGRESS_GROUPS = """
 -- a trainer checkpoint hands the groups it held back to the spare pool, which reserves
 -- them again (a file without epochs: the latest reservation of each prompt). Two groups
 -- of one prompt in different epochs (the next epoch drew it while the earlier group ran)
--- are two rows.
+-- are two rows. A rewinding resume also records each group it withdrew as a
+-- group_discarded (reason 'rewind'): settled from then on, whether or not its prompt was
+-- reserved again by the next stop.
 -- Sealed after the stop: the prompt's kept group_sealed events in later runs, the k-th
 -- for the k-th of its groups running at the stop (by reservation time).
 -- A prompt sealed several times (epochs) is matched occurrence by occurrence: the n-th
