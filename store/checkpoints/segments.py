@@ -310,10 +310,10 @@ def copy_problems(checkpoint_dir: str | Path, db_path: str | Path) -> list[str]:
     is in flight, its sealed payload as references, so both read little. Measured per
     snapshot with bench/bench_snapshot_segments.py's setup (10,000 groups x 8
     generations, 1 GiB in flight in segments, 10 MiB new per interval; a copy of 9.3 MiB;
-    2 shared cores at load ~1, 2026-12-05): 0.034 s of a 0.113 s snapshot, on a helper
-    thread beside the files' fsync and hash (publish.py); the invariants ~0.02 s of it
-    (the prompt bitmaps' audit half of that), the references ~0.01 s. (At load ~12,
-    before the settled record was bounded: 0.47 s of 1.90 s.)
+    2 shared cores at load ~1, 2026-12-05): 0.026 s of a 0.107 s snapshot, on a helper
+    thread beside the files' fsync and hash (publish.py); the invariants ~0.012 s of it
+    (the foreign-key check ~5 ms, the prompt audit ~2.5 ms), the references ~0.01 s.
+    (At load ~12, before the settled record was bounded: 0.47 s of 1.90 s.)
     One line per problem; empty when sound."""
     try:
         with contextlib.closing(open_readonly(db_path)) as conn:
