@@ -47,11 +47,13 @@ def _windows(path: Path) -> list[dict]:
 
 def _attempts_inside(run_dir: Path, windows: list[dict]) -> list[dict]:
     """Snapshot attempts of the run that began inside a prepare: a published one by its
-    start (`t` less its total time), any other by when it was recorded, less the slack."""
+    cut (`cut_time`: a cut held for its checkpoint is published later, perhaps during the
+    next step's prepare, which its `t` alone placed it in), any other by when it was
+    recorded, less the slack."""
     inside = []
     for e in metrics(run_dir, "snapshot"):
-        total = (e.get("timings") or {}).get("total")
-        start, slack = (e["t"] - total, 0.0) if total is not None else (e["t"], RECORD_SLACK_S)
+        cut = e.get("cut_time")
+        start, slack = (cut, 0.0) if cut is not None else (e["t"], RECORD_SLACK_S)
         if any(w["t_start"] + slack <= start <= w["t_end"] for w in windows):
             inside.append(e)
     return inside

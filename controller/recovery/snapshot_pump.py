@@ -101,6 +101,9 @@ class AttemptResult:
     # The store's mutation counter at the cut, once a cut was taken; else the row takes
     # the counter when it is written.
     mutation_counter: int | None = None
+    # A published attempt's cut (wall clock, `Capture.cut_time`): a cut held for its
+    # checkpoint is published later, in another step, and its line says when it was cut.
+    cut_time: float | None = None
 
 
 @dataclass
@@ -332,18 +335,23 @@ class SnapshotPump:
                                  r.mutation_counter)
         timings = {**r.timings, "held_s": t_pub - held_at, "publish": time.perf_counter() - t_pub}
         self._account_published(held.capture, published, r.anchor, trainer.step)
-        return AttemptResult("published", r.anchor, published.sequence, timings, None, r.mutation_counter)
+        return AttemptResult("published", r.anchor, published.sequence, timings, None, r.mutation_counter,
+                             held.capture.cut_time)
 
     def _record(self, result: AttemptResult) -> None:
         """The one place a snapshot attempt's outcome is recorded: its row, then its
-        metrics line, both from `result`."""
+        metrics line, both from `result`. The line's `t` is when the attempt ended, read
+        before the row's write (which may wait for the store's write lock): `t - total`
+        is when it began (test_commit_window places attempts in a step by it)."""
+        ended = time.time()
         self.p.store.record_snapshot_attempt(
             result.outcome, anchor=result.anchor, snapshot_seq=result.sequence,
             mutation_counter=result.mutation_counter, timings=result.timings or None, error=result.error,
         )
         self.p.log_event({"kind": "snapshot", "outcome": result.outcome, "anchor": result.anchor,
                           "sequence": result.sequence, "mutation_counter": result.mutation_counter,
-                          "timings": result.timings, "error": result.error, "t": time.time()})
+                          "timings": result.timings, "error": result.error, "t": ended,
+                          **({"cut_time": result.cut_time} if result.cut_time is not None else {})})
 
     def _attempt_locked(self, force: bool, t0: float) -> AttemptResult:
         """Steps 1-6 of the module docstring, under the save lock. Each step returns the
@@ -494,7 +502,8 @@ class SnapshotPump:
         a.timings["publish"] = time.perf_counter() - t_pub
         a.timings["total"] = time.perf_counter() - a.t0
         self._account_published(cut.capture, published, a.anchor, a.step)
-        return AttemptResult("published", a.anchor, published.sequence, a.timings, None, cut.capture.mutation_counter)
+        return AttemptResult("published", a.anchor, published.sequence, a.timings, None, cut.capture.mutation_counter,
+                             cut.capture.cut_time)
 
     def _account_published(self, capture: Capture, published: Published, anchor: str | None, step: int) -> None:
         """What a published cut changes: the next attempt's skip check, and the trace's
