@@ -341,8 +341,9 @@ class SnapshotPump:
     def _record(self, result: AttemptResult) -> None:
         """The one place a snapshot attempt's outcome is recorded: its row, then its
         metrics line, both from `result`. The line's `t` is when the attempt ended, read
-        before the row's write (which may wait for the store's write lock): `t - total`
-        is when it began (test_commit_window places attempts in a step by it)."""
+        before the row's write (which may wait for the store's write lock); a published
+        attempt's `cut_time` is when it was cut (test_commit_window places it in a step
+        by that)."""
         ended = time.time()
         self.p.store.record_snapshot_attempt(
             result.outcome, anchor=result.anchor, snapshot_seq=result.sequence,

@@ -271,8 +271,8 @@ def _live_hand_outs(raw: sqlite3.Connection) -> dict[tuple[int, int], int]:
     ledger = {(e, p): n for e, p, n in raw.execute(_TWICE_IN.format("prompt_groups"))}
     spare = {(e, p): n for e, p, n in raw.execute(_TWICE_IN.format("spare_prompts"))}
     both = {(e, p) for e, p in raw.execute(_IN_BOTH)}
-    return {k: (ledger.get(k, 1) if k in ledger or k in both else 0) + (spare.get(k, 1) if k in spare or k in both else 0)
-            for k in ledger.keys() | spare.keys() | both}
+    # per table: its count where it holds the prompt twice or more, else 1 where `both` finds it there
+    return {k: ledger.get(k, int(k in both)) + spare.get(k, int(k in both)) for k in ledger.keys() | spare.keys() | both}
 
 
 def _live_prompts_settled(raw: sqlite3.Connection, epoch: int, base: int, bits: bytes) -> list[int]:

@@ -37,7 +37,7 @@ from __future__ import annotations
 import contextlib
 import sqlite3
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import NotAStoreError, RecordDamaged, RestoreError, SnapshotInconsistent
@@ -58,13 +58,17 @@ class Rewound:
 
     step: int  # the trainer checkpoint's step the store now matches
     trained_after: int  # positions trained after `step`, handed out again
-    withdrawn: int  # live ledger groups (in flight or in replay) handed out again
+    # the live ledger groups (in flight or in replay) handed out again, as (group_id,
+    # prompt_id, target_step, policy_version) for the trace: each leaves the ledger
+    # untrained (a `group_discarded`, reason `rewind`)
+    withdrawn_groups: list[tuple]
     abandoned: list[tuple]  # their running attempts, for the trace (ledger.withdraw_every_group)
     shortfall_dropped: int  # stamped steps after `step` whose shortfall went
     config_fingerprint_was: str | None = None  # the earlier formula's, when the store carried it
-    # the `withdrawn` groups as (group_id, prompt_id, target_step, policy_version), for
-    # the trace: each leaves the ledger untrained (a `group_discarded`, reason `rewind`)
-    withdrawn_groups: list[tuple] = field(default_factory=list)
+
+    @property
+    def withdrawn(self) -> int:
+        return len(self.withdrawn_groups)
 
 
 def rewind_problem(live_store_path: str | Path, step: int, *, ledger_dispatch: bool | None = None,
@@ -138,7 +142,7 @@ def rewind_live_store(live_store_path: str | Path, *, step: int, position: Calla
             from None
     finally:
         store.close()
-    return Rewound(step, len(trained), len(held), running, dropped, was, withdrawn)
+    return Rewound(step, len(trained), withdrawn, running, dropped, was)
 
 
 def _refuse_on_invariants(raw: sqlite3.Connection, path: Path, when: str) -> None:
