@@ -108,6 +108,8 @@ FIGURES = {
         ("snapshot / cp time", ("summary", "time_goal", "ratio_to_cp"), False),
         ("bytes per snapshot", ("summary", "segments", "bytes"), False),
         ("metadata file bytes", ("summary", "segments", "store_file_bytes"), False),
+        ("  of it written", ("summary", "bytes_goal", "metadata_written_bytes"), False),
+        ("capture s", ("summary", "segments", "phases", "capture_total"), False),
         ("bytes / new payload", ("summary", "bytes_goal", "ratio_to_new_payload"), False),
         ("interval disk write bytes", ("summary", "segments", "interval_disk_write_bytes"), False),
     ],

@@ -10,6 +10,7 @@ rename passes a `faults.io` hook so tests can make the disk fail there.
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 import stat
 from collections.abc import Callable
@@ -97,6 +98,64 @@ def write_file_atomic(path: str | Path, data: bytes | str | Callable[[Path], obj
     finally:
         tmp.unlink(missing_ok=True)
     return path
+
+
+# ioctl FICLONE (linux/fs.h, _IOW(0x94, 9, int)): the new file shares the source's blocks,
+# copied only where either is written later (XFS with reflink, btrfs, bcachefs; not ext4).
+FICLONE = 0x40049409
+# What a file system or kernel that cannot clone answers (ext4: EOPNOTSUPP; another file
+# system: EXDEV; an old kernel: ENOTTY or EINVAL).
+_CANNOT_CLONE = frozenset({errno.EOPNOTSUPP, errno.ENOTTY, errno.EXDEV, errno.EINVAL, errno.ENOSYS})
+
+
+def clone_file(src_fd: int, dst_fd: int) -> bool:
+    """Make the empty file `dst_fd` a copy of `src_fd` that shares its blocks (a reflink):
+    no data is written. False where the file system cannot (the caller writes instead)."""
+    try:
+        fcntl.ioctl(dst_fd, FICLONE, src_fd)
+    except OSError as e:
+        if e.errno in _CANNOT_CLONE:
+            return False
+        raise
+    return True
+
+
+def write_changed_blocks(fd: int, image: bytes, base_fd: int, *, block: int = 4096, path: object = None) -> int:
+    """Make the file `fd`, which holds what `base_fd` holds (a clone of it), hold `image`:
+    each `block` of `image` that differs from the base's is written, runs of them in one
+    write, and the file is cut to the image's length. Returns the blocks written. The base
+    is read through its own descriptor (its pages are in the cache when it was written
+    lately; the clone's are not)."""
+    view = memoryview(image)
+    written = 0
+    run_start: int | None = None
+    chunk = 256 * block
+
+    def flush(end: int) -> None:
+        nonlocal run_start, written
+        if run_start is not None:
+            faults.io("write", path)
+            os.pwrite(fd, view[run_start:end], run_start)
+            written += (end - run_start + block - 1) // block
+            run_start = None
+
+    for at in range(0, len(image), chunk):
+        old = os.pread(base_fd, chunk, at)
+        if image[at:at + chunk] == old:
+            flush(at)
+            continue
+        for off in range(0, min(chunk, len(image) - at), block):
+            pos = at + off
+            # bytes against bytes is a memcmp; a memoryview against bytes compares item by
+            # item (7x slower: 7 vs 1 ms for 4 MiB)
+            if image[pos:pos + block] == old[off:off + block]:
+                flush(pos)
+            elif run_start is None:
+                run_start = pos
+    flush(len(image))
+    if os.fstat(fd).st_size != len(image):
+        os.ftruncate(fd, len(image))
+    return written
 
 
 def rename_dir(tmp: str | Path, target: str | Path) -> None:

@@ -63,3 +63,11 @@ def agent_servers_killed(tmp_path_factory):
     from test_agent_server_prefix import killed_beside_agent_servers
 
     return killed_beside_agent_servers(tmp_path_factory.mktemp("agent_servers_killed"))
+
+
+def copying_clone(src_fd: int, dst_fd: int) -> bool:
+    """What FICLONE leaves in a new file (the base's bytes), written instead of shared: the
+    clone `capture_snapshot` is given where the file system (ext4) cannot clone."""
+    size = os.fstat(src_fd).st_size
+    os.pwrite(dst_fd, os.pread(src_fd, size, 0), 0)
+    return True

@@ -368,6 +368,8 @@ class SnapshotPump:
             return cut
         faults.point("snapshot.after_cut")
         a.timings.update({f"cut_{k}": v for k, v in cut.capture.timings.items()})
+        if cut.capture.incremental is not None:  # cloned from the previous snapshot: the blocks it wrote
+            a.timings["cut_blocks_written"], a.timings["cut_blocks"] = map(float, cut.capture.incremental)
         if cut.at.hold_s is not None:
             a.timings["prefix_hold"] = cut.at.hold_s
         if cut.at.chunks is not None:  # what this cut wrote of the running calls: their new tokens only
@@ -461,7 +463,7 @@ class SnapshotPump:
         except PublishError as e:  # a full disk, a failed deferred publish: an outcome, like a failed publish
             return a.ended("failed", f"{type(e).__name__}: {e}")
         try:
-            cut = _Cut(stage, self._cut(stage.db_path, a.step, a.contents, a.timings))
+            cut = _Cut(stage, self._cut(stage.db_path, stage.base, a.step, a.contents, a.timings))
         except AbortedCommit:
             stage.abort()
             return a.ended("aborted_commit")
@@ -519,7 +521,8 @@ class SnapshotPump:
                                 snapshot=str(published.path), group_states=capture.group_states,
                                 decoded_at=capture.decoded_at)
 
-    def _cut(self, db_path: Path, step: int, contents: CutContents, timings: dict[str, float]) -> Capture:
+    def _cut(self, db_path: Path, base: Path | None, step: int, contents: CutContents,
+             timings: dict[str, float]) -> Capture:
         """Capture at a cut, in this order (the commit lock is held for steps 3-5 only,
         so its hold is independent of how many calls run and how long they are):
 
@@ -568,7 +571,7 @@ class SnapshotPump:
             return at
 
         try:
-            capture = self.p.store.capture(db_path, at_cut=at_cut, into_copy=into_copy)
+            capture = self.p.store.capture(db_path, at_cut=at_cut, into_copy=into_copy, base=base)
             capture.decoded_at = read.decoded_at if read is not None else None
             return capture
         finally:

@@ -285,6 +285,9 @@ class SnapshotStage:
         self.cleaned = cleaned
         self.done = False
         self.pending: Any = None  # staged.TrainerStage: an unpublished anchor this stage waits inside
+        # The newest published snapshot's file when this stage began: the capture clones
+        # it and writes only what changed, where the file system clones (`Store.capture`).
+        self.base: Path | None = None
 
     def move_under(self, anchor_path: Path) -> None:
         """Its anchor's temporary directory was renamed to `anchor_path`."""
@@ -319,6 +322,7 @@ class Publisher:
         self._pending_error: BaseException | None = None
         self._pending_warnings: list[str] = []
         self._executor: ThreadPoolExecutor | None = None
+        self._newest_snapshot: Path | None = None  # its SQLite file; set by every scan and publish
 
     @property
     def lock(self) -> threading.RLock:
@@ -337,6 +341,8 @@ class Publisher:
                                       errno=getattr(err, "errno", None)) from err
         self.root.mkdir(parents=True, exist_ok=True)
         inv = scan(self.root)
+        snapshots = inv.complete_snapshots()
+        self._newest_snapshot = snapshots[-1].path / SNAPSHOT_DB if snapshots else None
         half_used = [e.sequence for e in inv.leftovers() if e.sequence is not None and e.path not in self._busy]
         try:
             if half_used:  # a crashed attempt's number must outlive its directory
@@ -348,6 +354,12 @@ class Publisher:
         cleaned = remove_leftovers(inv, busy=self._busy)
         self._pending_warnings += cleaned.errors
         return inv, cleaned.deleted
+
+    def snapshot_base(self) -> Path | None:
+        """The newest published snapshot's SQLite file as of the last save's scan or
+        publication, None before the first: what a capture clones (`Store.capture(base=)`)."""
+        with self._lock:
+            return self._newest_snapshot
 
     def _take_warnings(self) -> list[str]:
         out, self._pending_warnings = self._pending_warnings, []
@@ -518,6 +530,7 @@ class Publisher:
             except OSError as e:
                 raise _fail("creating the temporary directory", target, e) from e
             stage = SnapshotStage(self, anchor, sequence, tmp, target, cleaned)
+            stage.base = self._newest_snapshot
             if pending is not None:
                 stage.pending = pending
                 pending.snapshots.append(stage)
@@ -590,6 +603,7 @@ class Publisher:
                 self._busy.discard(stage.tmp)
                 stage.done = True
             timings["publish"] = time.perf_counter() - t0
+            self._newest_snapshot = stage.target / SNAPSHOT_DB  # its anchor is published (checked above)
             retention = self._retain()
             return Published(KIND_SNAPSHOT, stage.anchor, stage.target, manifest, stage.sequence, timings,
                              stage.cleaned, retention, self._take_warnings())
@@ -597,7 +611,8 @@ class Publisher:
     def publish_rollout_snapshot(self, anchor: str, capture_fn: Callable[[Path], Any], config_text=None,
                                  env_export=None) -> Published:
         """Both halves in one call: `capture_fn(path)` writes the SQLite file (for
-        example ``lambda p: store.capture(p, at_cut=check)``) and returns its Capture.
+        example ``lambda p: store.capture(p, at_cut=check, base=publisher.snapshot_base())``)
+        and returns its Capture.
         Records no outcome: a caller with its own loop records each attempt with
         `Store.record_snapshot_attempt` (the snapshot pump does, for the controller)."""
         stage = self.begin_snapshot(anchor)

@@ -267,9 +267,10 @@ class Store:
             newest = select(func.max(attempts.c.attempt_seq)).scalar_subquery()
             tx.execute(delete(attempts).where(attempts.c.attempt_seq <= newest - KEEP_SNAPSHOT_ATTEMPTS))
 
-    def capture(self, dst: str | Path, *, at_cut=None, into_copy=None) -> Capture:
-        """A consistent copy of the store at one read cut (see `capture.py`)."""
-        return capture_snapshot(self.path, dst, at_cut=at_cut, into_copy=into_copy)
+    def capture(self, dst: str | Path, *, at_cut=None, into_copy=None, base: str | Path | None = None) -> Capture:
+        """A consistent copy of the store at one read cut (see `capture.py`); `base`, the
+        previous snapshot's file, is cloned and only what changed written, where it can be."""
+        return capture_snapshot(self.path, dst, at_cut=at_cut, into_copy=into_copy, base=base)
 
     def samples_of(self, group_ids: Sequence[int]) -> list[tuple]:
         """The samples of `group_ids` with their payload, inline or from its segment, in
