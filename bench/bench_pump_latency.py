@@ -110,10 +110,10 @@ class MeasuredStore(Store):
     def read(self):
         yield from self._measured(super().read())
 
-    def capture(self, dst, *, at_cut=None, into_copy=None):
+    def capture(self, dst, **options):  # at_cut, into_copy, base: whatever this revision's Store takes
         t0 = time.perf_counter()
         try:
-            return super().capture(dst, at_cut=at_cut, into_copy=into_copy)
+            return super().capture(dst, **options)
         finally:
             self.capture_windows.append((t0, time.perf_counter()))
 

@@ -112,7 +112,7 @@ def _clone_of(base: Path, dst: Path, clone: Callable[[int, int], bool]) -> tuple
     except BaseException:
         _close(base_fd, dst_fd)
         if dst_fd >= 0:
-            remove_sqlite_file(dst)  # a cloned file opened by SQLite may have a -wal beside it
+            dst.unlink(missing_ok=True)
         raise
     _close(base_fd, dst_fd)
     dst.unlink()
