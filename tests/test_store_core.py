@@ -469,3 +469,32 @@ def test_closing_the_store_interrupts_a_checkpoint_in_progress_and_leaves_the_ma
     assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
     (saved,) = conn.execute("SELECT state FROM env_episodes WHERE episode_key = ?", (key,)).fetchone()
     assert json.loads(saved) == state
+
+
+@pytest.mark.filterwarnings("ignore:transaction already deassociated")  # the rollback after the close
+def test_a_store_closed_inside_a_transaction_still_closes(tmp_path):
+    """stop() waits for the checkpointer, and the checkpointer waits for the writer lock
+    for its held pass (past WAL_RESTART_BYTES of WAL) and to shrink the WAL: a close()
+    from inside a transaction (an error path, a signal handler) must not wait forever on
+    a lock its own caller holds. A 40 MiB WAL makes the checkpointer want the lock while
+    the transaction sleeps. Planted: the held pass taking the lock unconditionally hung."""
+    path = tmp_path / "s.sqlite"
+    store = Store.create(path)
+    (gid,) = store.reserve([Reservation(0, 0, 0)], num_generations=1, target_step=1)
+    (attempt,) = store.dispatch([gid], policy_version=0)
+    with store.atomic() as tx:
+        pools.put_episode(tx, attempt, turn=1, state={"x": os.urandom(20 * 2**20).hex()})
+    outcome = []
+
+    def close_inside_a_transaction():
+        with contextlib.suppress(Exception):  # the transaction cannot commit on a closed store
+            with store.atomic():
+                time.sleep(1.5)  # the checkpointer copies the WAL, then waits for the lock
+                store.close()
+                outcome.append("closed")
+
+    closer = threading.Thread(target=close_inside_a_transaction, daemon=True)
+    closer.start()
+    closer.join(timeout=60)  # a hang detector, not a speed test
+    assert outcome == ["closed"] and not closer.is_alive()
+    assert not [t for t in threading.enumerate() if t.name == f"rolloutdb-checkpointer:{path.name}"]

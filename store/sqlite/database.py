@@ -307,9 +307,24 @@ class _Checkpointer(threading.Thread):
             return
         limit = max(JOURNAL_SIZE_LIMIT, size - WAL_SHRINK_STEP)
         if limit != self._wal_limit:
-            with contextlib.suppress(sqlite3.Error):  # never let this thread die
-                self._set_wal_limit(limit)
-                self._wal_limit = limit
+            with self._writer_held() as held, contextlib.suppress(sqlite3.Error):  # never let this thread die
+                if held:
+                    self._set_wal_limit(limit)
+                    self._wal_limit = limit
+
+    @contextlib.contextmanager
+    def _writer_held(self) -> Iterator[bool]:
+        """Holds the writer lock (yields True), or yields False once stop() was called
+        first: close() may be called by a thread that holds the writer lock, and stop()
+        waits for this thread."""
+        while not self._write_lock.acquire(timeout=0.1):
+            if self._stop_event.is_set():
+                yield False
+                return
+        try:
+            yield True
+        finally:
+            self._write_lock.release()
 
     def run(self) -> None:
         conn = sqlite3.connect(self._path, isolation_level=None, check_same_thread=False)
@@ -330,16 +345,9 @@ class _Checkpointer(threading.Thread):
                         break
                 # A pass that "completes" still leaves the frames the writer committed
                 # meanwhile, so the WAL restarts only if the writer is held for one pass.
-                # The wait for the writer gives way to stop(): close() may be called by
-                # a thread that holds the writer lock.
-                while not self._write_lock.acquire(timeout=0.1):
-                    if self._stop_event.is_set():
-                        break
-                else:
-                    try:
+                with self._writer_held() as held:
+                    if held:
                         self._pass(conn)
-                    finally:
-                        self._write_lock.release()
         finally:
             with self._conn_lock:
                 self._conn = None
