@@ -125,7 +125,8 @@ def write_changed_blocks(fd: int, image: bytes, base_fd: int, *, block: int = 40
     each `block` of `image` that differs from the base's is written, runs of them in one
     write, and the file is cut to the image's length. Returns the blocks written. The base
     is read through its own descriptor (its pages are in the cache when it was written
-    lately; the clone's are not)."""
+    lately; the clone's are not): the caller checks that it was not written to since the
+    clone. `base_fd` -1: no base, every block is written."""
     view = memoryview(image)
     written = 0
     run_start: int | None = None
@@ -140,7 +141,7 @@ def write_changed_blocks(fd: int, image: bytes, base_fd: int, *, block: int = 40
             run_start = None
 
     for at in range(0, len(image), chunk):
-        old = os.pread(base_fd, chunk, at)
+        old = os.pread(base_fd, chunk, at) if base_fd >= 0 else b""
         if image[at:at + chunk] == old:
             flush(at)
             continue

@@ -103,6 +103,29 @@ def test_whatever_the_base_holds_the_clone_ends_as_the_copy_cut_to_its_length(st
     assert _masked((tmp_path / "cloned.sqlite").read_bytes()) == _masked(whole.path.read_bytes())
 
 
+def test_a_base_written_to_after_the_clone_leaves_a_capture_written_whole(store, tmp_path):
+    # The blocks are compared with the base (its pages are cached), not the clone: were
+    # the base written to after the clone (a user's sqlite3 on a published snapshot), a
+    # block equal to its new bytes but not the clone's would be left stale. Here the
+    # base is overwritten right after the clone with what the new capture holds, so
+    # nearly every block compares equal to the base while the clone holds the old state.
+    store.capture(tmp_path / "previous.sqlite")
+    _run_groups(store, 300, 40)
+    capture_snapshot(store.path, tmp_path / "newer.sqlite")
+
+    def clone_then_write_the_base(base_fd: int, dst_fd: int) -> bool:
+        copying_clone(base_fd, dst_fd)
+        (tmp_path / "previous.sqlite").write_bytes((tmp_path / "newer.sqlite").read_bytes())
+        return True
+
+    cap = capture_snapshot(store.path, tmp_path / "cloned.sqlite", base=tmp_path / "previous.sqlite",
+                           clone=clone_then_write_the_base)
+    written, blocks = cap.incremental
+    assert written == blocks
+    assert _read(cap.path) == ("ok", 340, store.mutation_counter)
+    assert _masked(cap.path.read_bytes()) == _masked((tmp_path / "newer.sqlite").read_bytes())
+
+
 def test_a_base_that_is_gone_or_cannot_be_cloned_leaves_a_capture_written_whole(store, tmp_path):
     gone = capture_snapshot(store.path, tmp_path / "a.sqlite", base=tmp_path / "removed-by-retention.sqlite")
     store.capture(tmp_path / "previous.sqlite")

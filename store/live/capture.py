@@ -97,9 +97,16 @@ def _live_bytes(path: str | Path) -> int:
     return sum(os.stat(p).st_size for p in (Path(path), Path(f"{path}-wal")) if p.exists())
 
 
-def _clone_of(base: Path, dst: Path, clone: Callable[[int, int], bool]) -> tuple[int, int] | None:
-    """(base's descriptor, the new file `dst`'s) with `dst` a clone of `base`; None, and
-    no `dst`, when `base` is gone (retention removed it) or the file system cannot clone."""
+def _unchanged_since(fd: int) -> tuple[int, ...]:
+    """What changes when a file is written to (its size, mtime and ctime)."""
+    st = os.fstat(fd)
+    return st.st_size, st.st_mtime_ns, st.st_ctime_ns
+
+
+def _clone_of(base: Path, dst: Path, clone: Callable[[int, int], bool]) -> tuple[int, int, tuple] | None:
+    """(base's descriptor, the new file `dst`'s, the base's `_unchanged_since` before the
+    clone) with `dst` a clone of `base`; None, and no `dst`, when `base` is gone
+    (retention removed it) or the file system cannot clone."""
     try:
         base_fd = os.open(base, os.O_RDONLY | os.O_CLOEXEC)
     except FileNotFoundError:
@@ -107,8 +114,9 @@ def _clone_of(base: Path, dst: Path, clone: Callable[[int, int], bool]) -> tuple
     dst_fd = -1
     try:
         dst_fd = os.open(dst, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+        stamp = _unchanged_since(base_fd)
         if clone(base_fd, dst_fd):
-            return base_fd, dst_fd
+            return base_fd, dst_fd, stamp
     except BaseException:
         _close(base_fd, dst_fd)
         if dst_fd >= 0:
@@ -171,7 +179,8 @@ def capture_snapshot(
         raise FileExistsError(f"{dst}: capture target exists; captures never overwrite")
     t0 = time.perf_counter()
     small = base is not None and _live_bytes(live_path) <= INCREMENTAL_MAX_BYTES
-    fds = _clone_of(Path(base), dst, clone) if small else None
+    cloned_from = _clone_of(Path(base), dst, clone) if small else None
+    fds = cloned_from[:2] if cloned_from is not None else None
     t_cloned = time.perf_counter()
     cloned = {"clone": t_cloned - t0} if fds is not None else {}
     incremental = None
@@ -205,6 +214,11 @@ def capture_snapshot(
             src.execute("COMMIT")
             t_write = time.perf_counter()
             written = write_changed_blocks(fds[1], image, fds[0], path=dst)
+            if _unchanged_since(fds[0]) != cloned_from[2]:
+                # The base was written to after the clone (a published snapshot is never
+                # changed by us; a user's sqlite3 might): blocks compared equal to its
+                # new bytes may differ from the clone's, so the copy is written whole.
+                written = write_changed_blocks(fds[1], image, -1, path=dst)
             parts = {"copy": t_write - t_checked, "write": time.perf_counter() - t_write}
             incremental = (written, -(-len(image) // 4096))
             _close(*fds)
