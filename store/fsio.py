@@ -12,7 +12,9 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import secrets
 import stat
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -228,3 +230,17 @@ def refuse_special_file(path: str | Path, error: type[Exception] = OSError) -> N
     if stat.S_ISREG(st.st_mode):
         raise error(f"{path}: cannot read it (Permission denied); check the file's permissions")
     raise error(f"{path}: not a regular file (mode {oct(st.st_mode)}); pass the file itself")
+
+
+def work_dir_name(prefix: str) -> Path:
+    """The name of a new private working directory, chosen before `make_work_dir` makes
+    it, so that its owner holds the name (and its close() removes it) before it exists:
+    with `tempfile.mkdtemp` a signal's exception raised right after its mkdir, before the
+    name reached the owner, left the directory behind (`rolloutdb sql` at Ctrl-C in a CI
+    run, 2026-12-05). 128 random bits, so a name is never one already taken."""
+    return Path(tempfile.gettempdir()) / f"{prefix}{secrets.token_hex(16)}"
+
+
+def make_work_dir(path: Path) -> Path:
+    os.mkdir(path, 0o700)  # private, as mkdtemp makes it
+    return path

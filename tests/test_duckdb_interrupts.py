@@ -83,3 +83,44 @@ def test_the_time_limit_still_stops_a_query_and_leaves_the_callers_handlers_in_p
     assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
     assert recording_handler == []
     assert attached.query("SELECT max(x) FROM t").rows == [(99,)]
+
+
+@pytest.mark.parametrize("owner", ["sql", "analysis", "sqlite analysis", "inspect"])
+def test_a_stop_right_after_the_working_directory_is_made_leaves_no_directory_behind(tmp_path, monkeypatch, owner):
+    """`rolloutdb sql`, the trace analysis (DuckDB and SQLite) and a read-only open of a
+    file in WAL mode each make a private working directory and remove it on close. A Ctrl-C whose exception is raised the moment the directory
+    exists, before its owner held its name, left it behind (`tempfile.mkdtemp`; seen in a
+    CI run of test_cli_run_dirs' "while attaching" case). Here the mkdir itself raises
+    KeyboardInterrupt once it has made the directory: the worst moment, every time."""
+    from rolloutdb.store.sqlite.readonly import _open_private_copy
+    from rolloutdb.store.trace.analysis import TraceAnalysis, open_sqlite_analysis
+    from rolloutdb.store.trace.writer import Tracer
+
+    trace = tmp_path / "trace.sqlite"
+    if "analysis" in owner:
+        Tracer(trace).close()
+    else:
+        with contextlib.closing(sqlite3.connect(trace)) as conn:
+            conn.execute("CREATE TABLE t (x INTEGER)")
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr("tempfile.tempdir", str(scratch))
+    real_mkdir = os.mkdir
+
+    def mkdir_then_stop(path, *args, **kwargs):
+        real_mkdir(path, *args, **kwargs)
+        if Path(path).name.startswith("rolloutdb-"):
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(os, "mkdir", mkdir_then_stop)
+    with pytest.raises(KeyboardInterrupt):
+        if owner == "sql":
+            AttachedFiles({"small": trace})
+        elif owner == "analysis":
+            TraceAnalysis([trace])
+        elif owner == "sqlite analysis":
+            open_sqlite_analysis([trace])
+        else:
+            _open_private_copy(trace)
+    monkeypatch.undo()
+    assert list(scratch.iterdir()) == []

@@ -30,7 +30,6 @@ import shutil
 import signal
 import sqlite3
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -38,6 +37,7 @@ from pathlib import Path
 from urllib.parse import quote
 
 from ..errors import NotAStoreError, ReadOnlyViolation, StoreError
+from ..fsio import make_work_dir, work_dir_name
 from .integrity import check_sqlite_file
 
 WAL_HEADER = 32
@@ -51,7 +51,7 @@ MANIFEST_NAME = "manifest.json"
 class PrivateCopyConnection(sqlite3.Connection):
     """A connection on a copy in a temporary directory, removed when it closes."""
 
-    tmpdir: str | None = None
+    tmpdir: str | Path | None = None
 
     def close(self) -> None:
         try:
@@ -143,14 +143,14 @@ def private_copy(path: Path, directory: Path, name: str = "store.sqlite") -> Pat
 
 
 def _open_private_copy(path: Path) -> sqlite3.Connection:
-    tmpdir = tempfile.mkdtemp(prefix="rolloutdb-inspect-")
+    tmpdir = work_dir_name("rolloutdb-inspect-")  # held before it is made: see there
     try:
-        copy = private_copy(path, Path(tmpdir))
+        copy = private_copy(path, make_work_dir(tmpdir))
         conn = sqlite3.connect(copy, isolation_level=None, factory=PrivateCopyConnection)
+        conn.tmpdir = tmpdir
     except BaseException:
         shutil.rmtree(tmpdir, ignore_errors=True)
         raise
-    conn.tmpdir = tmpdir
     return conn
 
 

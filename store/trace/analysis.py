@@ -31,12 +31,12 @@ import importlib.util
 import json
 import shutil
 import sqlite3
-import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import quote
 
+from ..fsio import make_work_dir, work_dir_name
 from ..sqlite.readonly import PrivateCopyConnection, private_copy
 from ..sqlite.revision import file_revision, run_trace_migrations, trace_head_revision, trace_known_revisions
 from . import queries as trace_queries
@@ -210,11 +210,11 @@ class TraceAnalysis:
             if not Path(path).is_file():
                 raise TraceError(f"{path}: no such trace file")
         self.has_baseline = bool(baseline)
-        self._work_dir = Path(tempfile.mkdtemp(prefix="rolloutdb-duckdb-"))
+        self._work_dir = work_dir_name("rolloutdb-duckdb-")
         self.con = None
         try:
             with self._interruptible():  # a signal inside DuckDB: see interrupts.py
-                self.con = connect_duckdb(self._work_dir)
+                self.con = connect_duckdb(make_work_dir(self._work_dir))
             aliases: dict[str, list[str]] = {"run": [], "baseline": []}
             for job, paths, prefix in (("run", runs, "r"), ("baseline", baseline, "b")):
                 for i, path in enumerate(paths):
@@ -291,8 +291,9 @@ def open_sqlite_analysis(runs: Sequence[str | Path], baseline: Sequence[str | Pa
     `trace_queries` unchanged. For comparisons and benchmarks; `rolloutdb trace` uses DuckDB."""
     runs, baseline = _dedupe(runs), _dedupe(baseline)
     conn = sqlite3.connect("file::memory:", uri=True, isolation_level=None, factory=PrivateCopyConnection)
-    conn.tmpdir = tempfile.mkdtemp(prefix="rolloutdb-analysis-")  # removed when conn closes
+    conn.tmpdir = work_dir_name("rolloutdb-analysis-")  # removed when conn closes
     try:
+        make_work_dir(conn.tmpdir)
         aliases: dict[str, list[str]] = {"run": [], "baseline": []}
         for job, paths, prefix in (("run", runs, "r"), ("baseline", baseline, "b")):
             for i, path in enumerate(paths):

@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import re
 import shutil
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
 from ..sqlite.readonly import QueryTimeout
+from ..fsio import make_work_dir, work_dir_name
 from .analysis import Table, _sql_string, connect_duckdb, standalone
 from .interrupts import interruptible
 from .writer import TraceError
@@ -37,11 +37,11 @@ class AttachedFiles:
     def __init__(self, files: dict[str, Path], default: str | None = None):
         if not files:
             raise TraceError("no SQLite files to attach")
-        self._work_dir = Path(tempfile.mkdtemp(prefix="rolloutdb-sql-"))
+        self._work_dir = work_dir_name("rolloutdb-sql-")  # held before it is made: see there
         self.con = None
         try:
             with interruptible(lambda: self.con):  # a signal while DuckDB starts: see interrupts.py
-                self.con = connect_duckdb(self._work_dir)
+                self.con = connect_duckdb(make_work_dir(self._work_dir))
             for name, path in files.items():
                 if not SCHEMA_NAME.match(name):
                     raise TraceError(f"{name!r}: not a schema name (lowercase letters, digits and _)")
