@@ -135,6 +135,23 @@ def test_a_base_that_is_gone_or_cannot_be_cloned_leaves_a_capture_written_whole(
     assert _read(gone.path)[0] == _read(refused.path)[0] == "ok"
 
 
+def test_a_live_store_is_measured_by_its_main_file_not_its_wal(store, tmp_path, monkeypatch):
+    # The -wal file keeps the most it ever grew (up to 64 MiB after a restart, more while
+    # a capture pins it): a store is not too large to clone because its WAL file is large.
+    store.capture(tmp_path / "previous.sqlite")
+    _run_groups(store, 300, 1)
+    main, wal = store.path.stat().st_size, Path(f"{store.path}-wal").stat().st_size
+    assert wal > BLOCK
+    monkeypatch.setattr("rolloutdb.store.live.capture.INCREMENTAL_MAX_BYTES", main)
+    cap = capture_snapshot(store.path, tmp_path / "cloned.sqlite", base=tmp_path / "previous.sqlite",
+                           clone=copying_clone)
+    assert cap.incremental is not None
+    monkeypatch.setattr("rolloutdb.store.live.capture.INCREMENTAL_MAX_BYTES", main - 1)
+    whole = capture_snapshot(store.path, tmp_path / "whole.sqlite", base=tmp_path / "previous.sqlite",
+                             clone=copying_clone)
+    assert whole.incremental is None and _read(whole.path)[0] == "ok"
+
+
 def test_a_capture_that_fails_after_cloning_leaves_no_file(store, tmp_path):
     store.capture(tmp_path / "previous.sqlite")
 

@@ -18,8 +18,8 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
-from ..sqlite.readonly import QueryTimeout
 from ..fsio import make_work_dir, work_dir_name
+from ..sqlite.readonly import QueryTimeout
 from .analysis import Table, _sql_string, connect_duckdb, standalone
 from .interrupts import interruptible
 from .writer import TraceError
